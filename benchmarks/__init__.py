@@ -1,0 +1,1 @@
+"""benchmarks: speed measurements (not tests); figures are recorded in BENCHMARKS.md."""

@@ -1,0 +1,1 @@
+"""csrc: native C++/CUDA ops built with torch extension tooling, each with a torch fallback."""

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# deepinfer developer entry point: `./dev.sh demo` (set up + run the main job) and
+# `./dev.sh test` (set up + run the whole test suite). Both create ./.venv on first use.
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=.venv
+PY="$VENV/bin/python"
+
+setup() {
+    if [ ! -x "$PY" ]; then
+        python3 -m venv "$VENV"
+    fi
+    "$PY" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+    # torch first, pinned to the CPU build that ships on this machine's disk (no CUDA download).
+    "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q "torch==2.13.0"
+    "$PY" -m pip install -q -e ".[test]"
+}
+
+case "${1:-}" in
+    demo)
+        setup
+        shift
+        exec "$VENV/bin/deepinfer" demo "$@"
+        ;;
+    test)
+        setup
+        shift
+        "$VENV/bin/ruff" check .
+        set +e
+        "$PY" -m pytest -q "$@"
+        rc=$?
+        set -e
+        if [ "$rc" -eq 5 ]; then
+            echo "pytest collected no tests: failing" >&2
+            exit 1
+        fi
+        exit "$rc"
+        ;;
+    *)
+        echo "usage: ./dev.sh demo|test [args]" >&2
+        exit 2
+        ;;
+esac

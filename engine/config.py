@@ -1,0 +1,325 @@
+"""Model configuration for DeepSeek-V4-family checkpoints.
+
+`ModelConfig` reads the `config.json` that Hugging Face transformers' `DeepseekV4Config` writes
+(and the official checkpoints ship), normalises the legacy keys exactly as transformers does, and
+validates every field that changes the math. A field we do not implement is rejected with an
+error that names it and says what value we accept; nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+MLP_LAYER_TYPES = ("hash_moe", "moe")
+_RATIO_TO_LAYER_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+_DEFAULT_COMPRESS_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+
+# Keys of config.json that carry no math (bookkeeping written by transformers or the hub).
+_IGNORED_KEYS = frozenset(
+    {
+        "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "auto_map",
+        "_name_or_path", "use_cache", "output_router_logits", "router_aux_loss_coef", "router_jitter_noise",
+        "initializer_range", "attention_dropout", "output_hidden_states", "output_attentions",
+        "return_dict", "id2label", "label2id", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder",
+        "tokenizer_class", "add_cross_attention", "tie_encoder_decoder", "pruned_heads", "torchscript",
+        "cross_attention_hidden_size", "finetuning_task", "prefix", "sep_token_id", "decoder_start_token_id",
+        "task_specific_params", "is_decoder", "tf_legacy_loss", "use_bfloat16",
+        # deepinfer's own blocks, read by other components (tokenizer / chat encoding / vision)
+        "deepinfer",
+    }
+)
+
+
+class RopeConfig(BaseModel):
+    """One RoPE flavour (`main` for sliding layers, `compress` for CSA/HCA layers and compressors)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    rope_type: Literal["default", "yarn"] = "default"
+    """`default` (plain RoPE) or `yarn` (NTK-by-parts scaling); other types are not implemented."""
+    rope_theta: float
+    """RoPE base."""
+    factor: float = 1.0
+    """YaRN scaling factor (yarn only)."""
+    original_max_position_embeddings: int = 0
+    """Context length the rotary was trained on before YaRN (yarn only)."""
+    beta_fast: float = 32.0
+    """YaRN extrapolation boundary, in rotations."""
+    beta_slow: float = 1.0
+    """YaRN interpolation boundary, in rotations."""
+    attention_factor: float = 1.0
+    """Multiplier on cos/sin; V4 forces 1.0 on its compressed branches."""
+
+
+class ModelConfig(BaseModel):
+    """A validated DeepSeek-V4 architecture description (the math-relevant part of config.json)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    vocab_size: int = Field(129280, gt=0)
+    """Number of token ids."""
+    hidden_size: int = Field(4096, gt=0)
+    """Residual stream width."""
+    moe_intermediate_size: int = Field(2048, gt=0)
+    """Width of each routed expert and of the shared expert."""
+    num_hidden_layers: int = Field(43, gt=0)
+    """Number of decoder layers (MTP layers not counted)."""
+    num_attention_heads: int = Field(64, gt=0)
+    """Query heads; all share one K=V head."""
+    head_dim: int = Field(512, gt=0)
+    """Per-head width of q and of the shared K=V head."""
+    q_lora_rank: int = Field(1024, gt=0)
+    """Rank of the low-rank query projection."""
+    num_experts_per_tok: int = Field(6, gt=0)
+    """Routed experts per token."""
+    n_routed_experts: int = Field(256, gt=0)
+    """Routed experts per MoE layer."""
+    scoring_func: Literal["sqrtsoftplus", "sigmoid", "softmax"] = "sqrtsoftplus"
+    """Router score activation."""
+    routed_scaling_factor: float = 1.5
+    """Multiplier on the normalised routed weights."""
+    max_position_embeddings: int = Field(1048576, gt=0)
+    """Longest supported context."""
+    layer_types: tuple[str, ...]
+    """Attention type per layer."""
+    compress_rates: dict[str, int]
+    """Tokens per compressed entry, per compressed layer type."""
+    hc_mult: int = Field(4, gt=0)
+    """Number of hyper-connection residual streams."""
+    hc_sinkhorn_iters: int = Field(20, gt=0)
+    """Sinkhorn-Knopp iterations for the residual mixing matrix."""
+    hc_eps: float = 1e-6
+    """Numerical floor of the hyper-connection weights."""
+    mlp_layer_types: tuple[str, ...]
+    """MoE routing per layer: `hash_moe` (token-id table) or `moe` (learned top-k)."""
+    swiglu_limit: float = 10.0
+    """Clamp of the SwiGLU pre-activations: gate to at most this, up to [-limit, limit]."""
+    sliding_window: int = Field(128, gt=0)
+    """Tokens (including the query itself) each query sees in the sliding branch."""
+    o_groups: int = Field(8, gt=0)
+    """Groups of the grouped low-rank output projection."""
+    o_lora_rank: int = Field(1024, gt=0)
+    """Per-group rank of the grouped output projection."""
+    index_n_heads: int = Field(64, gt=0)
+    """Lightning indexer query heads."""
+    index_head_dim: int = Field(128, gt=0)
+    """Lightning indexer head width."""
+    index_topk: int = Field(512, gt=0)
+    """Compressed entries each query keeps in a CSA layer."""
+    num_nextn_predict_layers: int = Field(1, ge=0)
+    """MTP layers stored in the checkpoint (used by speculative decoding)."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    bos_token_id: int | None = 0
+    """Beginning-of-sequence id."""
+    eos_token_id: int | tuple[int, ...] | None = 1
+    """End-of-sequence id(s)."""
+    pad_token_id: int | None = None
+    """Padding id (unused by the math)."""
+    tie_word_embeddings: bool = False
+    """Whether `head.weight` is the embedding matrix."""
+    partial_rotary_factor: float
+    """Fraction of head_dim (the trailing part) that gets RoPE."""
+    rope_main: RopeConfig
+    """RoPE for sliding-only layers."""
+    rope_compress: RopeConfig
+    """RoPE for CSA/HCA layers, their compressors and the indexer."""
+
+    @property
+    def rope_head_dim(self) -> int:
+        """Number of trailing channels per head that carry RoPE."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """All end-of-sequence ids as a tuple."""
+        if self.eos_token_id is None:
+            return ()
+        return (self.eos_token_id,) if isinstance(self.eos_token_id, int) else tuple(self.eos_token_id)
+
+    def compress_rate(self, layer_idx: int) -> int:
+        """Tokens per compressed entry of layer `layer_idx` (0 for sliding-only layers)."""
+        return self.compress_rates.get(self.layer_types[layer_idx], 0)
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        n = self.num_hidden_layers
+        for name, types, allowed in (
+            ("layer_types", self.layer_types, LAYER_TYPES),
+            ("mlp_layer_types", self.mlp_layer_types, MLP_LAYER_TYPES),
+        ):
+            if len(types) != n:
+                raise ValueError(f"`{name}` has {len(types)} entries but num_hidden_layers is {n}; give one per layer.")
+            bad = sorted({t for t in types if t not in allowed})
+            if bad:
+                raise ValueError(f"`{name}` entries must be one of {allowed}; got {bad}.")
+        for kind in ("compressed_sparse_attention", "heavily_compressed_attention"):
+            rate = self.compress_rates.get(kind)
+            if rate is None or rate <= 0:
+                raise ValueError(f"`compress_rates[{kind!r}]` must be a positive integer; got {rate!r}.")
+        if self.head_dim * self.num_attention_heads % self.o_groups:
+            raise ValueError(
+                f"`o_groups` ({self.o_groups}) must divide num_attention_heads*head_dim "
+                f"({self.num_attention_heads * self.head_dim})."
+            )
+        rd = self.rope_head_dim
+        if rd <= 0 or rd % 2 or rd > self.head_dim or rd > self.index_head_dim:
+            raise ValueError(
+                f"`partial_rotary_factor` gives a rope width of {rd}; it must be even, positive and at most "
+                f"head_dim ({self.head_dim}) and index_head_dim ({self.index_head_dim})."
+            )
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError(
+                f"`num_experts_per_tok` ({self.num_experts_per_tok}) exceeds n_routed_experts ({self.n_routed_experts})."
+            )
+        return self
+
+    # ------------------------------------------------------------------ parsing
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> ModelConfig:
+        """Read and validate a checkpoint's `config.json`."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no config.json at {path}; a checkpoint directory needs one") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_hf_dict(raw)
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Normalise a transformers-style config dict (legacy keys included) and validate it."""
+        d = dict(raw)
+        model_type = d.pop("model_type", "deepseek_v4")
+        if model_type not in ("deepseek_v4", "deepseek_v41"):
+            raise ValueError(f"`model_type` {model_type!r} is not a DeepSeek-V4 model; expected 'deepseek_v4'.")
+        quant = d.pop("quantization_config", None)
+        if quant:
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+            raise ValueError(
+                f"`quantization_config` (quant_method={method!r}) is not supported yet; deepinfer loads "
+                "unquantized float32/bfloat16 checkpoints. Dequantize the checkpoint first."
+            )
+        d.pop("expert_dtype", None) if d.get("expert_dtype") in (None, "bf16", "bfloat16") else None
+        for key, must in (
+            ("num_key_value_heads", 1),
+            ("n_shared_experts", 1),
+            ("norm_topk_prob", True),
+            ("attention_bias", False),
+            ("mlp_bias", False),
+            ("hidden_act", "silu"),
+        ):
+            if key in d:
+                value = d.pop(key)
+                if value != must:
+                    raise ValueError(f"`{key}`={value!r} is not supported: DeepSeek-V4 math here needs {key}={must!r}.")
+        n = int(d.get("num_hidden_layers", 43))
+        # legacy -> modern keys, as transformers' DeepseekV4Config.__post_init__ does
+        rates = dict(d.pop("compress_rates", None) or _DEFAULT_COMPRESS_RATES)
+        if (v := d.pop("compress_rate_csa", None)) is not None:
+            rates["compressed_sparse_attention"] = v
+        if (v := d.pop("compress_rate_hca", None)) is not None:
+            rates["heavily_compressed_attention"] = v
+        layer_types = d.pop("layer_types", None)
+        ratios = d.pop("compress_ratios", None)
+        if layer_types is None and ratios is not None:
+            try:
+                layer_types = [_RATIO_TO_LAYER_TYPE[r] for r in ratios]
+            except KeyError as e:
+                raise ValueError(f"`compress_ratios` entries must be 0, 4 or 128; got {e.args[0]!r}.") from None
+        if layer_types is None:
+            inter = ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))]
+            layer_types = ["heavily_compressed_attention"] * min(n, 2) + inter
+        mlp_types = d.pop("mlp_layer_types", None)
+        n_hash = d.pop("num_hash_layers", None)
+        if mlp_types is None:
+            n_hash = 3 if n_hash is None else int(n_hash)
+            mlp_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+        head_dim = int(d.get("head_dim", 512))
+        prf = d.pop("partial_rotary_factor", None)
+        qk_rope = d.pop("qk_rope_head_dim", None)
+        if prf is None:
+            prf = qk_rope / head_dim if qk_rope is not None else 64 / 512
+        rope_theta = float(d.pop("rope_theta", 10000.0))
+        compress_theta = float(d.pop("compress_rope_theta", 160000.0))
+        rp = d.pop("rope_parameters", None) or d.pop("rope_scaling", None) or {}
+        if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+            main_raw, comp_raw = dict(rp["main"]), dict(rp["compress"])
+        else:
+            main_raw = {"rope_type": "default", "rope_theta": rope_theta}
+            comp_raw = {k: v for k, v in rp.items() if k not in ("main", "compress")}
+            comp_raw["rope_theta"] = compress_theta
+            comp_raw.setdefault("rope_type", comp_raw.pop("type", "default"))
+            if comp_raw["rope_type"] == "yarn":
+                comp_raw.setdefault("attention_factor", 1.0)
+        rope_main = _parse_rope(main_raw, "main", d.get("max_position_embeddings", 1048576))
+        rope_compress = _parse_rope(comp_raw, "compress", d.get("max_position_embeddings", 1048576))
+        for key in list(d):
+            if key in _IGNORED_KEYS:
+                d.pop(key)
+        fields = set(cls.model_fields) - {"rope_main", "rope_compress", "layer_types", "mlp_layer_types"}
+        unknown = sorted(k for k in d if k not in fields)
+        if unknown:
+            raise ValueError(
+                f"config.json has fields deepinfer does not implement: {unknown}. Remove them if they carry no "
+                "math, or add support for them in engine/config.py."
+            )
+        eos = d.pop("eos_token_id", 1)
+        if isinstance(eos, list):
+            eos = tuple(eos)
+        return cls(
+            **d,
+            eos_token_id=eos,
+            layer_types=tuple(layer_types[:n]),
+            mlp_layer_types=tuple(mlp_types[:n]),
+            compress_rates=rates,
+            partial_rotary_factor=float(prf),
+            rope_main=rope_main,
+            rope_compress=rope_compress,
+        )
+
+
+def _parse_rope(raw: dict[str, Any], label: str, max_pos: int) -> RopeConfig:
+    raw = dict(raw)
+    rope_type = raw.pop("rope_type", raw.pop("type", "default"))
+    raw.pop("partial_rotary_factor", None)  # the model-level factor governs (transformers mirrors it here)
+    if rope_type not in ("default", "yarn"):
+        raise ValueError(f"`rope_parameters[{label!r}].rope_type`={rope_type!r} is not supported; use 'default' or 'yarn'.")
+    out: dict[str, Any] = {"rope_type": rope_type, "rope_theta": float(raw.pop("rope_theta"))}
+    if rope_type == "yarn":
+        if raw.pop("truncate", True) is not True:
+            raise ValueError(f"`rope_parameters[{label!r}].truncate`=false is not supported; remove it.")
+        for k in ("mscale", "mscale_all_dim"):
+            if raw.get(k) not in (None, 0, 1, 1.0):
+                if "attention_factor" not in raw:
+                    raise ValueError(f"`rope_parameters[{label!r}].{k}` without attention_factor is not supported.")
+            raw.pop(k, None)
+        factor = raw.pop("factor", None)
+        orig = raw.pop("original_max_position_embeddings")
+        if factor is None:
+            factor = max_pos / orig
+        af = raw.pop("attention_factor", None)
+        if af is None:
+            af = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+        out.update(
+            factor=float(factor),
+            original_max_position_embeddings=int(orig),
+            beta_fast=float(raw.pop("beta_fast", None) or 32.0),
+            beta_slow=float(raw.pop("beta_slow", None) or 1.0),
+            attention_factor=float(af),
+        )
+    else:
+        raw.pop("attention_factor", None) if raw.get("attention_factor") in (None, 1, 1.0) else None
+    if raw:
+        raise ValueError(f"`rope_parameters[{label!r}]` has fields deepinfer does not implement: {sorted(raw)}.")
+    return RopeConfig(**out)
