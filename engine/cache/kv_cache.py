@@ -1,0 +1,186 @@
+"""The tensors of the DeepSeek-V4 cache, laid out as DESIGN.md §4 describes.
+
+Two anatomies live side by side:
+
+* **Compressed entries** grow with the sequence and are paged. One pool tensor per kind:
+
+  - `csa_entries`  `[num_csa_layers, num_blocks, block_size // csa_rate, head_dim]`
+  - `index_entries` `[num_csa_layers, num_blocks, block_size // csa_rate, index_head_dim]`
+  - `hca_entries`  `[num_hca_layers, num_blocks, block_size // hca_rate, head_dim]`
+
+  A block covers `block_size` *tokens* (a multiple of every compress rate), so one block id
+  addresses the same token span in every pool and every layer: a request has one block table.
+  Entry `w` of a request lives in block `block_table[w // entries_per_block]` at offset
+  `w % entries_per_block`. These are what is prefix-shared, transferred prefill → decode and stored.
+
+* **Bounded state** has a fixed size per running request and lives in a *slot*:
+
+  - `window_kv`  `[num_layers, num_slots, sliding_window, head_dim]` — ring of the last window
+    tokens' K=V (after norm and RoPE), token at position `p` in row `p % sliding_window`;
+  - compressor buffers, per compressor, rings of the projected (kv, gate) of the last
+    `(1 + overlap) * rate` tokens (the unfinished window, plus for CSA the previous complete
+    window whose first half feeds the overlapping entry): `csa_buf_*` `[num_csa_layers, num_slots,
+    2 * csa_rate, 2 * head_dim]`, `index_buf_*` (same with `index_head_dim`), `hca_buf_*`
+    `[num_hca_layers, num_slots, hca_rate, head_dim]`.
+
+  None of it depends on anything but the last `sliding_window` (or `2 * rate`) tokens, so it can
+  be rebuilt by recomputing recent tokens (bounded replay) instead of being stored or sent.
+
+All pools are plain contiguous tensors so a transfer engine can register them and move blocks by
+byte range (`block_byte_ranges`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Where each layer's state lives: its index among layers of its kind."""
+
+    layer_kinds: tuple[str, ...]
+    """Per layer: 'sliding', 'csa' or 'hca'."""
+    kind_index: tuple[int, ...]
+    """Per layer: index among layers of the same kind (-1 for sliding-only layers)."""
+    num_csa_layers: int
+    num_hca_layers: int
+    csa_rate: int
+    hca_rate: int
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> CacheLayout:
+        kinds, idx = [], []
+        counts = {"sliding": 0, "csa": 0, "hca": 0}
+        names = {
+            "sliding_attention": "sliding",
+            "compressed_sparse_attention": "csa",
+            "heavily_compressed_attention": "hca",
+        }
+        for t in config.layer_types:
+            k = names[t]
+            kinds.append(k)
+            idx.append(counts[k] if k != "sliding" else -1)
+            counts[k] += 1
+        return cls(
+            layer_kinds=tuple(kinds),
+            kind_index=tuple(idx),
+            num_csa_layers=counts["csa"],
+            num_hca_layers=counts["hca"],
+            csa_rate=config.compress_rates["compressed_sparse_attention"],
+            hca_rate=config.compress_rates["heavily_compressed_attention"],
+        )
+
+
+def compressed_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> float:
+    """Bytes of compressed KV (CSA main + CSA indexer keys + HCA main) one token adds, all layers."""
+    lay = CacheLayout.from_config(config)
+    size = torch.tensor([], dtype=dtype).element_size()
+    per_tok = lay.num_csa_layers * (config.head_dim + config.index_head_dim) / lay.csa_rate
+    per_tok += lay.num_hca_layers * config.head_dim / lay.hca_rate
+    return per_tok * size
+
+
+class V4KVCache:
+    """Paged compressed-entry pools plus per-slot bounded state for one model instance."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        num_slots: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        lay = CacheLayout.from_config(config)
+        for rate in (lay.csa_rate, lay.hca_rate):
+            if block_size % rate:
+                raise ValueError(
+                    f"block_size ({block_size}) must be a multiple of every compress rate "
+                    f"({lay.csa_rate}, {lay.hca_rate}); pick a multiple of their least common multiple."
+                )
+        self.config = config
+        self.layout = lay
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_slots = num_slots
+        self.dtype = dtype
+        self.device = torch.device(device)
+        D, ID, W = config.head_dim, config.index_head_dim, config.sliding_window
+        rc, rh = lay.csa_rate, lay.hca_rate
+        self.csa_entries_per_block = block_size // rc
+        self.hca_entries_per_block = block_size // rh
+
+        def z(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
+        # compressed entries (paged)
+        self.csa_entries = z(lay.num_csa_layers, num_blocks, self.csa_entries_per_block, D)
+        self.index_entries = z(lay.num_csa_layers, num_blocks, self.csa_entries_per_block, ID)
+        self.hca_entries = z(lay.num_hca_layers, num_blocks, self.hca_entries_per_block, D)
+        # bounded state (per slot)
+        self.window_kv = z(config.num_hidden_layers, num_slots, W, D)
+        self.csa_buf_kv = z(lay.num_csa_layers, num_slots, 2 * rc, 2 * D)
+        self.csa_buf_gate = z(lay.num_csa_layers, num_slots, 2 * rc, 2 * D)
+        self.index_buf_kv = z(lay.num_csa_layers, num_slots, 2 * rc, 2 * ID)
+        self.index_buf_gate = z(lay.num_csa_layers, num_slots, 2 * rc, 2 * ID)
+        self.hca_buf_kv = z(lay.num_hca_layers, num_slots, rh, D)
+        self.hca_buf_gate = z(lay.num_hca_layers, num_slots, rh, D)
+
+    # ------------------------------------------------------------------ introspection
+
+    def compressed_pools(self) -> dict[str, torch.Tensor]:
+        """The paged pools by name (what a transfer engine registers)."""
+        return {"csa_entries": self.csa_entries, "index_entries": self.index_entries, "hca_entries": self.hca_entries}
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The per-slot bounded-state tensors by name (slot is dim 1 of each)."""
+        return {
+            "window_kv": self.window_kv,
+            "csa_buf_kv": self.csa_buf_kv,
+            "csa_buf_gate": self.csa_buf_gate,
+            "index_buf_kv": self.index_buf_kv,
+            "index_buf_gate": self.index_buf_gate,
+            "hca_buf_kv": self.hca_buf_kv,
+            "hca_buf_gate": self.hca_buf_gate,
+        }
+
+    def bytes_per_token(self) -> float:
+        """Bytes of compressed KV per token for this cache's config and dtype."""
+        return compressed_bytes_per_token(self.config, self.dtype)
+
+    def block_byte_ranges(self, block_ids: list[int]) -> list[tuple[str, int, int, int]]:
+        """For each pool, layer and block: `(pool_name, block_id, byte_offset, num_bytes)` of its data.
+
+        Offsets are relative to the pool tensor's first byte; a pool is `[layers, blocks, ...]`
+        so one block of one layer is one contiguous range.
+        """
+        out = []
+        for name, pool in self.compressed_pools().items():
+            if pool.numel() == 0:
+                continue
+            per_block = pool[0, 0].numel() * pool.element_size()
+            per_layer = pool.shape[1] * per_block
+            for layer in range(pool.shape[0]):
+                for b in block_ids:
+                    out.append((name, b, layer * per_layer + b * per_block, per_block))
+        return out
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks `src -> dst` in every pool (used when a forked request copies a partial block)."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        for pool in self.compressed_pools().values():
+            pool[:, dst] = pool[:, src]
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy one request's bounded state into another slot (n > 1 children start from the parent)."""
+        for t in self.state_tensors().values():
+            t[:, dst] = t[:, src]

@@ -1,0 +1,85 @@
+"""What one model step computes: a flat, unpadded batch of tokens from many requests.
+
+A step mixes prefill chunks and decode tokens of different requests. Tokens of one request are
+contiguous in the flat batch and in position order. Each request brings its cache handles: a
+bounded-state slot and a block table of compressed-entry blocks (see `engine.cache.kv_cache`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SeqChunk:
+    """One request's share of a step."""
+
+    slot: int
+    """Bounded-state slot of the request."""
+    block_table: list[int]
+    """Block ids covering at least `num_computed_tokens + num_new_tokens` tokens."""
+    num_computed_tokens: int
+    """Tokens already in the cache (the first new token's position)."""
+    num_new_tokens: int
+    """Tokens of this request in the step."""
+
+
+@dataclass
+class ForwardBatch:
+    """A step's flat batch plus per-request cache handles.
+
+    `logits_indices` selects the flat positions whose next-token logits are wanted (usually the
+    last token of each request that finishes its prefill or decodes).
+    """
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    seqs: list[SeqChunk]
+    logits_indices: torch.Tensor | None = None  # [num_logits] int64
+    positions: torch.Tensor = field(init=False)  # [num_tokens] int64
+    starts: list[int] = field(init=False)
+    """Offset of each request's first token in the flat batch."""
+    input_embeds: torch.Tensor | None = None
+    """Optional [num_tokens, hidden] embeddings overriding `input_ids` rows where `embeds_mask` is set."""
+    embeds_mask: torch.Tensor | None = None  # [num_tokens] bool
+
+    def __post_init__(self) -> None:
+        n = sum(s.num_new_tokens for s in self.seqs)
+        if self.input_ids.dim() != 1 or self.input_ids.numel() != n:
+            raise ValueError(f"input_ids must be flat with {n} tokens (sum of num_new_tokens); got {tuple(self.input_ids.shape)}")
+        pos, starts, off = [], [], 0
+        for s in self.seqs:
+            if s.num_new_tokens <= 0:
+                raise ValueError("every SeqChunk needs num_new_tokens >= 1")
+            starts.append(off)
+            pos.append(torch.arange(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens))
+            off += s.num_new_tokens
+        self.starts = starts
+        self.positions = torch.cat(pos).to(self.input_ids.device) if pos else self.input_ids.new_zeros(0)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    @classmethod
+    def build(
+        cls,
+        token_ids: list[list[int]],
+        seqs: list[SeqChunk],
+        device: torch.device | str = "cpu",
+        logits: str | list[int] = "last",
+    ) -> ForwardBatch:
+        """Flatten per-request new token ids; `logits='last'` wants the last token of each request."""
+        flat = [t for ids in token_ids for t in ids]
+        ids = torch.tensor(flat, dtype=torch.long, device=device)
+        if logits == "last":
+            idx, off = [], 0
+            for s in seqs:
+                off += s.num_new_tokens
+                idx.append(off - 1)
+        elif logits == "all":
+            idx = list(range(len(flat)))
+        else:
+            idx = list(logits)
+        return cls(input_ids=ids, seqs=seqs, logits_indices=torch.tensor(idx, dtype=torch.long, device=device))

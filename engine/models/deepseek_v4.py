@@ -1,0 +1,583 @@
+"""DeepSeek-V4 in plain PyTorch, for a flat varlen batch over a paged cache.
+
+Written from the V4 paper's description and the semantics of Hugging Face transformers'
+`DeepseekV4ForCausalLM` (the test oracle), not copied from either. Parameter names are the
+checkpoint's names (the official DeepSeek naming that `save_pretrained` writes), so
+`state_dict()` of this module *is* the checkpoint format.
+
+One layer:
+
+```
+streams [T, hc, H] ──attn_hc──► collapsed [T, H] ─attn_norm─► attention ─► post/comb mix ─► streams
+streams            ──ffn_hc───► collapsed        ─ffn_norm──► MoE       ─► post/comb mix ─► streams
+```
+
+Attention: a low-rank query (wq_a → q_norm → wq_b, per-head unweighted RMSNorm), one shared K=V
+head (wkv → norm), partial interleaved RoPE on the trailing `rope_head_dim` channels, a
+per-head sink logit, and:
+  * every layer: the sliding window (a query sees the last `sliding_window` tokens, itself included);
+  * CSA layers: a compressor emitting one entry per `rate` tokens from overlapping windows
+    (the previous window's first half + this window's second half, softmax-gated with a
+    learned position bias), and a lightning indexer that keeps the top `index_topk` entries
+    per query;
+  * HCA layers: a non-overlapping compressor with one entry per `rate` tokens, all attended.
+An entry is visible to query `t` once its window has ended at or before `t`.
+The output's rope channels are rotated back by the query position, then the grouped low-rank
+output projection (wo_a per group, wo_b) maps heads to the hidden size.
+
+MoE: hash-routed (token id → experts table) or learned top-k (sqrtsoftplus / sigmoid / softmax
+scores, a correction bias for selection only), normalised routed weights times
+`routed_scaling_factor`, SwiGLU experts with clamped pre-activations, plus a shared expert.
+
+Causality is exact by construction: nothing a position computes depends on later tokens or on
+how tokens are chunked into steps or batched with other requests.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.cache.kv_cache import V4KVCache
+from engine.config import ModelConfig, RopeConfig
+from engine.forward_batch import ForwardBatch, SeqChunk
+
+# --------------------------------------------------------------------------- small pieces
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm in float32; the weight (kept in float32) multiplies before the cast back."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        xf = weight * xf
+    return xf.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    """Weighted RMSNorm with a float32 weight."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rope_inv_freq(rope: RopeConfig, rope_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (one per channel pair) and the cos/sin multiplier for a RoPE flavour."""
+    exponents = torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim
+    pos_freqs = rope.rope_theta**exponents
+    inv = 1.0 / pos_freqs
+    if rope.rope_type == "default":
+        return inv, 1.0
+    # YaRN ("NTK-by-parts"): interpolate low frequencies, keep high ones, linear ramp between.
+    def correction_dim(num_rotations: float) -> float:
+        return rope_dim * math.log(rope.original_max_position_embeddings / (num_rotations * 2 * math.pi)) / (
+            2 * math.log(rope.rope_theta)
+        )
+
+    low = max(math.floor(correction_dim(rope.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(rope.beta_slow)), rope_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv = (inv / rope.factor) * (1 - extrapolation) + inv * extrapolation
+    return inv, rope.attention_factor
+
+
+class Rotary(nn.Module):
+    """cos/sin for the interleaved partial RoPE of one flavour (`main` or `compress`)."""
+
+    def __init__(self, rope: RopeConfig, rope_dim: int) -> None:
+        super().__init__()
+        inv, self.scale = rope_inv_freq(rope, rope_dim)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [n, rope_dim/2]
+        return freqs.cos() * self.scale, freqs.sin() * self.scale
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive channel pairs of the trailing `2 * cos.shape[-1]` channels of `x`.
+
+    x: [n, ..., d]; cos/sin: [n, rope_dim/2] (broadcast over the middle dims).
+    """
+    rd = cos.shape[-1] * 2
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    c, s = cos.view(shape), sin.view(shape)
+    rope = x[..., -rd:].float()
+    x1, x2 = rope[..., 0::2], rope[..., 1::2]
+    out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat([x[..., :-rd], out], dim=-1)
+
+
+# --------------------------------------------------------------------------- compressor
+
+
+class Compressor(nn.Module):
+    """Softmax-gated token compressor: one entry per `rate` tokens.
+
+    With `overlap`, projections are `2 * dim` wide: the first half of window `w-1` and the
+    second half of window `w` together (2·rate slots) make entry `w`.
+    """
+
+    def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        width = 2 * dim if overlap else dim
+        self.dim, self.rate, self.overlap, self.width = dim, rate, overlap, width
+        self.wkv = nn.Linear(hidden, width, bias=False)
+        self.wgate = nn.Linear(hidden, width, bias=False)
+        self.ape = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32))
+        self.norm = RMSNorm(dim, eps)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token kv and gate projections. x: [n, H] -> ([n, width], [n, width])."""
+        return self.wkv(x), self.wgate(x)
+
+    def compress(
+        self,
+        kv: torch.Tensor,  # [m, width] tokens at positions first_pos .. first_pos+m-1
+        gate: torch.Tensor,  # [m, width]
+        first_pos: int,
+        windows: torch.Tensor,  # [nw] window ids to emit; all their tokens lie in the span
+        rotary: Rotary,
+    ) -> torch.Tensor:
+        """Emit the entries of `windows` -> [nw, dim] (normed and rotated at `w * rate`)."""
+        r, d = self.rate, self.dim
+        ar = torch.arange(r, device=kv.device)
+        cur = (windows * r - first_pos)[:, None] + ar[None, :]  # [nw, r] rows of window w
+        bias = self.ape  # [r, width]
+        g_cur = gate[cur].float() + bias
+        if self.overlap:
+            prev = cur - r
+            valid = (windows > 0)[:, None, None]
+            prev_c = prev.clamp(min=0)
+            kv_all = torch.cat([kv[prev_c][..., :d], kv[cur][..., d:]], dim=1)  # [nw, 2r, d]
+            g_prev = (gate[prev_c].float() + bias)[..., :d]
+            g_prev = torch.where(valid, g_prev, torch.full_like(g_prev, float("-inf")))
+            g_all = torch.cat([g_prev, g_cur[..., d:]], dim=1)
+        else:
+            kv_all, g_all = kv[cur], g_cur
+        w = g_all.softmax(dim=1).to(kv_all.dtype)
+        entries = self.norm((kv_all * w).sum(dim=1))  # [nw, d]
+        cos, sin = rotary(windows * r)
+        return apply_rope(entries, cos, sin)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+class Indexer(nn.Module):
+    """Lightning indexer of a CSA layer: scores compressed index keys per query, keeps top-k."""
+
+    def __init__(self, config: ModelConfig, rate: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.topk = config.index_topk
+        self.compressor = Compressor(config.hidden_size, self.head_dim, rate, True, config.rms_norm_eps)
+        self.wq_b = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+
+    def select(
+        self,
+        q_res: torch.Tensor,  # [n, q_lora_rank]
+        x: torch.Tensor,  # [n, H]
+        keys: torch.Tensor,  # [C, index_head_dim]
+        visible: torch.Tensor,  # [n, C] causal visibility
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """Boolean [n, C]: the entries each query attends to."""
+        n = x.shape[0]
+        q = self.wq_b(q_res).view(n, self.num_heads, self.head_dim)
+        q = apply_rope(q, cos, sin)
+        scores = torch.einsum("nhd,cd->nhc", q.float(), keys.float())
+        scores = F.relu(scores) * (self.head_dim**-0.5)
+        weights = self.weights_proj(x).float() * (self.num_heads**-0.5)  # [n, heads]
+        scores = (scores * weights[:, :, None]).sum(dim=1)  # [n, C]
+        C = keys.shape[0]
+        if C <= self.topk:
+            return visible
+        # NOTE: ties are frequent (an entry whose every head has ReLU(q.k) = 0 scores exactly 0)
+        # and torch.topk breaks them in an order that depends on the tensor's shape, which is
+        # why HF's logits at a position change with the total forward length. We break ties
+        # by entry index instead (a stable descending sort): the choice then depends only on
+        # the scores of the entries the query can see, so it is causal and chunk-invariant.
+        scores = scores.masked_fill(~visible, float("-inf"))
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : self.topk]
+        chosen = torch.zeros_like(visible).scatter_(1, order, True)
+        return chosen & visible
+
+
+class Attention(nn.Module):
+    """V4 attention of one layer (sliding window, plus CSA or HCA compressed branch)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, kind: str, kind_index: int) -> None:
+        super().__init__()
+        H, D, NH = config.hidden_size, config.head_dim, config.num_attention_heads
+        self.kind, self.kind_index, self.layer_idx = kind, kind_index, layer_idx
+        self.num_heads, self.head_dim, self.window = NH, D, config.sliding_window
+        self.eps = config.rms_norm_eps
+        self.o_groups = config.o_groups
+        self.wq_a = nn.Linear(H, config.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.wq_b = nn.Linear(config.q_lora_rank, NH * D, bias=False)
+        self.wkv = nn.Linear(H, D, bias=False)
+        self.norm = RMSNorm(D, config.rms_norm_eps)
+        self.attn_sink = nn.Parameter(torch.zeros(NH, dtype=torch.float32))
+        self.wo_a = nn.Linear(NH * D // config.o_groups, config.o_groups * config.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(config.o_groups * config.o_lora_rank, H, bias=False)
+        self.rate = 0
+        if kind == "csa":
+            self.rate = config.compress_rates["compressed_sparse_attention"]
+            self.compressor = Compressor(H, D, self.rate, True, config.rms_norm_eps)
+            self.indexer = Indexer(config, self.rate)
+        elif kind == "hca":
+            self.rate = config.compress_rates["heavily_compressed_attention"]
+            self.compressor = Compressor(H, D, self.rate, False, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: V4KVCache, rope: dict) -> torch.Tensor:
+        """x: [T, H] (after attn_norm) -> [T, H]."""
+        T = x.shape[0]
+        NH, D = self.num_heads, self.head_dim
+        cos, sin = rope["cos"], rope["sin"]  # [T, rd/2] of this layer's flavour
+        q_res = self.q_norm(self.wq_a(x))  # [T, q_lora_rank]
+        q = self.wq_b(q_res).view(T, NH, D)
+        q = apply_rope(rms_norm(q, None, self.eps), cos, sin)
+        kv = apply_rope(self.norm(self.wkv(x)), cos, sin)  # [T, D]
+        if self.kind != "sliding":
+            ckv, cgate = self.compressor.project(x)
+            if self.kind == "csa":
+                ikv, igate = self.indexer.compressor.project(x)
+        out = torch.empty_like(q)
+        for i, s in enumerate(batch.seqs):
+            a, b = batch.starts[i], batch.starts[i] + s.num_new_tokens
+            sl = slice(a, b)
+            extra = None
+            if self.kind != "sliding":
+                extra = self._compressed(s, x[sl], q_res[sl], ckv[sl], cgate[sl],
+                                         (ikv[sl], igate[sl]) if self.kind == "csa" else None,
+                                         cache, rope, sl, batch.positions[sl])
+            out[sl] = self._attend_one(s, q[sl], kv[sl], batch.positions[sl], cache, extra)
+        # rotate the rope channels of the output back by the query position
+        out = apply_rope(out, cos, -sin)
+        grouped = out.reshape(T, self.o_groups, -1).transpose(0, 1)  # [G, T, NH*D/G]
+        w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])  # [G, R, NH*D/G]
+        y = torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(T, -1)  # [T, G*R]
+        return self.wo_b(y)
+
+    # -- per request ------------------------------------------------------------------------
+
+    def _attend_one(self, s: SeqChunk, q, kv, pos, cache: V4KVCache, extra) -> torch.Tensor:
+        """Attention of one request's new tokens over window + (selected) compressed entries."""
+        W, p0, n = self.window, s.num_computed_tokens, s.num_new_tokens
+        ring = cache.window_kv[self.layer_idx, s.slot]  # [W, D]
+        h0 = max(0, p0 - W + 1)
+        hist_pos = torch.arange(h0, p0, device=kv.device)
+        keys = torch.cat([ring[hist_pos % W], kv], dim=0) if p0 > h0 else kv
+        key_pos = torch.cat([hist_pos, pos]) if p0 > h0 else pos
+        scale = self.head_dim**-0.5
+        logits = torch.einsum("nhd,sd->nhs", q, keys) * scale  # [n, NH, S]
+        allowed = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - W)
+        logits = logits.masked_fill(~allowed[:, None, :], float("-inf"))
+        parts = [logits]
+        if extra is not None:
+            entries, mask = extra  # [C, D], [n, C]
+            cl = torch.einsum("nhd,cd->nhc", q, entries) * scale
+            parts.append(cl.masked_fill(~mask[:, None, :], float("-inf")))
+        sink = self.attn_sink.to(logits.dtype).view(1, -1, 1).expand(n, -1, 1)
+        parts.append(sink)
+        allp = torch.cat(parts, dim=-1)
+        allp = allp - allp.amax(dim=-1, keepdim=True)
+        probs = allp.softmax(dim=-1)
+        S = keys.shape[0]
+        o = torch.einsum("nhs,sd->nhd", probs[..., :S].to(keys.dtype), keys)
+        if extra is not None:
+            C = entries.shape[0]
+            o = o + torch.einsum("nhc,cd->nhd", probs[..., S:S + C].to(entries.dtype), entries)
+        # write the new tokens' K=V into the ring (only the last W matter)
+        keep = min(n, W)
+        ring[pos[-keep:] % W] = kv[-keep:]
+        return o
+
+    def _compressed(self, s: SeqChunk, x, q_res, ckv, cgate, index_proj, cache: V4KVCache, rope, sl, pos):
+        """Run this request's compressors, store new entries, return (entries [C, D], mask [n, C])."""
+        r, p0, n = self.rate, s.num_computed_tokens, s.num_new_tokens
+        j = self.kind_index
+        device = x.device
+        C0, C1 = p0 // r, (p0 + n) // r
+        windows = torch.arange(C0, C1, device=device)
+        bt = torch.tensor(s.block_table, dtype=torch.long, device=device)
+        if self.kind == "csa":
+            pool, epb = cache.csa_entries[j], cache.csa_entries_per_block
+            buf_kv, buf_gate = cache.csa_buf_kv[j, s.slot], cache.csa_buf_gate[j, s.slot]
+        else:
+            pool, epb = cache.hca_entries[j], cache.hca_entries_per_block
+            buf_kv, buf_gate = cache.hca_buf_kv[j, s.slot], cache.hca_buf_gate[j, s.slot]
+        rotary = rope["compress_rotary"]
+        entries = self._run_compressor(self.compressor, ckv, cgate, buf_kv, buf_gate, p0, windows, rotary, pool, bt, epb, C1)
+        # causal visibility: entry w is visible to the query at t once (w + 1) * r <= t + 1
+        visible = torch.arange(C1, device=device)[None, :] < ((pos + 1) // r)[:, None]  # [n, C1]
+        if self.kind == "hca":
+            return entries, visible
+        ikv, igate = index_proj
+        ipool = cache.index_entries[j]
+        keys = self._run_compressor(self.indexer.compressor, ikv, igate, cache.index_buf_kv[j, s.slot],
+                                    cache.index_buf_gate[j, s.slot], p0, windows, rotary, ipool, bt, epb, C1)
+        mask = self.indexer.select(q_res, x, keys, visible, rope["cos"][sl], rope["sin"][sl])
+        return entries, mask
+
+    @staticmethod
+    def _run_compressor(comp: Compressor, kv, gate, buf_kv, buf_gate, p0, windows, rotary, pool, bt, epb, C1):
+        """Compress the windows this chunk completes, write them to the pool, return all C1 entries."""
+        r = comp.rate
+        ring_len = buf_kv.shape[0]
+        n = kv.shape[0]
+        if windows.numel() > 0:
+            h0 = max(0, (p0 // r - (1 if comp.overlap else 0)) * r)
+            if p0 > h0:
+                hp = torch.arange(h0, p0, device=kv.device) % ring_len
+                span_kv = torch.cat([buf_kv[hp], kv], dim=0)
+                span_gate = torch.cat([buf_gate[hp], gate], dim=0)
+            else:
+                span_kv, span_gate = kv, gate
+            new = comp.compress(span_kv, span_gate, h0, windows, rotary)
+            flat = bt[windows // epb] * epb + windows % epb
+            pool.view(-1, pool.shape[-1])[flat] = new.to(pool.dtype)
+        keep = min(n, ring_len)
+        tail = torch.arange(p0 + n - keep, p0 + n, device=kv.device) % ring_len
+        buf_kv[tail] = kv[-keep:].to(buf_kv.dtype)
+        buf_gate[tail] = gate[-keep:].to(buf_gate.dtype)
+        if C1 == 0:
+            return pool.new_zeros((0, pool.shape[-1]))
+        allw = torch.arange(C1, device=kv.device)
+        return pool.view(-1, pool.shape[-1])[bt[allw // epb] * epb + allw % epb]
+
+
+# --------------------------------------------------------------------------- MoE
+
+
+class Expert(nn.Module):
+    """SwiGLU FFN with clamped pre-activations (w1 = gate, w3 = up, w2 = down)."""
+
+    def __init__(self, hidden: int, inter: int, limit: float) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden, inter, bias=False)
+        self.w2 = nn.Linear(inter, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, inter, bias=False)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.w1(x).clamp(max=self.limit)
+        u = self.w3(x).clamp(min=-self.limit, max=self.limit)
+        return self.w2(F.silu(g) * u)
+
+
+class Gate(nn.Module):
+    """Router: learned top-k (with a selection-only correction bias) or hash table routing."""
+
+    def __init__(self, config: ModelConfig, is_hash: bool) -> None:
+        super().__init__()
+        self.is_hash = is_hash
+        self.topk = config.num_experts_per_tok
+        self.scoring = config.scoring_func
+        self.scaling = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
+        if is_hash:
+            self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.topk, dtype=torch.long))
+        else:
+            self.register_buffer("bias", torch.zeros(config.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, H] -> (weights [T, k], expert ids [T, k])."""
+        logits = F.linear(x, self.weight)
+        if self.scoring == "sqrtsoftplus":
+            scores = F.softplus(logits).sqrt()
+        elif self.scoring == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = logits.softmax(dim=-1)
+        if self.is_hash:
+            idx = self.tid2eid[input_ids].long()
+        else:
+            idx = torch.topk(scores + self.bias, self.topk, dim=-1, sorted=False).indices
+        w = scores.gather(1, idx)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return w * self.scaling, idx
+
+
+class MoE(nn.Module):
+    """Routed experts + one shared expert."""
+
+    def __init__(self, config: ModelConfig, is_hash: bool) -> None:
+        super().__init__()
+        H, I, lim = config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
+        self.gate = Gate(config, is_hash)
+        self.experts = nn.ModuleList(Expert(H, I, lim) for _ in range(config.n_routed_experts))
+        self.shared_experts = Expert(H, I, lim)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, idx = self.gate(x, input_ids)
+        out = torch.zeros_like(x)
+        flat_e = idx.reshape(-1)
+        order = torch.argsort(flat_e, stable=True)
+        counts = torch.bincount(flat_e, minlength=len(self.experts)).tolist()
+        tok = order // idx.shape[1]
+        wsorted = weights.reshape(-1)[order]
+        off = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            t = tok[off:off + c]
+            y = self.experts[e](x[t]) * wsorted[off:off + c, None].to(x.dtype)
+            out.index_add_(0, t, y)
+            off += c
+        return out + self.shared_experts(x)
+
+
+# --------------------------------------------------------------------------- hyper-connections
+
+
+def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+               hc: int, iters: int, eps: float, norm_eps: float):
+    """mHC mixing weights from the streams [T, hc, H] -> pre [T, hc], post [T, hc], comb [T, hc, hc]."""
+    T = streams.shape[0]
+    flat = rms_norm(streams.reshape(T, -1).float(), None, norm_eps)
+    mix = F.linear(flat, fn.float())
+    pre_w, post_w, comb_w = mix.split([hc, hc, hc * hc], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.view(T, hc, hc) * scale[2] + comb_b.view(hc, hc), dim=-1) + eps
+    # Sinkhorn-Knopp towards a doubly-stochastic matrix (columns first, then alternate)
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+class DecoderLayer(nn.Module):
+    """One V4 block with hyper-connection residual streams."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, kind: str, kind_index: int) -> None:
+        super().__init__()
+        H, hc = config.hidden_size, config.hc_mult
+        self.hc, self.iters, self.hc_eps, self.eps = hc, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps
+        self.attn = Attention(config, layer_idx, kind, kind_index)
+        self.ffn = MoE(config, config.mlp_layer_types[layer_idx] == "hash_moe")
+        self.attn_norm = RMSNorm(H, config.rms_norm_eps)
+        self.ffn_norm = RMSNorm(H, config.rms_norm_eps)
+        n = (2 + hc) * hc
+        for which in ("attn", "ffn"):
+            self.register_parameter(f"hc_{which}_fn", nn.Parameter(torch.zeros(n, hc * H, dtype=torch.float32)))
+            self.register_parameter(f"hc_{which}_base", nn.Parameter(torch.zeros(n, dtype=torch.float32)))
+            self.register_parameter(f"hc_{which}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
+
+    def _mix(self, which: str, streams: torch.Tensor, block) -> torch.Tensor:
+        dtype = streams.dtype
+        pre, post, comb = hc_weights(streams, getattr(self, f"hc_{which}_fn"), getattr(self, f"hc_{which}_base"),
+                                     getattr(self, f"hc_{which}_scale"), self.hc, self.iters, self.hc_eps, self.eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(dtype)  # [T, H]
+        y = block(collapsed)
+        # new stream k = post_k * y + sum_j comb[j, k] * stream_j
+        return post.to(dtype).unsqueeze(-1) * y.unsqueeze(1) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+
+    def forward(self, streams, batch: ForwardBatch, cache: V4KVCache, rope: dict) -> torch.Tensor:
+        streams = self._mix("attn", streams, lambda h: self.attn(self.attn_norm(h), batch, cache, rope))
+        return self._mix("ffn", streams, lambda h: self.ffn(self.ffn_norm(h), batch.input_ids))
+
+
+class HyperHead(nn.Module):
+    """Final collapse of the hc streams into one hidden vector."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hc, H = config.hc_mult, config.hidden_size
+        self.hc_fn = nn.Parameter(torch.zeros(hc, hc * H, dtype=torch.float32))
+        self.hc_base = nn.Parameter(torch.zeros(hc, dtype=torch.float32))
+        self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+        self.eps, self.norm_eps = config.hc_eps, config.rms_norm_eps
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        T = streams.shape[0]
+        flat = rms_norm(streams.reshape(T, -1).float(), None, self.norm_eps)
+        pre = torch.sigmoid(F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float()) + self.eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+# --------------------------------------------------------------------------- the model
+
+
+class DeepseekV4Model(nn.Module):
+    """Embedding, decoder layers, hyper head and final norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        from engine.cache.kv_cache import CacheLayout
+
+        lay = CacheLayout.from_config(config)
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, lay.layer_kinds[i], lay.kind_index[i]) for i in range(config.num_hidden_layers)
+        )
+        self.hc_head = HyperHead(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        rd = config.rope_head_dim
+        self.rotary_main = Rotary(config.rope_main, rd)
+        self.rotary_compress = Rotary(config.rope_compress, rd)
+
+    def forward(self, batch: ForwardBatch, cache: V4KVCache) -> torch.Tensor:
+        """Run the flat batch through every layer, updating `cache`; returns final hidden [T, H]."""
+        h = self.embed_tokens(batch.input_ids)
+        if batch.input_embeds is not None:
+            h = torch.where(batch.embeds_mask[:, None], batch.input_embeds.to(h.dtype), h)
+        streams = h.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()  # [T, hc, H]
+        cm, sm = self.rotary_main(batch.positions)
+        cc, sc = self.rotary_compress(batch.positions)
+        rope_main = {"cos": cm, "sin": sm, "compress_rotary": self.rotary_compress}
+        rope_comp = {"cos": cc, "sin": sc, "compress_rotary": self.rotary_compress}
+        for layer in self.layers:
+            rope = rope_main if layer.attn.kind == "sliding" else rope_comp
+            streams = layer(streams, batch, cache, rope)
+        return self.norm(self.hc_head(streams))
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    """The causal LM: `model` + `head`. `state_dict()` keys equal the checkpoint's keys."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DeepseekV4Model(config)
+        if not config.tie_word_embeddings:
+            self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.head.weight
+
+    def forward(self, batch: ForwardBatch, cache: V4KVCache) -> torch.Tensor:
+        """Hidden states [T, H] for the flat batch (cache updated in place)."""
+        return self.model(batch, cache)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, H] -> float32 logits [n, vocab]."""
+        return F.linear(hidden, self.head_weight()).float()
+
+    @torch.inference_mode()
+    def step(self, batch: ForwardBatch, cache: V4KVCache) -> torch.Tensor:
+        """Forward + logits at `batch.logits_indices` (float32 [num_logits, vocab])."""
+        hidden = self.forward(batch, cache)
+        if batch.logits_indices is not None:
+            hidden = hidden[batch.logits_indices]
+        return self.compute_logits(hidden)
