@@ -24,6 +24,12 @@ class SeqChunk:
     """Tokens already in the cache (the first new token's position)."""
     num_new_tokens: int
     """Tokens of this request in the step."""
+    state_start: int = 0
+    """First position whose bounded state (window ring, compressor buffers) is valid in the slot.
+    Larger than 0 while a request replays recent tokens to rebuild that state (bounded replay)."""
+    num_frozen_tokens: int = 0
+    """Compressed entries of windows ending at or before this position are already in the
+    (possibly shared) blocks: they are read, never rewritten."""
 
 
 @dataclass

@@ -281,7 +281,7 @@ class Attention(nn.Module):
         """Attention of one request's new tokens over window + (selected) compressed entries."""
         W, p0, n = self.window, s.num_computed_tokens, s.num_new_tokens
         ring = cache.window_kv[self.layer_idx, s.slot]  # [W, D]
-        h0 = max(0, p0 - W + 1)
+        h0 = max(s.state_start, p0 - W + 1)
         hist_pos = torch.arange(h0, p0, device=kv.device)
         keys = torch.cat([ring[hist_pos % W], kv], dim=0) if p0 > h0 else kv
         key_pos = torch.cat([hist_pos, pos]) if p0 > h0 else pos
@@ -315,7 +315,7 @@ class Attention(nn.Module):
         j = self.kind_index
         device = x.device
         C0, C1 = p0 // r, (p0 + n) // r
-        windows = torch.arange(C0, C1, device=device)
+        windows = torch.arange(max(C0, s.num_frozen_tokens // r), C1, device=device)
         bt = torch.tensor(s.block_table, dtype=torch.long, device=device)
         if self.kind == "csa":
             pool, epb = cache.csa_entries[j], cache.csa_entries_per_block

@@ -1,0 +1,530 @@
+"""Load a DeepSeek-V4 safetensors checkpoint into a model: validated first, then streamed.
+
+A checkpoint is a directory with `config.json` and either `model.safetensors` or shards
+`model-0000i-of-0000n.safetensors` listed by `model.safetensors.index.json` (the layout of
+transformers' `save_pretrained`). Loading goes in two phases:
+
+1. **Plan** (headers only, no tensor data read): read `config.json` into `ModelConfig`, derive the
+   expected tensors from `engine.models.deepseek_v4_weights.checkpoint_spec`, scan the index and
+   every shard's safetensors header, and refuse the checkpoint with one `CheckpointError` that
+   names every culprit: missing or unexpected tensors, wrong shapes or dtypes, a broken index, a
+   missing shard, or a quantization we cannot load.
+2. **Stream**: the model is built with its parameters on the `meta` device (no memory), then each
+   shard is memory-mapped with `safetensors.safe_open` and its tensors are read one at a time,
+   converted (dtype, device) and assigned. At most one raw tensor is alive besides the model, so
+   peak memory is about the model's size, never twice it.
+
+Extending to quantized checkpoints
+----------------------------------
+How a stored tensor becomes a model tensor is decided by a `WeightTransform`, chosen by the
+`quantization_config.quant_method` of config.json (`"none"` when absent) from a registry filled
+with `@register_weight_transform(method)`. A transform (a) names the companion tensors it consumes
+(e.g. the `*.scale` block scales of FP8 weights) so they are not reported as unexpected, (b)
+checks one stored tensor against its `TensorSpec` (a packed FP4 expert has another shape than the
+model tensor), and (c) converts it, reading companions on demand. FP8 block-scaled attention or FP4
+experts therefore arrive as one new transform (plus, if the model keeps them quantized, a
+quantization-aware spec), without touching the model or this loader. Today only `"none"` (dense
+float/int tensors, cast to the requested dtype) is registered; FP8 tensors or scales are refused
+with "FP8 block-scaled weights are not supported yet".
+
+Multi-token-prediction weights
+------------------------------
+Keys under `mtp.` are skipped (transformers ignores them too) and recorded in
+`WeightLoader.skipped_names`; a later change loads them with a second `WeightLoader` whose spec
+covers the MTP layers and whose `skip_prefixes` is empty.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from tqdm.auto import tqdm
+
+from engine.config import ModelConfig
+from engine.models.deepseek_v4_weights import TensorSpec, checkpoint_spec, official_to_spec_name, parse_dtype
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+MTP_PREFIXES = ("mtp.", "model.mtp.")
+"""Key prefixes of multi-token-prediction layers, skipped by default (see module docstring)."""
+
+PROGRESS_MIN_BYTES = 1 << 30
+PROGRESS_MIN_TENSORS = 200
+_MAX_LISTED = 10
+
+_FLOAT_STORAGE = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_INT_STORAGE = {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}
+_FP8_STORAGE_RE = re.compile(r"^(F8_.*|F4.*|F6.*)$")
+_ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
+# Companion tensors of block-scaled quantization (DeepSeek: `<w>.scale`; HF FP8: `weight_scale_inv`).
+# NOTE: hyper-connection scales (`hc_attn_scale`, `hc_head.hc_scale`) do not match: no dot before.
+_QUANT_SCALE_RE = re.compile(r"(\.scale|_scale_inv|\.weight_scale|\.input_scale)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint (or a model) does not match what deepinfer can load.
+
+    The message names the culprit tensor, field or file and says how to fix it.
+    """
+
+
+class StoredTensor(NamedTuple):
+    """One tensor as a safetensors header describes it (no data read)."""
+
+    file: Path
+    """Shard that holds it."""
+    dtype: str
+    """safetensors dtype tag: `F32`, `BF16`, `I64`, `F8_E4M3`, ..."""
+    shape: tuple[int, ...]
+    """Stored shape."""
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes on disk (1 byte per element for tags we do not size)."""
+        return math.prod(self.shape) * _ITEMSIZE.get(self.dtype, 1)
+
+
+# ---------------------------------------------------------------------------------- transforms
+
+
+class WeightTransform:
+    """How stored tensors become model tensors, for one quantization method.
+
+    Subclass it, set `method`, and register it with `@register_weight_transform`; the loader picks
+    it by `quantization_config.quant_method` of config.json. Contract, in call order:
+
+    - `companion_names(stored)`: once, before anything is read; returns checkpoint names consumed
+      alongside other tensors (never reported as unexpected). It may refuse storage it cannot load.
+    - `check(name, stored, spec)`: per expected tensor, header only; returns a problem description
+      or None.
+    - `convert(name, tensor, spec, read_companion)`: per tensor, returns the tensor the model holds
+      (dtype `spec.dtype`, on the CPU); `read_companion(name)` reads another checkpoint tensor.
+    """
+
+    method: ClassVar[str] = "none"
+
+    def __init__(self, quantization_config: Mapping[str, Any] | None = None) -> None:
+        self.quantization_config = dict(quantization_config or {})
+
+    def companion_names(self, stored: Mapping[str, StoredTensor]) -> set[str]:
+        """Names of checkpoint tensors this method consumes alongside others (e.g. FP8 scales)."""
+        return set()
+
+    def check(self, name: str, stored: StoredTensor, spec: TensorSpec) -> str | None:
+        """Why stored tensor `name` cannot become `spec`, or None if it can."""
+        raise NotImplementedError
+
+    def convert(
+        self, name: str, tensor: torch.Tensor, spec: TensorSpec, read_companion: Callable[[str], torch.Tensor]
+    ) -> torch.Tensor:
+        """The model's tensor for `name` from its stored `tensor`."""
+        raise NotImplementedError
+
+
+_WEIGHT_TRANSFORMS: dict[str, type[WeightTransform]] = {}
+
+
+def register_weight_transform(method: str) -> Callable[[type[WeightTransform]], type[WeightTransform]]:
+    """Class decorator: make `cls` the transform for `quantization_config.quant_method == method`."""
+
+    def register(cls: type[WeightTransform]) -> type[WeightTransform]:
+        if method in _WEIGHT_TRANSFORMS:
+            raise ValueError(f"a weight transform for quant_method {method!r} is already registered")
+        cls.method = method
+        _WEIGHT_TRANSFORMS[method] = cls
+        return cls
+
+    return register
+
+
+def supported_quant_methods() -> list[str]:
+    """Quantization methods the loader can read (`"none"` = unquantized)."""
+    return sorted(_WEIGHT_TRANSFORMS)
+
+
+def make_weight_transform(quantization_config: Mapping[str, Any] | None, source: str = "config.json") -> WeightTransform:
+    """The registered transform for a config.json `quantization_config` (None: unquantized)."""
+    if not quantization_config:
+        return _WEIGHT_TRANSFORMS["none"]()
+    if not isinstance(quantization_config, Mapping):
+        raise CheckpointError(f"{source}: quantization_config must be an object, got {quantization_config!r}.")
+    method = quantization_config.get("quant_method")
+    cls = _WEIGHT_TRANSFORMS.get(str(method))
+    if cls is None:
+        is_fp8 = "fp8" in str(method).lower() or "weight_block_size" in quantization_config
+        hint = "FP8 block-scaled weights are not supported yet" if is_fp8 else f"quant_method {method!r} is not supported"
+        raise CheckpointError(
+            f"{hint}: {source} has quantization_config with quant_method={method!r}. deepinfer loads "
+            f"{supported_quant_methods()} checkpoints; dequantize the weights to bfloat16 first and drop "
+            "quantization_config from config.json."
+        )
+    return cls(quantization_config)
+
+
+@register_weight_transform("none")
+class DenseTransform(WeightTransform):
+    """Unquantized checkpoints: any float dtype is cast to the spec's dtype, integers to int64."""
+
+    def companion_names(self, stored: Mapping[str, StoredTensor]) -> set[str]:
+        quantized = [n for n, s in stored.items() if _QUANT_SCALE_RE.search(n) or _FP8_STORAGE_RE.match(s.dtype)]
+        if quantized:
+            examples = ", ".join(f"{n} ({stored[n].dtype} in {stored[n].file.name})" for n in quantized[:3])
+            raise CheckpointError(
+                f"FP8 block-scaled weights are not supported yet: the checkpoint has {len(quantized)} quantized "
+                f"or scale tensor(s), e.g. {examples}. Dequantize it to bfloat16 first."
+            )
+        return set()
+
+    def check(self, name: str, stored: StoredTensor, spec: TensorSpec) -> str | None:
+        if stored.shape != tuple(spec.shape):
+            return f"{name}: shape {list(stored.shape)} in {stored.file.name}, expected {list(spec.shape)}"
+        if spec.dtype.is_floating_point and stored.dtype not in _FLOAT_STORAGE:
+            return f"{name}: dtype {stored.dtype} in {stored.file.name}, expected a float tensor (loaded as {spec.dtype})"
+        if not spec.dtype.is_floating_point and stored.dtype not in _INT_STORAGE:
+            return f"{name}: dtype {stored.dtype} in {stored.file.name}, expected an integer tensor (loaded as {spec.dtype})"
+        return None
+
+    def convert(
+        self, name: str, tensor: torch.Tensor, spec: TensorSpec, read_companion: Callable[[str], torch.Tensor]
+    ) -> torch.Tensor:
+        return tensor.to(spec.dtype)
+
+
+# ---------------------------------------------------------------------------------- files
+
+
+def scan_checkpoint(path: str | Path) -> dict[str, StoredTensor]:
+    """Every tensor of the checkpoint at `path` (a directory), from the index and headers only."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint directory {root} does not exist (or is not a directory).")
+    index_path = root / INDEX_FILE
+    if index_path.exists():
+        files = _read_index(index_path)
+    elif (root / SINGLE_FILE).exists():
+        files = None
+    else:
+        found = sorted(p.name for p in root.glob("*.safetensors"))
+        if found:
+            raise CheckpointError(
+                f"{root} has {len(found)} safetensors file(s) ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}) "
+                f"but no {INDEX_FILE} and no {SINGLE_FILE}; restore the index file that maps tensors to shards."
+            )
+        raise CheckpointError(f"no safetensors files in {root}; expected {SINGLE_FILE} or shards listed by {INDEX_FILE}.")
+
+    stored: dict[str, StoredTensor] = {}
+    shard_names = sorted(set(files.values())) if files is not None else [SINGLE_FILE]
+    for shard in shard_names:
+        file = root / shard
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    if files is not None and files.get(name) != shard:
+                        continue  # only the index decides which shard holds a tensor
+                    sl = f.get_slice(name)
+                    stored[name] = StoredTensor(file, sl.get_dtype(), tuple(sl.get_shape()))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read safetensors file {file}: {e}. The file is damaged; re-download or re-save it.") from None
+    if files is not None:
+        absent = [n for n in files if n not in stored]
+        if absent:
+            raise CheckpointError(
+                f"{index_path} lists {len(absent)} tensor(s) that are not in their shard: "
+                + ", ".join(f"{n} (-> {files[n]})" for n in absent[:_MAX_LISTED])
+                + (f" and {len(absent) - _MAX_LISTED} more" if len(absent) > _MAX_LISTED else "")
+                + ". The index and the shards disagree; re-save the checkpoint."
+            )
+    return stored
+
+
+def _read_index(index_path: Path) -> dict[str, str]:
+    try:
+        raw = json.loads(index_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{index_path} is not valid JSON ({e}); restore it or re-save the checkpoint.") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(
+            f"{index_path} has no valid `weight_map` (an object mapping tensor names to shard file names); "
+            "restore it or re-save the checkpoint."
+        )
+    missing: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        if not (index_path.parent / shard).is_file():
+            missing.setdefault(shard, []).append(name)
+    if missing:
+        shard, names = next(iter(missing.items()))
+        raise CheckpointError(
+            f"{index_path} points to shard(s) that do not exist in {index_path.parent}: {sorted(missing)}; e.g. "
+            f"tensor {names[0]} is mapped to missing shard {shard}. Copy the missing shard(s) or re-save the checkpoint."
+        )
+    return weight_map
+
+
+def read_checkpoint_config(path: str | Path) -> tuple[ModelConfig, dict[str, Any] | None]:
+    """The checkpoint's `ModelConfig` and its raw `quantization_config` (None when unquantized)."""
+    file = Path(path) if str(path).endswith(".json") else Path(path) / "config.json"
+    try:
+        raw = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"no config.json at {file}; a checkpoint directory needs one.") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file} must hold a JSON object, got {type(raw).__name__}.")
+    quant = raw.pop("quantization_config", None) or None
+    make_weight_transform(quant, source=str(file))  # refuse unsupported quantization before anything else
+    try:
+        config = ModelConfig.from_hf_dict(raw)
+    except ValueError as e:
+        raise CheckpointError(f"{file}: {e}") from None
+    return config, quant
+
+
+# ---------------------------------------------------------------------------------- loader
+
+
+class WeightLoader:
+    """Validates a checkpoint directory against a spec, then streams its tensors one at a time.
+
+    Construction reads headers only and raises `CheckpointError` for any mismatch; `tensors()`
+    then yields `(name, tensor)` pairs, each converted by the quantization method's
+    `WeightTransform` and placed on `device`, reading shards through `safe_open` (memory-mapped).
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        spec: Mapping[str, TensorSpec],
+        *,
+        quantization_config: Mapping[str, Any] | None = None,
+        device: str | torch.device = "cpu",
+        progress: bool | None = None,
+        skip_prefixes: tuple[str, ...] = MTP_PREFIXES,
+    ) -> None:
+        self.path = Path(path)
+        self.spec = dict(spec)
+        self.device = torch.device(device)
+        self.transform = make_weight_transform(quantization_config)
+        self.stored = scan_checkpoint(self.path)
+        self.skipped_names: list[str] = sorted(n for n in self.stored if n.startswith(skip_prefixes))
+        """Checkpoint tensors left out on purpose (MTP layers): the hook for loading them later."""
+        self.checkpoint_names: dict[str, str] = {}
+        """Spec name -> checkpoint name (they differ for DeepSeek's own top-level names)."""
+        self._validate()
+        total = sum(self.stored[n].num_bytes for n in self.checkpoint_names.values())
+        self.num_bytes = total
+        """Bytes of the tensors to be read."""
+        self.show_progress = progress if progress is not None else (
+            total > PROGRESS_MIN_BYTES or len(self.checkpoint_names) > PROGRESS_MIN_TENSORS
+        )
+
+    def _validate(self) -> None:
+        candidates = {n: s for n, s in self.stored.items() if n not in self.skipped_names}
+        companions = self.transform.companion_names(candidates)
+        by_spec_name: dict[str, str] = {}
+        unexpected: list[str] = []
+        for name in candidates:
+            if name in companions:
+                continue
+            spec_name = official_to_spec_name(name)
+            if spec_name in by_spec_name:
+                raise CheckpointError(
+                    f"tensors {by_spec_name[spec_name]} and {name} in {self.path} are the same weight under two "
+                    "names; keep one."
+                )
+            if spec_name in self.spec:
+                by_spec_name[spec_name] = name
+            else:
+                unexpected.append(name)
+        missing = [n for n in self.spec if n not in by_spec_name]
+        problems = [
+            p for n, c in by_spec_name.items() if (p := self.transform.check(n, candidates[c], self.spec[n])) is not None
+        ]
+        lines = []
+        if missing:
+            lines.append(f"missing {len(missing)} tensor(s) the model needs: {_listing(missing)}")
+        if unexpected:
+            lines.append(
+                f"{len(unexpected)} unexpected tensor(s) the model does not have: "
+                + _listing([f"{n} (in {candidates[n].file.name})" for n in unexpected])
+            )
+        if problems:
+            lines.append(f"{len(problems)} tensor(s) with the wrong shape or dtype: {_listing(problems)}")
+        if lines:
+            raise CheckpointError(
+                f"checkpoint {self.path} does not match its config.json:\n  - " + "\n  - ".join(lines)
+                + "\nCheck that config.json belongs to these weights (layer count, sizes, layer_types, "
+                "mlp_layer_types, tie_word_embeddings) or re-save the checkpoint."
+            )
+        self.checkpoint_names = by_spec_name
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield `(spec name, model tensor)`, reading one tensor at a time, shard by shard."""
+        by_file: dict[Path, list[str]] = {}
+        for spec_name, name in self.checkpoint_names.items():
+            by_file.setdefault(self.stored[name].file, []).append(spec_name)
+        with contextlib.ExitStack() as companions:
+            companion_handles: dict[Path, Any] = {}
+
+            def read_companion(name: str) -> torch.Tensor:
+                file = self.stored[name].file
+                if file not in companion_handles:
+                    companion_handles[file] = companions.enter_context(safe_open(file, framework="pt", device="cpu"))
+                return companion_handles[file].get_tensor(name)
+
+            with tqdm(total=self.num_bytes, unit="B", unit_scale=True, desc=f"loading {self.path.name}",
+                      disable=not self.show_progress) as bar:
+                for file in sorted(by_file):
+                    with safe_open(file, framework="pt", device="cpu") as f:
+                        for spec_name in by_file[file]:
+                            stored, spec = self.stored[self.checkpoint_names[spec_name]], self.spec[spec_name]
+                            raw = f.get_tensor(self.checkpoint_names[spec_name])
+                            tensor = self.transform.convert(spec_name, raw, spec, read_companion)
+                            del raw  # NOTE: the raw tensor must die before the next read (peak memory)
+                            if spec.max_value is not None:
+                                _check_range(spec_name, tensor, spec.max_value, stored.file)
+                            bar.update(stored.num_bytes)
+                            yield spec_name, tensor.to(self.device)
+                            del tensor
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """All tensors at once, as a state dict (still read one by one)."""
+        return dict(self.tensors())
+
+
+def _check_range(name: str, tensor: torch.Tensor, max_value: int, file: Path) -> None:
+    lo, hi = int(tensor.min()), int(tensor.max())
+    if lo < 0 or hi > max_value:
+        bad = lo if lo < 0 else hi
+        raise CheckpointError(
+            f"{name} in {file.name} holds value {bad}, outside [0, {max_value}] (expert ids must be below "
+            f"n_routed_experts={max_value + 1}); check n_routed_experts in config.json."
+        )
+
+
+def _listing(items: list[str]) -> str:
+    shown = ", ".join(items[:_MAX_LISTED])
+    return shown + (f" ... and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else "")
+
+
+@contextlib.contextmanager
+def meta_parameters() -> Iterator[None]:
+    """Build modules inside this context to get their parameters on the `meta` device (no memory).
+
+    Buffers are created normally, so non-persistent ones (RoPE tables) keep their computed values.
+    NOTE: patches `nn.Module.register_parameter` process-wide for the duration; not thread-safe.
+    """
+    original = nn.Module.register_parameter
+
+    def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(self, name, param)
+
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def load_weights(
+    model_or_spec: nn.Module | Mapping[str, TensorSpec],
+    path: str | Path,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    *,
+    progress: bool | None = None,
+) -> Any:
+    """Load checkpoint `path` into a model, or into a state dict for a spec.
+
+    - `model_or_spec` an `nn.Module` (parameters may be on `meta`): its state_dict keys and shapes
+      must equal `checkpoint_spec(config.json, dtype)`; the tensors are assigned in place and the
+      module is returned. `dtype` defaults to float32.
+    - `model_or_spec` a spec (name -> `TensorSpec`, dtypes already resolved): returns the state dict;
+      `dtype` must be left None.
+    """
+    root = Path(path)
+    if isinstance(model_or_spec, nn.Module):
+        config, quant = read_checkpoint_config(root)
+        return _load_into(model_or_spec, root, config, quant, parse_dtype(dtype or "float32"), device, progress)
+    if dtype is not None:
+        raise ValueError("load_weights(spec, ...) takes its dtypes from the spec; leave `dtype` unset.")
+    quant = read_checkpoint_config(root)[1] if (root / "config.json").exists() else None
+    return WeightLoader(root, model_or_spec, quantization_config=quant, device=device, progress=progress).state_dict()
+
+
+def _load_into(
+    model: nn.Module,
+    root: Path,
+    config: ModelConfig,
+    quant: Mapping[str, Any] | None,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    progress: bool | None,
+) -> nn.Module:
+    spec = checkpoint_spec(config, dtype)
+    _check_model_matches_spec(model, spec)
+    loader = WeightLoader(root, spec, quantization_config=quant, device=device, progress=progress)
+    model.load_state_dict(loader.state_dict(), strict=True, assign=True)
+    still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    if still_meta:
+        raise CheckpointError(
+            f"{type(model).__name__} still has tensors on the meta device after loading: {_listing(still_meta)}. "
+            "Build the model with `engine.loader.meta_parameters()` (buffers real) rather than on the meta device."
+        )
+    return model.to(device)
+
+
+def _check_model_matches_spec(model: nn.Module, spec: Mapping[str, TensorSpec]) -> None:
+    state = model.state_dict(keep_vars=True)
+    missing = [n for n in spec if n not in state]
+    extra = [n for n in state if n not in spec]
+    shapes = [f"{n}: model {list(t.shape)}, spec {list(spec[n].shape)}" for n, t in state.items()
+              if n in spec and tuple(t.shape) != tuple(spec[n].shape)]
+    if missing or extra or shapes:
+        parts = []
+        if missing:
+            parts.append(f"lacks {len(missing)} spec tensor(s): {_listing(missing)}")
+        if extra:
+            parts.append(f"has {len(extra)} tensor(s) outside the spec: {_listing(extra)}")
+        if shapes:
+            parts.append(f"shape mismatches: {_listing(shapes)}")
+        raise CheckpointError(
+            f"{type(model).__name__}.state_dict() does not match checkpoint_spec(config): " + "; ".join(parts)
+            + ". Fix the model (engine/models/deepseek_v4.py) or the spec (engine/models/deepseek_v4_weights.py)."
+        )
+
+
+def load_checkpoint(
+    path: str | Path,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    *,
+    progress: bool | None = None,
+) -> tuple[nn.Module, ModelConfig]:
+    """Blocks while reading: build `DeepseekV4ForCausalLM` from checkpoint `path` and load its weights.
+
+    Returns `(model, config)` with the model in eval mode on `device`, floats in `dtype` except the
+    fp32-kept set. Raises `CheckpointError` (naming the culprit) before reading any tensor data if
+    the checkpoint does not match its config.json.
+    """
+    from engine.models.deepseek_v4 import DeepseekV4ForCausalLM  # lazy: the model is heavy to import
+
+    root = Path(path)
+    torch_dtype = parse_dtype(dtype)
+    config, quant = read_checkpoint_config(root)
+    with torch.device(device), meta_parameters():
+        model = DeepseekV4ForCausalLM(config)
+    _load_into(model, root, config, quant, torch_dtype, device, progress)
+    return model.eval(), config

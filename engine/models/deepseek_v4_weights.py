@@ -1,0 +1,197 @@
+"""The DeepSeek-V4 checkpoint format: the name, shape and dtype of every tensor.
+
+`checkpoint_spec(config, dtype)` is the single source of truth for what a DeepSeek-V4 checkpoint
+holds and what `engine.models.deepseek_v4.DeepseekV4ForCausalLM.state_dict()` must contain, key for
+key. The names are the official DeepSeek ones, exactly as Hugging Face transformers'
+`DeepseekV4ForCausalLM.save_pretrained` writes them (transformers renames them to its own module
+names on load and back on save; we never use its internal names):
+
+```
+head.weight                       [V, H]            absent when tie_word_embeddings
+model.embed_tokens.weight         [V, H]
+model.norm.weight                 [H]
+model.hc_head.hc_{fn,base,scale}  [M, M*H] [M] [1]
+model.layers.{i}.
+  attn_norm.weight ffn_norm.weight                    [H]
+  hc_{attn,ffn}_{fn,base,scale}                       [(2+M)*M, M*H] [(2+M)*M] [3]
+  attn.wq_a.weight [Q, H]   attn.q_norm.weight [Q]    attn.wq_b.weight [NH*D, Q]
+  attn.wkv.weight  [D, H]   attn.norm.weight   [D]    attn.attn_sink   [NH]
+  attn.wo_a.weight [G*R, NH*D/G]                      attn.wo_b.weight [H, G*R]
+  CSA (rate m):  attn.compressor.{wkv,wgate}.weight [2D, H]  .ape [m, 2D]  .norm.weight [D]
+                 attn.indexer.compressor.{wkv,wgate}.weight [2*ID, H]  .ape [m, 2*ID]  .norm.weight [ID]
+                 attn.indexer.wq_b.weight [IH*ID, Q]  attn.indexer.weights_proj.weight [IH, H]
+  HCA (rate m'): attn.compressor.{wkv,wgate}.weight [D, H]  .ape [m', D]  .norm.weight [D]
+  ffn.gate.weight [E, H]    hash_moe: ffn.gate.tid2eid [V, K] int64    moe: ffn.gate.bias [E] fp32
+  ffn.experts.{e}.w1.weight [I, H]  .w2.weight [H, I]  .w3.weight [I, H]    e in 0..E-1
+  ffn.shared_experts.w1.weight [I, H]  .w2.weight [H, I]  .w3.weight [I, H]
+```
+
+Multi-token-prediction layers (`mtp.*`) are not part of this spec (transformers' model has none);
+the loader skips them and a later change adds their own spec.
+
+NOTE: a bf16 checkpoint is not all bf16. The tensors matched by `FP32_KEPT_PATTERNS` stay float32
+in any checkpoint and in the model (mirroring transformers' `_keep_in_fp32_modules_strict`, as
+measured on a bf16 `save_pretrained`), and `tid2eid` is always int64.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+import torch
+
+from engine.config import ModelConfig
+
+SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""Model dtypes deepinfer runs, by name (the fp32-kept tensors stay float32 under either)."""
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16"}
+
+FP32_KEPT_PATTERNS: tuple[str, ...] = (
+    "model.norm.weight",
+    "model.hc_head.hc_fn",
+    "model.hc_head.hc_base",
+    "model.hc_head.hc_scale",
+    "model.layers.*.attn_norm.weight",
+    "model.layers.*.ffn_norm.weight",
+    "model.layers.*.hc_attn_fn",
+    "model.layers.*.hc_attn_base",
+    "model.layers.*.hc_attn_scale",
+    "model.layers.*.hc_ffn_fn",
+    "model.layers.*.hc_ffn_base",
+    "model.layers.*.hc_ffn_scale",
+    "model.layers.*.attn.attn_sink",
+    "model.layers.*.attn.q_norm.weight",
+    "model.layers.*.attn.norm.weight",
+    "model.layers.*.attn.compressor.ape",
+    "model.layers.*.attn.compressor.norm.weight",
+    "model.layers.*.attn.indexer.compressor.ape",
+    "model.layers.*.attn.indexer.compressor.norm.weight",
+    "model.layers.*.ffn.gate.bias",
+)
+"""Tensors that stay float32 whatever the model dtype (`*` = a layer index): RMSNorm weights,
+hyper-connection weights, attention sinks, compressor position biases (`ape`) and the router's
+score-correction bias. Everything else that is floating point takes the requested dtype."""
+
+_FP32_KEPT_RE = re.compile(
+    "|".join("(?:" + re.escape(p).replace(r"\*", r"\d+") + ")" for p in FP32_KEPT_PATTERNS)
+)
+
+# Top-level names of DeepSeek's own (non-HF) checkpoints -> the names of this spec. Layer keys
+# only gain the `model.` prefix. transformers accepts both spellings; so does our loader.
+_OFFICIAL_TOP_LEVEL = {
+    "embed.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "hc_head_fn": "model.hc_head.hc_fn",
+    "hc_head_base": "model.hc_head.hc_base",
+    "hc_head_scale": "model.hc_head.hc_scale",
+}
+
+
+class TensorSpec(NamedTuple):
+    """Shape and dtype of one tensor as the model holds it after loading."""
+
+    shape: tuple[int, ...]
+    """Exact shape; the checkpoint must store this shape."""
+    dtype: torch.dtype
+    """dtype in the model (the checkpoint may store any float dtype for a float tensor)."""
+    max_value: int | None = None
+    """Inclusive upper bound on the values of an integer tensor (`tid2eid`: n_routed_experts - 1)."""
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Resolve `"float32"`/`"bfloat16"` (or `fp32`/`bf16`, or the torch dtype) to a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in SUPPORTED_DTYPES.values():
+            return dtype
+        raise ValueError(f"dtype {dtype} is not supported; use one of {sorted(SUPPORTED_DTYPES)}.")
+    name = _DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower())
+    if name not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(SUPPORTED_DTYPES)}.")
+    return SUPPORTED_DTYPES[name]
+
+
+def is_fp32_kept(name: str) -> bool:
+    """Whether tensor `name` stays float32 whatever the model dtype (see `FP32_KEPT_PATTERNS`)."""
+    return _FP32_KEPT_RE.fullmatch(name) is not None
+
+
+def official_to_spec_name(name: str) -> str:
+    """Map a key of DeepSeek's own checkpoint layout (`embed.weight`, `layers.0...`, `hc_head_fn`)
+    to this spec's name; names already in the spec's layout come back unchanged."""
+    if name in _OFFICIAL_TOP_LEVEL:
+        return _OFFICIAL_TOP_LEVEL[name]
+    if name.startswith("layers."):
+        return "model." + name
+    return name
+
+
+def checkpoint_spec(config: ModelConfig, dtype: str | torch.dtype = torch.float32) -> dict[str, TensorSpec]:
+    """Every tensor of a DeepSeek-V4 checkpoint for `config`, in a fixed order, as the model holds it
+    in `dtype` (the fp32-kept set stays float32, `tid2eid` is int64)."""
+    dtype = parse_dtype(dtype)
+    c = config
+    h, v, m = c.hidden_size, c.vocab_size, c.hc_mult
+    d, q, nh = c.head_dim, c.q_lora_rank, c.num_attention_heads
+    idim, ih = c.index_head_dim, c.index_n_heads
+    inter, e = c.moe_intermediate_size, c.n_routed_experts
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "attn_norm.weight"] = (h,)
+        shapes[p + "ffn_norm.weight"] = (h,)
+        for branch in ("attn", "ffn"):
+            shapes[f"{p}hc_{branch}_fn"] = ((2 + m) * m, m * h)
+            shapes[f"{p}hc_{branch}_base"] = ((2 + m) * m,)
+            shapes[f"{p}hc_{branch}_scale"] = (3,)
+        a = p + "attn."
+        shapes[a + "wq_a.weight"] = (q, h)
+        shapes[a + "q_norm.weight"] = (q,)
+        shapes[a + "wq_b.weight"] = (nh * d, q)
+        shapes[a + "wkv.weight"] = (d, h)
+        shapes[a + "norm.weight"] = (d,)
+        shapes[a + "attn_sink"] = (nh,)
+        shapes[a + "wo_a.weight"] = (c.o_groups * c.o_lora_rank, nh * d // c.o_groups)
+        shapes[a + "wo_b.weight"] = (h, c.o_groups * c.o_lora_rank)
+        layer_type, rate = c.layer_types[i], c.compress_rate(i)
+        if layer_type == "compressed_sparse_attention":
+            # overlapping windows: each token feeds two compressed entries, hence 2x widths
+            shapes.update(_compressor(a + "compressor.", h, 2 * d, d, rate))
+            shapes.update(_compressor(a + "indexer.compressor.", h, 2 * idim, idim, rate))
+            shapes[a + "indexer.wq_b.weight"] = (ih * idim, q)
+            shapes[a + "indexer.weights_proj.weight"] = (ih, h)
+        elif layer_type == "heavily_compressed_attention":
+            shapes.update(_compressor(a + "compressor.", h, d, d, rate))
+        f = p + "ffn."
+        shapes[f + "gate.weight"] = (e, h)
+        if c.mlp_layer_types[i] == "hash_moe":
+            shapes[f + "gate.tid2eid"] = (v, c.num_experts_per_tok)
+        else:
+            shapes[f + "gate.bias"] = (e,)
+        for expert in [f"experts.{j}." for j in range(e)] + ["shared_experts."]:
+            shapes[f + expert + "w1.weight"] = (inter, h)
+            shapes[f + expert + "w2.weight"] = (h, inter)
+            shapes[f + expert + "w3.weight"] = (inter, h)
+    shapes["model.norm.weight"] = (h,)
+    shapes["model.hc_head.hc_fn"] = (m, m * h)
+    shapes["model.hc_head.hc_base"] = (m,)
+    shapes["model.hc_head.hc_scale"] = (1,)
+    if not c.tie_word_embeddings:
+        shapes["head.weight"] = (v, h)
+
+    spec: dict[str, TensorSpec] = {}
+    for name, shape in shapes.items():
+        if name.endswith(".tid2eid"):
+            spec[name] = TensorSpec(shape, torch.int64, max_value=e - 1)
+        else:
+            spec[name] = TensorSpec(shape, torch.float32 if is_fp32_kept(name) else dtype)
+    return spec
+
+
+def _compressor(prefix: str, hidden: int, width: int, norm_dim: int, rate: int) -> dict[str, tuple[int, ...]]:
+    return {
+        prefix + "wkv.weight": (width, hidden),
+        prefix + "wgate.weight": (width, hidden),
+        prefix + "ape": (rate, width),
+        prefix + "norm.weight": (norm_dim,),
+    }

@@ -1,0 +1,226 @@
+"""Write random-weight DeepSeek-V4 checkpoints for tests and benchmarks.
+
+    python -m engine.testing.make_checkpoint DIR --preset tiny [--seed 0] [--dtype float32|bfloat16]
+        [--writer ours|hf] [--max-shard-size 5MB] [--overwrite]
+
+or `make_checkpoint(dir, preset="tiny", seed=0, dtype="float32", writer="ours")` from Python.
+
+Every tensor of `checkpoint_spec` is drawn, in spec order, from one `torch.Generator` seeded with
+`seed`, in float32 and then cast (so a bf16 checkpoint is the rounded fp32 one). All values are
+random and non-trivial, scaled to keep activations O(1) (see `_INIT_RULES`).
+
+Writers (both give the same tensor names, shapes, dtypes and values):
+- `ours`: safetensors written directly, split into `model-0000i-of-0000n.safetensors` shards plus
+  `model.safetensors.index.json` when larger than `max_shard_size`, and a transformers-style
+  config.json.
+- `hf`: the `ours` checkpoint loaded by transformers' `DeepseekV4ForCausalLM.from_pretrained` and
+  written back with `save_pretrained` (needs transformers; a test-only dependency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from engine.config import ModelConfig
+from engine.models.deepseek_v4_weights import TensorSpec, checkpoint_spec, parse_dtype
+from engine.testing.presets import PRESETS, get_preset
+
+WRITERS = ("ours", "hf")
+DEFAULT_MAX_SHARD_SIZE = 4 << 30
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
+
+Init = Callable[[TensorSpec, torch.Generator], torch.Tensor]
+
+
+def _normal(std: Callable[[tuple[int, ...]], float], mean: float = 0.0) -> Init:
+    return lambda s, g: torch.randn(s.shape, generator=g) * std(s.shape) + mean
+
+
+def _uniform(lo: float, hi: float) -> Init:
+    return lambda s, g: torch.rand(s.shape, generator=g) * (hi - lo) + lo
+
+
+def _distinct_expert_ids(s: TensorSpec, g: torch.Generator) -> torch.Tensor:
+    # [vocab, top_k]: each row a random set of distinct experts
+    assert s.max_value is not None
+    return torch.rand(s.shape[0], s.max_value + 1, generator=g).argsort(dim=1)[:, : s.shape[1]].contiguous()
+
+
+_FAN_IN = _normal(lambda shape: shape[-1] ** -0.5)  # y = W x keeps x's scale
+_INIT_RULES: tuple[tuple[str, Init], ...] = (
+    (r".*\.tid2eid", _distinct_expert_ids),
+    (r".*norm\.weight", _normal(lambda _: 0.1, mean=1.0)),  # RMSNorm gains: 1 +- 0.1
+    (r"model\.embed_tokens\.weight", _normal(lambda _: 1.0)),  # unit-RMS residual stream
+    (r".*\.attn_sink", _normal(lambda _: 1.0)),  # comparable to q.k / sqrt(d)
+    (r".*\.ape", _normal(lambda _: 0.5)),  # compressor gate position bias
+    (r".*\.gate\.bias", _normal(lambda _: 0.1)),  # score correction: changes some top-k picks
+    (r".*(hc_attn|hc_ffn)_base|.*hc_head\.hc_base", _normal(lambda _: 0.5)),
+    (r".*(hc_attn|hc_ffn)_scale|.*hc_head\.hc_scale", _uniform(0.5, 1.5)),
+    (r".*", _FAN_IN),  # every other matrix, hyper-connection `fn`s included
+)
+"""(regex over the full tensor name, initializer): the first match draws the tensor."""
+_INIT_RES = [(re.compile(p), init) for p, init in _INIT_RULES]
+
+
+def random_weights(config: ModelConfig, dtype: str | torch.dtype = "float32", seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random state dict for `config`, keyed and typed like `checkpoint_spec(config, dtype)`."""
+    spec = checkpoint_spec(config, dtype)
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, s in spec.items():
+        init = next(init for pattern, init in _INIT_RES if pattern.fullmatch(name))
+        out[name] = init(s, g).to(s.dtype).contiguous()
+    return out
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string like `"5MB"`, `"200KiB"`, `"1GB"`."""
+    if isinstance(size, int):
+        value = size
+    else:
+        m = _SIZE_RE.match(size)
+        if not m:
+            raise ValueError(f"max shard size {size!r} is not a size; write e.g. 5MB, 200KiB or 1GB.")
+        value = int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "B").upper()])
+    if value <= 0:
+        raise ValueError(f"max shard size must be positive; got {size!r}.")
+    return value
+
+
+def make_checkpoint(
+    directory: str | Path,
+    preset: str | Mapping[str, Any] = "tiny",
+    seed: int = 0,
+    dtype: str | torch.dtype = "float32",
+    writer: str = "ours",
+    *,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    overwrite: bool = False,
+) -> Path:
+    """Write a random-weight checkpoint of `preset` (a preset name or a transformers-style config
+    dict) to `directory` and return its path."""
+    if writer not in WRITERS:
+        raise ValueError(f"unknown writer {writer!r}; choose one of {WRITERS}.")
+    hf_config = get_preset(preset).hf_config() if isinstance(preset, str) else dict(preset)
+    torch_dtype = parse_dtype(dtype)
+    shard_bytes = parse_size(max_shard_size)
+    out = Path(directory)
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{out} is not empty; pass overwrite=True (--overwrite) or pick another directory.")
+        shutil.rmtree(out)
+    config = ModelConfig.from_hf_dict(hf_config)  # validate before writing anything
+    tensors = random_weights(config, torch_dtype, seed)
+    if writer == "ours":
+        _write_ours(out, hf_config, tensors, torch_dtype, shard_bytes)
+    else:
+        _write_hf(out, hf_config, tensors, torch_dtype, shard_bytes)
+    return out
+
+
+def _write_ours(
+    out: Path, hf_config: dict[str, Any], tensors: dict[str, torch.Tensor], dtype: torch.dtype, shard_bytes: int
+) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, start=1):
+            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, out / file, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, file))
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    config = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", **hf_config}
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _write_hf(
+    out: Path, hf_config: dict[str, Any], tensors: dict[str, torch.Tensor], dtype: torch.dtype, shard_bytes: int
+) -> None:
+    try:
+        from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+        from transformers.activations import ACT2FN
+        from transformers.utils import logging as hf_logging
+    except ImportError as e:
+        raise RuntimeError(f"writer 'hf' needs transformers with DeepSeek-V4 (pip install transformers); {e}") from e
+    bars_were_off = hf_logging.is_progress_bar_enabled() is False
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    # NOTE: transformers 5.24 has no `softmax` router activation (ACT2FN lacks it), so it cannot build
+    # such a model. The router function changes no tensor, so build with a stand-in and write the real
+    # value back into config.json (transformers then cannot load that checkpoint; we can).
+    scoring_func = hf_config.get("scoring_func", "sqrtsoftplus")
+    build_config = {**hf_config, "scoring_func": scoring_func if scoring_func in ACT2FN else "sigmoid"}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            _write_ours(Path(tmp), build_config, tensors, dtype, DEFAULT_MAX_SHARD_SIZE)
+            model, info = DeepseekV4ForCausalLM.from_pretrained(
+                tmp, config=DeepseekV4Config(**build_config), dtype=dtype, output_loading_info=True
+            )
+        model.config.scoring_func = scoring_func
+        bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+        if bad:
+            raise RuntimeError(f"transformers did not load our random checkpoint cleanly: {bad}; checkpoint_spec is stale.")
+        model.save_pretrained(out, max_shard_size=shard_bytes)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if not bars_were_off:
+            hf_logging.enable_progress_bar()
+
+
+def num_parameters(preset: str) -> int:
+    """Number of elements in a preset's checkpoint."""
+    spec = checkpoint_spec(ModelConfig.from_hf_dict(get_preset(preset).hf_config()))
+    return sum(math.prod(s.shape) for s in spec.values())
+
+
+def main(argv: list[str] | None = None) -> Path:
+    """Command-line entry point (see the module docstring)."""
+    parser = argparse.ArgumentParser(prog="python -m engine.testing.make_checkpoint", description=__doc__.split("\n")[0])
+    parser.add_argument("directory", type=Path, help="output directory (created)")
+    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="architecture (engine/testing/presets.py)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same weights")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the weights")
+    parser.add_argument("--writer", default="ours", choices=WRITERS, help="ours: direct; hf: via transformers")
+    parser.add_argument("--max-shard-size", default=str(DEFAULT_MAX_SHARD_SIZE), help="shard above this size, e.g. 5MB")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    args = parser.parse_args(argv)
+    try:
+        out = make_checkpoint(
+            args.directory, args.preset, seed=args.seed, dtype=args.dtype, writer=args.writer,
+            max_shard_size=args.max_shard_size, overwrite=args.overwrite,
+        )
+    except (ValueError, FileExistsError) as e:
+        parser.error(str(e))
+    print(f"wrote {args.preset} checkpoint ({num_parameters(args.preset):,} parameters, {args.dtype}) to {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
