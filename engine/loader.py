@@ -61,8 +61,8 @@ PROGRESS_MIN_BYTES = 1 << 30
 PROGRESS_MIN_TENSORS = 200
 _MAX_LISTED = 10
 
-_FLOAT_STORAGE = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-_INT_STORAGE = {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}
+_FLOAT_STORAGE = frozenset({"F64", "F32", "F16", "BF16"})  # safetensors dtype tags cast to any float dtype
+_INT_STORAGE = frozenset({"I64", "I32", "I16", "I8", "U8"})
 _FP8_STORAGE_RE = re.compile(r"^(F8_.*|F4.*|F6.*)$")
 _ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
 # Companion tensors of block-scaled quantization (DeepSeek: `<w>.scale`; HF FP8: `weight_scale_inv`).
@@ -273,6 +273,8 @@ def _read_index(index_path: Path) -> dict[str, str]:
 def read_checkpoint_config(path: str | Path) -> tuple[ModelConfig, dict[str, Any] | None]:
     """The checkpoint's `ModelConfig` and its raw `quantization_config` (None when unquantized)."""
     file = Path(path) if str(path).endswith(".json") else Path(path) / "config.json"
+    if not file.parent.is_dir():
+        raise CheckpointError(f"checkpoint directory {file.parent} does not exist (or is not a directory).")
     try:
         raw = json.loads(file.read_text())
     except FileNotFoundError:
@@ -515,8 +517,8 @@ def load_checkpoint(
 ) -> tuple[nn.Module, ModelConfig]:
     """Blocks while reading: build `DeepseekV4ForCausalLM` from checkpoint `path` and load its weights.
 
-    Returns `(model, config)` with the model in eval mode on `device`, floats in `dtype` except the
-    fp32-kept set. Raises `CheckpointError` (naming the culprit) before reading any tensor data if
+    Returns `(model, config)` with the model in eval mode, without gradients, on `device`, floats in
+    `dtype` except the fp32-kept set. Raises `CheckpointError` (naming the culprit) before reading any tensor data if
     the checkpoint does not match its config.json.
     """
     from engine.models.deepseek_v4 import DeepseekV4ForCausalLM  # lazy: the model is heavy to import
@@ -527,4 +529,4 @@ def load_checkpoint(
     with torch.device(device), meta_parameters():
         model = DeepseekV4ForCausalLM(config)
     _load_into(model, root, config, quant, torch_dtype, device, progress)
-    return model.eval(), config
+    return model.eval().requires_grad_(False), config

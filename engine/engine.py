@@ -1,0 +1,416 @@
+"""The engine core: requests in, incremental outputs out, one `step()` at a time.
+
+`Engine` is what every model-running stage drives (offline `LLM`, prefill and decode workers):
+`add_request` validates and queues, `step` runs schedule → model → sample → stop checks and
+returns the outputs that changed, `abort_request` frees a request anywhere in its life.
+
+A step reads as: `scheduler.schedule()` → `runner.execute()` → `sampler.sample()` →
+`StopChecker.append()` → `scheduler.update_from_output()`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.cache.block_pool import BlockPool, KVCacheManager, StateSlotPool
+from engine.cache.kv_cache import V4KVCache, compressed_bytes_per_token
+from engine.errors import InvalidRequestError
+from engine.model_runner import ModelRunner, exact_replay_tokens
+from engine.sampling import IncrementalDetokenizer, Sampler, SamplingBatch, SamplingParams
+from engine.sampling.sampler import TokenLogprobs, compute_logprobs
+from engine.sampling.stop import StopChecker
+from engine.scheduler import Request, Scheduler, SchedulerConfig
+
+
+class EngineConfig(BaseModel):
+    """Everything an engine instance needs to start (frozen, validated)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str | None = None
+    """Checkpoint directory; None means the built-in default model."""
+    dtype: str = "float32"
+    """Weights and cache dtype: float32 or bfloat16."""
+    device: str = "cpu"
+    """torch device (cpu, cuda, cuda:1, ...)."""
+    max_model_len: int | None = Field(None, gt=1)
+    """Longest prompt + output; None = min(config.max_position_embeddings, 8192)."""
+    block_size: int | None = Field(None, gt=0)
+    """Tokens per cache block; None = the least common multiple of the compress rates, at least 64."""
+    num_blocks: int | None = Field(None, gt=0)
+    """Cache blocks; None = enough for max_num_seqs sequences of max_model_len, capped by memory."""
+    max_num_seqs: int = Field(64, gt=0)
+    """Most running requests per step."""
+    max_num_batched_tokens: int = Field(2048, gt=0)
+    """Token budget per step."""
+    enable_prefix_caching: bool = True
+    """Reuse cached full blocks of shared prefixes."""
+    policy: str = "fcfs"
+    """Admission policy: fcfs or priority."""
+    seed: int | None = 0
+    """Seed of the sampler's generator for unseeded requests (None: nondeterministic)."""
+    replay_tokens: int | None = Field(None, ge=0)
+    """Tokens recomputed before a prefix hit to rebuild the bounded state; None = the exact minimum
+    (`exact_replay_tokens`). Smaller values are refused: they would change outputs."""
+
+
+@dataclass
+class CompletionOutput:
+    """One sequence's output so far (vLLM's shape)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: its prompt and its `n` sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
+    error: str | None = None
+    finished: bool = False
+    new_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    """Tokens added to each sequence by the last step (streaming deltas)."""
+    new_text: dict[int, str] = field(default_factory=dict)
+    """Text added to each sequence by the last step."""
+
+
+@dataclass
+class _Seq:
+    """Engine-side state of one sequence (a scheduler Request)."""
+
+    parent: _Parent
+    index: int
+    params: SamplingParams
+    stop: StopChecker
+    req: Request | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    outputs: list[CompletionOutput]
+    seqs: list[_Seq] = field(default_factory=list)
+    pending_children: list[_Seq] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    error: str | None = None
+
+
+def _lcm(values) -> int:
+    out = 1
+    for v in values:
+        out = out * v // __import__("math").gcd(out, v)
+    return out
+
+
+def default_model_path() -> Path:
+    """The built-in default checkpoint (the demo model)."""
+    from engine.testing.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+class Engine:
+    """The pure engine core (no sockets): `add_request` / `abort_request` / `step`."""
+
+    def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
+        from engine.loader import load_checkpoint
+        from engine.tokenizer import load_tokenizer
+
+        config = config or EngineConfig(**kwargs)
+        self.config = config
+        path = Path(config.model) if config.model else default_model_path()
+        self.model, self.model_config = load_checkpoint(path, dtype=config.dtype, device=config.device)
+        mc = self.model_config
+        self.tokenizer = load_tokenizer(path)
+        self.replay_tokens = exact_replay_tokens(mc)
+        if config.replay_tokens is not None:
+            if config.replay_tokens < self.replay_tokens:
+                raise ValueError(
+                    f"replay_tokens={config.replay_tokens} is below the exact minimum {self.replay_tokens} for this "
+                    "model (num_layers * (sliding_window - 1) + 2 * max compress rate); raise it or leave it unset"
+                )
+            self.replay_tokens = config.replay_tokens
+        self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
+        rates = mc.compress_rates.values()
+        block_size = config.block_size or max(_lcm(rates), 64 // _lcm(rates) * _lcm(rates))
+        blocks_per_seq = -(-self.max_model_len // block_size)
+        num_blocks = config.num_blocks or min(blocks_per_seq * config.max_num_seqs, 1 << 16)
+        dtype = self.model.model.embed_tokens.weight.dtype
+        self.cache = V4KVCache(mc, num_blocks, block_size, config.max_num_seqs, dtype=dtype, device=config.device)
+        self.kv_manager = KVCacheManager(BlockPool(num_blocks, block_size, config.enable_prefix_caching))
+        self.slots = StateSlotPool(config.max_num_seqs)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=self.max_model_len,
+                policy=config.policy,
+            ),
+            self.kv_manager,
+            self.slots,
+            replay_tokens_fn=lambda hit: self.replay_tokens,
+        )
+        self.runner = ModelRunner(self.model, self.cache)
+        self.sampler = Sampler(seed=config.seed)
+        self.eos_token_ids = tuple(mc.eos_token_ids)
+        self._parents: dict[str, _Parent] = {}
+        self._seqs: dict[str, _Seq] = {}
+        self._ids = itertools.count()
+        self.num_computed_tokens_total = 0
+        """Tokens the model computed since start (prefix hits excluded)."""
+        self.bytes_per_token = compressed_bytes_per_token(mc, dtype)
+        self.timings = {"schedule": 0.0, "model": 0.0, "sample": 0.0, "steps": 0}
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int] | dict,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Validate and queue a request; raises InvalidRequestError (naming the field) on bad input."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be a SamplingParams", field="params")
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._parents:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", field="request_id")
+        text, ids = self._tokenize(prompt)
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise InvalidRequestError("the prompt is empty; send at least one token", field="prompt")
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})", field="prompt_token_ids"
+            )
+        params.validate_against_vocab(vocab)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}", field="prompt"
+            )
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len "
+                f"({self.max_model_len})",
+                field="max_tokens",
+            )
+        parent = _Parent(request_id, text, ids, params, priority,
+                         [CompletionOutput(index=i) for i in range(params.n)])
+        for i in range(params.n):
+            child = params.for_child(i) if params.n > 1 else params
+            det = IncrementalDetokenizer(self.tokenizer, ids, child.skip_special_tokens)
+            stop = StopChecker(child, det, eos_token_ids=self.eos_token_ids, num_prompt_tokens=len(ids),
+                               max_model_len=self.max_model_len)
+            parent.seqs.append(_Seq(parent, i, child, stop, logprobs=[] if child.logprobs is not None else None))
+        self._parents[request_id] = parent
+        # NOTE: with n > 1 the first sequence runs alone until its prompt is cached; the others then
+        # start from the cached prefix blocks (shared copy-free) instead of recomputing the prompt.
+        share = params.n > 1 and self.config.enable_prefix_caching
+        first = parent.seqs[:1] if share else parent.seqs
+        parent.pending_children = parent.seqs[1:] if share else []
+        for seq in first:
+            self._submit(seq)
+        return request_id
+
+    def _submit(self, seq: _Seq) -> None:
+        p = seq.parent
+        rid = p.request_id if len(p.seqs) == 1 else f"{p.request_id}#{seq.index}"
+        seq.req = Request(rid, p.prompt_token_ids, max_tokens=seq.params.max_tokens, priority=p.priority,
+                          sampling_params=seq.params, arrival_time=time.monotonic())
+        self.scheduler.add_request(seq.req)
+        self._seqs[rid] = seq
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)):
+                    raise InvalidRequestError("prompt_token_ids must be a list of ints", field="prompt_token_ids")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", field="prompt")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise InvalidRequestError(f"unsupported prompt type {type(prompt).__name__}", field="prompt")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request (all its sequences) wherever it is; frees its blocks and slot."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return False
+        for seq in parent.seqs:
+            if seq.req is not None:
+                self.scheduler.abort_request(seq.req.req_id)
+                self._seqs.pop(seq.req.req_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        """Blocks for one model step; returns outputs of requests that progressed or finished."""
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        hits = {n.req_id: n.num_cached_tokens for n in out.scheduled_new_reqs}
+        self.runner.update_states(out, hits)
+        touched: set[str] = set()
+        for n in out.scheduled_new_reqs:
+            seq = self._seqs.get(n.req_id)
+            if seq is not None and not n.is_resumed and seq.index == 0:
+                seq.parent.num_cached_tokens = hits.get(n.req_id, 0)
+        for req_id, msg in out.error_messages.items():
+            seq = self._seqs.get(req_id)
+            if seq is not None:
+                seq.parent.error = msg
+                seq.parent.outputs[seq.index].finish_reason = "error"
+                touched.add(seq.parent.request_id)
+        t1 = time.perf_counter()
+        new_tokens: dict[str, list[int]] = {}
+        finished: dict[str, str] = {}
+        deltas: dict[str, tuple[list[int], str]] = {}
+        if out.total_num_scheduled_tokens:
+            token_ids_of = {rid: self.scheduler.get_request(rid).all_token_ids for rid in out.num_scheduled_tokens}
+            logits = self.runner.execute(out, token_ids_of)
+            self.num_computed_tokens_total += out.total_num_scheduled_tokens
+            t2 = time.perf_counter()
+            if out.sampling_req_ids:
+                seqs = [self._seqs[r] for r in out.sampling_req_ids]
+                reqs = [self.scheduler.get_request(r) for r in out.sampling_req_ids]
+                batch = SamplingBatch.build(
+                    [s.params for s in seqs], [r.output_token_ids for r in reqs], [r.prompt_token_ids for r in reqs],
+                    device=logits.device, eos_token_ids=self.eos_token_ids,
+                )
+                sampled = self.sampler.sample(logits, batch)
+                token_list = sampled.sampled_token_ids.tolist()
+                lps = sampled.request_logprobs()
+                for seq, tok, lp in zip(seqs, token_list, lps):
+                    upd = seq.stop.append([tok])
+                    rid = seq.req.req_id
+                    accepted = [tok][: upd.num_accepted_tokens]
+                    new_tokens[rid] = [tok]
+                    if seq.logprobs is not None and lp is not None and accepted:
+                        seq.logprobs.append(lp)
+                    deltas[rid] = (accepted, upd.text_delta)
+                    if upd.finish_reason is not None:
+                        finished[rid] = str(upd.finish_reason.value if hasattr(upd.finish_reason, "value")
+                                            else upd.finish_reason)
+                        seq.outputs_stop_reason = upd.stop_reason
+            t3 = time.perf_counter()
+            self.timings["model"] += t2 - t1
+            self.timings["sample"] += t3 - t2
+        done = self.scheduler.update_from_output(out, new_tokens, finished)
+        t4 = time.perf_counter()
+        self.timings["schedule"] += (t1 - t0) + (t4 - t4)
+        self.timings["steps"] += 1
+        for rid, (toks, text) in deltas.items():
+            seq = self._seqs[rid]
+            co = seq.parent.outputs[seq.index]
+            co.token_ids.extend(toks)
+            co.text += text
+            if seq.logprobs is not None:
+                co.logprobs = seq.logprobs
+            touched.add(seq.parent.request_id)
+        for req in done:
+            seq = self._seqs.get(req.req_id)
+            if seq is None:
+                continue
+            co = seq.parent.outputs[seq.index]
+            co.finish_reason = req.finish_reason
+            co.stop_reason = getattr(seq, "outputs_stop_reason", None)
+            if req.error_message:
+                seq.parent.error = req.error_message
+            touched.add(seq.parent.request_id)
+        # n > 1: start the remaining sequences once the first has its prompt cached
+        for parent in list(self._parents.values()):
+            if parent.pending_children:
+                first = parent.seqs[0].req
+                if first.num_computed_tokens >= first.num_prompt_tokens or first.is_finished:
+                    for seq in parent.pending_children:
+                        self._submit(seq)
+                    parent.pending_children = []
+        results = []
+        for pid in touched:
+            parent = self._parents.get(pid)
+            if parent is None:
+                continue
+            ro = self._make_output(parent, deltas)
+            results.append(ro)
+            if ro.finished:
+                for seq in parent.seqs:
+                    if seq.req is not None:
+                        self._seqs.pop(seq.req.req_id, None)
+                del self._parents[pid]
+        return results
+
+    def _make_output(self, parent: _Parent, deltas) -> RequestOutput:
+        finished = all(o.finish_reason is not None for o in parent.outputs) or parent.error is not None
+        new_ids, new_text = {}, {}
+        for seq in parent.seqs:
+            if seq.req is not None and seq.req.req_id in deltas:
+                new_ids[seq.index], new_text[seq.index] = deltas[seq.req.req_id]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=[CompletionOutput(o.index, o.text, list(o.token_ids), o.logprobs, o.finish_reason, o.stop_reason)
+                     for o in parent.outputs],
+            prompt_logprobs=parent.prompt_logprobs,
+            num_cached_tokens=parent.num_cached_tokens,
+            error=parent.error,
+            finished=finished,
+            new_token_ids=new_ids,
+            new_text=new_text,
+        )
+
+    # ------------------------------------------------------------------ extras
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, prompt_token_ids: list[int], num_logprobs: int) -> list[TokenLogprobs | None]:
+        """Logprobs of each prompt token given its prefix (first is None), computed in a scratch pass."""
+        from engine.testing.model_runner import ModelRunnerForTests
+
+        runner = ModelRunnerForTests(self.model, max_seqs=1, max_len=len(prompt_token_ids) + 1)
+        logits = runner.run([(0, prompt_token_ids)], logits="all")[:-1]
+        lt = compute_logprobs(torch.log_softmax(logits, dim=-1), torch.tensor(prompt_token_ids[1:]),
+                              num_logprobs)
+        return [None] + lt.tolists([num_logprobs] * (len(prompt_token_ids) - 1))

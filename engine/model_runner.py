@@ -1,0 +1,85 @@
+"""Turns a `SchedulerOutput` into one model step over the instance's cache.
+
+The runner owns the model and the cache tensors (`V4KVCache`) and mirrors, per request, what
+the model needs: its slot, block table and the bounded-replay window of its current life.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.cache.kv_cache import V4KVCache
+from engine.forward_batch import ForwardBatch, SeqChunk
+from engine.scheduler import SchedulerOutput
+
+
+def exact_replay_tokens(config) -> int:
+    """Tokens before a prefix hit to recompute so the bounded state comes out exactly as cold.
+
+    The sliding window's receptive field grows by `sliding_window - 1` tokens per layer: a
+    replayed token's layer-l state is exact once `l * (window - 1)` replayed tokens precede it.
+    The ring needs the last `window - 1` tokens exact at every layer and the compressor buffers
+    the last `2 * rate - 1`, so `num_layers * (window - 1) + 2 * max_rate` tokens suffice.
+    """
+    max_rate = max(config.compress_rates.values())
+    return config.num_hidden_layers * (config.sliding_window - 1) + 2 * max_rate
+
+
+@dataclass
+class _RunnerReq:
+    slot: int
+    block_ids: list[int]
+    state_start: int
+    """First position computed in this life (bounded state valid from here)."""
+    num_frozen_tokens: int
+    """Prefix-hit tokens: their compressed entries are cached and must not be rewritten."""
+
+
+class ModelRunner:
+    """Executes scheduled steps: builds the flat batch, runs the model, returns logits to sample."""
+
+    def __init__(self, model, cache: V4KVCache) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = cache.device
+        self.reqs: dict[str, _RunnerReq] = {}
+
+    def update_states(self, out: SchedulerOutput, num_hit_tokens: dict[str, int]) -> None:
+        """Drop finished/preempted requests, register new ones, extend block tables."""
+        for req_id in out.finished_req_ids:
+            self.reqs.pop(req_id, None)
+        for req_id in out.preempted_req_ids:
+            self.reqs.pop(req_id, None)
+        for new in out.scheduled_new_reqs:
+            self.reqs[new.req_id] = _RunnerReq(
+                slot=new.state_slot_id,
+                block_ids=list(new.block_ids),
+                state_start=new.num_computed_tokens,
+                num_frozen_tokens=num_hit_tokens.get(new.req_id, 0),
+            )
+        for run in out.scheduled_running_reqs:
+            self.reqs[run.req_id].block_ids.extend(run.new_block_ids)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, token_ids_of: dict[str, list[int]]) -> torch.Tensor:
+        """Run the step; returns float32 logits [len(out.sampling_req_ids), vocab] in that order.
+
+        `token_ids_of[req_id]` are all known token ids of each scheduled request.
+        """
+        starts = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
+        starts.update({r.req_id: r.num_computed_tokens for r in out.scheduled_running_reqs})
+        order = [n.req_id for n in out.scheduled_new_reqs] + [r.req_id for r in out.scheduled_running_reqs]
+        seqs, chunks, last_index, off = [], [], {}, 0
+        for req_id in order:
+            n = out.num_scheduled_tokens[req_id]
+            p0 = starts[req_id]
+            st = self.reqs[req_id]
+            seqs.append(SeqChunk(st.slot, st.block_ids, p0, n, st.state_start, st.num_frozen_tokens))
+            chunks.append(token_ids_of[req_id][p0:p0 + n])
+            off += n
+            last_index[req_id] = off - 1
+        logits_idx = [last_index[r] for r in out.sampling_req_ids]
+        batch = ForwardBatch.build(chunks, seqs, device=self.device, logits=logits_idx)
+        return self.model.step(batch, self.cache)
