@@ -3,13 +3,17 @@
 Each preset is a transformers-style config dict (what `DeepseekV4Config(**config)` accepts and
 `ModelConfig.from_hf_dict` reads). Together they cover every code path of the model:
 
-| preset         | layers (attention / MoE)                  | router       | other                               |
-|----------------|-------------------------------------------|--------------|-------------------------------------|
-| `tiny`         | sliding, CSA, HCA, CSA / hash, hash, moe, moe | sqrtsoftplus | hc_mult 2, window 8, CSA 4, HCA 8  |
-| `tiny-yarn`    | CSA, HCA, sliding, HCA / hash, moe, moe, moe | sqrtsoftplus | YaRN compress rope, hc_mult 3      |
-| `tiny-sigmoid` | HCA, CSA, sliding / hash, moe, moe           | sigmoid      | tied embeddings, hc_mult 4, HCA 16 |
-| `tiny-softmax` | CSA, CSA, HCA, sliding / hash, moe, moe, moe | softmax      | swiglu_limit 1 (clamp active)      |
-| `small`        | 6 mixed layers / 2 hash + 4 moe, 8 experts   | sqrtsoftplus | hidden 256, hc_mult 4, for benchmarks |
+| preset         | attention layers         | MoE layers            | router       | also                                 |
+|----------------|--------------------------|-----------------------|--------------|--------------------------------------|
+| `tiny`         | sliding, CSA, HCA, CSA   | hash, hash, moe, moe  | sqrtsoftplus | hc_mult 2, window 8, CSA 4, HCA 8    |
+| `tiny-yarn`    | CSA, HCA, sliding, HCA   | hash, moe, moe, moe   | sqrtsoftplus | YaRN compress rope, hc_mult 3        |
+| `tiny-sigmoid` | HCA, CSA, sliding        | hash, moe, moe        | sigmoid      | tied embeddings, hc_mult 4, HCA 16   |
+| `tiny-softmax` | CSA, CSA, HCA, sliding   | hash, moe, moe, moe   | softmax      | swiglu_limit 1 (clamp active)        |
+| `small`        | 6 mixed                  | 2 hash + 4 moe        | sqrtsoftplus | hidden 256, 8 experts, for benchmarks |
+
+NOTE: transformers 5.24 cannot build a `softmax`-router model (no such activation in its ACT2FN), so
+`tiny-softmax` has no transformers oracle; its `hf`-writer checkpoint is still written (see
+make_checkpoint.py).
 
 NOTE: windows and compress rates are tiny on purpose, so prompts of tens of tokens cross many
 sliding-window and compression boundaries, and `index_topk` is below the number of compressed

@@ -1,0 +1,40 @@
+"""The `deepinfer` command line as a user runs it (a real subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from engine.testing.make_checkpoint import make_checkpoint
+
+
+def _cli(*args: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
+
+
+def test_generate_prints_one_json_per_prompt(tmp_path):
+    path = make_checkpoint(tmp_path / "ck", preset="tiny", seed=0)
+    r = _cli("generate", "--model", str(path), "--prompt-ids", "5,6,7", "--prompt-ids", "9,10", "--max-tokens", "4")
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert [x["prompt_token_ids"] for x in lines] == [[5, 6, 7], [9, 10]]
+    assert all(len(x["token_ids"]) == 4 and x["finish_reason"] == "length" for x in lines)
+    assert lines[0]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "cached_prompt_tokens": 0}
+
+
+def test_generate_refuses_bad_input_with_field(tmp_path):
+    path = make_checkpoint(tmp_path / "ck", preset="tiny", seed=0)
+    r = _cli("generate", "--model", str(path), "--prompt-ids", "5,999999", "--max-tokens", "4")
+    assert r.returncode == 2
+    assert json.loads(r.stderr.splitlines()[0])["field"] == "prompt_token_ids"
+
+
+def test_demo_runs_on_the_embedded_default(tmp_path):
+    r = _cli("demo", "--max-tokens", "3", env={"DEEPINFER_HOME": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert len(lines) == 2 and all(len(x["token_ids"]) == 3 for x in lines)
+    assert (tmp_path / "default-tiny" / "config.json").exists()
