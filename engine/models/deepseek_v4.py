@@ -36,6 +36,7 @@ how tokens are chunked into steps or batched with other requests.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -120,6 +121,44 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x[..., :-rd], out], dim=-1)
 
 
+@dataclass
+class DecodeMeta:
+    """Requests of a step with exactly one new token, handled as one batch in every layer."""
+
+    seq_idx: list[int]
+    other_idx: list[int]
+    """Sequences handled one by one (prefill chunks)."""
+    rows: torch.Tensor  # [B] flat token index of each decode row
+    pos: torch.Tensor  # [B] its position
+    slots: torch.Tensor  # [B]
+    state_start: torch.Tensor  # [B]
+    frozen: torch.Tensor  # [B] num_frozen_tokens
+    block_tables: torch.Tensor  # [B, max_blocks] (padded with 0)
+
+    @classmethod
+    def build(cls, batch: ForwardBatch) -> DecodeMeta | None:
+        seq_idx = [i for i, s in enumerate(batch.seqs) if s.num_new_tokens == 1]
+        if not seq_idx:
+            return None
+        dev = batch.input_ids.device
+        seqs = [batch.seqs[i] for i in seq_idx]
+        max_blocks = max(len(s.block_table) for s in seqs)
+
+        def t(values):
+            return torch.tensor(values, dtype=torch.long, device=dev)
+
+        return cls(
+            seq_idx=seq_idx,
+            other_idx=[i for i, s in enumerate(batch.seqs) if s.num_new_tokens != 1],
+            rows=t([batch.starts[i] for i in seq_idx]),
+            pos=t([s.num_computed_tokens for s in seqs]),
+            slots=t([s.slot for s in seqs]),
+            state_start=t([s.state_start for s in seqs]),
+            frozen=t([s.num_frozen_tokens for s in seqs]),
+            block_tables=t([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]),
+        )
+
+
 # --------------------------------------------------------------------------- compressor
 
 
@@ -152,25 +191,53 @@ class Compressor(nn.Module):
         rotary: Rotary,
     ) -> torch.Tensor:
         """Emit the entries of `windows` -> [nw, dim] (normed and rotated at `w * rate`)."""
-        r, d = self.rate, self.dim
+        r = self.rate
         ar = torch.arange(r, device=kv.device)
         cur = (windows * r - first_pos)[:, None] + ar[None, :]  # [nw, r] rows of window w
+        prev = (cur - r).clamp(min=0)
+        return self.compress_gathered(kv[cur], gate[cur], kv[prev], gate[prev], windows, rotary)
+
+    def compress_gathered(
+        self,
+        cur_kv: torch.Tensor,  # [nw, r, width] tokens of window w
+        cur_gate: torch.Tensor,  # [nw, r, width]
+        prev_kv: torch.Tensor,  # [nw, r, width] tokens of window w-1 (ignored where w == 0 or no overlap)
+        prev_gate: torch.Tensor,
+        windows: torch.Tensor,  # [nw]
+        rotary: Rotary,
+    ) -> torch.Tensor:
+        """Entries of `windows` from their gathered tokens -> [nw, dim]."""
+        d = self.dim
         bias = self.ape  # [r, width]
-        g_cur = gate[cur].float() + bias
+        g_cur = cur_gate.float() + bias
         if self.overlap:
-            prev = cur - r
             valid = (windows > 0)[:, None, None]
-            prev_c = prev.clamp(min=0)
-            kv_all = torch.cat([kv[prev_c][..., :d], kv[cur][..., d:]], dim=1)  # [nw, 2r, d]
-            g_prev = (gate[prev_c].float() + bias)[..., :d]
+            kv_all = torch.cat([prev_kv[..., :d], cur_kv[..., d:]], dim=1)  # [nw, 2r, d]
+            g_prev = (prev_gate.float() + bias)[..., :d]
             g_prev = torch.where(valid, g_prev, torch.full_like(g_prev, float("-inf")))
             g_all = torch.cat([g_prev, g_cur[..., d:]], dim=1)
         else:
-            kv_all, g_all = kv[cur], g_cur
+            kv_all, g_all = cur_kv, g_cur
         w = g_all.softmax(dim=1).to(kv_all.dtype)
         entries = self.norm((kv_all * w).sum(dim=1))  # [nw, d]
-        cos, sin = rotary(windows * r)
+        cos, sin = rotary(windows * self.rate)
         return apply_rope(entries, cos, sin)
+
+
+def topk_mask(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    """Boolean mask of the `k` best visible entries per row; ties go to the lower entry index.
+
+    NOTE: ties are frequent (an entry whose every head has ReLU(q.k) = 0 scores exactly 0) and
+    torch.topk breaks them in an order that depends on the tensor's shape, which is why HF's
+    logits at a position change with the total forward length. Breaking ties by entry index (a
+    stable descending sort) makes the choice depend only on the entries the query can see, so
+    it is causal and invariant to chunking, batching and decoding.
+    """
+    if scores.shape[-1] <= k:
+        return visible
+    scores = scores.masked_fill(~visible, float("-inf"))
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    return torch.zeros_like(visible).scatter_(-1, order, True) & visible
 
 
 # --------------------------------------------------------------------------- attention
@@ -204,18 +271,15 @@ class Indexer(nn.Module):
         scores = F.relu(scores) * (self.head_dim**-0.5)
         weights = self.weights_proj(x).float() * (self.num_heads**-0.5)  # [n, heads]
         scores = (scores * weights[:, :, None]).sum(dim=1)  # [n, C]
-        C = keys.shape[0]
-        if C <= self.topk:
-            return visible
-        # NOTE: ties are frequent (an entry whose every head has ReLU(q.k) = 0 scores exactly 0)
-        # and torch.topk breaks them in an order that depends on the tensor's shape, which is
-        # why HF's logits at a position change with the total forward length. We break ties
-        # by entry index instead (a stable descending sort): the choice then depends only on
-        # the scores of the entries the query can see, so it is causal and chunk-invariant.
-        scores = scores.masked_fill(~visible, float("-inf"))
-        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : self.topk]
-        chosen = torch.zeros_like(visible).scatter_(1, order, True)
-        return chosen & visible
+        return topk_mask(scores, visible, self.topk)
+
+    def score_batched(self, q_res, x, keys, cos, sin) -> torch.Tensor:
+        """Decode rows, each with its own keys: keys [B, C, index_head_dim] -> scores [B, C]."""
+        B = x.shape[0]
+        q = apply_rope(self.wq_b(q_res).view(B, self.num_heads, self.head_dim), cos, sin)
+        scores = F.relu(torch.einsum("bhd,bcd->bhc", q.float(), keys.float())) * (self.head_dim**-0.5)
+        weights = self.weights_proj(x).float() * (self.num_heads**-0.5)  # [B, heads]
+        return (scores * weights[:, :, None]).sum(dim=1)
 
 
 class Attention(nn.Module):
@@ -259,7 +323,17 @@ class Attention(nn.Module):
             if self.kind == "csa":
                 ikv, igate = self.indexer.compressor.project(x)
         out = torch.empty_like(q)
-        for i, s in enumerate(batch.seqs):
+        dm: DecodeMeta | None = rope.get("decode")
+        if dm is not None:
+            r = dm.rows
+            proj = None
+            if self.kind == "csa":
+                proj = (ckv[r], cgate[r], ikv[r], igate[r])
+            elif self.kind == "hca":
+                proj = (ckv[r], cgate[r], None, None)
+            out[r] = self._decode_batched(dm, q[r], kv[r], x[r], q_res[r], proj, cache, rope)
+        for i in (dm.other_idx if dm is not None else range(len(batch.seqs))):
+            s = batch.seqs[i]
             a, b = batch.starts[i], batch.starts[i] + s.num_new_tokens
             sl = slice(a, b)
             extra = None
@@ -274,6 +348,86 @@ class Attention(nn.Module):
         w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])  # [G, R, NH*D/G]
         y = torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(T, -1)  # [T, G*R]
         return self.wo_b(y)
+
+    # -- decode rows, batched ------------------------------------------------------------------
+
+    def _decode_batched(self, dm: DecodeMeta, q, kv, x, q_res, proj, cache: V4KVCache, rope) -> torch.Tensor:
+        """One new token for each of B requests in one go. q [B, NH, D], kv [B, D] -> [B, NH, D]."""
+        W = self.window
+        ring = cache.window_kv[self.layer_idx]  # [slots, W, D]
+        ring[dm.slots, dm.pos % W] = kv.to(ring.dtype)
+        keys = ring[dm.slots]  # [B, W, D]
+        j = torch.arange(W, device=kv.device)
+        key_pos = dm.pos[:, None] - ((dm.pos[:, None] - j[None, :]) % W)  # position held by ring row j
+        valid = key_pos >= dm.state_start[:, None]
+        scale = self.head_dim**-0.5
+        logits = torch.einsum("bhd,bwd->bhw", q, keys) * scale
+        parts = [logits.masked_fill(~valid[:, None, :], float("-inf"))]
+        entries = None
+        if proj is not None:
+            entries, mask = self._decode_compressed(dm, x, q_res, proj, cache, rope)
+            if entries is not None:
+                cl = torch.einsum("bhd,bcd->bhc", q, entries) * scale
+                parts.append(cl.masked_fill(~mask[:, None, :], float("-inf")))
+        parts.append(self.attn_sink.to(logits.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1))
+        allp = torch.cat(parts, dim=-1)
+        probs = (allp - allp.amax(dim=-1, keepdim=True)).softmax(dim=-1)
+        o = torch.einsum("bhw,bwd->bhd", probs[..., :W].to(keys.dtype), keys)
+        if entries is not None:
+            C = entries.shape[1]
+            o = o + torch.einsum("bhc,bcd->bhd", probs[..., W:W + C].to(entries.dtype), entries)
+        return o
+
+    def _decode_compressed(self, dm: DecodeMeta, x, q_res, proj, cache: V4KVCache, rope):
+        """Advance the compressors by one token per row; return (entries [B, C, D], mask [B, C])."""
+        r, j = self.rate, self.kind_index
+        ckv, cgate, ikv, igate = proj
+        rotary = rope["compress_rotary"]
+        if self.kind == "csa":
+            pool, epb = cache.csa_entries[j], cache.csa_entries_per_block
+            self._decode_compressor(self.compressor, ckv, cgate, cache.csa_buf_kv[j], cache.csa_buf_gate[j],
+                                    dm, pool, epb, rotary)
+            ipool = cache.index_entries[j]
+            self._decode_compressor(self.indexer.compressor, ikv, igate, cache.index_buf_kv[j],
+                                    cache.index_buf_gate[j], dm, ipool, epb, rotary)
+        else:
+            pool, epb = cache.hca_entries[j], cache.hca_entries_per_block
+            self._decode_compressor(self.compressor, ckv, cgate, cache.hca_buf_kv[j], cache.hca_buf_gate[j],
+                                    dm, pool, epb, rotary)
+        num_entries = (dm.pos + 1) // r  # [B] entries visible to each row's query
+        c_max = int(num_entries.max())
+        if c_max == 0:
+            return None, None
+        c = torch.arange(c_max, device=x.device)
+        visible = c[None, :] < num_entries[:, None]  # [B, C]
+        blk = dm.block_tables.gather(1, (c // epb).clamp(max=dm.block_tables.shape[1] - 1)[None].expand(len(dm.rows), -1))
+        flat = torch.where(visible, blk * epb + c % epb, torch.zeros_like(blk))
+        entries = pool.view(-1, pool.shape[-1])[flat]  # [B, C, D]
+        if self.kind == "hca":
+            return entries, visible
+        keys = ipool.view(-1, ipool.shape[-1])[flat]  # [B, C, ID]
+        scores = self.indexer.score_batched(q_res, x, keys, rope["dec_cos"], rope["dec_sin"])
+        return entries, topk_mask(scores, visible, self.indexer.topk)
+
+    @staticmethod
+    def _decode_compressor(comp: Compressor, kv, gate, buf_kv, buf_gate, dm: DecodeMeta, pool, epb, rotary) -> None:
+        """Write each row's new token into its ring; emit the entry of every window that just ended."""
+        r, ring_len = comp.rate, buf_kv.shape[1]
+        buf_kv[dm.slots, dm.pos % ring_len] = kv.to(buf_kv.dtype)
+        buf_gate[dm.slots, dm.pos % ring_len] = gate.to(buf_gate.dtype)
+        w_all = (dm.pos + 1) // r - 1
+        done = ((dm.pos + 1) % r == 0) & (w_all >= dm.frozen // r)
+        sel = done.nonzero().squeeze(1)
+        if sel.numel() == 0:
+            return
+        w = w_all[sel]
+        slots = dm.slots[sel][:, None]
+        cur = w[:, None] * r + torch.arange(r, device=kv.device)[None, :]  # [b, r] positions
+        prev = (cur - r).clamp(min=0)
+        new = comp.compress_gathered(buf_kv[slots, cur % ring_len], buf_gate[slots, cur % ring_len],
+                                     buf_kv[slots, prev % ring_len], buf_gate[slots, prev % ring_len], w, rotary)
+        flat = dm.block_tables[sel, w // epb] * epb + w % epb
+        pool.view(-1, pool.shape[-1])[flat] = new.to(pool.dtype)
 
     # -- per request ------------------------------------------------------------------------
 
@@ -420,10 +574,10 @@ class MoE(nn.Module):
 
     def __init__(self, config: ModelConfig, is_hash: bool) -> None:
         super().__init__()
-        H, I, lim = config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
+        H, inter, lim = config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
         self.gate = Gate(config, is_hash)
-        self.experts = nn.ModuleList(Expert(H, I, lim) for _ in range(config.n_routed_experts))
-        self.shared_experts = Expert(H, I, lim)
+        self.experts = nn.ModuleList(Expert(H, inter, lim) for _ in range(config.n_routed_experts))
+        self.shared_experts = Expert(H, inter, lim)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, idx = self.gate(x, input_ids)
@@ -545,8 +699,11 @@ class DeepseekV4Model(nn.Module):
         streams = h.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()  # [T, hc, H]
         cm, sm = self.rotary_main(batch.positions)
         cc, sc = self.rotary_compress(batch.positions)
-        rope_main = {"cos": cm, "sin": sm, "compress_rotary": self.rotary_compress}
-        rope_comp = {"cos": cc, "sin": sc, "compress_rotary": self.rotary_compress}
+        dm = DecodeMeta.build(batch)
+        rope_main = {"cos": cm, "sin": sm, "compress_rotary": self.rotary_compress, "decode": dm}
+        rope_comp = {"cos": cc, "sin": sc, "compress_rotary": self.rotary_compress, "decode": dm}
+        if dm is not None:
+            rope_comp["dec_cos"], rope_comp["dec_sin"] = cc[dm.rows], sc[dm.rows]
         for layer in self.layers:
             rope = rope_main if layer.attn.kind == "sliding" else rope_comp
             streams = layer(streams, batch, cache, rope)
