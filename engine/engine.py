@@ -55,6 +55,8 @@ class EngineConfig(BaseModel):
     """Admission policy: fcfs or priority."""
     seed: int | None = 0
     """Seed of the sampler's generator for unseeded requests (None: nondeterministic)."""
+    async_scheduling: bool = False
+    """Overlap scheduling and output processing with the model run (a worker thread)."""
     replay_tokens: int | None = Field(None, ge=0)
     """Tokens recomputed before a prefix hit to rebuild the bounded state; None = the exact minimum
     (`exact_replay_tokens`). Smaller values are refused: they would change outputs."""
@@ -122,6 +124,20 @@ class _Parent:
     error: str | None = None
 
 
+@dataclass
+class _PreparedStep:
+    batch: object
+    sampling_batch: SamplingBatch | None
+
+
+@dataclass
+class _StepResult:
+    token_ids: list[int]
+    logprobs: list
+    model_s: float
+    sample_s: float
+
+
 def _lcm(values) -> int:
     out = 1
     for v in values:
@@ -187,6 +203,12 @@ class Engine:
         """Tokens the model computed since start (prefix hits excluded)."""
         self.bytes_per_token = compressed_bytes_per_token(mc, dtype)
         self.timings = {"schedule": 0.0, "model": 0.0, "sample": 0.0, "steps": 0}
+        self._inflight = None
+        self._executor = None
+        if config.async_scheduling:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-model")
 
     # ------------------------------------------------------------------ requests
 
@@ -232,6 +254,10 @@ class Engine:
             stop = StopChecker(child, det, eos_token_ids=self.eos_token_ids, num_prompt_tokens=len(ids),
                                max_model_len=self.max_model_len)
             parent.seqs.append(_Seq(parent, i, child, stop, logprobs=[] if child.logprobs is not None else None))
+        if params.prompt_logprobs is not None:
+            # NOTE: computed by a separate scratch pass over the prompt (not inside the batched
+            # prefill), so it costs one extra prompt forward for the requests that ask for it.
+            parent.prompt_logprobs = self.prompt_logprobs(ids, params.prompt_logprobs)
         self._parents[request_id] = parent
         # NOTE: with n > 1 the first sequence runs alone until its prompt is cached; the others then
         # start from the cached prefix blocks (shared copy-free) instead of recomputing the prompt.
@@ -279,7 +305,7 @@ class Engine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents)
+        return bool(self._parents) or self._inflight is not None
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -288,7 +314,37 @@ class Engine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
-        """Blocks for one model step; returns outputs of requests that progressed or finished."""
+        """Blocks for one model step; returns outputs of requests that progressed or finished.
+
+        With `async_scheduling`, step N+1 is scheduled while step N's model runs on a worker
+        thread, and step N's outputs are post-processed (stop checks, detokenization, scheduler
+        update) while step N+1 runs; the returned outputs then lag one step behind the device.
+        """
+        if not self.config.async_scheduling:
+            out, touched = self._schedule()
+            result = self._run(self._prepare(out, {})) if out.total_num_scheduled_tokens else None
+            return self._postprocess(out, result, touched)
+        if self._inflight is None:
+            out, touched = self._schedule()
+            if not out.total_num_scheduled_tokens:
+                return self._postprocess(out, None, touched)
+            self._inflight = (out, touched, self._executor.submit(self._run, self._prepare(out, {})))
+            return []
+        prev, prev_touched, fut = self._inflight
+        nxt, nxt_touched = self._schedule()  # overlaps with the previous step's model run
+        result = fut.result()
+        outputs = []
+        if nxt.total_num_scheduled_tokens:
+            pending = dict(zip(prev.sampling_req_ids, result.token_ids)) if result is not None else {}
+            self._inflight = (nxt, nxt_touched, self._executor.submit(self._run, self._prepare(nxt, pending)))
+            outputs = self._postprocess(prev, result, prev_touched)  # overlaps with the next step's run
+        else:
+            self._inflight = None
+            outputs = self._postprocess(prev, result, prev_touched)
+            outputs += self._postprocess(nxt, None, nxt_touched)
+        return outputs
+
+    def _schedule(self):
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         hits = {n.req_id: n.num_cached_tokens for n in out.scheduled_new_reqs}
@@ -304,43 +360,71 @@ class Engine:
                 seq.parent.error = msg
                 seq.parent.outputs[seq.index].finish_reason = "error"
                 touched.add(seq.parent.request_id)
+        self.timings["schedule"] += time.perf_counter() - t0
+        return out, touched
+
+    def _prepare(self, out, pending: dict[str, int]) -> _PreparedStep:
+        """Snapshot everything the step needs (main thread): the model batch and the sampling batch.
+
+        `pending[req_id]` is a token sampled by the previous step whose update has not been applied
+        yet (async scheduling): it is the request's newest token.
+        """
+        token_ids_of = {}
+        for rid in out.num_scheduled_tokens:
+            req = self.scheduler.get_request(rid)
+            ids = req.all_token_ids
+            token_ids_of[rid] = ids + [pending[rid]] if rid in pending else ids
+        batch = self.runner.prepare(out, token_ids_of)
+        sbatch = None
+        if out.sampling_req_ids:
+            params, outs, prompts = [], [], []
+            for rid in out.sampling_req_ids:
+                req = self.scheduler.get_request(rid)
+                params.append(req.sampling_params)
+                outs.append(req.output_token_ids + [pending[rid]] if rid in pending else req.output_token_ids)
+                prompts.append(req.prompt_token_ids)
+            sbatch = SamplingBatch.build(params, outs, prompts, device=self.runner.device,
+                                         eos_token_ids=self.eos_token_ids)
+        self.num_computed_tokens_total += out.total_num_scheduled_tokens
+        return _PreparedStep(batch, sbatch)
+
+    def _run(self, prep: _PreparedStep) -> _StepResult:
+        """Model forward + sampling (the part that may run on the worker thread)."""
+        t0 = time.perf_counter()
+        logits = self.runner.run(prep.batch)
         t1 = time.perf_counter()
+        if prep.sampling_batch is None:
+            return _StepResult([], [], t1 - t0, 0.0)
+        sampled = self.sampler.sample(logits, prep.sampling_batch)
+        res = _StepResult(sampled.sampled_token_ids.tolist(), sampled.request_logprobs(), t1 - t0, 0.0)
+        res.sample_s = time.perf_counter() - t1
+        return res
+
+    def _postprocess(self, out, result: _StepResult | None, touched: set[str]) -> list[RequestOutput]:
+        """Stop checks and detokenization of a finished step, scheduler update, outputs."""
         new_tokens: dict[str, list[int]] = {}
         finished: dict[str, str] = {}
         deltas: dict[str, tuple[list[int], str]] = {}
-        if out.total_num_scheduled_tokens:
-            token_ids_of = {rid: self.scheduler.get_request(rid).all_token_ids for rid in out.num_scheduled_tokens}
-            logits = self.runner.execute(out, token_ids_of)
-            self.num_computed_tokens_total += out.total_num_scheduled_tokens
-            t2 = time.perf_counter()
-            if out.sampling_req_ids:
-                seqs = [self._seqs[r] for r in out.sampling_req_ids]
-                reqs = [self.scheduler.get_request(r) for r in out.sampling_req_ids]
-                batch = SamplingBatch.build(
-                    [s.params for s in seqs], [r.output_token_ids for r in reqs], [r.prompt_token_ids for r in reqs],
-                    device=logits.device, eos_token_ids=self.eos_token_ids,
-                )
-                sampled = self.sampler.sample(logits, batch)
-                token_list = sampled.sampled_token_ids.tolist()
-                lps = sampled.request_logprobs()
-                for seq, tok, lp in zip(seqs, token_list, lps):
-                    upd = seq.stop.append([tok])
-                    rid = seq.req.req_id
-                    accepted = [tok][: upd.num_accepted_tokens]
-                    new_tokens[rid] = [tok]
-                    if seq.logprobs is not None and lp is not None and accepted:
-                        seq.logprobs.append(lp)
-                    deltas[rid] = (accepted, upd.text_delta)
-                    if upd.finish_reason is not None:
-                        finished[rid] = str(upd.finish_reason.value if hasattr(upd.finish_reason, "value")
-                                            else upd.finish_reason)
-                        seq.outputs_stop_reason = upd.stop_reason
-            t3 = time.perf_counter()
-            self.timings["model"] += t2 - t1
-            self.timings["sample"] += t3 - t2
+        if result is not None:
+            self.timings["model"] += result.model_s
+            self.timings["sample"] += result.sample_s
+            for rid, tok, lp in zip(out.sampling_req_ids, result.token_ids, result.logprobs):
+                seq = self._seqs.get(rid)
+                new_tokens[rid] = [tok]
+                if seq is None or seq.req.is_finished or seq.stop.is_finished:
+                    continue  # finished (stop string, abort) while this step was in flight
+                upd = seq.stop.append([tok])
+                accepted = [tok][: upd.num_accepted_tokens]
+                if seq.logprobs is not None and lp is not None and accepted:
+                    seq.logprobs.append(lp)
+                deltas[rid] = (accepted, upd.text_delta)
+                if upd.finish_reason is not None:
+                    reason = upd.finish_reason
+                    finished[rid] = str(reason.value if hasattr(reason, "value") else reason)
+                    seq.outputs_stop_reason = upd.stop_reason
+        t0 = time.perf_counter()
         done = self.scheduler.update_from_output(out, new_tokens, finished)
-        t4 = time.perf_counter()
-        self.timings["schedule"] += (t1 - t0) + (t4 - t4)
+        self.timings["schedule"] += time.perf_counter() - t0
         self.timings["steps"] += 1
         for rid, (toks, text) in deltas.items():
             seq = self._seqs[rid]

@@ -62,9 +62,17 @@ class ModelRunner:
         for run in out.scheduled_running_reqs:
             self.reqs[run.req_id].block_ids.extend(run.new_block_ids)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput, token_ids_of: dict[str, list[int]]) -> torch.Tensor:
-        """Run the step; returns float32 logits [len(out.sampling_req_ids), vocab] in that order.
+        """Run the step; returns float32 logits [len(out.sampling_req_ids), vocab] in that order."""
+        return self.run(self.prepare(out, token_ids_of))
+
+    @torch.inference_mode()
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Blocks while the model runs `batch`; float32 logits of its `logits_indices`."""
+        return self.model.step(batch, self.cache)
+
+    def prepare(self, out: SchedulerOutput, token_ids_of: dict[str, list[int]]) -> ForwardBatch:
+        """The flat batch of a step, with copies of the block tables (safe to run on another thread).
 
         `token_ids_of[req_id]` are all known token ids of each scheduled request.
         """
@@ -76,10 +84,9 @@ class ModelRunner:
             n = out.num_scheduled_tokens[req_id]
             p0 = starts[req_id]
             st = self.reqs[req_id]
-            seqs.append(SeqChunk(st.slot, st.block_ids, p0, n, st.state_start, st.num_frozen_tokens))
+            seqs.append(SeqChunk(st.slot, list(st.block_ids), p0, n, st.state_start, st.num_frozen_tokens))
             chunks.append(token_ids_of[req_id][p0:p0 + n])
             off += n
             last_index[req_id] = off - 1
         logits_idx = [last_index[r] for r in out.sampling_req_ids]
-        batch = ForwardBatch.build(chunks, seqs, device=self.device, logits=logits_idx)
-        return self.model.step(batch, self.cache)
+        return ForwardBatch.build(chunks, seqs, device=self.device, logits=logits_idx)

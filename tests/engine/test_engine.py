@@ -193,6 +193,18 @@ def test_logprobs_match_log_softmax(ckpt):
         assert lp.top_token_ids == top.indices.tolist()
 
 
+def test_prompt_logprobs_match_log_softmax(ckpt):
+    llm = LLM(ckpt())
+    p = _prompts(1, 512, lo=40, hi=40, seed=12)[0]
+    out = llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    ref = torch.log_softmax(ModelRunnerForTests(llm.engine.model, 1, 64).run([(0, p)], logits="all"), dim=-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(p)
+    for i in range(1, len(p)):
+        lp = out.prompt_logprobs[i]
+        assert lp.token_id == p[i] and math.isclose(lp.logprob, ref[i - 1, p[i]].item(), abs_tol=1e-4)
+        assert len(lp.top_token_ids) == 2
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "field"),
     [
@@ -244,3 +256,24 @@ def test_streaming_deltas_concatenate(ckpt):
         toks += out.new_token_ids.get(0, [])
         text += out.new_text.get(0, "")
     assert toks == full.token_ids and text == full.text
+
+
+def test_async_scheduling_gives_the_same_outputs(ckpt):
+    prompts = _prompts(12, 512, lo=5, hi=100, seed=13)
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=7, max_tokens=15, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[100, 200, 300]),
+              SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)] * 3
+
+    def run(async_scheduling: bool, **kw):
+        llm = LLM(ckpt(), async_scheduling=async_scheduling, max_num_seqs=8, **kw)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert not llm.engine.has_unfinished_requests()
+        return [[c.token_ids for c in o.outputs] for o in outs], llm
+
+    sync, _ = run(False)
+    got, llm = run(True)
+    assert got == sync
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_blocks
+    tight, llm = run(True, num_blocks=12, block_size=16, max_model_len=140, max_num_batched_tokens=64)
+    assert tight == sync
