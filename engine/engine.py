@@ -205,6 +205,8 @@ class Engine:
         self.timings = {"schedule": 0.0, "model": 0.0, "sample": 0.0, "steps": 0}
         self._inflight = None
         self._executor = None
+        self._held: dict[str, _Seq] = {}
+        """Requests whose KV is being written from outside (not yet in the scheduler)."""
         if config.async_scheduling:
             from concurrent.futures import ThreadPoolExecutor
 
@@ -218,6 +220,8 @@ class Engine:
         prompt: str | list[int] | dict,
         params: SamplingParams | None = None,
         priority: int = 0,
+        *,
+        _num_imported_tokens: int = 0,
     ) -> str:
         """Validate and queue a request; raises InvalidRequestError (naming the field) on bad input."""
         params = params or SamplingParams()
@@ -265,16 +269,52 @@ class Engine:
         first = parent.seqs[:1] if share else parent.seqs
         parent.pending_children = parent.seqs[1:] if share else []
         for seq in first:
-            self._submit(seq)
+            self._submit(seq, _num_imported_tokens)
         return request_id
 
-    def _submit(self, seq: _Seq) -> None:
+    def _submit(self, seq: _Seq, num_imported_tokens: int = 0) -> list[int]:
         p = seq.parent
         rid = p.request_id if len(p.seqs) == 1 else f"{p.request_id}#{seq.index}"
         seq.req = Request(rid, p.prompt_token_ids, max_tokens=seq.params.max_tokens, priority=p.priority,
                           sampling_params=seq.params, arrival_time=time.monotonic())
-        self.scheduler.add_request(seq.req)
+        block_ids: list[int] = []
+        if num_imported_tokens:
+            block_ids = self.kv_manager.import_blocks(seq.req, num_imported_tokens)
+            seq.req.num_computed_tokens = num_imported_tokens
+            self._held[rid] = seq
+        else:
+            self.scheduler.add_request(seq.req)
         self._seqs[rid] = seq
+        return block_ids
+
+    # ------------------------------------------------------------------ KV written from outside
+
+    def reserve_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                   num_kv_tokens: int) -> list[tuple[str, int, int, int]]:
+        """Reserve blocks for a request whose first `num_kv_tokens` tokens' compressed KV will be
+        written from outside (a prefill instance); returns their `(pool, block, byte_offset, num_bytes)`.
+
+        The request waits until `commit_kv`; it then rebuilds its bounded state by bounded replay
+        and continues from token `num_kv_tokens`. `abort_request` releases the reservation.
+        """
+        if params.n != 1:
+            raise InvalidRequestError("requests with imported KV must have n = 1", field="n")
+        if not 0 < num_kv_tokens <= len(prompt_token_ids):
+            raise InvalidRequestError(f"num_kv_tokens must be in [1, {len(prompt_token_ids)}]", field="num_kv_tokens")
+        self.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params, _num_imported_tokens=num_kv_tokens)
+        seq = self._parents[request_id].seqs[0]
+        return self.cache.block_byte_ranges(self.kv_manager.get_block_ids(seq.req))
+
+    def commit_kv(self, request_id: str) -> None:
+        """The reserved KV has landed: let the request run."""
+        seq = self._parents[request_id].seqs[0]
+        self._held.pop(seq.req.req_id)
+        self.scheduler.add_request(seq.req)
+
+    def kv_descriptors(self, request_id: str) -> list[tuple[str, int, int, int]]:
+        """`(pool, block, byte_offset, num_bytes)` of a live request's compressed KV blocks."""
+        seq = self._parents[request_id].seqs[0]
+        return self.cache.block_byte_ranges(self.kv_manager.get_block_ids(seq.req))
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -300,7 +340,10 @@ class Engine:
             return False
         for seq in parent.seqs:
             if seq.req is not None:
-                self.scheduler.abort_request(seq.req.req_id)
+                if self._held.pop(seq.req.req_id, None) is not None:
+                    self.kv_manager.free(seq.req)
+                else:
+                    self.scheduler.abort_request(seq.req.req_id)
                 self._seqs.pop(seq.req.req_id, None)
         return True
 

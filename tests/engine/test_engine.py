@@ -277,3 +277,48 @@ def test_async_scheduling_gives_the_same_outputs(ckpt):
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_blocks
     tight, llm = run(True, num_blocks=12, block_size=16, max_model_len=140, max_num_batched_tokens=64)
     assert tight == sync
+
+
+def test_imported_kv_continues_exactly(ckpt):
+    """Prefill on one engine, copy its compressed-KV bytes into another engine's reserved blocks,
+    decode there after bounded replay: the same tokens as one engine doing everything."""
+    prompt = _prompts(1, 512, lo=150, hi=150, seed=14)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ref = LLM(ckpt()).generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+    a = Engine(EngineConfig(model=ckpt()))
+    a.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    while not any(o.outputs[0].token_ids for o in a.step()):
+        pass
+    src = a.kv_descriptors("r")
+    b = Engine(EngineConfig(model=ckpt()))
+    for num_kv in (len(prompt), 97, 64):
+        rid = f"b{num_kv}"
+        dst = b.reserve_kv(rid, prompt, params, num_kv)
+        pools_a, pools_b = a.cache.compressed_pools(), b.cache.compressed_pools()
+        by_block = {}
+        for (name, _blk, off, nb) in src:
+            by_block.setdefault(name, []).append((off, nb))
+        dst_by = {}
+        for (name, _blk, off, nb) in dst:
+            dst_by.setdefault(name, []).append((off, nb))
+        moved = 0
+        for name, ranges in dst_by.items():
+            sa = pools_a[name].view(-1).view(torch.uint8)
+            sb = pools_b[name].view(-1).view(torch.uint8)
+            # same number of layers; the destination table may be shorter (fewer tokens)
+            per_layer_dst = len(ranges) // pools_b[name].shape[0]
+            per_layer_src = len(by_block[name]) // pools_a[name].shape[0]
+            for layer in range(pools_b[name].shape[0]):
+                for k in range(per_layer_dst):
+                    (do, n), (so, _) = ranges[layer * per_layer_dst + k], by_block[name][layer * per_layer_src + k]
+                    sb[do:do + n] = sa[so:so + n]
+                    moved += n
+        assert moved > 0
+        b.commit_kv(rid)
+        out = None
+        while b.has_unfinished_requests():
+            for o in b.step():
+                out = o
+        assert out.outputs[0].token_ids == ref, f"num_kv_tokens={num_kv}"
+    a.abort_request("r")
+    assert b.kv_manager.num_free_blocks == b.kv_manager.num_blocks
