@@ -11,8 +11,10 @@ Policy, per step, under a token budget (`max_num_batched_tokens`) and a cap on r
 3. Waiting requests are admitted in FCFS order or by `(priority, arrival)` (smaller `priority`
    first). A waiting request first looks up its prefix in the cache and starts at the hit; with a
    `replay_tokens_fn` it steps back that many tokens (bounded replay, DESIGN.md §4) but keeps the
-   hit blocks: the recomputed tokens rebuild the per-request bounded state and rewrite their
-   compressed entries identically. A request whose KV was imported (`KVCacheManager.import_blocks`)
+   hit blocks: the recomputed tokens rebuild the per-request bounded state, while the compressed
+   entries of the hit stay read-only (`NewRequestData.num_cached_tokens` tells the model runner
+   where they end; the first replayed tokens are not exact at every layer, so they must never
+   overwrite shared entries). A request whose KV was imported (`KVCacheManager.import_blocks`)
    is added with `num_computed_tokens` set and starts there, minus the replay.
 
 A step samples a token for a request exactly when it computes the request's last known token
