@@ -223,13 +223,23 @@ def test_prompt_logprobs_match_log_softmax(ckpt):
     ],
 )
 def test_bad_input_is_refused_and_engine_keeps_serving(ckpt, prompt, params, field):
-    llm = LLM(ckpt(), max_model_len=256)
+    eng = Engine(EngineConfig(model=ckpt(), max_model_len=256))
+    good = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    eng.add_request("good", {"prompt_token_ids": [3, 4, 5]}, good)
+    eng.step()
     with pytest.raises(InvalidRequestError) as e:
-        llm.generate([{"prompt_token_ids": [3, 4]}, {"prompt_token_ids": prompt}], SamplingParams(**params), use_tqdm=False)
+        eng.add_request("bad", {"prompt_token_ids": prompt}, SamplingParams(**params))
     assert e.value.field == field and field.split("_")[0] in str(e.value)
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o
+    assert set(outs) == {"good"} and len(outs["good"].outputs[0].token_ids) == 12
+    # LLM.generate validates the whole list before queueing anything
+    llm = LLM(ckpt(), max_model_len=256)
+    with pytest.raises(InvalidRequestError):
+        llm.generate([{"prompt_token_ids": [3, 4]}, {"prompt_token_ids": prompt}], SamplingParams(**params), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
-    out = llm.generate([{"prompt_token_ids": [3, 4, 5]}], GREEDY, use_tqdm=False)[0]
-    assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
 
 
 def test_abort_frees_blocks_and_slots(ckpt):
