@@ -46,7 +46,8 @@ def _run(args, prompts: list) -> int:
             "usage": {"prompt_tokens": len(o.prompt_token_ids), "completion_tokens": len(c.token_ids),
                       "cached_prompt_tokens": o.num_cached_tokens},
         }, ensure_ascii=False))
-    print(f"# loaded in {t1 - t0:.2f}s, generated in {t2 - t1:.2f}s", file=sys.stderr)
+    print(f"# loaded in {t1 - t0:.2f}s, generated in {t2 - t1:.2f}s; compressed KV: "
+          f"{llm.engine.bytes_per_token:.1f} bytes/token", file=sys.stderr)
     return 0
 
 
