@@ -1,0 +1,214 @@
+"""Routing policies: which pickable instance gets a request. Plug-ins in a registry.
+
+A policy sees only pickable candidates (live, healthy, not draining; sorted by id; the `Balancer`
+filters them) and the `RequestInfo`, and returns one of them, or None when none can take the
+request (the balancer then raises `InsufficientCapacity`). Register a new one with
+`@register_policy("name")`; `POLICIES` (name -> class) also feeds CLI choices.
+
+| name | stage | rule |
+|---|---|---|
+| `round_robin` | any | next instance id after the previous pick, cyclically |
+| `power_of_two` | any | two distinct random candidates (seeded RNG); the lower `stage_load` wins |
+| `prefix_aware` | prefill | max `alpha * matched_tokens - queued_prefill_tokens`; ties to lower load |
+| `kv_load` | decode | fewest KV blocks used, then fewest running requests, among those with room |
+
+Ties always end on the instance id, so every policy is deterministic given its seed.
+"""
+
+from __future__ import annotations
+
+import abc
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from loadbalancer.membership import Instance, Stage
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """What a policy may know about the request to place (mirrors `deepinfer.v1.PickRequest`)."""
+
+    request_id: str = ""
+    """For logs only."""
+    block_hashes: tuple[int, ...] = ()
+    """Chained prefix hashes of the prompt's full blocks, in order."""
+    num_prompt_tokens: int = 0
+    """Prompt length in tokens."""
+    num_kv_blocks_needed: int = 0
+    """KV blocks the request needs on a decode instance; 0 = derive from `num_prompt_tokens`."""
+    preferred_datacenter: str = ""
+    """Prefer instances with this label when any is pickable; empty = no preference."""
+    exclude_instance_ids: frozenset[str] = frozenset()
+    """Never pick these."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_hashes", tuple(self.block_hashes))
+        object.__setattr__(self, "exclude_instance_ids", frozenset(self.exclude_instance_ids))
+        if self.num_prompt_tokens < 0 or self.num_kv_blocks_needed < 0:
+            raise ValueError("num_prompt_tokens and num_kv_blocks_needed must be >= 0")
+
+
+# ---------------------------------------------------------------------------------------- load measures
+
+
+def stage_load(instance: Instance) -> float:
+    """The one load number of an instance that balance metrics and generic policies compare.
+
+    prefill: queued prefill tokens (the work ahead of a new prompt); decode: KV blocks in use (what
+    limits a decode batch); vision: running + waiting requests.
+    """
+    load = instance.load
+    if instance.stage == Stage.PREFILL:
+        return float(load.num_queued_prefill_tokens)
+    if instance.stage == Stage.DECODE:
+        return float(load.num_kv_blocks_used)
+    return float(load.num_running_requests + load.num_waiting_requests)
+
+
+def matched_prefix_blocks(instance: Instance, block_hashes: Iterable[int]) -> int:
+    """Leading blocks of a prompt (its chained prefix hashes, in order) that the instance has cached."""
+    cached = instance.cached_block_hashes
+    count = 0
+    for block_hash in block_hashes:
+        if block_hash not in cached:
+            break
+        count += 1
+    return count
+
+
+def matched_prefix_tokens(instance: Instance, request: RequestInfo) -> int:
+    """Prompt tokens the instance holds in its prefix cache (whole blocks, at most the prompt)."""
+    if not request.block_hashes or instance.block_size == 0:
+        return 0
+    tokens = matched_prefix_blocks(instance, request.block_hashes) * instance.block_size
+    return min(tokens, request.num_prompt_tokens) if request.num_prompt_tokens else tokens
+
+
+def num_kv_blocks_needed(instance: Instance, request: RequestInfo) -> int:
+    """KV blocks the request needs on the instance: the request's own figure, else its prompt plus one
+    output token rounded up to whole blocks (0 for instances without a KV cache)."""
+    if request.num_kv_blocks_needed:
+        return request.num_kv_blocks_needed
+    if instance.block_size == 0:
+        return 0
+    return -(-(request.num_prompt_tokens + 1) // instance.block_size)
+
+
+# ---------------------------------------------------------------------------------------- registry
+
+
+class Policy(abc.ABC):
+    """Chooses one instance among pickable candidates. May keep state (counters, an RNG): the
+    `Balancer` calls `select` under its membership lock, one pick at a time."""
+
+    name: ClassVar[str] = ""
+
+    def load(self, instance: Instance) -> float:
+        """The load this policy balances; `Balancer.balance()` reports max / mean of it."""
+        return stage_load(instance)
+
+    @abc.abstractmethod
+    def select(self, candidates: Sequence[Instance], request: RequestInfo) -> Instance | None:
+        """One of `candidates` (non-empty, sorted by id), or None if none can take the request."""
+
+
+POLICIES: dict[str, type[Policy]] = {}
+"""Registered policies by name."""
+
+
+def register_policy(name: str) -> Callable[[type[Policy]], type[Policy]]:
+    """Class decorator: register a `Policy` subclass under `name` (unique)."""
+
+    def wrap(cls: type[Policy]) -> type[Policy]:
+        if name in POLICIES:
+            raise ValueError(f"policy {name!r} is already registered (by {POLICIES[name].__name__})")
+        cls.name = name
+        POLICIES[name] = cls
+        return cls
+
+    return wrap
+
+
+def make_policy(name: str, **kwargs) -> Policy:
+    """A new instance of the policy registered as `name`; kwargs go to its constructor."""
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}") from None
+    return cls(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------- policies
+
+
+@register_policy("round_robin")
+class RoundRobin(Policy):
+    """Cycles through instance ids; an instance that joins or leaves shifts nobody else's turn."""
+
+    def __init__(self) -> None:
+        self._last_id: str | None = None
+
+    def select(self, candidates: Sequence[Instance], request: RequestInfo) -> Instance | None:
+        chosen = candidates[0]
+        if self._last_id is not None:
+            chosen = next((c for c in candidates if c.instance_id > self._last_id), candidates[0])
+        self._last_id = chosen.instance_id
+        return chosen
+
+
+@register_policy("power_of_two")
+class PowerOfTwo(Policy):
+    """Power of two choices: two distinct candidates drawn at random (seeded), the lower load wins."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+
+    def select(self, candidates: Sequence[Instance], request: RequestInfo) -> Instance | None:
+        if len(candidates) == 1:
+            return candidates[0]
+        pair = self._rng.sample(list(candidates), 2)
+        return min(pair, key=lambda c: (self.load(c), c.instance_id))
+
+
+@register_policy("prefix_aware")
+class PrefixAware(Policy):
+    """Prefill: trade prefix-cache hits against queueing.
+
+    score = alpha * matched_tokens - queued_prefill_tokens, highest wins; ties go to fewer queued
+    tokens, then fewer running + waiting requests, then the instance id.
+
+    With `alpha = 1` (the default) the score is, up to a constant, minus the prefill work ahead of the
+    request's first token on that instance: `queued + (prompt - matched)` tokens, i.e. the estimated
+    time to first token in units of prefill tokens. `alpha > 1` favours cache hits (e.g. to keep
+    shared prefixes on few instances), `alpha < 1` favours even queues.
+
+    NOTE: a prefix hit still recomputes a bounded replay window (DESIGN.md §4); that cost is the
+    same on every instance with a hit, so it is left out.
+    """
+
+    def __init__(self, alpha: float = 1.0) -> None:
+        if not alpha >= 0:
+            raise ValueError(f"alpha must be >= 0, got {alpha}")
+        self.alpha = alpha
+
+    def select(self, candidates: Sequence[Instance], request: RequestInfo) -> Instance | None:
+        def key(c: Instance):
+            queued = c.load.num_queued_prefill_tokens
+            score = self.alpha * matched_prefix_tokens(c, request) - queued
+            return (-score, queued, c.load.num_running_requests + c.load.num_waiting_requests, c.instance_id)
+
+        return min(candidates, key=key)
+
+
+@register_policy("kv_load")
+class KVLoad(Policy):
+    """Decode: the fewest KV blocks in use, then the fewest running requests, then the id; instances
+    with fewer free blocks than the request needs (`num_kv_blocks_needed`) are refused."""
+
+    def select(self, candidates: Sequence[Instance], request: RequestInfo) -> Instance | None:
+        fits = [c for c in candidates if c.load.num_kv_blocks_free >= num_kv_blocks_needed(c, request)]
+        if not fits:
+            return None
+        return min(fits, key=lambda c: (c.load.num_kv_blocks_used, c.load.num_running_requests, c.instance_id))
