@@ -1,0 +1,523 @@
+"""`KVTransferAgent`: one NIXL agent over one `V4KVCache`, moving compressed-KV blocks by WRITE.
+
+The contract (who calls what, when, and what "finished" means) is the package docstring in
+`kv_transfer/__init__.py`; this module is the mechanism:
+
+* registration: every non-empty compressed pool (and, with `send_state=True`, every bounded-state
+  tensor) is registered once, at construction, as one region (`DRAM` for CPU tensors, `VRAM` for
+  CUDA ones; the same code path keyed off `tensor.device`);
+* descriptors: a transfer is a list of `(address, num_bytes, device_id)` rows on each side, one row
+  per region x layer x run of consecutive block ids (a run is a stretch where source *and*
+  destination ids both go up by one), row `i` of the local list landing on row `i` of the remote
+  one;
+* progress: there is no progress thread by default; `poll()` drives NIXL (transfer states on the
+  sending side, notifications on the receiving side) and applies the leases.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from engine.cache.kv_cache import V4KVCache
+
+logger = logging.getLogger("kv_transfer")
+
+LOOPBACK_UCX_ENV: dict[str, str] = {"UCX_TLS": "cma,tcp,self", "UCX_NET_DEVICES": "lo"}
+"""UCX settings for processes on one host that must stay on loopback (tests, benchmarks).
+
+NOTE: NIXL's UCX backend creates endpoints with peer-failure handling, which UCX's shared-memory
+transports (posix, sysv) lack: a UCX_TLS without `tcp` makes backend creation fail with "no active
+messages transport ... no peer failure handler". So `tcp` (on `lo`) carries NIXL's wire-up and
+notifications, and `cma` (process_vm_writev, zero-copy, same host and user) carries the data. Where
+cma is not permitted (ptrace restrictions), use `tcp,self`: UCX then emulates the WRITE over TCP.
+"""
+
+NOTIF_MAGIC = b"DIKV1"
+"""First bytes of every notification this package sends; others are ignored by `poll()`."""
+
+_RECENT_DURATIONS = 256
+
+
+def encode_notif(transfer_id: str, payload: bytes = b"") -> bytes:
+    """The NIXL notification for a transfer: magic, 2-byte id length, id (UTF-8), caller payload."""
+    tid = transfer_id.encode()
+    if len(tid) > 0xFFFF:
+        raise ValueError(f"transfer_id is {len(tid)} bytes long; keep it under 64 KiB (a request id is enough).")
+    return NOTIF_MAGIC + len(tid).to_bytes(2, "big") + tid + bytes(payload)
+
+
+def decode_notif(msg: bytes) -> tuple[str, bytes] | None:
+    """`(transfer_id, payload)` of a notification from `encode_notif`, or None for any other message."""
+    msg = bytes(msg)
+    head = len(NOTIF_MAGIC)
+    if not msg.startswith(NOTIF_MAGIC) or len(msg) < head + 2:
+        return None
+    n = int.from_bytes(msg[head:head + 2], "big")
+    if len(msg) < head + 2 + n:
+        return None
+    return msg[head + 2:head + 2 + n].decode(), msg[head + 2 + n:]
+
+
+@dataclass(frozen=True)
+class RegionLayout:
+    """One registered tensor `[num_layers, num_units, ...]` as a remote agent addresses it.
+
+    A unit is a block (compressed pools) or a slot (bounded-state tensors); unit `u` of layer `l`
+    is the contiguous byte range `addr + l * layer_nbytes + u * unit_nbytes`, `unit_nbytes` long.
+    """
+
+    addr: int
+    """Address of the tensor's first byte in its owner's address space (or on its GPU)."""
+    nbytes: int
+    """Registered length in bytes (the whole tensor)."""
+    mem_type: str
+    """NIXL memory type: 'DRAM' (CPU tensor) or 'VRAM' (CUDA tensor)."""
+    dev_id: int
+    """CUDA device index for VRAM, 0 for DRAM."""
+    num_layers: int
+    """Size of dim 0."""
+    num_units: int
+    """Size of dim 1 (blocks or slots)."""
+    unit_nbytes: int
+    """Bytes of one layer's unit."""
+    layer_nbytes: int
+    """Bytes of one layer (`num_units * unit_nbytes`)."""
+    is_state: bool
+    """True for a bounded-state tensor (units are slots), False for a compressed pool (blocks)."""
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, is_state: bool) -> RegionLayout:
+        if not tensor.is_contiguous():
+            raise ValueError("cache tensors must be contiguous to be registered with NIXL")
+        unit = tensor[0, 0].numel() * tensor.element_size()
+        return cls(
+            addr=tensor.data_ptr(),
+            nbytes=tensor.numel() * tensor.element_size(),
+            mem_type="VRAM" if tensor.device.type == "cuda" else "DRAM",
+            dev_id=(tensor.device.index or 0) if tensor.device.type == "cuda" else 0,
+            num_layers=tensor.shape[0],
+            num_units=tensor.shape[1],
+            unit_nbytes=unit,
+            layer_nbytes=tensor.shape[1] * unit,
+            is_state=is_state,
+        )
+
+    def descs(self, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Rows `(address, num_bytes, dev_id)` for runs `[start, start + length)` of units, every layer."""
+        layers = np.arange(self.num_layers, dtype=np.int64)
+        addr = self.addr + layers[:, None] * self.layer_nbytes + starts[None, :] * self.unit_nbytes
+        out = np.empty((addr.size, 3), dtype=np.uint64)  # [num_layers * num_runs, 3]
+        out[:, 0] = addr.ravel()
+        out[:, 1] = np.broadcast_to(lengths[None, :] * self.unit_nbytes, addr.shape).ravel()
+        out[:, 2] = self.dev_id
+        return out
+
+
+def block_runs(src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Coalesce `src[i] -> dst[i]` into runs: `(src_starts, dst_starts, lengths)`.
+
+    A run continues while both ids go up by one, so `[3, 4, 5] -> [10, 11, 2]` is two runs.
+    """
+    s = np.asarray(src_block_ids, dtype=np.int64)
+    d = np.asarray(dst_block_ids, dtype=np.int64)
+    cut = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
+    starts = np.concatenate(([0], cut))
+    ends = np.concatenate((cut, [len(s)]))
+    return s[starts], d[starts], ends - starts
+
+
+@dataclass
+class KVTransferEvents:
+    """What one `poll()` observed. Each id appears in exactly one list, exactly once, ever."""
+
+    sent_ids: list[str] = field(default_factory=list)
+    """Sender: the WRITE completed; the source blocks may be freed."""
+    send_failed_ids: list[str] = field(default_factory=list)
+    """Sender: the WRITE failed or outlived its lease; free the source blocks and tell the decode side."""
+    received_ids: list[str] = field(default_factory=list)
+    """Receiver: the notification arrived, so the bytes are in the reserved blocks (`commit_kv`)."""
+    expired_ids: list[str] = field(default_factory=list)
+    """Receiver: the reservation's lease ran out first; free the reserved blocks (abort the request)."""
+    payloads: dict[str, bytes] = field(default_factory=dict)
+    """Receiver: the sender's `notify` bytes per received id."""
+
+    def __bool__(self) -> bool:
+        return bool(self.sent_ids or self.send_failed_ids or self.received_ids or self.expired_ids)
+
+
+@dataclass
+class _Send:
+    transfer_id: str
+    peer: str
+    handle: object | None  # nixl_xfer_handle
+    num_bytes: int
+    num_blocks: int
+    t_start: float
+    deadline: float
+    failed: bool = False
+
+
+@dataclass
+class _Expect:
+    transfer_id: str
+    dst_block_ids: list[int]
+    dst_slot: int | None
+    num_bytes: int
+    t_start: float
+    deadline: float
+
+
+class KVTransferAgent:
+    """A NIXL agent that registers one `V4KVCache` and moves its blocks to and from peers.
+
+    Both roles live in one class because one process holds one NIXL agent: a prefill process uses
+    `send_blocks`, a decode process `expect`; both call `poll()` once per loop iteration. Not
+    thread-safe: call it from one thread (the engine loop).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        cache: V4KVCache,
+        backend: str = "UCX",
+        *,
+        send_state: bool = False,
+        send_lease_s: float = 30.0,
+        unmatched_notif_ttl_s: float = 60.0,
+        ucx_env: Mapping[str, str] | None = None,
+        progress_thread: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Creates the NIXL agent and registers the cache's tensors.
+
+        `send_state`: also register the bounded-state tensors so `send_blocks` can move a slot
+        (both sides must agree). `send_lease_s`: default lease of a send. `unmatched_notif_ttl_s`:
+        how long a notification waits for its `expect` (the two can cross on the control plane).
+        `ucx_env`: UCX variables set in `os.environ` before the backend starts (UCX reads them
+        then; they are process-wide), e.g. `LOOPBACK_UCX_ENV`. `progress_thread`: NIXL's progress
+        thread; off by default because the Python wrapper starts it with zero delay, so it
+        busy-polls one CPU core. `clock`: seconds, monotonic (tests may pass a fake one).
+        """
+        for key, value in (ucx_env or {}).items():
+            os.environ[key] = value
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.name = name
+        self.cache = cache
+        self.backend = backend
+        self.send_state = send_state
+        self.send_lease_s = send_lease_s
+        self.unmatched_notif_ttl_s = unmatched_notif_ttl_s
+        self._clock = clock
+        self._nixl = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[backend]))
+        if backend not in self._nixl.backends:
+            raise RuntimeError(
+                f"NIXL backend {backend!r} did not start (available plugins: {self._nixl.get_plugin_list()}); "
+                "see the NIXL log lines above."
+            )
+        tensors = {n: (t, False) for n, t in cache.compressed_pools().items()}
+        if send_state:
+            tensors.update({n: (t, True) for n, t in cache.state_tensors().items()})
+        self._regions: dict[str, RegionLayout] = {}
+        self._reg_descs = []
+        for region_name, (tensor, is_state) in tensors.items():
+            if tensor.numel() == 0:
+                continue
+            region = RegionLayout.of(tensor, is_state)
+            reg = self._nixl.get_reg_descs([(region.addr, region.nbytes, region.dev_id, "")], region.mem_type)
+            self._nixl.register_memory(reg, backends=[backend])
+            self._reg_descs.append(reg)
+            self._regions[region_name] = region
+        self._mem_type = next(iter(self._regions.values())).mem_type if self._regions else "DRAM"
+        self._peers: dict[str, dict[str, RegionLayout]] = {}
+        self._sends: dict[str, _Send] = {}
+        self._expects: dict[str, _Expect] = {}
+        self._arrived: dict[str, tuple[bytes, float]] = {}  # notifications not yet matched to an `expect`
+        self._stuck_handles: list = []  # handles NIXL refused to release (could not cancel); retried
+        self._durations: deque[float] = deque(maxlen=_RECENT_DURATIONS)
+        self._counters = {
+            "kv_transfer_sent_bytes_total": 0,
+            "kv_transfer_sent_blocks_total": 0,
+            "kv_transfer_sends_done_total": 0,
+            "kv_transfer_sends_failed_total": 0,
+            "kv_transfer_received_bytes_total": 0,
+            "kv_transfer_received_blocks_total": 0,
+            "kv_transfer_recvs_done_total": 0,
+            "kv_transfer_recvs_expired_total": 0,
+            "kv_transfer_notifs_unmatched_total": 0,
+            "kv_transfer_send_seconds_sum": 0.0,
+        }
+
+    # ------------------------------------------------------------------ handshake (control plane)
+
+    def metadata(self) -> bytes:
+        """This agent's NIXL metadata (connection info + registered memory), for the control plane."""
+        return self._nixl.get_agent_metadata()
+
+    def pool_layout(self) -> dict[str, dict]:
+        """Per registered region (pool or state tensor): address, size, memory type, device and shape.
+
+        Plain ints, strings and bools, so it can ride any control-plane message; a sender passes
+        its peer's layout to `add_peer`.
+        """
+        return {n: asdict(r) for n, r in self._regions.items()}
+
+    def add_peer(self, name: str, metadata: bytes, layout: Mapping[str, Mapping]) -> None:
+        """Load a peer's metadata and layout so that `send_blocks` can write into it.
+
+        Only the sending side needs this: notifications reach a receiver without it. A name seen
+        before is replaced (a restarted peer). Raises `ValueError` if the peer's cache cannot hold
+        this cache's blocks (other model, dtype or block size).
+        """
+        regions = {n: RegionLayout(**dict(r)) for n, r in layout.items()}
+        for n, mine in self._regions.items():
+            theirs = regions.get(n)
+            if theirs is None:
+                hint = " (start both agents with the same send_state)" if mine.is_state else ""
+                raise ValueError(f"peer {name!r} has no region {n!r}{hint}; both sides must run the same model.")
+            if (theirs.num_layers, theirs.unit_nbytes) != (mine.num_layers, mine.unit_nbytes):
+                raise ValueError(
+                    f"peer {name!r} region {n!r} is {theirs.num_layers} layers x {theirs.unit_nbytes} B per unit, "
+                    f"ours {mine.num_layers} x {mine.unit_nbytes}; model config, cache dtype and block_size must match."
+                )
+        self.remove_peer(name)
+        loaded = self._nixl.add_remote_agent(metadata)
+        loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
+        if loaded != name:
+            self._nixl.remove_remote_agent(loaded)
+            raise ValueError(f"metadata is for agent {loaded!r}, not {name!r}")
+        self._peers[name] = regions
+
+    def remove_peer(self, name: str) -> None:
+        """Forget a peer (membership change); in-flight sends to it fail at the next `poll()`."""
+        if self._peers.pop(name, None) is not None:
+            self._nixl.remove_remote_agent(name)
+
+    # ------------------------------------------------------------------ sending (prefill side)
+
+    def send_blocks(
+        self,
+        transfer_id: str,
+        peer: str,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        notify: bytes = b"",
+        *,
+        src_slot: int | None = None,
+        dst_slot: int | None = None,
+        lease_s: float | None = None,
+    ) -> int:
+        """Start a WRITE of blocks `src_block_ids[i] -> dst_block_ids[i]` (every pool and layer) to `peer`.
+
+        Returns at once with the number of bytes posted; the outcome comes from `poll()`
+        (`sent_ids` or `send_failed_ids`, never both, exactly once, at the latest after
+        `lease_s`). The peer receives a notification carrying `transfer_id` and `notify` once the
+        bytes are in place. The source blocks must stay untouched until then. With
+        `send_state=True`, `src_slot`/`dst_slot` also move one request's bounded state.
+        """
+        if transfer_id in self._sends:
+            raise ValueError(f"transfer {transfer_id!r} is already in flight")
+        if peer not in self._peers:
+            raise ValueError(f"unknown peer {peer!r}; call add_peer with its metadata and layout first")
+        if len(src_block_ids) != len(dst_block_ids) or not src_block_ids:
+            raise ValueError(
+                f"need as many destination as source blocks, at least one (got {len(src_block_ids)} -> {len(dst_block_ids)})"
+            )
+        if (src_slot is None) != (dst_slot is None) or (src_slot is not None and not self.send_state):
+            raise ValueError("src_slot and dst_slot go together, and need an agent built with send_state=True")
+        remote = self._peers[peer]
+        _check_ids(src_block_ids, self.cache.num_blocks, "source block")
+        _check_ids(dst_block_ids, next(r for r in remote.values() if not r.is_state).num_units,
+                   f"destination block (peer {peer!r})")
+        if src_slot is not None:
+            _check_ids([src_slot], self.cache.num_slots, "source slot")
+            _check_ids([dst_slot], next(r for r in remote.values() if r.is_state).num_units,
+                       f"destination slot (peer {peer!r})")
+        src_starts, dst_starts, lengths = block_runs(src_block_ids, dst_block_ids)
+        one = np.ones(1, dtype=np.int64)
+        local_rows, remote_rows = [], []
+        for n, mine in self._regions.items():
+            if not mine.is_state:
+                local_rows.append(mine.descs(src_starts, lengths))
+                remote_rows.append(remote[n].descs(dst_starts, lengths))
+            elif src_slot is not None:
+                local_rows.append(mine.descs(np.array([src_slot]), one))
+                remote_rows.append(remote[n].descs(np.array([dst_slot]), one))
+        local = np.concatenate(local_rows)  # [num_descs, 3] (address, num_bytes, device)
+        remote_descs = np.concatenate(remote_rows)
+        remote_mem = next(iter(remote.values())).mem_type
+        num_bytes = int(local[:, 1].sum())
+        now = self._clock()
+        send = _Send(transfer_id, peer, None, num_bytes, len(src_block_ids), now,
+                     now + (self.send_lease_s if lease_s is None else lease_s))
+        self._sends[transfer_id] = send
+        try:
+            send.handle = self._nixl.initialize_xfer(
+                "WRITE",
+                self._nixl.get_xfer_descs(local, self._mem_type),
+                self._nixl.get_xfer_descs(remote_descs, remote_mem),
+                peer,
+                encode_notif(transfer_id, notify),
+                backends=[self.backend],
+            )
+            if self._nixl.transfer(send.handle) == "ERR":
+                send.failed = True
+        except Exception as e:  # NIXL raises e.g. nixlRemoteDisconnectError when the peer is gone
+            logger.warning("kv transfer %s to %s failed to start: %s", transfer_id, peer, e)
+            send.failed = True
+        return num_bytes
+
+    # ------------------------------------------------------------------ receiving (decode side)
+
+    def expect(self, transfer_id: str, dst_block_ids: Sequence[int], lease_s: float, *, dst_slot: int | None = None) -> None:
+        """Record that `transfer_id` will write into `dst_block_ids` (reserved by the caller).
+
+        `poll()` reports it exactly once: in `received_ids` when the sender's notification arrives,
+        or in `expired_ids` after `lease_s` seconds without one.
+        """
+        if transfer_id in self._expects:
+            raise ValueError(f"transfer {transfer_id!r} is already expected")
+        if dst_slot is not None and not self.send_state:
+            raise ValueError("dst_slot needs an agent built with send_state=True")
+        _check_ids(dst_block_ids, self.cache.num_blocks, "destination block")
+        pools = [r for r in self._regions.values() if not r.is_state]
+        num_bytes = len(dst_block_ids) * sum(r.num_layers * r.unit_nbytes for r in pools)
+        if dst_slot is not None:
+            num_bytes += sum(r.num_layers * r.unit_nbytes for r in self._regions.values() if r.is_state)
+        now = self._clock()
+        self._expects[transfer_id] = _Expect(transfer_id, list(dst_block_ids), dst_slot, num_bytes, now, now + lease_s)
+
+    def cancel_expect(self, transfer_id: str) -> bool:
+        """Drop a reservation (the request was aborted); False if it was not pending.
+
+        NOTE: a WRITE already posted by the sender cannot be recalled: free the blocks only once the
+        sender has reported failure or its lease (shorter than this one) has surely passed.
+        """
+        return self._expects.pop(transfer_id, None) is not None
+
+    # ------------------------------------------------------------------ progress
+
+    def poll(self) -> KVTransferEvents:
+        """Drive NIXL once (never blocks): finish, fail or expire sends and reservations."""
+        ev = KVTransferEvents()
+        now = self._clock()
+        c = self._counters
+        for tid, send in list(self._sends.items()):
+            state = "ERR" if send.failed else self._state(send)
+            if state == "PROC" and now < send.deadline:
+                continue
+            if state == "DONE":
+                dt = now - send.t_start
+                self._durations.append(dt)
+                c["kv_transfer_send_seconds_sum"] += dt
+                c["kv_transfer_sent_bytes_total"] += send.num_bytes
+                c["kv_transfer_sent_blocks_total"] += send.num_blocks
+                c["kv_transfer_sends_done_total"] += 1
+                ev.sent_ids.append(tid)
+            else:
+                if state == "PROC":
+                    logger.warning("kv transfer %s to %s outlived its lease; releasing it", tid, send.peer)
+                c["kv_transfer_sends_failed_total"] += 1
+                ev.send_failed_ids.append(tid)
+            self._release(send.handle)
+            del self._sends[tid]
+        for h in self._stuck_handles[:]:
+            self._stuck_handles.remove(h)
+            self._release(h)
+        try:
+            notifs = self._nixl.get_new_notifs()
+        except Exception as e:
+            logger.warning("reading NIXL notifications failed: %s", e)
+            notifs = {}
+        for msgs in notifs.values():
+            for msg in msgs:
+                decoded = decode_notif(msg)
+                if decoded is not None:
+                    self._arrived[decoded[0]] = (decoded[1], now)
+        for tid, (payload, t_seen) in list(self._arrived.items()):
+            exp = self._expects.pop(tid, None)
+            if exp is not None:
+                del self._arrived[tid]
+                c["kv_transfer_received_bytes_total"] += exp.num_bytes
+                c["kv_transfer_received_blocks_total"] += len(exp.dst_block_ids)
+                c["kv_transfer_recvs_done_total"] += 1
+                ev.received_ids.append(tid)
+                ev.payloads[tid] = payload
+            elif now - t_seen > self.unmatched_notif_ttl_s:
+                del self._arrived[tid]  # its reservation expired, was cancelled, or never came
+                c["kv_transfer_notifs_unmatched_total"] += 1
+                logger.warning("dropped the notification of kv transfer %s: no reservation claimed it", tid)
+        for tid, exp in list(self._expects.items()):
+            if now >= exp.deadline:
+                del self._expects[tid]
+                c["kv_transfer_recvs_expired_total"] += 1
+                ev.expired_ids.append(tid)
+        return ev
+
+    def _state(self, send: _Send) -> str:
+        try:
+            return self._nixl.check_xfer_state(send.handle)
+        except Exception as e:
+            logger.warning("kv transfer %s to %s failed: %s", send.transfer_id, send.peer, e)
+            return "ERR"
+
+    def _release(self, handle) -> None:
+        if handle is None:
+            return
+        try:
+            handle.release()
+        except Exception as e:  # still active and NIXL could not cancel it: retry on the next poll
+            logger.warning("could not release a NIXL transfer handle yet: %s", e)
+            self._stuck_handles.append(handle)
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def num_inflight_sends(self) -> int:
+        return len(self._sends)
+
+    @property
+    def num_pending_recvs(self) -> int:
+        return len(self._expects)
+
+    def stats(self) -> dict[str, float | int | list[float]]:
+        """Counters (Prometheus-style names), gauges and the most recent send durations (seconds)."""
+        out: dict[str, float | int | list[float]] = dict(self._counters)
+        out["kv_transfer_send_seconds_count"] = out["kv_transfer_sends_done_total"]
+        out["kv_transfer_inflight_sends"] = len(self._sends)
+        out["kv_transfer_pending_recvs"] = len(self._expects)
+        out["kv_transfer_send_seconds_recent"] = list(self._durations)
+        return out
+
+    def close(self) -> None:
+        """Release every handle and deregister the cache's memory; in-flight work is abandoned."""
+        for send in self._sends.values():
+            self._release(send.handle)
+        self._sends.clear()
+        self._expects.clear()
+        for reg in self._reg_descs:
+            try:
+                self._nixl.deregister_memory(reg, backends=[self.backend])
+            except Exception as e:
+                logger.warning("deregistering cache memory failed: %s", e)
+        self._reg_descs.clear()
+
+    def __enter__(self) -> KVTransferAgent:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _check_ids(ids: Sequence[int], limit: int, what: str) -> None:
+    bad = [i for i in ids if not 0 <= i < limit]
+    if bad:
+        raise ValueError(f"{what} ids {bad} out of range [0, {limit})")
