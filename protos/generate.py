@@ -14,6 +14,8 @@ up to date. Never edit the stubs by hand.
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 from pathlib import Path
 
 PROTOS_DIR = Path(__file__).resolve().parent
@@ -32,13 +34,15 @@ def generate(out_root: Path = ROOT_DIR) -> list[Path]:
 
     Raises RuntimeError with protoc's exit code when protoc fails (its messages go to stderr).
     """
-    from grpc_tools import protoc  # imported here: only needed to regenerate
-
     out_root = Path(out_root)
     out_dir = out_root / "protos"
     out_dir.mkdir(parents=True, exist_ok=True)
     sources = [str(p.relative_to(ROOT_DIR)) for p in proto_files()]
+    # NOTE: protoc runs in a child process. Loading grpc_tools' bundled protobuf C++ into a process
+    # that already holds torch (and other native libraries) crashed with a segmentation fault in CI.
     args = [
+        sys.executable,
+        "-m",
         "grpc_tools.protoc",
         f"--proto_path={ROOT_DIR}",
         f"--python_out={out_root}",
@@ -46,7 +50,7 @@ def generate(out_root: Path = ROOT_DIR) -> list[Path]:
         f"--grpc_python_out={out_root}",
         *[str(ROOT_DIR / s) for s in sources],
     ]
-    code = protoc.main(args)
+    code = subprocess.run(args, check=False).returncode
     if code != 0:
         raise RuntimeError(f"protoc failed with exit code {code} on {sources}")
     return sorted(p for p in out_dir.iterdir() if p.name.endswith(("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")))
