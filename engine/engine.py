@@ -95,6 +95,8 @@ class RequestOutput:
     """Tokens added to each sequence by the last step (streaming deltas)."""
     new_text: dict[int, str] = field(default_factory=dict)
     """Text added to each sequence by the last step."""
+    kv_block_ids: list[int] | None = None
+    """For `hold_kv` requests: the held blocks with the prompt's compressed KV."""
 
 
 @dataclass
@@ -107,6 +109,9 @@ class _Seq:
     stop: StopChecker
     req: Request | None = None
     logprobs: list[TokenLogprobs] | None = None
+    hold_kv: bool = False
+    """Keep the KV blocks referenced after the first sampled token (prefill side, until sent)."""
+    pinned_block_ids: list[int] | None = None
 
 
 @dataclass
@@ -206,6 +211,8 @@ class Engine:
         self._inflight = None
         self._executor = None
         self._held: dict[str, _Seq] = {}
+        self._pinned: dict[str, list[int]] = {}
+        """Block ids held for `hold_kv` requests, by request id."""
         """Requests whose KV is being written from outside (not yet in the scheduler)."""
         if config.async_scheduling:
             from concurrent.futures import ThreadPoolExecutor
@@ -221,9 +228,15 @@ class Engine:
         params: SamplingParams | None = None,
         priority: int = 0,
         *,
+        hold_kv: bool = False,
         _num_imported_tokens: int = 0,
     ) -> str:
-        """Validate and queue a request; raises InvalidRequestError (naming the field) on bad input."""
+        """Validate and queue a request; raises InvalidRequestError (naming the field) on bad input.
+
+        `hold_kv=True` (prefill instances): from its first sampled token on, the request's KV blocks
+        stay referenced, even after it finishes, until `release_kv` (or `abort_request`); the
+        output's `kv_block_ids` names them.
+        """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams", field="params")
@@ -262,6 +275,10 @@ class Engine:
             # NOTE: computed by a separate scratch pass over the prompt (not inside the batched
             # prefill), so it costs one extra prompt forward for the requests that ask for it.
             parent.prompt_logprobs = self.prompt_logprobs(ids, params.prompt_logprobs)
+        if hold_kv:
+            if params.n != 1:
+                raise InvalidRequestError("hold_kv requests must have n = 1", field="n")
+            parent.seqs[0].hold_kv = True
         self._parents[request_id] = parent
         # NOTE: with n > 1 the first sequence runs alone until its prompt is cached; the others then
         # start from the cached prefix blocks (shared copy-free) instead of recomputing the prompt.
@@ -305,11 +322,40 @@ class Engine:
         seq = self._parents[request_id].seqs[0]
         return self.cache.block_byte_ranges(self.kv_manager.get_block_ids(seq.req))
 
-    def commit_kv(self, request_id: str) -> None:
-        """The reserved KV has landed: let the request run."""
-        seq = self._parents[request_id].seqs[0]
+    def commit_kv(self, request_id: str, first_token_ids: list[int] | None = None) -> list[RequestOutput]:
+        """The reserved KV has landed: let the request run.
+
+        `first_token_ids` are output tokens already sampled elsewhere (the prefill instance's first
+        token): they count as this request's outputs (stop checks, penalties, limits) and decoding
+        continues after them. Returns an output at once when they already finish the request.
+        """
+        parent = self._parents[request_id]
+        seq = parent.seqs[0]
         self._held.pop(seq.req.req_id)
+        if first_token_ids:
+            upd = seq.stop.append(list(first_token_ids))
+            accepted = list(first_token_ids)[: upd.num_accepted_tokens]
+            seq.req.append_output_token_ids(accepted)
+            co = parent.outputs[0]
+            co.token_ids.extend(accepted)
+            co.text += upd.text_delta
+            if upd.finish_reason is not None:
+                reason = upd.finish_reason
+                co.finish_reason = str(reason.value if hasattr(reason, "value") else reason)
+                co.stop_reason = upd.stop_reason
+                self.kv_manager.free(seq.req)
+                ro = self._make_output(parent, {seq.req.req_id: (accepted, upd.text_delta)})
+                self._seqs.pop(seq.req.req_id, None)
+                del self._parents[request_id]
+                return [ro]
         self.scheduler.add_request(seq.req)
+        return []
+
+    def release_kv(self, request_id: str) -> None:
+        """Drop the hold on a `hold_kv` request's blocks (its KV has been sent, or never will be)."""
+        ids = self._pinned.pop(request_id, None)
+        if ids:
+            self.kv_manager.block_pool.free(ids)
 
     def kv_descriptors(self, request_id: str) -> list[tuple[str, int, int, int]]:
         """`(pool, block, byte_offset, num_bytes)` of a live request's compressed KV blocks."""
@@ -335,6 +381,7 @@ class Engine:
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request (all its sequences) wherever it is; frees its blocks and slot."""
+        self.release_kv(request_id)
         parent = self._parents.pop(request_id, None)
         if parent is None:
             return False
@@ -456,6 +503,10 @@ class Engine:
                 new_tokens[rid] = [tok]
                 if seq is None or seq.req.is_finished or seq.stop.is_finished:
                     continue  # finished (stop string, abort) while this step was in flight
+                if seq.hold_kv and seq.pinned_block_ids is None:
+                    seq.pinned_block_ids = list(self.kv_manager.get_block_ids(seq.req))
+                    self.kv_manager.block_pool.touch(seq.pinned_block_ids)
+                    self._pinned[seq.parent.request_id] = seq.pinned_block_ids
                 upd = seq.stop.append([tok])
                 accepted = [tok][: upd.num_accepted_tokens]
                 if seq.logprobs is not None and lp is not None and accepted:
@@ -527,6 +578,7 @@ class Engine:
             finished=finished,
             new_token_ids=new_ids,
             new_text=new_text,
+            kv_block_ids=parent.seqs[0].pinned_block_ids,
         )
 
     # ------------------------------------------------------------------ extras

@@ -1,0 +1,85 @@
+"""The decode instance's pure core: reserve blocks, wait for the KV, then decode.
+
+No sockets: the gRPC shell (next milestone) calls `reserve`, forwards the prefill's outcome and
+drains `step()`. One request's life here:
+
+1. `reserve(...)`: the engine reserves blocks for the prompt's compressed KV (held outside the
+   scheduler) and the agent starts expecting the transfer; the destination goes back to the
+   entrypoint, which hands it to the prefill instance.
+2. `step()` polls the agent: when the notification arrives (it carries the first token sampled by
+   prefill) the request is committed to the engine, which rebuilds the bounded state by bounded
+   replay and decodes from the token after the first. An expired lease aborts the request and
+   frees its blocks.
+3. `step()` returns the engine's incremental outputs (`RequestOutput`) and `DecodeFailed` events.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from engine.engine import Engine, RequestOutput
+from engine.sampling import SamplingParams
+from kv_transfer import KVTransferAgent
+
+
+@dataclass
+class Reservation:
+    request_id: str
+    transfer_id: str
+    peer: str
+    """This instance's agent name (the prefill side sends to it)."""
+    block_ids: list[int]
+    lease_s: float
+
+
+@dataclass
+class DecodeFailed:
+    request_id: str
+    error: str
+
+
+class DecodeCore:
+    """Engine + KV transfer agent of one decode instance (rank 0 of its group)."""
+
+    def __init__(self, engine: Engine, agent: KVTransferAgent, agent_name: str) -> None:
+        self.engine = engine
+        self.agent = agent
+        self.agent_name = agent_name
+        self._by_transfer: dict[str, str] = {}
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                lease_s: float = 60.0) -> Reservation:
+        """Reserve blocks for the prompt's KV; raises InvalidRequestError on bad input."""
+        transfer_id = f"{request_id}/{self.agent_name}"
+        self.engine.reserve_kv(request_id, prompt_token_ids, params, num_kv_tokens=len(prompt_token_ids))
+        block_ids = self.engine.kv_manager.get_block_ids(self.engine._parents[request_id].seqs[0].req)
+        self.agent.expect(transfer_id, block_ids, lease_s)
+        self._by_transfer[transfer_id] = request_id
+        return Reservation(request_id, transfer_id, self.agent_name, list(block_ids), lease_s)
+
+    def abort(self, request_id: str) -> None:
+        """Abort wherever the request is; its reserved or running blocks are freed."""
+        for tid, rid in list(self._by_transfer.items()):
+            if rid == request_id:
+                self.agent.cancel_expect(tid)
+                del self._by_transfer[tid]
+        self.engine.abort_request(request_id)
+
+    def step(self) -> list[RequestOutput | DecodeFailed]:
+        events: list[RequestOutput | DecodeFailed] = []
+        ev = self.agent.poll()
+        for tid in ev.received_ids:
+            rid = self._by_transfer.pop(tid, None)
+            if rid is None:
+                continue
+            first = json.loads(ev.payloads.get(tid, b"{}") or b"{}").get("first_token_id")
+            events += self.engine.commit_kv(rid, [first] if first is not None else None)
+        for tid in ev.expired_ids:
+            rid = self._by_transfer.pop(tid, None)
+            if rid is not None:
+                self.engine.abort_request(rid)
+                events.append(DecodeFailed(rid, "the KV did not arrive before the reservation's lease expired"))
+        if self.engine.scheduler.has_unfinished_requests():
+            events += self.engine.step()
+        return events
