@@ -1,7 +1,7 @@
 """Forward-pass speed of our model against transformers' `DeepseekV4ForCausalLM` on the CPU.
 
     python -m benchmarks.model_forward [--preset small] [--prompt-len 512] [--decode-steps 32]
-        [--batch 8] [--reps 5] [--threads 1,2] [--checkpoint DIR] [--json OUT]
+        [--batch 8] [--reps 9] [--threads 1,2] [--checkpoint DIR] [--json OUT]
 
 Both models load the same random-weight checkpoint (written by `make_checkpoint` into a temporary
 directory unless `--checkpoint` names one) in float32. Three cases, each in tokens/s:
@@ -15,11 +15,13 @@ directory unless `--checkpoint` names one) in float32. Three cases, each in toke
 - `decode_bN`: the same with `--batch` sequences of equal prompt length in every step (ours: one
   flat `run` over all of them; HF: a `[batch, 1]` input, no padding).
 
-Every repetition of a prefill starts from an empty cache. Decode cases prefill once (not timed),
-then time one warmup block and `--reps` blocks of `--decode-steps` steps back to back, so the
-context grows from `prompt_len` to `prompt_len + (reps + 1) * decode_steps` across the blocks;
-both models see the same token ids. Figures are medians over repetitions. Decode tokens are fixed
-random ids (no sampling), so only the forward is timed.
+Ours and HF run alternately, repetition by repetition, so load from other processes falls on
+both alike. Every repetition of a prefill starts from an empty cache. Decode cases prefill once
+(not timed), then time one warmup block and `--reps` blocks of `--decode-steps` steps back to
+back, so the context grows from `prompt_len` to `prompt_len + (reps + 1) * decode_steps` across
+the blocks; both models see the same token ids. Decode tokens are fixed random ids (no sampling),
+so only the forward is timed. Figures are medians over repetitions; the table also gives the range
+of the per-repetition ratio (ours and HF of one repetition run back to back), a measure of noise.
 """
 
 from __future__ import annotations
@@ -42,16 +44,34 @@ from engine.testing.model_runner import ModelRunnerForTests
 from engine.testing.presets import PRESETS
 
 
-def median_seconds(fn: Callable[[], None], reps: int, warmup: int = 1) -> tuple[float, list[float]]:
-    """Blocks while running `fn` `warmup + reps` times; returns (median, all timed seconds)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), times
+def paired_medians(ours_fn: Callable[[], None], hf_fn: Callable[[], None], reps: int, warmup: int = 1) -> dict:
+    """Blocks while running both `warmup + reps` times, interleaved; returns median seconds of each
+    (`ours_s`, `hf_s`) and the range of the per-repetition ratio HF time / our time (`ratio_range`).
+
+    NOTE: ours and HF alternate rep by rep, so a load change on a shared machine hits both alike.
+    """
+    times: dict[str, list[float]] = {"ours": [], "hf": []}
+    for i in range(warmup + reps):
+        for name, fn in (("ours", ours_fn), ("hf", hf_fn)):
+            t0 = time.perf_counter()
+            fn()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    ratios = [h / o for o, h in zip(times["ours"], times["hf"])]
+    return {"ours_s": statistics.median(times["ours"]), "hf_s": statistics.median(times["hf"]),
+            "ratio_range": (min(ratios), max(ratios))}
+
+
+def source_digest() -> str:
+    """Short sha256 over the engine's Python sources, naming the code version measured."""
+    import hashlib
+
+    root = Path(__file__).resolve().parent.parent / "engine"
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def load_hf(path: Path):
@@ -83,14 +103,12 @@ def bench_prefill(ours, hf, ids: torch.Tensor, reps: int) -> dict[str, float]:
         runners.extend(ModelRunnerForTests(ours, max_seqs=1, max_len=L + 1) for _ in range(n))
 
     fresh_runners(reps + 1)
-    t_ours, _ = median_seconds(ours_once, reps)
 
     def hf_once() -> None:
         with torch.inference_mode():
             hf(ids, use_cache=True, logits_to_keep=1)
 
-    t_hf, _ = median_seconds(hf_once, reps)
-    return {"ours_s": t_ours, "hf_s": t_hf, "tokens": L}
+    return {**paired_medians(ours_once, hf_once, reps), "tokens": L}
 
 
 def bench_decode(ours, hf, ids: torch.Tensor, steps: int, reps: int, vocab: int, seed: int) -> dict[str, float]:
@@ -110,8 +128,6 @@ def bench_decode(ours, hf, ids: torch.Tensor, steps: int, reps: int, vocab: int,
             runner.run([(i, [new_list[i][k]]) for i in range(B)])
         cursor[0] = c + steps
 
-    t_ours, _ = median_seconds(ours_block, reps)
-
     with torch.inference_mode():
         cache = hf(ids, use_cache=True, logits_to_keep=1).cache
     hf_cursor = [0]
@@ -123,8 +139,7 @@ def bench_decode(ours, hf, ids: torch.Tensor, steps: int, reps: int, vocab: int,
                 hf(new[:, k:k + 1], cache=cache, use_cache=True)
         hf_cursor[0] = c + steps
 
-    t_hf, _ = median_seconds(hf_block, reps)
-    return {"ours_s": t_ours, "hf_s": t_hf, "tokens": B * steps}
+    return {**paired_medians(ours_block, hf_block, reps), "tokens": B * steps}
 
 
 def run(args: argparse.Namespace, path: Path) -> dict:
@@ -150,7 +165,7 @@ def run(args: argparse.Namespace, path: Path) -> dict:
                 "case": name, "threads": threads, "tokens": r["tokens"],
                 "ours_s": r["ours_s"], "hf_s": r["hf_s"],
                 "ours_tok_s": r["tokens"] / r["ours_s"], "hf_tok_s": r["tokens"] / r["hf_s"],
-                "ratio": r["hf_s"] / r["ours_s"],
+                "ratio": r["hf_s"] / r["ours_s"], "ratio_range": r["ratio_range"],
                 "loadavg_before": load_before, "loadavg_after": load_after,
             })
     return {
@@ -164,6 +179,7 @@ def run(args: argparse.Namespace, path: Path) -> dict:
         "transformers": __import__("transformers").__version__,
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
+        "engine_source_digest": source_digest(),
         "results": results,
     }
 
@@ -171,13 +187,15 @@ def run(args: argparse.Namespace, path: Path) -> dict:
 def format_table(report: dict) -> str:
     """Markdown table of `report["results"]` (ratio = ours tok/s / HF tok/s)."""
     lines = [
-        "| case | threads | tokens timed | ours tok/s | HF tok/s | ours/HF | load avg (1m) before/after |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| case | threads | tokens timed | ours tok/s | HF tok/s | ours/HF | per-rep ours/HF min-max "
+        "| load avg (1m) before/after |",
+        "|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in report["results"]:
         lines.append(
             f"| {r['case']} | {r['threads']} | {r['tokens']} | {r['ours_tok_s']:.1f} | {r['hf_tok_s']:.1f} | "
-            f"{r['ratio']:.2f} | {r['loadavg_before'][0]:.2f} / {r['loadavg_after'][0]:.2f} |"
+            f"{r['ratio']:.2f} | {r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f} | "
+            f"{r['loadavg_before'][0]:.2f} / {r['loadavg_after'][0]:.2f} |"
         )
     return "\n".join(lines)
 
@@ -187,7 +205,8 @@ def parse_threads(value: str) -> list[int]:
     try:
         threads = [int(v) for v in value.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--threads takes integers separated by commas, e.g. 1,2; got {value!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"--threads takes integers separated by commas, e.g. 1,2; got {value!r}") from None
     if not threads or min(threads) < 1:
         raise argparse.ArgumentTypeError(f"--threads needs at least one count >= 1; got {value!r}")
     return threads
@@ -196,12 +215,14 @@ def parse_threads(value: str) -> list[int]:
 def main(argv: list[str] | None = None) -> dict:
     """Command-line entry point (see the module docstring)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.model_forward", description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default="small", choices=sorted(PRESETS), help="architecture of the random checkpoint")
-    parser.add_argument("--checkpoint", type=Path, help="existing checkpoint directory (default: write --preset to a temp dir)")
+    parser.add_argument("--preset", default="small", choices=sorted(PRESETS),
+                        help="architecture of the random checkpoint")
+    parser.add_argument("--checkpoint", type=Path,
+                        help="existing checkpoint directory (default: write --preset to a temp dir)")
     parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per sequence")
     parser.add_argument("--decode-steps", type=int, default=32, help="decode steps per timed block")
     parser.add_argument("--batch", type=int, default=8, help="sequences of the batched decode case")
-    parser.add_argument("--reps", type=int, default=5, help="timed repetitions (after one warmup)")
+    parser.add_argument("--reps", type=int, default=9, help="timed repetitions (after one warmup)")
     parser.add_argument("--threads", type=parse_threads, default=[1], help="torch threads, e.g. 1 or 1,2")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the token ids")
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
@@ -213,7 +234,8 @@ def main(argv: list[str] | None = None) -> dict:
         path = args.checkpoint or make_checkpoint(Path(tmp) / args.preset, preset=args.preset, seed=args.seed)
         report = run(args, path)
     print(f"model_forward: preset={args.preset} prompt_len={args.prompt_len} decode_steps={args.decode_steps} "
-          f"batch={args.batch} reps={args.reps} (median; ours/HF > 1 means ours is faster)")
+          f"batch={args.batch} reps={args.reps} engine sources {report['engine_source_digest']} "
+          "(median; ours/HF > 1 means ours is faster)")
     print(format_table(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -20,11 +20,14 @@ the same numbers, so the ratio of rates is the inverse ratio of wall times.
 Prefix cache: after the main pass the same prompts run again with `max_tokens=1` on the same
 (warm) engine, and on a freshly built (cold) engine; the speedup is cold time / warm time. The
 engine recomputes `exact_replay_tokens` tokens before every hit, so short prompts gain little.
+If that pass fails on the main engine, the error is reported and the pass is repeated on fresh
+engines whose token budget holds every prompt at once (stated in the output).
 
 Decode steps: every `Engine.step` is classified by the scheduler output it ran (decode-only means
 every scheduled request computes exactly one token and none is new), and `engine.timings`
-deltas plus the step's wall time are accumulated per class; "other" is wall time outside the
-three timed phases (output bookkeeping, `update_from_output`).
+deltas plus the step's wall time are accumulated per class; "other" is the step's wall time
+outside the three timed phases (building the model and sampling batches, stop checks,
+detokenization, outputs). Our engine runs with its defaults (`async_scheduling` off).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import os
 import platform
 import random
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +67,42 @@ class Workload:
     @property
     def num_output_tokens(self) -> int:
         return sum(self.max_tokens)
+
+
+class LoadSampler:
+    """Samples the 1-minute load average every `period_s` seconds in a daemon thread.
+
+    NOTE: the load average counts this process too (about `threads` when it computes).
+    """
+
+    def __init__(self, period_s: float = 5.0) -> None:
+        self.samples: list[float] = [os.getloadavg()[0]]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(period_s,), daemon=True)
+        self._thread.start()
+
+    def _loop(self, period_s: float) -> None:
+        while not self._stop.wait(period_s):
+            self.samples.append(os.getloadavg()[0])
+
+    def stop(self) -> dict[str, float]:
+        """Stop sampling; returns min / mean / max of the samples."""
+        self._stop.set()
+        self._thread.join()
+        self.samples.append(os.getloadavg()[0])
+        return {"min": min(self.samples), "mean": sum(self.samples) / len(self.samples), "max": max(self.samples)}
+
+
+def source_digest() -> str:
+    """Short sha256 over the engine's Python sources, naming the code version measured."""
+    import hashlib
+
+    root = Path(__file__).resolve().parent.parent / "engine"
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def make_workload(num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
@@ -125,17 +165,47 @@ class StepRecorder:
         return out
 
 
+def _warmup(llm: LLM) -> None:
+    """Blocks while running a few short requests (no prefix shared with any workload prompt)."""
+    prompts = [[(7 * i + j) % 1000 + 2 for j in range(48)] for i in range(4)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8), use_tqdm=False)
+
+
+def _timed_prompts_pass(llm: LLM, prompts: list[list[int]]) -> tuple[float, int, list]:
+    """Blocks while running `prompts` with max_tokens=1; returns (seconds, tokens computed, outputs)."""
+    one = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
+    computed0 = llm.engine.num_computed_tokens_total
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, one, use_tqdm=False)
+    return time.perf_counter() - t0, llm.engine.num_computed_tokens_total - computed0, outs
+
+
+def prefix_cache_pass(build, warm: LLM, prompts: list[list[int]]) -> dict:
+    """Blocks while timing `prompts` (max_tokens=1) on the engine `warm`, which has seen them, and on
+    a fresh engine from `build()`; returns times, tokens computed and the speedup."""
+    warm_s, warm_computed, warm_outs = _timed_prompts_pass(warm, prompts)
+    cold = build()
+    _warmup(cold)
+    cold_s, cold_computed, cold_outs = _timed_prompts_pass(cold, prompts)
+    return {
+        "warm_s": warm_s, "cold_s": cold_s, "speedup": cold_s / warm_s,
+        "cached_prompt_tokens": sum(o.num_cached_tokens for o in warm_outs),
+        "warm_computed_tokens": warm_computed, "cold_computed_tokens": cold_computed,
+        "same_token_warm_vs_cold": sum(a.outputs[0].token_ids == b.outputs[0].token_ids
+                                       for a, b in zip(warm_outs, cold_outs)),
+    }
+
+
 def run_ours(path: Path, work: Workload, args: argparse.Namespace) -> dict:
     """Blocks while running the workload (and the prefix-cache passes) through `LLM.generate`."""
-    def build() -> LLM:
+    def build(max_num_batched_tokens: int = args.max_num_batched_tokens) -> LLM:
         return LLM(model=str(path), max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
+                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=args.max_model_len)
 
     llm = build()
     recorder = StepRecorder(llm.engine)
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m) for m in work.max_tokens]
-    warm_prompts = [[(7 * i + j) % 1000 + 2 for j in range(48)] for i in range(4)]
-    llm.generate(warm_prompts, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8), use_tqdm=False)
+    _warmup(llm)
     recorder.reset()
     timings0 = dict(llm.engine.timings)
 
@@ -148,33 +218,30 @@ def run_ours(path: Path, work: Workload, args: argparse.Namespace) -> dict:
     timings = {k: llm.engine.timings[k] - timings0[k] for k in llm.engine.timings}
     per_step = recorder.per_decode_step_ms()
 
-    one = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
-    computed0 = llm.engine.num_computed_tokens_total
-    t0 = time.perf_counter()
-    warm_outs = llm.generate(work.prompts, one, use_tqdm=False)
-    warm_s = time.perf_counter() - t0
-    warm_computed = llm.engine.num_computed_tokens_total - computed0
+    try:
+        prefix = prefix_cache_pass(build, llm, work.prompts)
+        prefix["engine"] = "main-pass engine (warm) vs fresh engine, same config"
+    except Exception as e:  # noqa: BLE001 - a failing engine path is a result to report, not a crash
+        # NOTE: fallback: a token budget holding every prompt at once, so no prefill (and no replay
+        # before a prefix hit) is split across steps; warm = a fresh engine that ran the prompts once.
+        error = f"{type(e).__name__}: {e}"
+        print(f"prefix-cache pass on the main engine failed ({error}); retrying with an unsplit token budget",
+              flush=True)
+        budget = max(args.max_num_batched_tokens, work.num_prompt_tokens)
+        warm = build(budget)
+        _warmup(warm)
+        _timed_prompts_pass(warm, work.prompts)
+        prefix = prefix_cache_pass(lambda: build(budget), warm, work.prompts)
+        prefix["engine"] = (f"fallback: fresh engines with max_num_batched_tokens={budget} (main engine failed: "
+                            f"{error}); warm engine ran the prompts once before")
+        prefix["main_engine_error"] = error
     del llm
-
-    cold = build()
-    cold.generate(warm_prompts, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8), use_tqdm=False)
-    cold_computed0 = cold.engine.num_computed_tokens_total
-    t0 = time.perf_counter()
-    cold_outs = cold.generate(work.prompts, one, use_tqdm=False)
-    cold_s = time.perf_counter() - t0
-    cold_computed = cold.engine.num_computed_tokens_total - cold_computed0
-    same_first = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(warm_outs, cold_outs))
     return {
         "elapsed_s": elapsed,
         "output_token_ids": [o.outputs[0].token_ids for o in outs],
         "timings": timings,
         "decode_step_ms": per_step,
-        "prefix_cache": {
-            "warm_s": warm_s, "cold_s": cold_s, "speedup": cold_s / warm_s,
-            "cached_prompt_tokens": sum(o.num_cached_tokens for o in warm_outs),
-            "warm_computed_tokens": warm_computed, "cold_computed_tokens": cold_computed,
-            "same_token_warm_vs_cold": same_first,
-        },
+        "prefix_cache": prefix,
     }
 
 
@@ -243,8 +310,14 @@ def run(args: argparse.Namespace, path: Path, threads: int) -> dict:
     output_range = (8, 32) if args.quick else (64, 256)
     work = make_workload(args.num_requests, (16, 512), output_range, vocab, args.seed)
     load_before = os.getloadavg()
+    sampler = LoadSampler()
     ours = run_ours(path, work, args)
-    hf = None if args.skip_hf else run_hf(path, work, args.hf_batch_size)
+    load_ours = sampler.stop()
+    hf, load_hf = None, None
+    if not args.skip_hf:
+        sampler = LoadSampler()
+        hf = run_hf(path, work, args.hf_batch_size)
+        load_hf = sampler.stop()
     load_after = os.getloadavg()
     out_tokens, total_tokens = work.num_output_tokens, work.num_output_tokens + work.num_prompt_tokens
     report = {
@@ -254,6 +327,7 @@ def run(args: argparse.Namespace, path: Path, threads: int) -> dict:
         "output_tokens": out_tokens,
         "loadavg_before": load_before,
         "loadavg_after": load_after,
+        "loadavg_during": {"ours": load_ours, "hf": load_hf},
         "ours": {
             "elapsed_s": ours["elapsed_s"],
             "output_tok_s": out_tokens / ours["elapsed_s"],
@@ -264,7 +338,8 @@ def run(args: argparse.Namespace, path: Path, threads: int) -> dict:
         },
     }
     if hf is not None:
-        agree = [common_prefix(ours["output_token_ids"][i], hf["output_token_ids"][i]) for i in hf["unpadded_request_ids"]]
+        agree = [common_prefix(ours["output_token_ids"][i], hf["output_token_ids"][i])
+                 for i in hf["unpadded_request_ids"]]
         report["hf"] = {
             "elapsed_s": hf["elapsed_s"],
             "output_tok_s": out_tokens / hf["elapsed_s"],
@@ -286,10 +361,12 @@ def run(args: argparse.Namespace, path: Path, threads: int) -> dict:
 def format_report(r: dict) -> str:
     """Markdown tables of one thread count's results."""
     o = r["ours"]
+    during = "; ".join(f"{k} {v['min']:.2f}/{v['mean']:.2f}/{v['max']:.2f}"
+                       for k, v in r["loadavg_during"].items() if v is not None)
     lines = [
         f"threads={r['threads']}: {r['num_requests']} requests, {r['prompt_tokens']} prompt + "
         f"{r['output_tokens']} output tokens; load avg (1m) {r['loadavg_before'][0]:.2f} before, "
-        f"{r['loadavg_after'][0]:.2f} after",
+        f"{r['loadavg_after'][0]:.2f} after; during (min/mean/max): {during}",
         "",
         "| engine | wall s | output tok/s | total tok/s |",
         "|---|---:|---:|---:|",
@@ -312,6 +389,9 @@ def format_report(r: dict) -> str:
         f"{p['warm_computed_tokens']} |",
         f"| speedup (cold/warm) | {p['speedup']:.2f}x | |",
         "",
+        f"prefix-cache engines: {p['engine']}; first token equal warm vs cold: "
+        f"{p['same_token_warm_vs_cold']}/{r['num_requests']}",
+        "",
         f"| ours per decode-only step (ms; {s['steps']} steps, mean batch {s['mean_batch']:.1f}) | schedule | "
         "model | sample | other | total |",
         "|---|---:|---:|---:|---:|---:|",
@@ -332,7 +412,8 @@ def parse_threads(value: str) -> list[int]:
     try:
         threads = [int(v) for v in value.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--threads takes integers separated by commas, e.g. 1,2; got {value!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"--threads takes integers separated by commas, e.g. 1,2; got {value!r}") from None
     if not threads or min(threads) < 1:
         raise argparse.ArgumentTypeError(f"--threads needs at least one count >= 1; got {value!r}")
     return threads
@@ -350,7 +431,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="our engine's token budget per step")
     parser.add_argument("--max-model-len", type=int, default=1024, help="our engine's max prompt + output")
     parser.add_argument("--preset", default="small", help="architecture of the random checkpoint")
-    parser.add_argument("--checkpoint", type=Path, help="existing checkpoint directory (default: write --preset to a temp dir)")
+    parser.add_argument("--checkpoint", type=Path,
+                        help="existing checkpoint directory (default: write --preset to a temp dir)")
     parser.add_argument("--skip-hf", action="store_true", help="measure ours only")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload")
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
@@ -360,6 +442,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.num_requests < 1 or args.hf_batch_size < 1:
         parser.error("--num-requests and --hf-batch-size must be >= 1")
     reports = []
+    print(f"offline_throughput: preset={args.preset} engine sources {source_digest()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="deepinfer-bench-") as tmp:
         path = args.checkpoint or make_checkpoint(Path(tmp) / args.preset, preset=args.preset, seed=args.seed)
         for threads in args.threads:
@@ -376,6 +459,7 @@ def main(argv: list[str] | None = None) -> dict:
         "transformers": None if args.skip_hf else __import__("transformers").__version__,
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
+        "engine_source_digest": source_digest(),
         "runs": reports,
     }
     if args.json:

@@ -1,6 +1,6 @@
 """The decode instance's pure core: reserve blocks, wait for the KV, then decode.
 
-No sockets: the gRPC shell (next milestone) calls `reserve`, forwards the prefill's outcome and
+No sockets: the gRPC shell (`server.py`) calls `reserve`, forwards the prefill's outcome and
 drains `step()`. One request's life here:
 
 1. `reserve(...)`: the engine reserves blocks for the prompt's compressed KV (held outside the

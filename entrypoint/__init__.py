@@ -1,2 +1,6 @@
 """entrypoint: the HTTP front (deepseek-recipe), the token-level gRPC API, the P/D handshake,
-streaming and abort. Filled by the disaggregated-serving and HTTP API issues."""
+streaming and abort.
+
+`server.serve_entrypoint` runs the token-level `deepinfer.v1.Entrypoint` service (validation, the P/D
+handshake, streaming, abort); `client.Client` is its Python client; `python -m entrypoint` runs it
+as a process. The HTTP front arrives with the HTTP API issue."""

@@ -1,6 +1,6 @@
 """The prefill instance's pure core: prefill, sample the first token, push the KV to decode.
 
-No sockets: the gRPC shell (next milestone) feeds `submit` and drains `step()`'s events. One
+No sockets: the gRPC shell (`server.py`) feeds `submit` and drains `step()`'s events. One
 request's life here:
 
 1. `submit(PrefillWork)`: the engine queues the prompt with `max_tokens=1` and `hold_kv=True`.
@@ -15,6 +15,7 @@ request's life here:
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field, replace
 
 from engine.engine import Engine
@@ -33,6 +34,9 @@ class KVDestination:
     transfer_id: str
     lease_s: float = 30.0
     """Seconds the WRITE may take before it is failed (shorter than the decode side's lease)."""
+    send_deadline: float | None = None
+    """`time.monotonic()` after which the WRITE must neither start nor run (the decode lease minus a
+    margin); caps `lease_s` at send time. None = only `lease_s` bounds it."""
 
 
 @dataclass
@@ -114,10 +118,18 @@ class PrefillCore:
                     done.append(PrefillDone(out.request_id, error=f"destination has {n} blocks, prompt KV has {len(src)}"))
                     self._finish(out.request_id)
                     continue
+                lease_s = dest.lease_s
+                if dest.send_deadline is not None:
+                    lease_s = min(lease_s, dest.send_deadline - time.monotonic())
+                    if lease_s <= 0:
+                        done.append(PrefillDone(out.request_id, error="the decode reservation's lease ran out "
+                                                "before the KV was ready to send"))
+                        self._finish(out.request_id)
+                        continue
                 notify = json.dumps({"first_token_id": inflight.first_token_id}).encode()
                 try:
                     inflight.num_bytes = self.agent.send_blocks(dest.transfer_id, dest.peer, src, dest.block_ids,
-                                                                notify, lease_s=dest.lease_s)
+                                                                notify, lease_s=lease_s)
                 except ValueError as e:
                     done.append(PrefillDone(out.request_id, error=f"KV transfer refused: {e}"))
                     self._finish(out.request_id)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVDestination(_message.Message):
-    __slots__ = ("decode_instance_id", "agent_name", "agent_metadata", "block_ids", "block_size", "transfer_id", "lease_deadline_unix_ms")
+    __slots__ = ("decode_instance_id", "agent_name", "agent_metadata", "block_ids", "block_size", "transfer_id", "lease_deadline_unix_ms", "agent_layout")
     DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class KVDestination(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     decode_instance_id: str
     agent_name: str
     agent_metadata: bytes
@@ -23,7 +24,8 @@ class KVDestination(_message.Message):
     block_size: int
     transfer_id: str
     lease_deadline_unix_ms: int
-    def __init__(self, decode_instance_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., transfer_id: _Optional[str] = ..., lease_deadline_unix_ms: _Optional[int] = ...) -> None: ...
+    agent_layout: bytes
+    def __init__(self, decode_instance_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., transfer_id: _Optional[str] = ..., lease_deadline_unix_ms: _Optional[int] = ..., agent_layout: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "images", "destination", "num_kv_tokens", "priority", "deadline_ms")

@@ -469,7 +469,7 @@ class Attention(nn.Module):
         j = self.kind_index
         device = x.device
         C0, C1 = p0 // r, (p0 + n) // r
-        windows = torch.arange(max(C0, s.num_frozen_tokens // r), C1, device=device)
+        windows = torch.arange(min(max(C0, s.num_frozen_tokens // r), C1), C1, device=device)
         bt = torch.tensor(s.block_table, dtype=torch.long, device=device)
         if self.kind == "csa":
             pool, epb = cache.csa_entries[j], cache.csa_entries_per_block

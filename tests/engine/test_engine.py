@@ -332,3 +332,14 @@ def test_imported_kv_continues_exactly(ckpt):
         assert out.outputs[0].token_ids == ref, f"num_kv_tokens={num_kv}"
     a.abort_request("r")
     assert b.kv_manager.num_free_blocks == b.kv_manager.num_blocks
+
+
+def test_prefix_hit_with_replay_split_across_steps(ckpt):
+    """A replay longer than the step budget spans several steps before the hit boundary."""
+    prompt = _prompts(1, 512, lo=200, hi=200, seed=15)[0]
+    cold = LLM(ckpt(), enable_prefix_caching=False).generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
+    llm = LLM(ckpt(), max_num_batched_tokens=16)
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1), use_tqdm=False)
+    warm = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
+    assert warm.num_cached_tokens > 0
+    assert warm.outputs[0].token_ids == cold[0].outputs[0].token_ids

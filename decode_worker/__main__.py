@@ -1,0 +1,49 @@
+"""`python -m decode_worker --model DIR --lb-address HOST:PORT [--port 0] ...`: run one decode instance.
+
+Prints one JSON line on stdout once it serves and is registered:
+`{"address": "127.0.0.1:54321", "instance_id": "decode-...", "agent": "decode-..."}`; logs go to
+stderr. SIGTERM / SIGINT stop it (deregistering first); a `Drain` RPC makes it exit once drained.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+
+from decode_worker.config import DecodeWorkerConfig, config_from_args, make_parser
+
+
+def _log_to_stderr() -> None:
+    """Every log line goes to stderr; stdout carries only the address line.
+
+    NOTE: importing NIXL installs a handler that writes NIXL's logs to stdout; it is moved to stderr.
+    """
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import nixl._api  # noqa: F401
+
+    for handler in logging.getLogger("nixl").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser(DecodeWorkerConfig, "python -m decode_worker", __doc__.splitlines()[0])
+    config = config_from_args(DecodeWorkerConfig, parser, argv)
+    _log_to_stderr()
+    from decode_worker.server import serve_decode
+
+    worker = serve_decode(config)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: threading.Thread(target=worker.stop, name="decode_worker-stop").start())
+    print(json.dumps({"address": worker.address, "instance_id": worker.instance_id, "agent": worker.agent_name}),
+          flush=True)
+    while not worker.wait(0.5):
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

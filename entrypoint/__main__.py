@@ -1,0 +1,37 @@
+"""Run the token-level entrypoint: `python -m entrypoint --model DIR --prefill-lb-address HOST:PORT
+--decode-lb-address HOST:PORT [--port 0]`.
+
+Prints one JSON line on stdout once it serves: `{"address": "127.0.0.1:54321", "instance_id": "entrypoint-..."}`;
+logs go to stderr. SIGTERM / SIGINT stop it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+
+from entrypoint.config import EntrypointConfig, config_from_args, make_parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser(EntrypointConfig, "python -m entrypoint", "Run the token-level entrypoint.")
+    config = config_from_args(EntrypointConfig, parser, argv)
+    if not config.prefill_lb_address or not config.decode_lb_address:
+        parser.error("give --prefill-lb-address and --decode-lb-address")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from entrypoint.server import serve_entrypoint
+
+    server = serve_entrypoint(config)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: threading.Thread(target=server.stop, name="entrypoint-stop").start())
+    print(json.dumps({"address": server.address, "instance_id": server.instance_id}), flush=True)
+    while not server.wait(0.5):
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

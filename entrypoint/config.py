@@ -1,0 +1,69 @@
+"""The entrypoint's configuration (frozen, validated) and the CLI generated from it.
+
+NOTE: `make_parser` / `config_from_args` are copies of those in `prefill_worker/config.py`."""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class EntrypointConfig(BaseModel):
+    """Everything the token-level entrypoint needs to start."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    model: str | None = None
+    """Checkpoint directory whose config.json gives the vocabulary and context length to validate
+    against; None = the built-in default model."""
+    host: str = "127.0.0.1"
+    """Interface the gRPC server binds."""
+    port: int = Field(0, ge=0, le=65535)
+    """gRPC port; 0 = an ephemeral port (the bound address is printed / returned)."""
+    advertise_host: str | None = None
+    """Host clients reach the entrypoint at; None = `host`."""
+    prefill_lb_address: str = ""
+    """host:port of the prefill balancer (required)."""
+    decode_lb_address: str = ""
+    """host:port of the decode balancer (required)."""
+    instance_id: str = ""
+    """Id of this entrypoint in logs and Health; empty = `entrypoint-<random hex>`."""
+    max_model_len: int | None = Field(None, gt=1)
+    """Longest prompt + output accepted; None = the engine default, min(max_position_embeddings, 8192)."""
+    kv_lease_ms: int = Field(30000, gt=0)
+    """Lease asked of decode reservations: how long a decode instance waits for the prefill's KV."""
+    max_attempts: int = Field(2, ge=1)
+    """Instances tried per stage when one is full or draining (it is excluded from the next pick)."""
+    rpc_timeout_s: float = Field(10.0, gt=0)
+    """Timeout of unary calls to balancers (Pick) and of Abort calls."""
+    max_rpc_threads: int = Field(256, gt=0)
+    """gRPC handler threads (each Generate stream holds one until its request finishes)."""
+
+
+def make_parser(config_cls: type[BaseModel], prog: str, description: str) -> argparse.ArgumentParser:
+    """An argparse parser with one `--flag` per config field (defaults and help from the model)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    for name, field in config_cls.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        annotation = field.annotation
+        if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+            annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+        if annotation is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=field.default,
+                                help=field.description)
+        else:
+            parser.add_argument(flag, dest=name, type=annotation, default=field.default,
+                                help=f"{field.description} (default: {field.default})")
+    return parser
+
+
+def config_from_args(config_cls: type[BaseModel], parser: argparse.ArgumentParser, argv: list[str] | None):
+    """Parse `argv` into a validated `config_cls`; exits with the validation message on bad values."""
+    args = parser.parse_args(argv)
+    try:
+        return config_cls(**vars(args))
+    except ValidationError as e:
+        parser.error(str(e))

@@ -1,0 +1,499 @@
+"""The token-level entrypoint: the `deepinfer.v1.Entrypoint` gRPC service and the P/D handshake.
+
+```python
+server = serve_entrypoint(EntrypointConfig(model=path, prefill_lb_address=p_lb, decode_lb_address=d_lb))
+Client(server.address).generate([5, 6, 7], max_tokens=8, temperature=0.0)
+```
+
+One `Generate` call (DESIGN.md §1):
+
+1. Validate (`validate_request`) against the model's vocabulary and context length: empty prompt,
+   out-of-vocabulary ids, bad sampling params -> INVALID_ARGUMENT before any stage works.
+2. Decode balancer `Pick` -> `Decode.Reserve` on D: blocks for the prompt's KV, the transfer id,
+   D's agent name, metadata and layout, and the lease deadline.
+3. Prefill balancer `Pick` (prefix-aware: the prompt's chained block hashes) -> `Prefill.Prefill` on
+   P with D's reservation as the destination; P answers once the KV landed on D, with the first token.
+4. `Decode.Start` on D: its `TokenChunk`s are streamed back as `GenerateResponse` deltas; the last
+   carries finish_reason and usage (with P's cached prompt tokens).
+
+A full or draining instance (RESOURCE_EXHAUSTED / UNAVAILABLE before any work), or a decode instance
+that cannot be reached for Reserve, is excluded and the stage picked again, up to `max_attempts`
+instances; a prefill that fails mid-call is not retried (it may have written into D's blocks).
+Failures end the call with the gRPC status the wire `Error` maps to (`STATUS_OF_ERROR`); a stage
+without a healthy instance gives UNAVAILABLE naming the stage. The client cancelling the call,
+`deadline_ms` (or the call's own deadline) running out, or `Abort` cancel the stage calls in flight
+and abort the request on P, then on D. `Abort` ends the stream with a last message whose
+finish_reason is ABORT.
+
+NOTE (abort order): P first, then D, so D frees the reserved blocks after P has stopped (or
+finished) its WRITE into them, as far as P can tell; see the lease NOTE in `kv_transfer`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import grpc
+
+from engine.cache.block_pool import hash_block_tokens
+from engine.config import ModelConfig
+from engine.errors import InvalidRequestError
+from engine.sampling import SamplingParams
+from entrypoint.config import EntrypointConfig
+from protos import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    entrypoint_pb2,
+    entrypoint_pb2_grpc,
+    loadbalancer_pb2,
+    loadbalancer_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+from protos.convert import sampling_params_from_proto
+
+logger = logging.getLogger("entrypoint")
+
+STATUS_OF_ERROR = {
+    common_pb2.ERROR_CODE_INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
+    common_pb2.ERROR_CODE_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    common_pb2.ERROR_CODE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    common_pb2.ERROR_CODE_DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    common_pb2.ERROR_CODE_ABORTED: grpc.StatusCode.CANCELLED,
+    common_pb2.ERROR_CODE_INTERNAL: grpc.StatusCode.INTERNAL,
+}
+"""Wire `ErrorCode` -> gRPC status at the edge (protos/common.proto)."""
+
+ERROR_FIELD_METADATA_KEY = "deepinfer-error-field"
+"""Trailing-metadata key naming the offending request parameter of an INVALID_ARGUMENT status."""
+
+STATS_METADATA_KEY = "deepinfer-stats-json"
+"""Trailing-metadata key of `Health`: the entrypoint's counters as one JSON object."""
+
+ABORT_RPC_REASON = "Abort RPC"
+"""The abort reason of requests aborted by the Entrypoint's Abort call."""
+
+RETRYABLE_ERRORS = (common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, common_pb2.ERROR_CODE_UNAVAILABLE)
+"""In-band errors after which another instance of the stage is tried (nothing was done yet)."""
+
+
+# ---------------------------------------------------------------------------------------- validation
+
+
+def validate_request(request: entrypoint_pb2.GenerateRequest, vocab_size: int, max_model_len: int) -> SamplingParams:
+    """The request's engine `SamplingParams`; raises `InvalidRequestError` naming the field on bad input.
+
+    Pure: checks the prompt against the vocabulary and context length, the sampling params
+    (`SamplingParams` validation), and refuses what the disaggregated path does not serve yet.
+    """
+    prompt = request.prompt_token_ids
+    if not prompt:
+        raise InvalidRequestError("the prompt is empty; send at least one token id", field="prompt_token_ids")
+    for i, token_id in enumerate(prompt):
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequestError(f"prompt token id {token_id} at position {i} is outside the vocabulary "
+                                      f"[0, {vocab_size})", field="prompt_token_ids")
+    if len(prompt) >= max_model_len:
+        raise InvalidRequestError(f"the prompt has {len(prompt)} tokens but the context length is {max_model_len}; "
+                                  "shorten it", field="prompt_token_ids")
+    if request.images:
+        raise InvalidRequestError("image prompts need the vision stage, which is not deployed yet", field="images")
+    params = sampling_params_from_proto(request.sampling_params)
+    params.validate_against_vocab(vocab_size)
+    if params.n != 1:
+        raise InvalidRequestError("n > 1 is not served by the entrypoint yet; send n requests (seed + i each)",
+                                  field="n")
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(params, name) is not None:
+            raise InvalidRequestError(f"{name} is not served by the disaggregated path yet; leave it unset",
+                                      field=name)
+    if params.max_tokens is not None and len(prompt) + params.max_tokens > max_model_len:
+        raise InvalidRequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                                  f"context length ({max_model_len})", field="max_tokens")
+    return params
+
+
+def prompt_block_hashes(prompt_token_ids: list[int], block_size: int) -> list[int]:
+    """Chained prefix hashes of the prompt's full blocks (`engine.cache.block_pool`), for prefix-aware picks."""
+    hashes: list[int] = []
+    for start in range(0, len(prompt_token_ids) - block_size + 1, block_size):
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, prompt_token_ids[start:start + block_size]))
+    return hashes
+
+
+# ---------------------------------------------------------------------------------------- one request
+
+
+class _Failed(Exception):
+    """Ends a Generate call with a gRPC status."""
+
+    def __init__(self, status: grpc.StatusCode, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.field = field
+
+    @classmethod
+    def of_error(cls, error: common_pb2.Error, where: str) -> _Failed:
+        status = STATUS_OF_ERROR.get(error.code, grpc.StatusCode.INTERNAL)
+        return cls(status, f"{where}: {error.message}", error.field)
+
+
+class _Cancelled(Exception):
+    """A stage call was cancelled because the request was aborted (client gone, Abort RPC)."""
+
+
+class _Request:
+    """One Generate call in flight: the stage calls to cancel and the instances to abort on.
+
+    Touched by the handler thread and by whoever aborts it (gRPC callback, Abort RPC): `lock` guards it.
+    """
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.lock = threading.Lock()
+        self.prefill: tuple[str, prefill_pb2_grpc.PrefillStub] | None = None
+        """(instance id, stub) while P may hold the request."""
+        self.decode: tuple[str, decode_pb2_grpc.DecodeStub] | None = None
+        """(instance id, stub) while D may hold the request."""
+        self.calls: list = []
+        self.abort_reason: str | None = None
+        self.is_done = False
+        self.usage = common_pb2.Usage()
+        """What the request used so far (the handler thread updates it)."""
+
+    def add_call(self, call) -> None:
+        """Track a cancellable stage call; cancels it at once when the request is already aborted."""
+        with self.lock:
+            self.calls.append(call)
+            is_aborted = self.abort_reason is not None
+        if is_aborted:
+            call.cancel()
+
+    def abort(self, reason: str, rpc_timeout_s: float) -> bool:
+        """Cancel the stage calls in flight and abort the request on P, then on D (in a daemon thread).
+
+        False (and nothing happens) when the request already finished or was aborted.
+        """
+        with self.lock:
+            if self.is_done or self.abort_reason is not None:
+                return False
+            self.abort_reason = reason
+            calls, stages = list(self.calls), [s for s in (self.prefill, self.decode) if s is not None]
+        for call in calls:
+            call.cancel()
+        threading.Thread(target=self._abort_stages, args=(stages, reason, rpc_timeout_s),
+                         name="entrypoint-abort", daemon=True).start()
+        return True
+
+    def _abort_stages(self, stages, reason: str, rpc_timeout_s: float) -> None:
+        for instance_id, stub in stages:
+            try:
+                stub.Abort(common_pb2.AbortRequest(request_id=self.request_id, reason=reason), timeout=rpc_timeout_s)
+            except grpc.RpcError as e:
+                logger.warning("aborting %s on %s failed: %s", self.request_id, instance_id, e.code().name)
+
+
+# ---------------------------------------------------------------------------------------- service
+
+
+class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
+    """`deepinfer.v1.Entrypoint`: validates, runs the P/D handshake and streams the decode output."""
+
+    def __init__(self, config: EntrypointConfig, instance_id: str, vocab_size: int, max_model_len: int) -> None:
+        self.config = config
+        self.instance_id = instance_id
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+        self._inflight: dict[str, _Request] = {}
+        self.prefill_lb = loadbalancer_pb2_grpc.LoadBalancerStub(self._channel(config.prefill_lb_address))
+        self.decode_lb = loadbalancer_pb2_grpc.LoadBalancerStub(self._channel(config.decode_lb_address))
+
+    def close(self) -> None:
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.close()
+
+    def _channel(self, address: str) -> grpc.Channel:
+        with self._lock:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = self._channels[address] = grpc.insecure_channel(address)
+            return channel
+
+    # ------------------------------------------------------------------ Generate
+
+    def Generate(self, request, context):
+        rid = request.request_id or f"req-{uuid.uuid4().hex}"
+        try:
+            validate_request(request, self.vocab_size, self.max_model_len)
+        except InvalidRequestError as e:
+            _abort_call(context, _Failed(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field or ""))
+        timeouts = [t for t in (request.deadline_ms / 1000 or None, context.time_remaining()) if t is not None]
+        deadline = time.monotonic() + min(timeouts) if timeouts else None
+        req = _Request(rid)
+        with self._lock:
+            if rid in self._inflight:
+                req = None
+            else:
+                self._inflight[rid] = req
+        if req is None:
+            _abort_call(context, _Failed(grpc.StatusCode.INVALID_ARGUMENT, f"request_id {rid!r} is already in flight; "
+                                         "use a unique id or leave it empty", "request_id"))
+        if not context.add_callback(lambda: req.abort("client disconnected", self.config.rpc_timeout_s)):
+            req.abort("client disconnected", self.config.rpc_timeout_s)
+        try:
+            yield from self._generate(req, request, deadline)
+        except _Cancelled:
+            if req.abort_reason == ABORT_RPC_REASON:
+                yield entrypoint_pb2.GenerateResponse(
+                    request_id=rid, finish_reason=common_pb2.FINISH_REASON_ABORT, usage=req.usage,
+                    error=common_pb2.Error(code=common_pb2.ERROR_CODE_ABORTED, message="aborted by an Abort call"))
+        except _Failed as e:
+            req.abort(f"failed: {e}", self.config.rpc_timeout_s)
+            _abort_call(context, e)
+        finally:
+            req.abort("generate call ended", self.config.rpc_timeout_s)  # no-op unless it ended abnormally
+            with req.lock:
+                req.is_done = True
+            with self._lock:
+                self._inflight.pop(rid, None)
+
+    def _generate(self, req: _Request, request, deadline: float | None) -> Iterator[entrypoint_pb2.GenerateResponse]:
+        """Blocks on each stage in turn (reserve on D, prefill on P, start D) and yields D's deltas."""
+        rid = req.request_id
+        prompt = list(request.prompt_token_ids)
+        sampling = request.sampling_params
+        req.usage.prompt_tokens = len(prompt)
+
+        def deadline_ms() -> int:
+            return 0 if deadline is None else max(1, int((deadline - time.monotonic()) * 1000))
+
+        reserve, d_stub = None, None
+        excluded: list[str] = []
+        for attempt in range(self.config.max_attempts):
+            d_inst = self._pick(req, "decode", self.decode_lb, loadbalancer_pb2.PickRequest(
+                request_id=rid, stage=common_pb2.STAGE_DECODE, num_prompt_tokens=len(prompt),
+                exclude_instance_ids=excluded), deadline)
+            d_stub = decode_pb2_grpc.DecodeStub(self._channel(d_inst.address))
+            with req.lock:
+                req.decode = (d_inst.instance_id, d_stub)
+            is_last = attempt + 1 == self.config.max_attempts
+            try:
+                reserve = self._unary(req, d_stub.Reserve, decode_pb2.ReserveRequest(
+                    request_id=rid, prompt_token_ids=prompt, sampling_params=sampling, num_kv_tokens=len(prompt),
+                    priority=request.priority, deadline_ms=deadline_ms(), lease_ms=self.config.kv_lease_ms),
+                    deadline, f"reserving KV on decode instance {d_inst.instance_id}")
+            except _Failed as e:
+                # NOTE: an unreachable instance (e.g. dead, not yet expired at its balancer) is skipped
+                if e.status != grpc.StatusCode.UNAVAILABLE or is_last:
+                    raise
+                logger.warning("%s: skipping decode instance %s: %s", rid, d_inst.instance_id, e)
+                with req.lock:
+                    req.decode = None
+                excluded.append(d_inst.instance_id)
+                continue
+            if not reserve.error.code:
+                break
+            with req.lock:
+                req.decode = None
+            if reserve.error.code not in RETRYABLE_ERRORS or is_last:
+                raise _Failed.of_error(reserve.error, f"decode instance {d_inst.instance_id} refused the reservation")
+            excluded.append(d_inst.instance_id)
+
+        destination = prefill_pb2.KVDestination(
+            decode_instance_id=req.decode[0], agent_name=reserve.agent_name, agent_metadata=reserve.agent_metadata,
+            agent_layout=reserve.agent_layout, block_ids=reserve.block_ids, block_size=reserve.block_size,
+            transfer_id=reserve.transfer_id, lease_deadline_unix_ms=reserve.lease_deadline_unix_ms)
+        hashes = prompt_block_hashes(prompt, reserve.block_size)
+        excluded = []
+        for attempt in range(self.config.max_attempts):
+            p_inst = self._pick(req, "prefill", self.prefill_lb, loadbalancer_pb2.PickRequest(
+                request_id=rid, stage=common_pb2.STAGE_PREFILL, prompt_block_hashes=hashes,
+                num_prompt_tokens=len(prompt), exclude_instance_ids=excluded), deadline)
+            p_stub = prefill_pb2_grpc.PrefillStub(self._channel(p_inst.address))
+            with req.lock:
+                req.prefill = (p_inst.instance_id, p_stub)
+            prefilled = self._unary(req, p_stub.Prefill, prefill_pb2.PrefillRequest(
+                request_id=rid, prompt_token_ids=prompt, sampling_params=sampling, destination=destination,
+                num_kv_tokens=len(prompt), priority=request.priority, deadline_ms=deadline_ms()),
+                deadline, "prefilling")
+            with req.lock:
+                req.prefill = None
+            if not prefilled.error.code:
+                break
+            if prefilled.error.code not in RETRYABLE_ERRORS or attempt + 1 == self.config.max_attempts:
+                raise _Failed.of_error(prefilled.error, f"prefill instance {p_inst.instance_id} failed")
+            excluded.append(p_inst.instance_id)
+
+        req.usage.cached_prompt_tokens = prefilled.num_cached_prompt_tokens
+        timeout = None if deadline is None else max(0.001, deadline - time.monotonic())
+        stream = d_stub.Start(decode_pb2.StartRequest(
+            request_id=rid, transfer_id=reserve.transfer_id, first_token_id=prefilled.first_token_id,
+            num_cached_prompt_tokens=prefilled.num_cached_prompt_tokens), timeout=timeout)
+        req.add_call(stream)
+        try:
+            for chunk in stream:
+                # an abort on D (drain timeout, another caller) ends the stream in-band; failures and
+                # D's deadline end the call with their status
+                if chunk.error.code and (chunk.finish_reason != common_pb2.FINISH_REASON_ABORT
+                                         or chunk.error.code == common_pb2.ERROR_CODE_DEADLINE_EXCEEDED):
+                    raise _Failed.of_error(chunk.error, f"decode instance {req.decode[0]} failed")
+                req.usage.completion_tokens += len(chunk.token_ids)
+                response = entrypoint_pb2.GenerateResponse(
+                    request_id=rid, token_ids=chunk.token_ids, text=chunk.text, finish_reason=chunk.finish_reason)
+                if chunk.error.code:
+                    response.error.CopyFrom(chunk.error)
+                if chunk.finish_reason:
+                    response.usage.CopyFrom(chunk.usage)
+                    if chunk.HasField("stop_token_id"):
+                        response.stop_token_id = chunk.stop_token_id
+                    elif chunk.HasField("stop_str"):
+                        response.stop_str = chunk.stop_str
+                    with req.lock:
+                        req.is_done = True
+                yield response
+                if chunk.finish_reason:
+                    return
+        except grpc.RpcError as e:
+            raise self._translate(req, e, "decoding") from None
+        raise _Failed(grpc.StatusCode.INTERNAL, f"decode instance {req.decode[0]} ended the stream of {rid!r} "
+                      "without a finish_reason")
+
+    def _pick(self, req: _Request, stage: str, stub, pick: loadbalancer_pb2.PickRequest, deadline: float | None):
+        timeout = self.config.rpc_timeout_s
+        if deadline is not None:
+            timeout = min(timeout, max(0.001, deadline - time.monotonic()))
+        call = stub.Pick.future(pick, timeout=timeout)
+        req.add_call(call)
+        try:
+            return call.result().instance
+        except grpc.FutureCancelledError:
+            raise _Cancelled() from None
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                address = self.config.prefill_lb_address if stage == "prefill" else self.config.decode_lb_address
+                raise _Failed(e.code(), f"no {stage} instance can take the request (balancer {address}): "
+                              f"{e.details()}") from None
+            raise self._translate(req, e, f"picking a {stage} instance") from None
+
+    def _unary(self, req: _Request, method, message, deadline: float | None, what: str):
+        timeout = None if deadline is None else max(0.001, deadline - time.monotonic())
+        call = method.future(message, timeout=timeout)
+        req.add_call(call)
+        try:
+            return call.result()
+        except grpc.FutureCancelledError:
+            raise _Cancelled() from None
+        except grpc.RpcError as e:
+            raise self._translate(req, e, what) from None
+
+    @staticmethod
+    def _translate(req: _Request, e: grpc.RpcError, what: str) -> Exception:
+        if e.code() == grpc.StatusCode.CANCELLED and req.abort_reason is not None:
+            return _Cancelled()
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return _Failed(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {req.request_id!r} ran out of time while {what}")
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            return _Failed(grpc.StatusCode.UNAVAILABLE, f"a stage instance became unreachable while {what}: "
+                           f"{e.details()}")
+        return _Failed(grpc.StatusCode.INTERNAL, f"{what} failed: {e.code().name} {e.details()}")
+
+    # ------------------------------------------------------------------ Abort, Health
+
+    def Abort(self, request, context):
+        with self._lock:
+            req = self._inflight.get(request.request_id)
+        was_found = req is not None and req.abort(ABORT_RPC_REASON, self.config.rpc_timeout_s)
+        return common_pb2.AbortResponse(was_found=was_found)
+
+    def Health(self, request, context):
+        counts, problems = {}, []
+        for stage, stub in (("prefill", self.prefill_lb), ("decode", self.decode_lb)):
+            try:
+                listed = stub.ListInstances(loadbalancer_pb2.ListInstancesRequest(), timeout=self.config.rpc_timeout_s)
+                counts[stage] = sum(i.load.is_healthy and not i.load.is_draining for i in listed.instances)
+                if not counts[stage]:
+                    problems.append(f"no healthy {stage} instance")
+            except grpc.RpcError as e:
+                problems.append(f"{stage} balancer unreachable: {e.code().name}")
+        with self._lock:
+            num_inflight = len(self._inflight)
+        stats = {"num_inflight_requests": num_inflight, **{f"num_{s}_instances": n for s, n in counts.items()}}
+        context.set_trailing_metadata(((STATS_METADATA_KEY, json.dumps(stats)),))
+        return common_pb2.HealthResponse(is_healthy=not problems, instance_id=self.instance_id,
+                                         message="; ".join(problems))
+
+
+def _abort_call(context, e: _Failed) -> None:
+    """End the call with `e`'s status (raises)."""
+    if e.field:
+        context.set_trailing_metadata(((ERROR_FIELD_METADATA_KEY, e.field),))
+    context.abort(e.status, str(e))
+
+
+# ---------------------------------------------------------------------------------------- process
+
+
+class EntrypointServer:
+    """A running entrypoint (see `serve_entrypoint`)."""
+
+    def __init__(self, config: EntrypointConfig) -> None:
+        if not config.prefill_lb_address or not config.decode_lb_address:
+            raise ValueError("the entrypoint needs prefill_lb_address and decode_lb_address (--prefill-lb-address, "
+                             "--decode-lb-address)")
+        if config.model:
+            model_config = ModelConfig.from_json_file(config.model)
+        else:
+            from engine.engine import default_model_path
+
+            model_config = ModelConfig.from_json_file(default_model_path())
+        self.config = config
+        self.instance_id = config.instance_id or f"entrypoint-{uuid.uuid4().hex[:8]}"
+        max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 8192)
+        self.servicer = EntrypointServicer(config, self.instance_id, model_config.vocab_size, max_model_len)
+        self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(
+            max_workers=config.max_rpc_threads, thread_name_prefix="entrypoint-rpc"))
+        entrypoint_pb2_grpc.add_EntrypointServicer_to_server(self.servicer, self.server)
+        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        if self.port == 0:
+            raise RuntimeError(f"cannot bind the entrypoint to {config.host}:{config.port}")
+        self.address = f"{config.advertise_host or config.host}:{self.port}"
+        self._stopped = threading.Event()
+
+    def start(self) -> None:
+        self.server.start()
+        logger.info("entrypoint %s serving on %s (prefill balancer %s, decode balancer %s)", self.instance_id,
+                    self.address, self.config.prefill_lb_address, self.config.decode_lb_address)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until stopped; False on timeout."""
+        return self._stopped.wait(timeout)
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Blocks until the server stopped (in-flight calls get `grace_s`, then are cancelled and aborted)."""
+        if self._stopped.is_set():
+            return
+        self.server.stop(grace_s).wait()
+        self.servicer.close()
+        self._stopped.set()
+
+
+def serve_entrypoint(config: EntrypointConfig) -> EntrypointServer:
+    """Blocks until the entrypoint serves on `config.host:port`; returns its handle.
+
+    Raises ValueError for a missing balancer address, RuntimeError if the port cannot be bound.
+    """
+    server = EntrypointServer(config)
+    server.start()
+    return server

@@ -1,0 +1,88 @@
+"""The prefill instance's configuration (frozen, validated) and the CLI generated from it.
+
+NOTE: `decode_worker/config.py` holds copies of `make_parser` / `config_from_args`."""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.engine import EngineConfig
+
+
+class PrefillWorkerConfig(BaseModel):
+    """Everything a prefill instance (rank 0 of its group) needs to start."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    model: str | None = None
+    """Checkpoint directory; None = the built-in default model."""
+    dtype: str = "float32"
+    """Weights and cache dtype: float32 or bfloat16 (must match the decode instances')."""
+    device: str = "cpu"
+    """torch device of the engine (cpu, cuda, cuda:1, ...)."""
+    host: str = "127.0.0.1"
+    """Interface the gRPC server binds."""
+    port: int = Field(0, ge=0, le=65535)
+    """gRPC port; 0 = an ephemeral port (the bound address is printed / returned)."""
+    advertise_host: str | None = None
+    """Host other processes reach this instance at; None = `host`."""
+    lb_address: str | None = None
+    """host:port of the prefill balancer to register with; None = run unregistered (tests)."""
+    instance_id: str = ""
+    """Unique id within the prefill stage; empty = `prefill-<random hex>`."""
+    agent_name: str = ""
+    """Name of the NIXL agent (unique in the cluster); empty = the instance id."""
+    datacenter: str = ""
+    """Datacenter label reported to the balancer."""
+    max_num_seqs: int = Field(64, gt=0)
+    """Most requests in one engine step (also the number of state slots)."""
+    max_num_batched_tokens: int = Field(2048, gt=0)
+    """Token budget per engine step."""
+    num_blocks: int | None = Field(None, gt=0)
+    """KV cache blocks; None = the engine's default sizing."""
+    max_model_len: int | None = Field(None, gt=1)
+    """Longest prompt + output; None = the engine default (must match the decode instances')."""
+    loopback_ucx: bool = False
+    """Keep UCX on loopback (`kv_transfer.LOOPBACK_UCX_ENV`): every process on one host (tests)."""
+    kv_lease_margin_s: float = Field(0.5, ge=0)
+    """The KV WRITE must end this long before the decode reservation's lease does."""
+    heartbeat_interval_s: float | None = Field(0.5, gt=0)
+    """Seconds between heartbeats (shortened when the balancer asks for more); None = what it asks for."""
+    max_rpc_threads: int = Field(128, gt=0)
+    """gRPC handler threads (each Prefill call holds one until its KV is sent)."""
+
+    def engine_config(self) -> EngineConfig:
+        """The engine part of this config."""
+        return EngineConfig(model=self.model, dtype=self.dtype, device=self.device, max_num_seqs=self.max_num_seqs,
+                            max_num_batched_tokens=self.max_num_batched_tokens, num_blocks=self.num_blocks,
+                            max_model_len=self.max_model_len)
+
+
+def make_parser(config_cls: type[BaseModel], prog: str, description: str) -> argparse.ArgumentParser:
+    """An argparse parser with one `--flag` per config field (defaults and help from the model)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    for name, field in config_cls.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        annotation = field.annotation
+        if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+            annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+        if annotation is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=field.default,
+                                help=field.description)
+        else:
+            parser.add_argument(flag, dest=name, type=annotation, default=field.default,
+                                help=f"{field.description} (default: {field.default})")
+    return parser
+
+
+def config_from_args(config_cls: type[BaseModel], parser: argparse.ArgumentParser, argv: list[str] | None):
+    """Parse `argv` into a validated `config_cls`; exits with the validation message on bad values."""
+    args = parser.parse_args(argv)
+    try:
+        return config_cls(**vars(args))
+    except ValidationError as e:
+        parser.error(str(e))

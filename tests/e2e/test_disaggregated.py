@@ -1,0 +1,262 @@
+"""Disaggregated serving across real processes on loopback: two balancers, one prefill and one decode
+instance (NIXL over UCX loopback) and the entrypoint, each started as `python -m ...`.
+
+Outputs equal the offline engine's token for token, the KV moved through NIXL, bad requests are
+refused with INVALID_ARGUMENT while the system keeps serving, aborts and deadlines free the KV
+blocks on both workers, and a stage without instances answers UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from entrypoint.client import Client, GenerateError
+from protos import common_pb2, decode_pb2_grpc, loadbalancer_pb2, loadbalancer_pb2_grpc, prefill_pb2_grpc
+
+pytest.importorskip("nixl")
+
+ROOT = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 10.0
+RPC_TIMEOUT_S = 10.0
+STATS_KEY = "deepinfer-stats-json"
+
+
+@dataclass
+class Cluster:
+    checkpoint: str
+    procs: dict[str, subprocess.Popen]
+    info: dict[str, dict]
+    """Each process's JSON address line."""
+    client: Client
+    channels: dict[str, grpc.Channel] = field(default_factory=dict)
+
+    def stub(self, name: str):
+        if name not in self.channels:
+            self.channels[name] = grpc.insecure_channel(self.info[name]["address"])
+        channel = self.channels[name]
+        stubs = {"prefill": prefill_pb2_grpc.PrefillStub, "decode": decode_pb2_grpc.DecodeStub,
+                 "prefill_lb": loadbalancer_pb2_grpc.LoadBalancerStub,
+                 "decode_lb": loadbalancer_pb2_grpc.LoadBalancerStub}
+        return stubs[name](channel)
+
+    def stats(self, name: str) -> dict:
+        """A worker's Health, with the stats JSON from its trailing metadata."""
+        reply, call = self.stub(name).Health.with_call(common_pb2.HealthRequest(), timeout=RPC_TIMEOUT_S)
+        assert reply.is_healthy, reply.message
+        return json.loads(dict(call.trailing_metadata())[STATS_KEY])
+
+
+def _spawn(name: str, args: list[str], logdir: Path, env: dict) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", *args], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+        stdout=open(logdir / f"{name}.out", "w"), stderr=open(logdir / f"{name}.err", "w"))
+
+
+def _wait_ready(procs: dict[str, subprocess.Popen], logdir: Path) -> dict[str, dict]:
+    """Blocks until every process printed its JSON address line; fails with the log tail of one that died."""
+    info: dict[str, dict] = {}
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while len(info) < len(procs):
+        for name, proc in procs.items():
+            if name in info:
+                continue
+            lines = [ln for ln in (logdir / f"{name}.out").read_text().splitlines() if ln.startswith("{")]
+            if lines:
+                info[name] = json.loads(lines[0])
+            elif proc.poll() is not None:
+                err = (logdir / f"{name}.err").read_text()[-3000:]
+                pytest.fail(f"{name} exited with {proc.returncode} before serving:\n{err}")
+        assert time.monotonic() < deadline, f"not ready after {STARTUP_TIMEOUT_S} s: {sorted(set(procs) - set(info))}"
+        time.sleep(0.1)
+    return info
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM the processes, wait for them; kill those still running after STOP_TIMEOUT_S."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(STOP_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from engine.testing.make_checkpoint import make_checkpoint
+
+    logdir = tmp_path_factory.mktemp("logs")
+    ckpt = str(make_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny", seed=7))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    procs: dict[str, subprocess.Popen] = {}
+    client = None
+    cluster = None
+    try:
+        procs["prefill_lb"] = _spawn("prefill_lb", ["tests.e2e.launch_balancer", "--stage", "prefill", "--policy",
+                                                    "prefix_aware", "--heartbeat-timeout-s", "3"], logdir, env)
+        procs["decode_lb"] = _spawn("decode_lb", ["tests.e2e.launch_balancer", "--stage", "decode", "--policy",
+                                                  "kv_load", "--heartbeat-timeout-s", "3"], logdir, env)
+        info = _wait_ready(procs, logdir)
+        worker_args = ["--model", ckpt, "--loopback-ucx", "--max-num-seqs", "8", "--num-blocks", "256"]
+        procs["prefill"] = _spawn("prefill", ["prefill_worker", "--lb-address", info["prefill_lb"]["address"],
+                                              "--instance-id", "prefill-0", *worker_args], logdir, env)
+        procs["decode"] = _spawn("decode", ["decode_worker", "--lb-address", info["decode_lb"]["address"],
+                                            "--instance-id", "decode-0", *worker_args], logdir, env)
+        procs["entrypoint"] = _spawn("entrypoint", [
+            "entrypoint", "--model", ckpt, "--prefill-lb-address", info["prefill_lb"]["address"],
+            "--decode-lb-address", info["decode_lb"]["address"]], logdir, env)
+        info.update(_wait_ready(procs, logdir))
+        client = Client(info["entrypoint"]["address"], timeout_s=60.0)
+        cluster = Cluster(ckpt, procs, info, client)
+        yield cluster
+    finally:
+        if client is not None:
+            client.close()
+        for channel in cluster.channels.values() if cluster is not None else ():
+            channel.close()
+        # front to back, so the workers can still deregister from their balancers
+        for group in (("entrypoint",), ("prefill", "decode"), ("prefill_lb", "decode_lb")):
+            _stop([procs[n] for n in group if n in procs])
+
+
+def _wait_for(what: str, fn, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = fn()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _blocks_freed(cluster: Cluster) -> bool:
+    p, d = cluster.stats("prefill"), cluster.stats("decode")
+    return p["num_kv_blocks_used"] == 0 and d["num_kv_blocks_used"] == 0 and d["num_unfinished_requests"] == 0
+
+
+def test_outputs_equal_offline_engine_and_kv_moved_by_nixl(cluster):
+    from engine import LLM, SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    lengths = (5, 17, 33, 64, 65, 100, 130, 9)
+    prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in lengths]
+    kwargs = [
+        dict(temperature=0.0, max_tokens=12, ignore_eos=True),
+        dict(temperature=0.8, seed=11, max_tokens=10, ignore_eos=True),
+        dict(temperature=0.0, max_tokens=1, ignore_eos=True),
+        dict(temperature=1.0, top_k=20, seed=3, max_tokens=9, ignore_eos=True),
+        dict(temperature=0.0, max_tokens=8),
+        dict(temperature=0.7, top_p=0.9, seed=5, max_tokens=11, ignore_eos=True),
+        dict(temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=1.2),
+        dict(temperature=0.9, seed=1, max_tokens=7, stop_token_ids=[100]),
+    ]
+    ref = LLM(cluster.checkpoint).generate([{"prompt_token_ids": p} for p in prompts],
+                                           [SamplingParams(**k) for k in kwargs], use_tqdm=False)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(lambda pk: cluster.client.generate(pk[0], **pk[1]), zip(prompts, kwargs)))
+    for i, (out, r) in enumerate(zip(outs, ref)):
+        assert out["token_ids"] == r.outputs[0].token_ids, f"request {i}"
+        assert out["finish_reason"] == r.outputs[0].finish_reason, f"request {i}"
+        assert out["usage"]["prompt_tokens"] == len(prompts[i])
+        assert out["usage"]["completion_tokens"] == len(r.outputs[0].token_ids)
+
+    p, d = cluster.stats("prefill"), cluster.stats("decode")
+    assert p["kv_transfer_sends_done_total"] >= len(prompts)
+    assert p["kv_transfer_sent_bytes_total"] > 0
+    assert d["kv_transfer_received_bytes_total"] == p["kv_transfer_sent_bytes_total"]
+    assert d["kv_transfer_recvs_done_total"] == p["kv_transfer_sends_done_total"]
+    assert p["num_peers"] == 1  # the decode agent was added once and then reused
+
+    # the prefill's heartbeats carry its prefix-cache hashes to the (prefix-aware) prefill balancer
+    lb = cluster.stub("prefill_lb")
+    _wait_for("cached hashes at the prefill balancer", lambda: [
+        i.num_cached_block_hashes > 0 for i in lb.ListInstances(loadbalancer_pb2.ListInstancesRequest(),
+                                                                timeout=RPC_TIMEOUT_S).instances] == [True])
+    assert cluster.client.health()["is_healthy"]
+
+    # the same long prompt again: the prefill serves its full blocks from the prefix cache
+    again = cluster.client.generate(prompts[6], **kwargs[6])
+    assert again["token_ids"] == outs[6]["token_ids"]
+    assert again["usage"]["cached_prompt_tokens"] > 0
+    _wait_for("blocks freed", lambda: _blocks_freed(cluster))
+
+
+def test_bad_requests_are_refused_and_the_system_keeps_serving(cluster):
+    sent_before = cluster.stats("prefill")["kv_transfer_sends_done_total"]
+    with pytest.raises(GenerateError) as e:
+        cluster.client.generate([5, 6, 512, 7], max_tokens=4)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "512" in e.value.message and "vocabulary" in e.value.message
+    assert e.value.field == "prompt_token_ids"
+    with pytest.raises(GenerateError) as e:
+        cluster.client.generate([], max_tokens=4)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(GenerateError) as e:
+        cluster.client.generate([5, 6, 7], max_tokens=4, top_p=1.5)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.field == "top_p"
+    assert cluster.stats("prefill")["kv_transfer_sends_done_total"] == sent_before  # no stage worked
+
+    out = cluster.client.generate([5, 6, 7, 8], max_tokens=3, temperature=0.0, ignore_eos=True)
+    assert len(out["token_ids"]) == 3 and out["finish_reason"] == "length"
+
+
+def test_abort_mid_stream_frees_blocks_on_both_workers(cluster):
+    prompt = list(range(10, 80))
+    # the client goes away: closing the stream cancels the call
+    stream = cluster.client.stream(prompt, max_tokens=2000, temperature=0.0, ignore_eos=True)
+    got = [next(stream), next(stream)]
+    assert all(d["finish_reason"] is None for d in got)
+    assert cluster.stats("decode")["num_kv_blocks_used"] > 0
+    stream.close()
+    _wait_for("blocks freed after cancel", lambda: _blocks_freed(cluster))
+
+    # an Abort call: the stream ends with finish_reason "abort"
+    deltas = cluster.client.stream(prompt, request_id="to-abort", max_tokens=2000, temperature=0.0, ignore_eos=True)
+    assert next(deltas)["finish_reason"] is None
+    assert cluster.client.abort("to-abort")
+    rest = list(deltas)
+    assert rest and rest[-1]["finish_reason"] == "abort"
+    assert rest[-1]["usage"]["prompt_tokens"] == len(prompt)
+    assert not cluster.client.abort("to-abort")  # idempotent: no longer in flight
+    _wait_for("blocks freed after Abort", lambda: _blocks_freed(cluster))
+
+    # the decode balancer hears it from the heartbeats too
+    lb = cluster.stub("decode_lb")
+    _wait_for("decode load report at 0 blocks", lambda: [
+        i.load.num_kv_blocks_used for i in lb.ListInstances(loadbalancer_pb2.ListInstancesRequest(),
+                                                            timeout=RPC_TIMEOUT_S).instances] == [0])
+
+
+def test_deadline_aborts_the_request(cluster):
+    with pytest.raises(GenerateError) as e:
+        cluster.client.generate(list(range(3, 40)), max_tokens=3000, temperature=0.0, ignore_eos=True,
+                                deadline_ms=300)
+    assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    _wait_for("blocks freed after the deadline", lambda: _blocks_freed(cluster))
+
+
+def test_drained_decode_stage_answers_unavailable(cluster):
+    """Last: drains the only decode instance (the process exits) and checks the UNAVAILABLE answer."""
+    reply = cluster.stub("decode").Drain(common_pb2.DrainRequest(timeout_ms=5000), timeout=RPC_TIMEOUT_S)
+    assert reply.num_unfinished_requests == 0
+    assert cluster.procs["decode"].wait(STOP_TIMEOUT_S) == 0
+    with pytest.raises(GenerateError) as e:
+        cluster.client.generate([5, 6, 7], max_tokens=2)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "decode" in e.value.message
