@@ -42,10 +42,10 @@ import grpc
 
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.core import DecodeCore, DecodeFailed
-from decode_worker.shell import STATS_METADATA_KEY, EngineLoop, LoadReporter, LoopMode
 from engine.cache.block_pool import NoFreeBlocksError
 from engine.engine import Engine, RequestOutput
 from engine.errors import InvalidRequestError
+from engine.worker_shell import STATS_METADATA_KEY, EngineLoop, LoadReporter, LoopMode
 from kv_transfer import LOOPBACK_UCX_ENV, KVTransferAgent
 from protos import common_pb2, decode_pb2, decode_pb2_grpc, loadbalancer_pb2
 from protos.convert import sampling_params_from_proto

@@ -42,10 +42,10 @@ import grpc
 
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
+from engine.worker_shell import STATS_METADATA_KEY, Aborted, EngineLoop, LoadReporter, LoopMode
 from kv_transfer import LOOPBACK_UCX_ENV, KVTransferAgent
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.core import KVDestination, PrefillCore, PrefillDone, PrefillWork
-from prefill_worker.shell import STATS_METADATA_KEY, Aborted, EngineLoop, LoadReporter, LoopMode
 from protos import common_pb2, loadbalancer_pb2, prefill_pb2, prefill_pb2_grpc
 from protos.convert import sampling_params_from_proto
 

@@ -1,7 +1,6 @@
-"""Process-shell pieces of a worker: the engine-loop thread and the balancer membership thread.
-
-NOTE: `decode_worker/shell.py` is a copy of this file (stages never import each other's code, see
-DESIGN.md §2); change both together, or move them into a shared library.
+"""Process-shell pieces every model-running stage shares (prefill and decode workers): the
+engine-loop thread and the balancer membership thread. Lives in the shared library so the stages
+need not import each other (DESIGN.md §2).
 
 * `EngineLoop` — the one thread that touches a worker's core and its NIXL agent (neither is
   thread-safe). gRPC handlers hand work over with `post` / `call`; the functions run on the loop
