@@ -13,7 +13,8 @@ import signal
 import sys
 import threading
 
-from decode_worker.config import DecodeWorkerConfig, config_from_args, make_parser
+from decode_worker.config import DecodeWorkerConfig
+from engine.config_cli import config_from_args, make_parser
 
 
 def _log_to_stderr() -> None:

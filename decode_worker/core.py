@@ -53,7 +53,7 @@ class DecodeCore:
         """Reserve blocks for the prompt's KV; raises InvalidRequestError on bad input."""
         transfer_id = f"{request_id}/{self.agent_name}"
         self.engine.reserve_kv(request_id, prompt_token_ids, params, num_kv_tokens=len(prompt_token_ids))
-        block_ids = self.engine.kv_manager.get_block_ids(self.engine._parents[request_id].seqs[0].req)
+        block_ids = self.engine.kv_block_ids(request_id)
         self.agent.expect(transfer_id, block_ids, lease_s)
         self._by_transfer[transfer_id] = request_id
         return Reservation(request_id, transfer_id, self.agent_name, list(block_ids), lease_s)

@@ -210,7 +210,8 @@ class ModelConfig(BaseModel):
                 f"`quantization_config` (quant_method={method!r}) is not supported yet; deepinfer loads "
                 "unquantized float32/bfloat16 checkpoints. Dequantize the checkpoint first."
             )
-        d.pop("expert_dtype", None) if d.get("expert_dtype") in (None, "bf16", "bfloat16") else None
+        if d.get("expert_dtype") in (None, "bf16", "bfloat16"):  # other values fall to the unknown-field error
+            d.pop("expert_dtype", None)
         for key, must in (
             ("num_key_value_heads", 1),
             ("n_shared_experts", 1),
@@ -319,7 +320,8 @@ def _parse_rope(raw: dict[str, Any], label: str, max_pos: int) -> RopeConfig:
             attention_factor=float(af),
         )
     else:
-        raw.pop("attention_factor", None) if raw.get("attention_factor") in (None, 1, 1.0) else None
+        if raw.get("attention_factor") in (None, 1, 1.0):  # other values fall to the unknown-field error
+            raw.pop("attention_factor", None)
     if raw:
         raise ValueError(f"`rope_parameters[{label!r}]` has fields deepinfer does not implement: {sorted(raw)}.")
     return RopeConfig(**out)

@@ -11,6 +11,7 @@ A step reads as: `scheduler.schedule()` → `runner.execute()` → `sampler.samp
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,6 +110,8 @@ class _Seq:
     stop: StopChecker
     req: Request | None = None
     logprobs: list[TokenLogprobs] | None = None
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that finished the sequence."""
     hold_kv: bool = False
     """Keep the KV blocks referenced after the first sampled token (prefill side, until sent)."""
     pinned_block_ids: list[int] | None = None
@@ -143,13 +146,6 @@ class _StepResult:
     sample_s: float
 
 
-def _lcm(values) -> int:
-    out = 1
-    for v in values:
-        out = out * v // __import__("math").gcd(out, v)
-    return out
-
-
 def default_model_path() -> Path:
     """The built-in default checkpoint (the demo model)."""
     from engine.testing.default_model import ensure_default_model
@@ -180,7 +176,8 @@ class Engine:
             self.replay_tokens = config.replay_tokens
         self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
         rates = mc.compress_rates.values()
-        block_size = config.block_size or max(_lcm(rates), 64 // _lcm(rates) * _lcm(rates))
+        lcm = math.lcm(*rates)
+        block_size = config.block_size or lcm * max(1, 64 // lcm)  # >= 64 tokens where the rates allow
         blocks_per_seq = -(-self.max_model_len // block_size)
         num_blocks = config.num_blocks or min(blocks_per_seq * config.max_num_seqs, 1 << 16)
         dtype = self.model.model.embed_tokens.weight.dtype
@@ -319,8 +316,7 @@ class Engine:
         if not 0 < num_kv_tokens <= len(prompt_token_ids):
             raise InvalidRequestError(f"num_kv_tokens must be in [1, {len(prompt_token_ids)}]", field="num_kv_tokens")
         self.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params, _num_imported_tokens=num_kv_tokens)
-        seq = self._parents[request_id].seqs[0]
-        return self.cache.block_byte_ranges(self.kv_manager.get_block_ids(seq.req))
+        return self.cache.block_byte_ranges(self.kv_block_ids(request_id))
 
     def commit_kv(self, request_id: str, first_token_ids: list[int] | None = None) -> list[RequestOutput]:
         """The reserved KV has landed: let the request run.
@@ -357,10 +353,13 @@ class Engine:
         if ids:
             self.kv_manager.block_pool.free(ids)
 
+    def kv_block_ids(self, request_id: str) -> list[int]:
+        """Block table of a live (or reserved) request's first sequence."""
+        return self.kv_manager.get_block_ids(self._parents[request_id].seqs[0].req)
+
     def kv_descriptors(self, request_id: str) -> list[tuple[str, int, int, int]]:
         """`(pool, block, byte_offset, num_bytes)` of a live request's compressed KV blocks."""
-        seq = self._parents[request_id].seqs[0]
-        return self.cache.block_byte_ranges(self.kv_manager.get_block_ids(seq.req))
+        return self.cache.block_byte_ranges(self.kv_block_ids(request_id))
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -515,7 +514,7 @@ class Engine:
                 if upd.finish_reason is not None:
                     reason = upd.finish_reason
                     finished[rid] = str(reason.value if hasattr(reason, "value") else reason)
-                    seq.outputs_stop_reason = upd.stop_reason
+                    seq.stop_reason = upd.stop_reason
         t0 = time.perf_counter()
         done = self.scheduler.update_from_output(out, new_tokens, finished)
         self.timings["schedule"] += time.perf_counter() - t0
@@ -534,7 +533,7 @@ class Engine:
                 continue
             co = seq.parent.outputs[seq.index]
             co.finish_reason = req.finish_reason
-            co.stop_reason = getattr(seq, "outputs_stop_reason", None)
+            co.stop_reason = seq.stop_reason
             if req.error_message:
                 seq.parent.error = req.error_message
             touched.add(seq.parent.request_id)

@@ -13,7 +13,8 @@ import signal
 import sys
 import threading
 
-from entrypoint.config import EntrypointConfig, config_from_args, make_parser
+from engine.config_cli import config_from_args, make_parser
+from entrypoint.config import EntrypointConfig
 
 
 def main(argv: list[str] | None = None) -> int:

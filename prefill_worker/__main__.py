@@ -13,7 +13,8 @@ import signal
 import sys
 import threading
 
-from prefill_worker.config import PrefillWorkerConfig, config_from_args, make_parser
+from engine.config_cli import config_from_args, make_parser
+from prefill_worker.config import PrefillWorkerConfig
 
 
 def _log_to_stderr() -> None:

@@ -6,6 +6,8 @@ Each sequence gets its own slot and a contiguous run of blocks; `run` takes a li
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from engine.cache.kv_cache import V4KVCache
@@ -17,11 +19,7 @@ class ModelRunnerForTests:
 
     def __init__(self, model, max_seqs: int = 4, max_len: int = 512, block_size: int | None = None) -> None:
         cfg = model.config
-        rates = cfg.compress_rates.values()
-        lcm = 1
-        for r in rates:
-            lcm = lcm * r // torch.gcd(torch.tensor(lcm), torch.tensor(r)).item()
-        self.block_size = block_size or lcm
+        self.block_size = block_size or math.lcm(*cfg.compress_rates.values())
         blocks_per_seq = -(-max_len // self.block_size)
         dtype = model.model.embed_tokens.weight.dtype
         device = model.model.embed_tokens.weight.device
