@@ -108,10 +108,10 @@ def cluster(tmp_path_factory):
     client = None
     cluster = None
     try:
-        procs["prefill_lb"] = _spawn("prefill_lb", ["tests.e2e.launch_balancer", "--stage", "prefill", "--policy",
-                                                    "prefix_aware", "--heartbeat-timeout-s", "3"], logdir, env)
-        procs["decode_lb"] = _spawn("decode_lb", ["tests.e2e.launch_balancer", "--stage", "decode", "--policy",
-                                                  "kv_load", "--heartbeat-timeout-s", "3"], logdir, env)
+        procs["prefill_lb"] = _spawn("prefill_lb", ["loadbalancer", "--stage", "prefill", "--policy", "prefix_aware",
+                                                    "--heartbeat-timeout-s", "3"], logdir, env)
+        procs["decode_lb"] = _spawn("decode_lb", ["loadbalancer", "--stage", "decode", "--policy", "kv_load",
+                                                  "--heartbeat-timeout-s", "3"], logdir, env)
         info = _wait_ready(procs, logdir)
         worker_args = ["--model", ckpt, "--loopback-ucx", "--max-num-seqs", "8", "--num-blocks", "256"]
         procs["prefill"] = _spawn("prefill", ["prefill_worker", "--lb-address", info["prefill_lb"]["address"],
