@@ -1,0 +1,269 @@
+"""The cluster config: what runs where, as data (YAML), validated by frozen pydantic models.
+
+```yaml
+model: /ckpt/DeepSeek-V4-Flash        # omitted = the built-in default model
+host: 127.0.0.1                       # 0.0.0.0 = every interface, advertised as the node's IP
+prefill:
+  balancer: {policy: prefix_aware}
+  worker: {max_num_seqs: 16}          # any PrefillWorkerConfig field the launcher does not set itself
+  groups:
+    - {name: dc-a, datacenter: dc-a, num_instances: 2, resources_per_rank: {GPU: 1}}
+decode:
+  balancer: {policy: kv_load}
+  groups:
+    - {datacenter: dc-b, num_instances: 1, resources_per_rank: {GPU: 1}}
+entrypoint: {max_attempts: 3}         # any EntrypointConfig field the launcher does not set itself
+http: {enabled: true, port: 8000}
+```
+
+`ClusterConfig.load(path)` reads and validates a file; errors name the field and how to fix it.
+Each instance of a group is one Ray placement group of `num_ranks` bundles of `resources_per_rank`
+(plus the datacenter's custom resource, see `datacenter_resource`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from decode_worker.config import DecodeWorkerConfig
+from entrypoint.config import EntrypointConfig
+from loadbalancer.config import LoadBalancerConfig
+from prefill_worker.config import PrefillWorkerConfig
+
+STAGES = ("prefill", "decode")
+"""The stages the launcher runs (vision joins with its worker)."""
+
+LAUNCHER_SET_FIELDS = frozenset({"model", "dtype", "device", "host", "port", "advertise_host", "lb_address",
+                                 "instance_id", "agent_name", "datacenter", "loopback_ucx",
+                                 "prefill_lb_address", "decode_lb_address", "stage"})
+"""Role-config fields the launcher fills in itself; a YAML file must not set them per role."""
+
+DATACENTER_RESOURCE_PREFIX = "datacenter_"
+"""Datacenter labels are Ray custom resources: start each node of datacenter X with
+`ray start --resources '{"datacenter_X": 1000}'`; every rank of a group in X asks for a sliver of it."""
+
+DATACENTER_RESOURCE_PER_RANK = 0.001
+
+
+def datacenter_resource(datacenter: str) -> str:
+    """The Ray custom resource that names `datacenter`."""
+    return DATACENTER_RESOURCE_PREFIX + datacenter
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class InstanceGroup(_Frozen):
+    """Instances of one stage that share a datacenter and a per-rank resource shape."""
+
+    name: str = "default"
+    """Group name, unique within its stage (`deepinfer scale prefill.NAME=N` addresses it)."""
+    num_instances: int = Field(1, ge=0)
+    """Instances started by `up` (changed live by `deepinfer scale`)."""
+    datacenter: str = ""
+    """Datacenter label: reported to the balancer and turned into a Ray custom resource; "" = anywhere."""
+    num_ranks: int = Field(1, ge=1)
+    """Ranks (processes) per instance; one placement-group bundle each."""
+    resources_per_rank: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
+    """Ray resources of one rank: {"CPU": 1} here, {"GPU": 1, "CPU": 8} on GPU nodes."""
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    """How an instance's ranks are spread over nodes (STRICT_PACK: one node, as EP groups need)."""
+
+    @field_validator("num_ranks")
+    @classmethod
+    def _one_rank(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(f"num_ranks={value}: instances run 1 rank today (expert-parallel groups come with a "
+                             "later issue); set num_ranks: 1 and use more instances")
+        return value
+
+    @field_validator("resources_per_rank")
+    @classmethod
+    def _resources(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if amount < 0:
+                raise ValueError(f"resources_per_rank[{name!r}] = {amount} is negative")
+            if name.startswith(DATACENTER_RESOURCE_PREFIX):
+                raise ValueError(f"resources_per_rank[{name!r}]: set `datacenter:` instead of the datacenter resource")
+        return value
+
+    def bundles(self) -> list[dict[str, float]]:
+        """The placement group of one instance: a bundle per rank (with the datacenter resource)."""
+        bundle = {name: amount for name, amount in self.resources_per_rank.items() if amount > 0}
+        if self.datacenter:
+            bundle[datacenter_resource(self.datacenter)] = DATACENTER_RESOURCE_PER_RANK
+        if not bundle:
+            raise ValueError(f"group {self.name!r}: a placement bundle needs at least one resource")
+        return [dict(bundle) for _ in range(self.num_ranks)]
+
+
+class BalancerSettings(_Frozen):
+    """A stage's balancer (one process)."""
+
+    policy: str
+    """Routing policy (`loadbalancer.policies.POLICIES`)."""
+    port: int = Field(0, ge=0, le=65535)
+    """gRPC port; 0 = ephemeral."""
+    heartbeat_timeout_s: float = Field(3.0, gt=0)
+    """An instance silent this long is dropped."""
+
+
+class StageConfig(_Frozen):
+    """One stage: its balancer, its instance groups and the settings every instance shares."""
+
+    balancer: BalancerSettings
+    """The stage's balancer."""
+    groups: list[InstanceGroup] = Field(default_factory=lambda: [InstanceGroup()])
+    """Instance groups (e.g. one per datacenter)."""
+    worker: dict[str, Any] = Field(default_factory=dict)
+    """Worker settings shared by the stage's instances (fields of the stage's worker config)."""
+    drain_timeout_s: float = Field(120.0, gt=0)
+    """Scale-down: in-flight requests of a removed instance get this long before they are aborted."""
+    max_restarts: int = Field(-1, ge=-1)
+    """Ray restarts of a crashed instance (-1 = always)."""
+
+    @field_validator("groups")
+    @classmethod
+    def _unique_groups(cls, value: list[InstanceGroup]) -> list[InstanceGroup]:
+        names = [g.name for g in value]
+        if len(set(names)) != len(names):
+            raise ValueError(f"group names must be unique within a stage, got {names}")
+        if not value:
+            raise ValueError("a stage needs at least one group (num_instances may be 0)")
+        return value
+
+    @field_validator("worker")
+    @classmethod
+    def _no_launcher_fields(cls, value: dict[str, Any]) -> dict[str, Any]:
+        taken = sorted(LAUNCHER_SET_FIELDS & set(value))
+        if taken:
+            raise ValueError(f"worker settings {taken} are set by the launcher; set model/dtype/device/host at the "
+                             "top level and datacenter per group")
+        return value
+
+    def group(self, name: str) -> InstanceGroup:
+        """The group called `name`; KeyError listing the groups otherwise."""
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(f"no group {name!r}; groups: {[g.name for g in self.groups]}")
+
+
+class HttpConfig(_Frozen):
+    """The HTTP front (`python -m entrypoint.http`), started when that module exists."""
+
+    enabled: bool = True
+    """Start it (ignored, with a note, when `entrypoint.http` is not installed)."""
+    host: str = "127.0.0.1"
+    """Interface it binds."""
+    port: int = Field(8000, ge=0, le=65535)
+    """HTTP port."""
+
+
+def _default_prefill() -> StageConfig:
+    return StageConfig(balancer=BalancerSettings(policy="prefix_aware"))
+
+
+def _default_decode() -> StageConfig:
+    return StageConfig(balancer=BalancerSettings(policy="kv_load"))
+
+
+class ClusterConfig(_Frozen):
+    """A whole deployment: model, addresses, both stages, the entrypoint and the HTTP front."""
+
+    name: str = "deepinfer"
+    """Cluster name: the controller is the detached Ray actor `<name>-controller` in namespace `deepinfer`."""
+    model: str | None = None
+    """Checkpoint directory on every node; None = the built-in default model."""
+    dtype: str = "float32"
+    """Weights and cache dtype of every worker."""
+    device: str = "cpu"
+    """torch device of the workers: cpu, or cuda (Ray sets CUDA_VISIBLE_DEVICES per rank)."""
+    host: str = "127.0.0.1"
+    """Interface every server binds; 0.0.0.0 = all, advertised as the node's IP."""
+    loopback_ucx: bool | None = None
+    """Keep NIXL's UCX on loopback; None = true exactly when `host` is a loopback address."""
+    prefill: StageConfig = Field(default_factory=_default_prefill)
+    """The prefill stage."""
+    decode: StageConfig = Field(default_factory=_default_decode)
+    """The decode stage."""
+    entrypoint: dict[str, Any] = Field(default_factory=lambda: {"max_attempts": 3})
+    """Entrypoint settings (fields of `EntrypointConfig` the launcher does not set)."""
+    http: HttpConfig = Field(default_factory=HttpConfig)
+    """The HTTP front."""
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _entrypoint_fields(cls, value: dict[str, Any]) -> dict[str, Any]:
+        taken = sorted((LAUNCHER_SET_FIELDS - {"port"}) & set(value))
+        if taken:
+            raise ValueError(f"entrypoint settings {taken} are set by the launcher")
+        return value
+
+    @model_validator(mode="after")
+    def _role_configs_validate(self) -> ClusterConfig:
+        # NOTE: builds every role's config once so that a bad value fails at load time, naming the role
+        for role in ("prefill", "decode", "entrypoint"):
+            try:
+                self.role_config(role, instance_id=f"{role}-check", lb_address="127.0.0.1:1",
+                                 lb_addresses=("127.0.0.1:1", "127.0.0.1:2"))
+            except ValidationError as e:
+                raise ValueError(f"{role} settings: {e}") from None
+        return self
+
+    @property
+    def is_loopback(self) -> bool:
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return self.host == "localhost"
+
+    def stage(self, stage: str) -> StageConfig:
+        if stage not in STAGES:
+            raise KeyError(f"unknown stage {stage!r}; stages: {list(STAGES)}")
+        return getattr(self, stage)
+
+    def role_config(self, role: str, *, instance_id: str = "", lb_address: str = "", datacenter: str = "",
+                    lb_addresses: tuple[str, str] = ("", ""), advertise_host: str | None = None):
+        """The validated config of one process: a prefill/decode worker, a balancer or the entrypoint."""
+        loopback = self.is_loopback if self.loopback_ucx is None else self.loopback_ucx
+        common = dict(host=self.host, port=0, advertise_host=advertise_host)
+        if role in STAGES:
+            cls = PrefillWorkerConfig if role == "prefill" else DecodeWorkerConfig
+            return cls(**self.stage(role).worker, **common, model=self.model, dtype=self.dtype, device=self.device,
+                       lb_address=lb_address, instance_id=instance_id, agent_name=instance_id, datacenter=datacenter,
+                       loopback_ucx=loopback)
+        if role.endswith("_lb"):
+            stage = role.removesuffix("_lb")
+            b = self.stage(stage).balancer
+            return LoadBalancerConfig(stage=stage, policy=b.policy, host=self.host, port=b.port,
+                                      advertise_host=advertise_host, heartbeat_timeout_s=b.heartbeat_timeout_s)
+        if role == "entrypoint":
+            return EntrypointConfig(**{**common, **self.entrypoint}, model=self.model, instance_id=instance_id,
+                                    prefill_lb_address=lb_addresses[0], decode_lb_address=lb_addresses[1])
+        raise KeyError(f"unknown role {role!r}")
+
+    def num_instances(self) -> dict[str, int]:
+        """Instances per stage as configured."""
+        return {s: sum(g.num_instances for g in self.stage(s).groups) for s in STAGES}
+
+    @classmethod
+    def load(cls, path: str | Path) -> ClusterConfig:
+        """Read and validate a YAML cluster file; ValueError naming the file and the bad field."""
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ValueError(f"cannot read cluster config {path}: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"cluster config {path}: the top level must be a mapping, got {type(data).__name__}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise ValueError(f"cluster config {path}: {e}") from None

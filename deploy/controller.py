@@ -1,0 +1,310 @@
+"""The cluster controller: a named, detached Ray actor that launches, scales and stops one deployment.
+
+Separate `deepinfer` invocations find it by name (`<cluster name>-controller` in Ray namespace
+`deepinfer`). It owns every role actor (`deploy.actors`), so killing it takes them all down.
+
+* `up()`: the two balancers, then every configured instance (each in its own placement group of
+  one bundle per rank), the entrypoint, and the HTTP front when `entrypoint.http` exists.
+* `scale({"decode": 3, "prefill.dc-a": 1})`: new instances register with their balancer; removed
+  ones (newest first) drain — they refuse new work (retryably), finish what they hold, deregister
+  and exit — before their actor and placement group go. No accepted request fails.
+* `status()`: per instance its balancer view (health, load, cache use) and its `Health` stats.
+* `down()`: stops everything, front to back.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import importlib.util
+import json
+import logging
+import threading
+
+import grpc
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from deploy.actors import ProcessActor, ServiceActor
+from deploy.config import STAGES, ClusterConfig, InstanceGroup
+from protos import common_pb2, decode_pb2_grpc, loadbalancer_pb2, loadbalancer_pb2_grpc, prefill_pb2_grpc
+
+logger = logging.getLogger("deploy")
+
+NAMESPACE = "deepinfer"
+"""Ray namespace of every deepinfer actor."""
+STARTUP_TIMEOUT_S = 300.0
+"""How long a role may take to serve (model load included) before `up`/`scale` fail."""
+PLACEMENT_TIMEOUT_S = 60.0
+"""How long a placement group may wait for resources before `up`/`scale` fail."""
+RPC_TIMEOUT_S = 3.0
+STATS_METADATA_KEY = "deepinfer-stats-json"
+
+
+def controller_name(cluster_name: str) -> str:
+    """The Ray actor name of a cluster's controller."""
+    return f"{cluster_name}-controller"
+
+
+class LaunchError(RuntimeError):
+    """A role could not be placed or did not come up; the message says which and why."""
+
+
+@dataclasses.dataclass
+class _Instance:
+    instance_id: str
+    stage: str
+    group: str
+    datacenter: str
+    actor: ray.actor.ActorHandle
+    pg: object
+    is_draining: bool = False
+
+
+class ClusterController:
+    """See the module docstring. Thread-safe (a threaded actor): `scale` calls run one at a time."""
+
+    def __init__(self, config_json: str) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        self.config = ClusterConfig.model_validate_json(config_json)
+        self._lock = threading.Lock()
+        self._scale_lock = threading.Lock()
+        self._instances: dict[str, _Instance] = {}
+        self._next_index: dict[tuple[str, str], int] = {}
+        self._roles: dict[str, ray.actor.ActorHandle] = {}
+        self.addresses: dict[str, str] = {}
+        self._is_up = False
+
+    # ------------------------------------------------------------------ up / down
+
+    def up(self) -> dict[str, str]:
+        """Blocks until every configured role serves; returns the addresses (entrypoint, balancers, http)."""
+        with self._scale_lock:
+            if self._is_up:
+                return dict(self.addresses)
+            c = self.config
+            for role in ("prefill_lb", "decode_lb"):
+                self._roles[role] = ServiceActor.options(num_cpus=0, max_concurrency=4, namespace=NAMESPACE,
+                                                         name=f"{c.name}-{role}").remote(
+                    role, c.role_config(role).model_dump())
+            infos = self._wait_roles(["prefill_lb", "decode_lb"])
+            self.addresses.update({role: info["address"] for role, info in infos.items()})
+            self._start_instances([(s, g) for s in STAGES for g in c.stage(s).groups for _ in range(g.num_instances)])
+            entry = c.role_config("entrypoint", lb_addresses=(self.addresses["prefill_lb"], self.addresses["decode_lb"]))
+            self._roles["entrypoint"] = ServiceActor.options(num_cpus=0, max_concurrency=4, namespace=NAMESPACE,
+                                                             name=f"{c.name}-entrypoint").remote(
+                "entrypoint", entry.model_dump())
+            self.addresses["entrypoint"] = self._wait_roles(["entrypoint"])["entrypoint"]["address"]
+            if c.http.enabled and importlib.util.find_spec("entrypoint.http") is not None:
+                args = ["--entrypoint", self.addresses["entrypoint"], "--host", c.http.host, "--port", str(c.http.port)]
+                if c.model:
+                    args += ["--model", c.model]
+                self._roles["http"] = ProcessActor.options(num_cpus=0, max_concurrency=2, max_restarts=-1,
+                                                           namespace=NAMESPACE, name=f"{c.name}-http").remote(
+                    "http", "entrypoint.http", args, c.http.host, c.http.port)
+                self.addresses["http"] = self._wait_roles(["http"])["http"]["address"]
+            elif c.http.enabled:
+                logger.info("entrypoint.http is not installed; no HTTP front")
+            self._is_up = True
+            return dict(self.addresses)
+
+    def down(self) -> None:
+        """Blocks until every role stopped: HTTP and entrypoint, then the workers (deregistering), then
+        the balancers; their actors and placement groups are removed."""
+        with self._scale_lock:
+            with self._lock:
+                instances, self._instances = list(self._instances.values()), {}
+            front = [self._roles.pop(r) for r in ("http", "entrypoint") if r in self._roles]
+            balancers = [self._roles.pop(r) for r in ("prefill_lb", "decode_lb") if r in self._roles]
+            for group in (front, [i.actor for i in instances], balancers):
+                _best_effort([a.stop.remote() for a in group], timeout_s=15.0)
+                for actor in group:
+                    ray.kill(actor, no_restart=True)
+            for inst in instances:
+                remove_placement_group(inst.pg)
+            self.addresses.clear()
+            self._is_up = False
+
+    # ------------------------------------------------------------------ scale
+
+    def scale(self, targets: dict[str, int]) -> dict[str, int]:
+        """Blocks until each `stage` or `stage.group` has the target number of instances: new ones
+        serve and are registered, removed ones drained and gone. Returns the instances per stage.
+
+        Raises ValueError for an unknown stage/group or a negative count (nothing changes then).
+        """
+        plan: list[tuple[str, InstanceGroup, int]] = []
+        for key, target in targets.items():
+            stage, _, group_name = key.partition(".")
+            stage_config = self.config.stage(stage) if stage in STAGES else None
+            if stage_config is None:
+                raise ValueError(f"unknown stage {stage!r} in {key}={target}; stages: {list(STAGES)}")
+            if not group_name:
+                if len(stage_config.groups) != 1:
+                    raise ValueError(f"stage {stage} has groups {[g.name for g in stage_config.groups]}; "
+                                     f"say which: {stage}.GROUP={target}")
+                group = stage_config.groups[0]
+            else:
+                group = stage_config.group(group_name)
+            if target < 0:
+                raise ValueError(f"{key}={target}: give a count >= 0")
+            plan.append((stage, group, target))
+        with self._scale_lock:
+            to_start, to_drain = [], []
+            for stage, group, target in plan:
+                with self._lock:
+                    live = [i for i in self._instances.values()
+                            if i.stage == stage and i.group == group.name and not i.is_draining]
+                if target > len(live):
+                    to_start += [(stage, group)] * (target - len(live))
+                else:
+                    victims = sorted(live, key=lambda i: self._index_of(i.instance_id))[target:]
+                    to_drain += victims
+            with self._lock:
+                for inst in to_drain:
+                    inst.is_draining = True
+            self._start_instances(to_start)
+            self._drain(to_drain)
+        return self.num_instances()
+
+    def num_instances(self) -> dict[str, int]:
+        """Instances per stage that are not draining."""
+        with self._lock:
+            return {s: sum(i.stage == s and not i.is_draining for i in self._instances.values()) for s in STAGES}
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> dict:
+        """Blocks for a few RPCs: {"addresses", "instances": [row per instance], "balance": {stage: ...}}.
+
+        A row: stage, group, instance_id, datacenter, state (serving / draining / not registered /
+        unreachable), the balancer's load view (is_healthy, running, waiting, KV blocks used/total,
+        heartbeat age) and the worker's Health stats (kv_transfer counters).
+        """
+        with self._lock:
+            instances = list(self._instances.values())
+            addresses = dict(self.addresses)
+        listed: dict[str, loadbalancer_pb2.Instance] = {}
+        balance: dict[str, float | None] = {}
+        for stage in STAGES:
+            try:
+                with grpc.insecure_channel(addresses[f"{stage}_lb"]) as channel:
+                    reply = loadbalancer_pb2_grpc.LoadBalancerStub(channel).ListInstances(
+                        loadbalancer_pb2.ListInstancesRequest(), timeout=RPC_TIMEOUT_S)
+                listed.update({i.instance_id: i for i in reply.instances})
+                balance[stage] = reply.balance
+            except (grpc.RpcError, KeyError):
+                balance[stage] = None
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(instances))) as pool:
+            rows = list(pool.map(lambda inst: self._row(inst, listed.get(inst.instance_id)), instances))
+        return {"addresses": addresses, "instances": rows, "balance": balance}
+
+    def _row(self, inst: _Instance, seen: loadbalancer_pb2.Instance | None) -> dict:
+        row = {"stage": inst.stage, "group": inst.group, "instance_id": inst.instance_id,
+               "datacenter": inst.datacenter, "state": "draining" if inst.is_draining else "serving"}
+        try:
+            row.update(ray.get(inst.actor.info.remote(), timeout=RPC_TIMEOUT_S))
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+            row["state"] = "restarting"
+        if seen is None:
+            row["state"] = "not registered" if row["state"] == "serving" else row["state"]
+            return row
+        load = seen.load
+        row.update(address=seen.address, is_healthy=load.is_healthy, is_draining=load.is_draining,
+                   num_running_requests=load.num_running_requests, num_waiting_requests=load.num_waiting_requests,
+                   num_queued_prefill_tokens=load.num_queued_prefill_tokens,
+                   num_kv_blocks_used=load.num_kv_blocks_used, num_kv_blocks_total=load.num_kv_blocks_total,
+                   num_cached_block_hashes=seen.num_cached_block_hashes, heartbeat_age_ms=seen.heartbeat_age_ms)
+        stub_cls = prefill_pb2_grpc.PrefillStub if inst.stage == "prefill" else decode_pb2_grpc.DecodeStub
+        try:
+            with grpc.insecure_channel(seen.address) as channel:
+                reply, call = stub_cls(channel).Health.with_call(common_pb2.HealthRequest(), timeout=RPC_TIMEOUT_S)
+            row["stats"] = json.loads(dict(call.trailing_metadata()).get(STATS_METADATA_KEY, "{}"))
+            row["is_healthy"] = row["is_healthy"] and reply.is_healthy
+        except grpc.RpcError as e:
+            row["state"] = "unreachable"
+            row["error"] = e.code().name
+        return row
+
+    # ------------------------------------------------------------------ helpers
+
+    def _start_instances(self, wanted: list[tuple[str, InstanceGroup]]) -> None:
+        """Blocks until each wanted instance serves and is registered with its balancer."""
+        c = self.config
+        started: list[_Instance] = []
+        for stage, group in wanted:
+            key = (stage, group.name)
+            index = self._next_index.get(key, 0)
+            self._next_index[key] = index + 1
+            instance_id = f"{stage}-{index}" if group.name == "default" else f"{stage}-{group.name}-{index}"
+            bundles = group.bundles()
+            pg = placement_group(bundles, strategy=group.placement_strategy, name=f"{c.name}-{instance_id}")
+            try:
+                ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                remove_placement_group(pg)
+                raise LaunchError(
+                    f"cannot place {instance_id}: {group.num_ranks} bundle(s) of {bundles[0]} did not fit within "
+                    f"{PLACEMENT_TIMEOUT_S:.0f} s (available: {ray.available_resources()}); add nodes or lower "
+                    f"resources_per_rank of {stage} group {group.name!r}") from None
+            bundle = dict(bundles[0])
+            role_config = c.role_config(stage, instance_id=instance_id, lb_address=self.addresses[f"{stage}_lb"],
+                                        datacenter=group.datacenter)
+            actor = ServiceActor.options(
+                num_cpus=bundle.pop("CPU", 0), num_gpus=bundle.pop("GPU", 0), resources=bundle,
+                max_restarts=c.stage(stage).max_restarts, max_concurrency=4, namespace=NAMESPACE,
+                name=f"{c.name}-{instance_id}",
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+            ).remote(stage, role_config.model_dump())
+            started.append(_Instance(instance_id, stage, group.name, group.datacenter, actor, pg))
+        for inst in started:
+            try:
+                ray.get(inst.actor.info.remote(), timeout=STARTUP_TIMEOUT_S)
+            except Exception as e:
+                for other in started:
+                    ray.kill(other.actor, no_restart=True)
+                    remove_placement_group(other.pg)
+                raise LaunchError(f"{inst.instance_id} did not start: {e}") from None
+        with self._lock:
+            self._instances.update({i.instance_id: i for i in started})
+
+    def _drain(self, victims: list[_Instance]) -> None:
+        """Blocks until each victim drained and exited; then its actor and placement group go."""
+        refs = {inst.instance_id: inst.actor.drain.remote(self.config.stage(inst.stage).drain_timeout_s)
+                for inst in victims}
+        for inst in victims:
+            try:
+                left = ray.get(refs[inst.instance_id])
+                logger.info("drained %s (%d requests were in flight)", inst.instance_id, left)
+            except ray.exceptions.RayError as e:  # it died while draining: nothing left to finish
+                logger.warning("%s died while draining: %s", inst.instance_id, e)
+            ray.kill(inst.actor, no_restart=True)
+            remove_placement_group(inst.pg)
+            with self._lock:
+                self._instances.pop(inst.instance_id, None)
+
+    def _wait_roles(self, roles: list[str]) -> dict[str, dict]:
+        infos = {}
+        for role in roles:
+            try:
+                infos[role] = ray.get(self._roles[role].info.remote(), timeout=STARTUP_TIMEOUT_S)
+            except Exception as e:
+                raise LaunchError(f"{role} did not start: {e}") from None
+        return infos
+
+    @staticmethod
+    def _index_of(instance_id: str) -> int:
+        return int(instance_id.rsplit("-", 1)[1])
+
+
+def _best_effort(refs: list, timeout_s: float) -> None:
+    for ref in refs:
+        try:
+            ray.get(ref, timeout=timeout_s)
+        except Exception as e:  # a dead or stuck role is killed next anyway
+            logger.warning("stopping a role failed: %s", e)
+
+
+RemoteController = ray.remote(num_cpus=0, max_concurrency=16)(ClusterController)
+"""The Ray actor class (the plain class stays importable for reading)."""
