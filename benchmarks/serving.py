@@ -17,8 +17,8 @@ request produces exactly its `max_tokens`. A few warm-up requests run before eac
 Modes (same checkpoint, same engine limits `--max-num-seqs` / `--max-num-batched-tokens` /
 `--max-model-len`, same CPU set):
 
-- `disaggregated`: two balancers (`python -m loadbalancer` where it exists, else
-  `tests.e2e.launch_balancer`), one prefill and one decode worker (`python -m prefill_worker` /
+- `disaggregated`: two balancers (`python -m loadbalancer`: prefix_aware for prefill, kv_load for
+  decode), one prefill and one decode worker (`python -m prefill_worker` /
   `decode_worker`, NIXL over UCX loopback, `OMP_NUM_THREADS=--engine-threads` each) and the
   entrypoint, each its own OS process. This process is the client: one thread per request calls
   `entrypoint.client.Client.stream` at the request's arrival time and stamps every delta.
@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -276,11 +275,6 @@ class EngineProcess:
 # ---------------------------------------------------------------------------------------- disaggregated cluster
 
 
-def balancer_module() -> str:
-    """`loadbalancer` when it has a `__main__`, else the e2e stand-in with the same command line."""
-    return "loadbalancer" if importlib.util.find_spec("loadbalancer.__main__") else "tests.e2e.launch_balancer"
-
-
 class LocalCluster:
     """Balancers, one prefill and one decode worker and the entrypoint, each `python -m ...` on loopback."""
 
@@ -289,11 +283,9 @@ class LocalCluster:
         self.procs: dict[str, subprocess.Popen] = {}
         self.info: dict[str, dict] = {}
         self.env = {**os.environ, "OMP_NUM_THREADS": str(engine_threads), "PYTHONUNBUFFERED": "1"}
-        lb = balancer_module()
-        self.balancer_module = lb
         try:
-            self._spawn("prefill_lb", [lb, "--stage", "prefill", "--policy", "prefix_aware"])
-            self._spawn("decode_lb", [lb, "--stage", "decode", "--policy", "kv_load"])
+            self._spawn("prefill_lb", ["loadbalancer", "--stage", "prefill", "--policy", "prefix_aware"])
+            self._spawn("decode_lb", ["loadbalancer", "--stage", "decode", "--policy", "kv_load"])
             self._wait_ready()
             common = ["--model", checkpoint, "--loopback-ucx", *worker_args]
             self._spawn("prefill", ["prefill_worker", "--lb-address", self.info["prefill_lb"]["address"],
@@ -580,7 +572,8 @@ def run(args: argparse.Namespace) -> dict:
         cluster = LocalCluster(ckpt, args.engine_threads, worker_args, logdir)
         client = Client(cluster.info["entrypoint"]["address"], timeout_s=args.point_timeout_s + 30)
         try:
-            entry = {"description": f"1 prefill + 1 decode worker, 2 balancers ({cluster.balancer_module}), entrypoint;"
+            entry = {"description": f"1 prefill + 1 decode worker, 2 balancers (python -m loadbalancer), "
+                     "entrypoint;"
                      f" separate processes, OMP_NUM_THREADS={args.engine_threads} each; client = this process",
                      "startup_s": time.monotonic() - t0, "points": []}
             results["modes"]["disaggregated"] = entry
@@ -660,7 +653,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.nixl_mb:
         from kv_transfer.bench import run as nixl_bench
 
-        results["nixl_vs_memcpy"] = nixl_bench(mb=args.nixl_mb, preset=args.preset, reps=args.nixl_reps)
+        results["nixl_vs_memcpy"] = nixl_bench(mb=args.nixl_mb, preset=args.preset, block_size=args.nixl_block_size,
+                                               reps=args.nixl_reps)
         _save(results, args.json)
     results["total_s"] = time.monotonic() - t_start
     results["machine"]["loadavg_end"] = os.getloadavg()
@@ -702,6 +696,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--overhead-prompt-len", type=int, default=128)
     ap.add_argument("--nixl-mb", type=float, default=64, help="MiB for kv_transfer.bench; 0 = skip")
     ap.add_argument("--nixl-reps", type=int, default=5)
+    ap.add_argument("--nixl-block-size", type=int, default=64,
+                    help="tokens per block in kv_transfer.bench (the engine's default for tiny and small: 64)")
     ap.add_argument("--json", default=None, help="write the results here (rewritten after every point)")
     ap.add_argument("--plot-dir", default=None, help="write serving_{ttft,itl,throughput}.png here")
     ap.add_argument("--plot-from", default=None, help="only plot this results JSON (needs --plot-dir)")
