@@ -36,7 +36,7 @@ how tokens are chunked into steps or batched with other requests.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -51,12 +51,9 @@ from engine.forward_batch import ForwardBatch, SeqChunk
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm in float32; the weight (kept in float32) multiplies before the cast back."""
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        xf = weight * xf
-    return xf.to(dtype)
+    # NOTE: torch's fused rms_norm gives bit-identical results to the spelled-out float32 formula
+    # (x * rsqrt(mean(x^2) + eps) * weight) in one op instead of six; op count dominates small decode steps.
+    return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -134,6 +131,35 @@ class DecodeMeta:
     state_start: torch.Tensor  # [B]
     frozen: torch.Tensor  # [B] num_frozen_tokens
     block_tables: torch.Tensor  # [B, max_blocks] (padded with 0)
+    memo: dict = field(default_factory=dict)
+    """Per-step masks and gather indices shared by every layer of the same window / compress rate."""
+
+    def window_valid(self, W: int) -> torch.Tensor:
+        """[B, W] whether ring row j holds a key of this row's live window (after this step's write)."""
+        key = ("window", W)
+        if key not in self.memo:
+            j = torch.arange(W, device=self.pos.device)
+            key_pos = self.pos[:, None] - ((self.pos[:, None] - j[None, :]) % W)  # position held by ring row j
+            self.memo[key] = key_pos >= self.state_start[:, None]
+        return self.memo[key]
+
+    def compressed_index(self, rate: int, epb: int):
+        """(flat pool rows [B, C], visible [B, C]) of the compressed entries each row's query sees, or
+        None when no row has one yet."""
+        key = ("compressed", rate, epb)
+        if key not in self.memo:
+            num_entries = (self.pos + 1) // rate  # [B]
+            c_max = int(num_entries.max())
+            if c_max == 0:
+                self.memo[key] = None
+            else:
+                c = torch.arange(c_max, device=self.pos.device)
+                visible = c[None, :] < num_entries[:, None]  # [B, C]
+                cols = (c // epb).clamp(max=self.block_tables.shape[1] - 1)[None].expand(len(self.rows), -1)
+                blk = self.block_tables.gather(1, cols)
+                flat = torch.where(visible, blk * epb + c % epb, torch.zeros_like(blk))
+                self.memo[key] = (flat, visible)
+        return self.memo[key]
 
     @classmethod
     def build(cls, batch: ForwardBatch) -> DecodeMeta | None:
@@ -357,9 +383,7 @@ class Attention(nn.Module):
         ring = cache.window_kv[self.layer_idx]  # [slots, W, D]
         ring[dm.slots, dm.pos % W] = kv.to(ring.dtype)
         keys = ring[dm.slots]  # [B, W, D]
-        j = torch.arange(W, device=kv.device)
-        key_pos = dm.pos[:, None] - ((dm.pos[:, None] - j[None, :]) % W)  # position held by ring row j
-        valid = key_pos >= dm.state_start[:, None]
+        valid = dm.window_valid(W)
         scale = self.head_dim**-0.5
         logits = torch.einsum("bhd,bwd->bhw", q, keys) * scale
         parts = [logits.masked_fill(~valid[:, None, :], float("-inf"))]
@@ -370,8 +394,7 @@ class Attention(nn.Module):
                 cl = torch.einsum("bhd,bcd->bhc", q, entries) * scale
                 parts.append(cl.masked_fill(~mask[:, None, :], float("-inf")))
         parts.append(self.attn_sink.to(logits.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1))
-        allp = torch.cat(parts, dim=-1)
-        probs = (allp - allp.amax(dim=-1, keepdim=True)).softmax(dim=-1)
+        probs = torch.cat(parts, dim=-1).softmax(dim=-1)  # the sink keeps every row finite
         o = torch.einsum("bhw,bwd->bhd", probs[..., :W].to(keys.dtype), keys)
         if entries is not None:
             C = entries.shape[1]
@@ -394,14 +417,10 @@ class Attention(nn.Module):
             pool, epb = cache.hca_entries[j], cache.hca_entries_per_block
             self._decode_compressor(self.compressor, ckv, cgate, cache.hca_buf_kv[j], cache.hca_buf_gate[j],
                                     dm, pool, epb, rotary)
-        num_entries = (dm.pos + 1) // r  # [B] entries visible to each row's query
-        c_max = int(num_entries.max())
-        if c_max == 0:
+        index = dm.compressed_index(r, epb)
+        if index is None:
             return None, None
-        c = torch.arange(c_max, device=x.device)
-        visible = c[None, :] < num_entries[:, None]  # [B, C]
-        blk = dm.block_tables.gather(1, (c // epb).clamp(max=dm.block_tables.shape[1] - 1)[None].expand(len(dm.rows), -1))
-        flat = torch.where(visible, blk * epb + c % epb, torch.zeros_like(blk))
+        flat, visible = index
         entries = pool.view(-1, pool.shape[-1])[flat]  # [B, C, D]
         if self.kind == "hca":
             return entries, visible
@@ -450,9 +469,7 @@ class Attention(nn.Module):
             parts.append(cl.masked_fill(~mask[:, None, :], float("-inf")))
         sink = self.attn_sink.to(logits.dtype).view(1, -1, 1).expand(n, -1, 1)
         parts.append(sink)
-        allp = torch.cat(parts, dim=-1)
-        allp = allp - allp.amax(dim=-1, keepdim=True)
-        probs = allp.softmax(dim=-1)
+        probs = torch.cat(parts, dim=-1).softmax(dim=-1)  # the sink keeps every row finite
         S = keys.shape[0]
         o = torch.einsum("nhs,sd->nhd", probs[..., :S].to(keys.dtype), keys)
         if extra is not None:
@@ -531,9 +548,10 @@ class Expert(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g = self.w1(x).clamp(max=self.limit)
-        u = self.w3(x).clamp(min=-self.limit, max=self.limit)
-        return self.w2(F.silu(g) * u)
+        # NOTE: F.linear on the weights skips three nn.Module calls per expert (decode steps are op-bound)
+        g = F.linear(x, self.w1.weight).clamp(max=self.limit)
+        u = F.linear(x, self.w3.weight).clamp(min=-self.limit, max=self.limit)
+        return F.linear(F.silu(g) * u, self.w2.weight)
 
 
 class Gate(nn.Module):
@@ -581,6 +599,16 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, idx = self.gate(x, input_ids)
+        if x.shape[0] == 1:
+            # A single token: no sort/scatter. Same additions in the same order (ascending expert id,
+            # then the shared expert) as the general path, so both give bit-identical sums.
+            ids = idx[0].tolist()
+            w = weights.to(x.dtype)
+            out = None
+            for k in sorted(range(len(ids)), key=ids.__getitem__):
+                y = self.experts[ids[k]](x) * w[:, k:k + 1]
+                out = y if out is None else out + y
+            return out + self.shared_experts(x)
         out = torch.zeros_like(x)
         flat_e = idx.reshape(-1)
         order = torch.argsort(flat_e, stable=True)
@@ -612,12 +640,29 @@ def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
     post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
     comb = torch.softmax(comb_w.view(T, hc, hc) * scale[2] + comb_b.view(hc, hc), dim=-1) + eps
-    # Sinkhorn-Knopp towards a doubly-stochastic matrix (columns first, then alternate)
+    return pre, post, sinkhorn(comb, iters, eps)
+
+
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Sinkhorn-Knopp of [T, hc, hc] towards a doubly-stochastic matrix: normalise columns, then
+    `iters - 1` rounds of rows then columns, each sum plus `eps`.
+
+    NOTE: on the CPU without autograd the same float32 arithmetic runs in numpy (bit-identical
+    results): the matrices are tiny, so the cost is per-op dispatch, which numpy does in about half
+    torch's time; at decode batch sizes this loop is the largest single cost of a CPU step.
+    """
+    if comb.device.type == "cpu" and not comb.requires_grad and comb.shape[0] <= 64:
+        a = comb.numpy(force=True)
+        a = a / (a.sum(-2, keepdims=True) + eps)
+        for _ in range(iters - 1):
+            a /= a.sum(-1, keepdims=True) + eps
+            a /= a.sum(-2, keepdims=True) + eps
+        return torch.from_numpy(a)
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return pre, post, comb
+    return comb
 
 
 class DecoderLayer(nn.Module):
