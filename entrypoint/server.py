@@ -342,6 +342,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
             request_id=rid, transfer_id=reserve.transfer_id, first_token_id=prefilled.first_token_id,
             num_cached_prompt_tokens=prefilled.num_cached_prompt_tokens), timeout=timeout)
         req.add_call(stream)
+        is_first = True
         try:
             for chunk in stream:
                 # an abort on D (drain timeout, another caller) ends the stream in-band; failures and
@@ -354,6 +355,8 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                     request_id=rid, token_ids=chunk.token_ids, text=chunk.text, finish_reason=chunk.finish_reason)
                 if chunk.error.code:
                     response.error.CopyFrom(chunk.error)
+                if is_first and not chunk.finish_reason:
+                    response.usage.CopyFrom(req.usage)  # prompt and cached prompt tokens are final by now
                 if chunk.finish_reason:
                     response.usage.CopyFrom(chunk.usage)
                     if chunk.HasField("stop_token_id"):
@@ -363,6 +366,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                     with req.lock:
                         req.is_done = True
                 yield response
+                is_first = False
                 if chunk.finish_reason:
                     return
         except grpc.RpcError as e:

@@ -1,0 +1,521 @@
+"""The FastAPI app of the HTTP front: routes, API keys, body and in-flight limits, SSE, disconnects.
+
+```python
+app = create_app(HttpConfig(entrypoint="127.0.0.1:50051", model=ckpt))   # an ASGI app
+serve(HttpConfig(...))                                                   # blocks: uvicorn
+```
+
+`/v1/chat/completions`, `/v1/responses`, `/v1/messages` go through recipe (`conversion.RecipeFront`);
+`/v1/completions` (raw prompt) and `/v1/generate` (token ids in and out) go straight to the token API.
+Every generation request holds one in-flight slot from its body being read until its last byte is
+sent; a client that disconnects cancels its token call, which aborts the request on every stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import deepseek_recipe as recipe
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from entrypoint.http import completions
+from entrypoint.http.backend import TokenBackend, TokenCall
+from entrypoint.http.config import HttpConfig
+from entrypoint.http.conversion import CHAT, MESSAGES, RESPONSE_CLS, RESPONSES, ImageUrlPolicy, Prepared, RecipeFront
+from entrypoint.http.errors import ApiError
+from entrypoint.http.metrics import HttpMetrics
+from protos import common_pb2, entrypoint_pb2
+
+logger = logging.getLogger("entrypoint.http")
+
+GENERATION_ROUTES = {"/v1/chat/completions": CHAT, "/v1/responses": RESPONSES, "/v1/messages": MESSAGES,
+                     "/v1/completions": "completions", "/v1/generate": "generate"}
+"""Route -> endpoint label of the generation routes."""
+KNOWN_ROUTES = {*GENERATION_ROUTES, "/v1/models", "/health", "/metrics"}
+
+
+def _is_anthropic(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def _error_response(path: str, e: ApiError) -> JSONResponse:
+    body = e.anthropic_body() if _is_anthropic(path) else e.openai_body()
+    return JSONResponse(body, status_code=e.status, headers=e.headers())
+
+
+class _ClientGone(Exception):
+    """The client disconnected; nothing more is sent."""
+
+
+# ---------------------------------------------------------------------------------------- state
+
+
+class Front:
+    """What the app shares between requests: config, recipe converter, token backend, metrics, slots."""
+
+    def __init__(self, config: HttpConfig) -> None:
+        if not config.entrypoint:
+            raise ValueError("the HTTP front needs the token entrypoint's address (--entrypoint HOST:PORT)")
+        model_dir = Path(config.model) if config.model else _default_model_dir()
+        model_cfg = json.loads((model_dir / "config.json").read_text())
+        self.config = config
+        self.api_key = config.api_key or os.environ.get("DEEPINFER_API_KEY") or None
+        self.served_model_name = config.served_model_name or model_dir.name
+        self.max_model_len = config.max_model_len or min(model_cfg["max_position_embeddings"], 8192)
+        policy = ImageUrlPolicy(config.image_url_allowed_hosts.split(","))
+        self.recipe = RecipeFront(model_dir, self.served_model_name, self.max_model_len, policy)
+        self.metrics = HttpMetrics()
+        self.backend: TokenBackend | None = None
+        """Created on the server's event loop (lifespan)."""
+        self.num_inflight = 0
+
+    def acquire(self) -> None:
+        """Take an in-flight slot; raises 429 with Retry-After when all are taken."""
+        if self.num_inflight >= self.config.max_inflight_requests:
+            self.metrics.rejected.inc()
+            raise ApiError(429, f"the server is serving its maximum of {self.config.max_inflight_requests} "
+                           "requests; retry later", code="rate_limit_exceeded", retry_after_s=self.config.retry_after_s)
+        self.num_inflight += 1
+        self.metrics.inflight.set(self.num_inflight)
+
+    def release(self) -> None:
+        self.num_inflight -= 1
+        self.metrics.inflight.set(self.num_inflight)
+
+
+def _default_model_dir() -> Path:
+    from engine.testing.default_model import ensure_default_model
+
+    return Path(ensure_default_model())
+
+
+class _Run:
+    """One generation request in flight: its token call, the disconnect watch, its slot and timings."""
+
+    def __init__(self, front: Front, endpoint: str, request: Request, call: TokenCall, t_accept: float) -> None:
+        self.front = front
+        self.endpoint = endpoint
+        self.call = call
+        self.t_accept = t_accept
+        self.t_last: float | None = None
+        self.is_client_gone = False
+        self.is_closed = False
+        self.usage: common_pb2.Usage | None = None
+        """The token API's final usage (what the engine saw)."""
+        self._watch = asyncio.ensure_future(self._watch_disconnect(request.receive))
+
+    async def _watch_disconnect(self, receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.is_client_gone = True
+        self.call.cancel()
+
+    async def read(self) -> entrypoint_pb2.GenerateResponse | None:
+        """Blocks for the next delta (None at the end); raises `_ClientGone` or `ApiError`."""
+        try:
+            msg = await self.call.read()
+        except (ApiError, asyncio.CancelledError):
+            if self.is_client_gone:
+                raise _ClientGone() from None
+            raise
+        if msg is None:
+            return None
+        now = time.monotonic()
+        m = self.front.metrics
+        if msg.token_ids:
+            if self.t_last is None:
+                m.ttft.labels(self.endpoint).observe(now - self.t_accept)
+            else:
+                m.itl.labels(self.endpoint).observe((now - self.t_last) / len(msg.token_ids))
+            self.t_last = now
+        if msg.finish_reason:
+            self.usage = msg.usage
+            m.prompt_tokens.labels(self.endpoint).inc(msg.usage.prompt_tokens)
+            m.completion_tokens.labels(self.endpoint).inc(msg.usage.completion_tokens)
+            m.cached_prompt_tokens.labels(self.endpoint).inc(msg.usage.cached_prompt_tokens)
+            m.e2e.labels(self.endpoint).observe(now - self.t_accept)
+        return msg
+
+    def close(self) -> None:
+        """End the request: cancel the call (aborting it everywhere unless it finished) and free the slot."""
+        if self.is_closed:
+            return
+        self.is_closed = True
+        self._watch.cancel()
+        self.call.cancel()
+        self.front.release()
+
+
+async def _start(front: Front, endpoint: str, request: Request, t_accept: float,
+                 token_request: entrypoint_pb2.GenerateRequest) -> tuple[_Run, entrypoint_pb2.GenerateResponse]:
+    """Take a slot, submit the request and block until its first delta, so that refusals (bad input,
+    no capacity) still get their HTTP status. Returns the run (the caller closes it) and that delta."""
+    front.acquire()
+    run = _Run(front, endpoint, request, front.backend.generate(token_request), t_accept)
+    try:
+        first = await run.read()
+        if first is None:
+            raise ApiError(500, f"internal error (request {token_request.request_id})", code="internal_error")
+        return run, first
+    except BaseException:
+        run.close()
+        raise
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    """Blocks until the body is read; 413 past `max_bytes` (whatever Content-Length claimed)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise ApiError(413, f"the request body is larger than {max_bytes} bytes", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response whose end (normal, client gone or failed) always closes its run.
+
+    NOTE: does not read `receive` itself (the run's disconnect watch does), unlike StreamingResponse.
+    """
+
+    def __init__(self, chunks: AsyncIterator[bytes], run: _Run) -> None:
+        super().__init__(chunks, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.run = run
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:
+            self.run.is_client_gone = True
+        finally:
+            await self.body_iterator.aclose()
+            self.run.close()
+
+
+# ---------------------------------------------------------------------------------------- recipe APIs
+
+
+def _sse(api: str, event) -> bytes:
+    name = RESPONSE_CLS[api].sse_event_name(event)
+    return ((f"event: {name}\n" if name else "") + f"data: {event.to_json()}\n\n").encode()
+
+
+def _sse_error(api: str, e: ApiError) -> bytes:
+    """A failure after the stream started, in the API's own streaming shape."""
+    if api == MESSAGES:
+        return f"event: error\ndata: {json.dumps(e.anthropic_body())}\n\n".encode()
+    if api == RESPONSES:
+        error = e.openai_body()["error"]
+        return f"event: error\ndata: {json.dumps({'type': 'error', **error})}\n\n".encode()
+    return f"data: {json.dumps(e.openai_body())}\n\n".encode()
+
+
+async def _recipe_events(front: Front, prepared: Prepared, run: _Run,
+                         first: entrypoint_pb2.GenerateResponse) -> AsyncIterator[Any]:
+    """Recipe's protocol events for the token stream that starts with `first`.
+
+    The engine's stop token (EOS) is counted but not shown: recipe gets an empty text chunk worth
+    one token instead. When recipe's parser finishes early (a stop sequence matched) the call is
+    cancelled, which aborts the rest of the request.
+    """
+    processor = prepared.processor(front.recipe.tokenizer)
+    try:
+        for event in processor.push(recipe.InferenceChunk.ready(prompt_usage=recipe.PromptUsage(
+                prompt_tokens=first.usage.prompt_tokens, prompt_cache_hit_tokens=first.usage.cached_prompt_tokens))):
+            yield event
+        msg = first
+        while msg is not None:
+            token_ids = list(msg.token_ids)
+            is_stop_token = (msg.finish_reason == common_pb2.FINISH_REASON_STOP and token_ids
+                             and msg.WhichOneof("stop_reason") == "stop_token_id"
+                             and token_ids[-1] == msg.stop_token_id)
+            if is_stop_token:
+                token_ids.pop()
+            if token_ids:
+                for event in processor.push(recipe.InferenceChunk.tokens(token_ids)):
+                    yield event
+            if processor.finished:
+                run.call.cancel()
+                return
+            if is_stop_token:
+                for event in processor.push(recipe.InferenceChunk.text("", 1)):
+                    yield event
+            if msg.finish_reason:
+                reason = (recipe.InferenceFinishReason.Stop if msg.finish_reason == common_pb2.FINISH_REASON_STOP
+                          else recipe.InferenceFinishReason.Length)
+                for event in processor.push(recipe.InferenceChunk.finish(reason)):
+                    yield event
+                break
+            msg = await run.read()
+        if msg is None:
+            raise ApiError(500, f"internal error (request {prepared.response_id})", code="internal_error")
+        for event in processor.finish():
+            yield event
+    finally:
+        if not processor.finished:
+            processor.close()
+
+
+async def _recipe_route(front: Front, api: str, request: Request) -> Response:
+    t_accept = time.monotonic()
+    prepared = front.recipe.prepare(api, await _read_body(request, front.config.max_body_bytes))
+    token_request = entrypoint_pb2.GenerateRequest(
+        request_id=prepared.response_id, prompt_token_ids=prepared.prompt_token_ids,
+        sampling_params=prepared.sampling_params(), images=prepared.images)
+    run, first = await _start(front, api, request, t_accept, token_request)
+    events = _recipe_events(front, prepared, run, first)
+    if prepared.is_stream:
+        return _EventStream(_recipe_sse(api, events, run), run)
+    try:
+        response = RESPONSE_CLS[api](prepared.response_id, prepared.model, prepared.created,
+                                     first.usage.prompt_tokens, first.usage.cached_prompt_tokens)
+        async for event in events:
+            response.accumulate(event)
+        return Response(response.to_json(), media_type="application/json")
+    finally:
+        await events.aclose()
+        run.close()
+
+
+async def _recipe_sse(api: str, events: AsyncIterator[Any], run: _Run) -> AsyncIterator[bytes]:
+    try:
+        async for event in events:
+            yield _sse(api, event)
+        done = RESPONSE_CLS[api].sse_done_data()
+        if done is not None:
+            yield f"data: {done}\n\n".encode()
+    except _ClientGone:
+        return
+    except ApiError as e:
+        yield _sse_error(api, e)
+    finally:
+        await events.aclose()
+
+
+# ---------------------------------------------------------------------------------------- the app
+
+
+class _Guard:
+    """Pure ASGI middleware: API key (all but /health), Content-Length cap, request metrics."""
+
+    def __init__(self, app, front: Front) -> None:
+        self.app = app
+        self.front = front
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        status = [500]
+
+        async def send_and_record(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            error = self._refusal(path, dict(scope["headers"]))
+            if error is not None:
+                await _error_response(path, error)(scope, receive, send_and_record)
+                return
+            await self.app(scope, receive, send_and_record)
+        finally:
+            endpoint = path if path in KNOWN_ROUTES else "other"
+            self.front.metrics.requests.labels(endpoint, str(status[0])).inc()
+
+    def _refusal(self, path: str, headers: dict[bytes, bytes]) -> ApiError | None:
+        key = self.front.api_key
+        if key is not None and path != "/health":
+            given = headers.get(b"x-api-key", b"").decode("latin-1")
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            if not given and auth[:7].lower() == "bearer ":
+                given = auth[7:].strip()
+            if not given:
+                return ApiError(401, "missing API key: send `Authorization: Bearer KEY` or `x-api-key: KEY`",
+                                code="invalid_api_key")
+            if not hmac.compare_digest(given.encode(), key.encode()):
+                return ApiError(401, "invalid API key", code="invalid_api_key")
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.front.config.max_body_bytes:
+            return ApiError(413, f"the request body is larger than {self.front.config.max_body_bytes} bytes",
+                            code="request_too_large")
+        return None
+
+
+def create_app(config: HttpConfig) -> FastAPI:
+    """The ASGI app of the HTTP front (loads the tokenizer; connects to the entrypoint on startup)."""
+    front = Front(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        front.backend = TokenBackend(config.entrypoint, config.retry_after_s, config.request_timeout_s)
+        logger.info("HTTP front for %s (model %s, %s encoding, context %d) on the token entrypoint %s",
+                    front.served_model_name, config.model or "built-in", front.recipe.encoding_name,
+                    front.max_model_len, config.entrypoint)
+        try:
+            yield
+        finally:
+            await front.backend.close()
+
+    app = FastAPI(title="deepinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.front = front
+    app.add_middleware(_Guard, front=front)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        return _error_response(request.url.path, e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        message = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
+        return _error_response(request.url.path, ApiError(e.status_code, message, code="not_found"))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return _error_response(request.url.path, ApiError(500, "internal error", code="internal_error"))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _recipe_route(front, CHAT, request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await _recipe_route(front, RESPONSES, request)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        return await _recipe_route(front, MESSAGES, request)
+
+    @app.post("/v1/completions")
+    async def text_completions(request: Request):
+        t_accept = time.monotonic()
+        body = completions.parse(completions.CompletionBody, await _read_body(request, config.max_body_bytes))
+        front.recipe.check_model(body.model)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        prompt_ids = body.prompt_token_ids(front.recipe.tokenizer)
+        token_request = entrypoint_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt_ids,
+                                                       sampling_params=body.sampling_params())
+        run, first = await _start(front, "completions", request, t_accept, token_request)
+        builder = completions.CompletionBuilder(rid, body.model, body.include_usage)
+        if body.stream:
+            return _EventStream(_token_sse(builder, run, first), run)
+        return await _token_json(builder, run, first)
+
+    @app.post("/v1/generate")
+    async def generate(request: Request):
+        t_accept = time.monotonic()
+        body = completions.parse(completions.GenerateBody, await _read_body(request, config.max_body_bytes))
+        if body.model is not None:
+            front.recipe.check_model(body.model)
+        rid = body.request_id or f"gen-{uuid.uuid4().hex}"
+        token_request = entrypoint_pb2.GenerateRequest(request_id=rid, prompt_token_ids=body.token_ids,
+                                                       sampling_params=completions.generate_sampling_params(body))
+        run, first = await _start(front, "generate", request, t_accept, token_request)
+        builder = completions.GenerateBuilder(rid, body.model or front.served_model_name)
+        if body.stream:
+            return _EventStream(_token_sse(builder, run, first), run)
+        return await _token_json(builder, run, first)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [_model_card(front, name) for name in front.recipe.model_names]}
+
+    @app.get("/v1/models/{name}")
+    async def model(name: str):
+        front.recipe.check_model(name)
+        return _model_card(front, name)
+
+    @app.get("/health")
+    async def health():
+        is_healthy, message, _ = await front.backend.health()
+        if not is_healthy:
+            return JSONResponse({"status": "unhealthy", "message": message}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        is_healthy, _, stats = await front.backend.health()
+        front.metrics.set_cluster(is_healthy, stats)
+        return Response(generate_latest(front.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _model_card(front: Front, name: str) -> dict:
+    card = {"id": name, "object": "model", "created": 0, "owned_by": "deepinfer",
+            "max_model_len": front.max_model_len}
+    if name != front.served_model_name:
+        card["root"] = front.served_model_name
+    return card
+
+
+async def _token_messages(run: _Run, first: entrypoint_pb2.GenerateResponse):
+    msg = first
+    while msg is not None:
+        yield msg
+        if msg.finish_reason:
+            return
+        msg = await run.read()
+    raise ApiError(500, f"internal error (request {run.call.request_id})", code="internal_error")
+
+
+async def _token_json(builder, run: _Run, first: entrypoint_pb2.GenerateResponse) -> Response:
+    try:
+        async for msg in _token_messages(run, first):
+            builder.add(msg)
+        return JSONResponse(builder.response())
+    finally:
+        run.close()
+
+
+async def _token_sse(builder, run: _Run, first: entrypoint_pb2.GenerateResponse) -> AsyncIterator[bytes]:
+    try:
+        async for msg in _token_messages(run, first):
+            for chunk in builder.chunks(msg):
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    except _ClientGone:
+        return
+    except ApiError as e:
+        yield f"data: {json.dumps(e.openai_body())}\n\n".encode()
+
+
+def serve(config: HttpConfig, *, on_ready=None) -> None:
+    """Blocks serving the HTTP front with uvicorn until SIGINT / SIGTERM.
+
+    Binds first, then calls `on_ready(address)` (e.g. to print it), so a port of 0 works.
+    """
+    import socket
+
+    import uvicorn
+
+    app = create_app(config)
+    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((config.host, config.port))
+    sock.listen(2048)
+    host, port = sock.getsockname()[:2]
+    if on_ready is not None:
+        on_ready(f"http://{host}:{port}")
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
+    server.run(sockets=[sock])
+

@@ -1,0 +1,80 @@
+"""The token-level entrypoint seen from the HTTP front: an asyncio gRPC client (grpc.aio).
+
+One `TokenCall` per request. Cancelling it (client gone, recipe's stop sequence matched) cancels the
+Generate call, which the entrypoint turns into an abort on every stage.
+"""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+from grpc import aio
+
+from entrypoint.http.errors import ApiError, from_grpc
+from protos import common_pb2, entrypoint_pb2, entrypoint_pb2_grpc
+
+ERROR_FIELD_METADATA_KEY = "deepinfer-error-field"
+STATS_METADATA_KEY = "deepinfer-stats-json"
+# NOTE: the same keys as entrypoint.server; not imported from it so this process needs no engine import.
+
+
+class TokenCall:
+    """One streamed Generate call; `read()` maps failures to `ApiError`."""
+
+    def __init__(self, call: aio.UnaryStreamCall, request_id: str, retry_after_s: int) -> None:
+        self._call = call
+        self.request_id = request_id
+        self._retry_after_s = retry_after_s
+
+    async def read(self) -> entrypoint_pb2.GenerateResponse | None:
+        """Blocks until the next delta; None once the stream ended. Raises `ApiError` on failure."""
+        try:
+            msg = await self._call.read()
+        except aio.AioRpcError as e:
+            raise self._error(e) from None
+        if msg is aio.EOF:
+            return None
+        if msg.finish_reason in (common_pb2.FINISH_REASON_ABORT, common_pb2.FINISH_REASON_ERROR):
+            raise ApiError(500 if msg.finish_reason == common_pb2.FINISH_REASON_ERROR else 503,
+                           f"the request was aborted by the service (request {self.request_id})",
+                           code="aborted", retry_after_s=self._retry_after_s)
+        return msg
+
+    def cancel(self) -> None:
+        """Cancel the call (the entrypoint aborts the request everywhere); no-op once it ended."""
+        self._call.cancel()
+
+    def _error(self, e: aio.AioRpcError) -> ApiError:
+        field = dict(e.trailing_metadata() or ()).get(ERROR_FIELD_METADATA_KEY)
+        return from_grpc(e.code(), e.details() or "", field, self.request_id, self._retry_after_s)
+
+
+class TokenBackend:
+    """The asyncio channel to one entrypoint; create and close it on the server's event loop."""
+
+    def __init__(self, address: str, retry_after_s: int = 1, request_timeout_s: float = 600.0) -> None:
+        self.address = address
+        self.retry_after_s = retry_after_s
+        self.request_timeout_s = request_timeout_s
+        self._channel = aio.insecure_channel(address)
+        self._stub = entrypoint_pb2_grpc.EntrypointStub(self._channel)
+
+    def generate(self, request: entrypoint_pb2.GenerateRequest) -> TokenCall:
+        # NOTE: always with a deadline; the entrypoint turns the call's time left into stage deadlines
+        call = self._stub.Generate(request, timeout=self.request_timeout_s)
+        return TokenCall(call, request.request_id, self.retry_after_s)
+
+    async def health(self, timeout_s: float = 5.0) -> tuple[bool, str, dict]:
+        """Blocks for the entrypoint's Health: (is_healthy, message, stats); unreachable = unhealthy."""
+        try:
+            call = self._stub.Health(common_pb2.HealthRequest(), timeout=timeout_s)
+            reply = await call
+            trailing = dict(await call.trailing_metadata() or ())
+        except grpc.RpcError as e:
+            return False, f"entrypoint unreachable: {e.code().name}", {}
+        stats = json.loads(trailing.get(STATS_METADATA_KEY, "{}"))
+        return reply.is_healthy, reply.message, stats
+
+    async def close(self) -> None:
+        await self._channel.close()

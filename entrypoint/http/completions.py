@@ -1,0 +1,196 @@
+"""The two routes that bypass recipe: `/v1/completions` (OpenAI legacy completions, a raw prompt) and
+`/v1/generate` (token ids in, token ids out, for callers that do their own templating).
+
+`/v1/generate` body: `{"token_ids": [...], "sampling_params": {...}, "stream": false, "model": ...,
+"request_id": ...}` where `sampling_params` holds the fields of `deepinfer.v1.SamplingParams` (the
+engine's `SamplingParams`); the answer: `{"id", "object": "generate", "model", "choices": [{"index",
+"token_ids", "text", "finish_reason", "stop_reason"}], "usage"}`, or SSE `data:` chunks of the same
+shape carrying token deltas, ending `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import deepseek_recipe as recipe
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from entrypoint.client import FINISH_REASONS, sampling_params_proto
+from entrypoint.http.errors import invalid
+from protos import common_pb2, entrypoint_pb2
+
+
+def parse(cls: type[BaseModel], body: bytes) -> Any:
+    """The validated body; 400 naming the first offending field otherwise."""
+    if not body.strip():
+        raise invalid("the request body is empty; send a JSON object")
+    try:
+        parsed = json.loads(body)
+    except ValueError as e:
+        raise invalid(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(parsed, dict):
+        raise invalid("the request body must be a JSON object")
+    try:
+        return cls.model_validate(parsed)
+    except ValidationError as e:
+        error = e.errors()[0]
+        param = ".".join(str(p) for p in error["loc"]) or None
+        raise invalid(f"{param}: {error['msg']}" if param else error["msg"], param=param) from None
+
+
+def _usage(usage: common_pb2.Usage) -> dict:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+            "prompt_cache_hit_tokens": usage.cached_prompt_tokens,
+            "prompt_cache_miss_tokens": usage.prompt_tokens - usage.cached_prompt_tokens}
+
+
+def _stop_reason(msg: entrypoint_pb2.GenerateResponse) -> int | str | None:
+    which = msg.WhichOneof("stop_reason")
+    return getattr(msg, which) if which else None
+
+
+# ---------------------------------------------------------------------------------------- /v1/completions
+
+
+class CompletionBody(BaseModel):
+    """An OpenAI completions request (the fields we serve; unknown ones are ignored, as OpenAI does)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    prompt: str | list[int] | list[str]
+    max_tokens: int | None = Field(16, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: dict | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def prompt_token_ids(self, tokenizer: recipe.Tokenizer) -> list[int]:
+        if self.n != 1:
+            raise invalid("n > 1 is not served; send n requests (with seed + i each)", param="n")
+        if self.echo or self.logprobs is not None or self.suffix:
+            name = "echo" if self.echo else "logprobs" if self.logprobs is not None else "suffix"
+            raise invalid(f"{name} is not served; leave it unset", param=name)
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
+            if len(self.prompt) != 1:
+                raise invalid("send one prompt per request", param="prompt")
+            return tokenizer.encode(self.prompt[0])
+        if isinstance(self.prompt, str):
+            return tokenizer.encode(self.prompt)
+        return list(self.prompt)
+
+    def sampling_params(self) -> common_pb2.SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        return sampling_params_proto(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                                     stop=stop or None, seed=self.seed)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionBuilder:
+    """Token deltas -> an OpenAI `text_completion` object or its stream chunks."""
+
+    def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.include_usage = include_usage
+        self.created = int(time.time())
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.usage: dict | None = None
+
+    def _chunk(self, text: str, finish_reason: str | None) -> dict:
+        return {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+
+    def add(self, msg: entrypoint_pb2.GenerateResponse) -> None:
+        self.text += msg.text
+        if msg.finish_reason:
+            self.finish_reason = FINISH_REASONS.get(msg.finish_reason)
+            self.usage = _usage(msg.usage)
+
+    def chunks(self, msg: entrypoint_pb2.GenerateResponse) -> list[dict]:
+        self.add(msg)
+        out = [] if not msg.text and not msg.finish_reason else [self._chunk(msg.text, self.finish_reason)]
+        if msg.finish_reason and self.include_usage:
+            out.append({**self._chunk("", None), "choices": [], "usage": self.usage})
+        return out
+
+    def response(self) -> dict:
+        return {**self._chunk(self.text, self.finish_reason), "usage": self.usage}
+
+
+# ---------------------------------------------------------------------------------------- /v1/generate
+
+
+class GenerateBody(BaseModel):
+    """A token-level request: prompt token ids and the token API's sampling params."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token_ids: list[int] = Field(min_length=1)
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    stream: bool = False
+    model: str | None = None
+    request_id: str | None = None
+
+
+def generate_sampling_params(body: GenerateBody) -> common_pb2.SamplingParams:
+    """The body's `sampling_params` on the wire; 400 for unknown names or wrong types (the
+    entrypoint validates the values)."""
+    try:
+        return sampling_params_proto(**body.sampling_params)
+    except (TypeError, ValueError) as e:
+        raise invalid(f"sampling_params: {e}", param="sampling_params") from None
+
+
+class GenerateBuilder:
+    """Token deltas -> the `/v1/generate` answer or its stream chunks."""
+
+    def __init__(self, request_id: str, model: str) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.usage: dict | None = None
+
+    def _chunk(self, token_ids: list[int], text: str) -> dict:
+        return {"id": self.request_id, "object": "generate", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "token_ids": token_ids, "text": text, "finish_reason": self.finish_reason,
+                             "stop_reason": self.stop_reason}]}
+
+    def add(self, msg: entrypoint_pb2.GenerateResponse) -> None:
+        self.token_ids += msg.token_ids
+        self.text += msg.text
+        if msg.finish_reason:
+            self.finish_reason = FINISH_REASONS.get(msg.finish_reason)
+            self.stop_reason = _stop_reason(msg)
+            self.usage = _usage(msg.usage)
+
+    def chunks(self, msg: entrypoint_pb2.GenerateResponse) -> list[dict]:
+        self.add(msg)
+        chunk = self._chunk(list(msg.token_ids), msg.text)
+        if msg.finish_reason:
+            chunk["usage"] = self.usage
+        return [chunk]
+
+    def response(self) -> dict:
+        return {**self._chunk(self.token_ids, self.text), "usage": self.usage}

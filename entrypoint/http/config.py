@@ -1,0 +1,40 @@
+"""The HTTP front's configuration (frozen, validated); `python -m entrypoint.http` generates its CLI from it."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class HttpConfig(BaseModel):
+    """Everything the HTTP front needs to start."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    entrypoint: str = ""
+    """host:port of the token-level gRPC entrypoint (required)."""
+    host: str = "127.0.0.1"
+    """Interface the HTTP server binds."""
+    port: int = Field(8000, ge=0, le=65535)
+    """HTTP port; 0 = an ephemeral port (the bound address is printed)."""
+    model: str | None = None
+    """Checkpoint directory: its config.json (context length, `chat_encoding`) and tokenizer.json;
+    None = the built-in default model."""
+    served_model_name: str | None = None
+    """Model name clients send and /v1/models lists; None = the checkpoint directory's name. Recipe's
+    official API names (DeepSeek-V4-Pro, DeepSeek-V4.1-Flash) are accepted as aliases of it."""
+    api_key: str | None = None
+    """Key every route but /health requires (`Authorization: Bearer KEY` or `x-api-key: KEY`);
+    None = the DEEPINFER_API_KEY environment variable, unset = no key."""
+    max_model_len: int | None = Field(None, gt=1)
+    """Context length of prompt + output; None = min(max_position_embeddings, 8192), as the entrypoint."""
+    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
+    """Largest request body accepted; larger ones get 413."""
+    max_inflight_requests: int = Field(256, gt=0)
+    """Requests served at once; more get 429 with Retry-After."""
+    image_url_allowed_hosts: str = ""
+    """Comma-separated host names whose image URLs may be fetched (exact match); empty = none
+    (data: URLs are always accepted, they need no fetch)."""
+    request_timeout_s: float = Field(600.0, gt=0, le=86400)
+    """Deadline of each request's token call (the cluster aborts the request when it runs out)."""
+    retry_after_s: int = Field(1, ge=0)
+    """Retry-After seconds sent with 429 and 503 answers."""

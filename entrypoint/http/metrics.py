@@ -1,0 +1,53 @@
+"""Prometheus metrics of the HTTP front (`GET /metrics`), in a registry of their own per app.
+
+Requests by endpoint and status, time to first token, inter-token latency, tokens in and out,
+cached prompt tokens, requests in flight here, and the cluster's view from the entrypoint's Health
+(requests in flight at the entrypoint, healthy instances per stage), gathered at scrape time.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class HttpMetrics:
+    """The front's counters, histograms and gauges (prefix `deepinfer_http_`)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("deepinfer_http_requests", "HTTP requests answered, by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("deepinfer_http_time_to_first_token_seconds", "Request accepted -> first token",
+                              ["endpoint"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.itl = Histogram("deepinfer_http_inter_token_latency_seconds", "Time between streamed tokens",
+                             ["endpoint"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.e2e = Histogram("deepinfer_http_request_duration_seconds", "Request accepted -> last token",
+                             ["endpoint"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.prompt_tokens = Counter("deepinfer_http_prompt_tokens", "Prompt tokens sent to the cluster",
+                                     ["endpoint"], registry=r)
+        self.completion_tokens = Counter("deepinfer_http_completion_tokens", "Output tokens received",
+                                         ["endpoint"], registry=r)
+        self.cached_prompt_tokens = Counter("deepinfer_http_cached_prompt_tokens",
+                                            "Prompt tokens served from a prefix cache", ["endpoint"], registry=r)
+        self.inflight = Gauge("deepinfer_http_requests_in_flight", "Generation requests being served here",
+                              registry=r)
+        self.rejected = Counter("deepinfer_http_rejected_requests", "Requests refused because the server was full",
+                                registry=r)
+        self.cluster_inflight = Gauge("deepinfer_entrypoint_requests_in_flight",
+                                      "Requests in flight at the token-level entrypoint (its Health)", registry=r)
+        self.cluster_instances = Gauge("deepinfer_entrypoint_healthy_instances",
+                                       "Healthy instances per stage as the entrypoint sees them", ["stage"],
+                                       registry=r)
+        self.cluster_healthy = Gauge("deepinfer_entrypoint_healthy", "1 when the entrypoint reports healthy",
+                                     registry=r)
+
+    def set_cluster(self, is_healthy: bool, stats: dict) -> None:
+        self.cluster_healthy.set(1 if is_healthy else 0)
+        if "num_inflight_requests" in stats:
+            self.cluster_inflight.set(stats["num_inflight_requests"])
+        for stage in ("prefill", "decode", "vision"):
+            if f"num_{stage}_instances" in stats:
+                self.cluster_instances.labels(stage).set(stats[f"num_{stage}_instances"])

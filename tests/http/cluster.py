@@ -1,0 +1,160 @@
+"""A live local cluster for the HTTP tests and benchmark: two balancers, one prefill and one decode
+instance (NIXL over UCX loopback), the token entrypoint and the HTTP front, each a real process
+started as `python -m ...` on loopback.
+
+```python
+with LocalCluster(checkpoint, logdir, api_key="k") as cluster:
+    cluster.http_url        # "http://127.0.0.1:PORT"
+    cluster.grpc_address    # the token entrypoint
+    cluster.worker_stats("decode")["num_kv_blocks_used"]
+```
+
+NOTE: the process start / stop logic mirrors tests/e2e/test_disaggregated.py (owned elsewhere) in
+a few lines rather than importing from a test module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 10.0
+STATS_KEY = "deepinfer-stats-json"
+
+
+class ClusterError(RuntimeError):
+    """A process of the cluster did not come up."""
+
+
+class LocalCluster:
+    """Starts the processes on enter (blocks until all serve), stops them front to back on exit."""
+
+    def __init__(self, checkpoint: str | Path, logdir: str | Path, *, api_key: str | None = None,
+                 http_args: tuple[str, ...] = (), worker_args: tuple[str, ...] = ("--max-num-seqs", "8",
+                                                                                   "--num-blocks", "256")) -> None:
+        self.checkpoint = str(checkpoint)
+        self.logdir = Path(logdir)
+        self.api_key = api_key
+        self.http_args = http_args
+        self.worker_args = worker_args
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.info: dict[str, dict] = {}
+        self._channels: dict[str, grpc.Channel] = {}
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.env.pop("DEEPINFER_API_KEY", None)
+
+    @property
+    def http_url(self) -> str:
+        return self.info["http"]["address"]
+
+    @property
+    def grpc_address(self) -> str:
+        return self.info["entrypoint"]["address"]
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _start(self) -> None:
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        for stage, policy in (("prefill", "prefix_aware"), ("decode", "kv_load")):
+            self._spawn(f"{stage}_lb", ["loadbalancer", "--stage", stage, "--policy", policy,
+                                        "--heartbeat-timeout-s", "3"])
+        self._wait_ready()
+        common = ["--model", self.checkpoint, "--loopback-ucx", *self.worker_args]
+        self._spawn("prefill", ["prefill_worker", "--lb-address", self.info["prefill_lb"]["address"],
+                                "--instance-id", "prefill-0", *common])
+        self._spawn("decode", ["decode_worker", "--lb-address", self.info["decode_lb"]["address"],
+                               "--instance-id", "decode-0", *common])
+        self._spawn("entrypoint", ["entrypoint", "--model", self.checkpoint, "--prefill-lb-address",
+                                   self.info["prefill_lb"]["address"], "--decode-lb-address",
+                                   self.info["decode_lb"]["address"]])
+        self._wait_ready()
+        http = ["entrypoint.http", "--entrypoint", self.grpc_address, "--host", "127.0.0.1", "--port", "0",
+                "--model", self.checkpoint, *self.http_args]
+        if self.api_key is not None:
+            http += ["--api-key", self.api_key]
+        self._spawn("http", http)
+        self._wait_ready()
+        self._wait_workers_registered()
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", *args], cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL,
+            stdout=open(self.logdir / f"{name}.out", "w"), stderr=open(self.logdir / f"{name}.err", "w"))
+
+    def _wait_ready(self) -> None:
+        """Blocks until every process printed its JSON address line."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while len(self.info) < len(self.procs):
+            for name, proc in self.procs.items():
+                if name in self.info:
+                    continue
+                lines = [ln for ln in (self.logdir / f"{name}.out").read_text().splitlines() if ln.startswith("{")]
+                if lines:
+                    self.info[name] = json.loads(lines[0])
+                elif proc.poll() is not None:
+                    err = (self.logdir / f"{name}.err").read_text()[-3000:]
+                    raise ClusterError(f"{name} exited with {proc.returncode} before serving:\n{err}")
+            if time.monotonic() > deadline:
+                raise ClusterError(f"not ready after {STARTUP_TIMEOUT_S} s: {sorted(set(self.procs) - set(self.info))}")
+            time.sleep(0.1)
+
+    def _wait_workers_registered(self) -> None:
+        from entrypoint.client import Client
+
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        with Client(self.grpc_address) as client:
+            while not client.health()["is_healthy"]:
+                if time.monotonic() > deadline:
+                    raise ClusterError("the entrypoint never reported healthy")
+                time.sleep(0.1)
+
+    def worker_stats(self, name: str) -> dict:
+        """A worker's ("prefill" / "decode") Health stats (from its trailing metadata)."""
+        if name not in self._channels:
+            self._channels[name] = grpc.insecure_channel(self.info[name]["address"])
+        stub = {"prefill": prefill_pb2_grpc.PrefillStub, "decode": decode_pb2_grpc.DecodeStub}[name](
+            self._channels[name])
+        _, call = stub.Health.with_call(common_pb2.HealthRequest(), timeout=10.0)
+        return json.loads(dict(call.trailing_metadata())[STATS_KEY])
+
+    def blocks_freed(self) -> bool:
+        """No KV blocks held and no request unfinished on either worker."""
+        p, d = self.worker_stats("prefill"), self.worker_stats("decode")
+        return p["num_kv_blocks_used"] == 0 and d["num_kv_blocks_used"] == 0 and d["num_unfinished_requests"] == 0
+
+    def stop(self) -> None:
+        """SIGTERM front to back (workers can still deregister), kill what outlives STOP_TIMEOUT_S."""
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+        for group in (("http",), ("entrypoint",), ("prefill", "decode"), ("prefill_lb", "decode_lb")):
+            procs = [self.procs[n] for n in group if n in self.procs]
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in procs:
+                try:
+                    proc.wait(STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(STOP_TIMEOUT_S)
