@@ -563,6 +563,13 @@ def run(args: argparse.Namespace) -> dict:
                     for _ in range(2 * args.overhead_requests + 2)]
     overhead: dict = {}
 
+    if args.nixl_mb:
+        from kv_transfer.bench import run as nixl_bench
+
+        results["nixl_vs_memcpy"] = nixl_bench(mb=args.nixl_mb, preset=args.preset, block_size=args.nixl_block_size,
+                                               reps=args.nixl_reps)
+        _save(results, args.json)
+
     if "disaggregated" in modes:
         from entrypoint.client import Client
 
@@ -650,12 +657,6 @@ def run(args: argparse.Namespace) -> dict:
         }
         _save(results, args.json)
 
-    if args.nixl_mb:
-        from kv_transfer.bench import run as nixl_bench
-
-        results["nixl_vs_memcpy"] = nixl_bench(mb=args.nixl_mb, preset=args.preset, block_size=args.nixl_block_size,
-                                               reps=args.nixl_reps)
-        _save(results, args.json)
     results["total_s"] = time.monotonic() - t_start
     results["machine"]["loadavg_end"] = os.getloadavg()
     _save(results, args.json)
