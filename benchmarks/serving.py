@@ -76,6 +76,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from benchmarks.offline_throughput import source_digest
+
 ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
@@ -546,6 +548,7 @@ def run(args: argparse.Namespace) -> dict:
         "benchmark": "benchmarks.serving",
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
+        "engine_source_digest": source_digest(),
         "machine": machine_info(_cpus(args.cpus) if args.cpus else None),
         "config": {**vars(args), "checkpoint": args.checkpoint or f"make_checkpoint(preset={args.preset!r}, "
                    f"seed={args.seed})", "engine": engine_kwargs},
