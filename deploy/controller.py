@@ -96,7 +96,7 @@ class ClusterController:
                                                              name=f"{c.name}-entrypoint").remote(
                 "entrypoint", entry.model_dump())
             self.addresses["entrypoint"] = self._wait_roles(["entrypoint"])["entrypoint"]["address"]
-            if c.http.enabled and importlib.util.find_spec("entrypoint.http") is not None:
+            if c.http.enabled and _has_module("entrypoint.http.__main__"):
                 args = ["--entrypoint", self.addresses["entrypoint"], "--host", c.http.host, "--port", str(c.http.port)]
                 if c.model:
                     args += ["--model", c.model]
@@ -296,6 +296,13 @@ class ClusterController:
     @staticmethod
     def _index_of(instance_id: str) -> int:
         return int(instance_id.rsplit("-", 1)[1])
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:
+        return False
 
 
 def _best_effort(refs: list, timeout_s: float) -> None:
