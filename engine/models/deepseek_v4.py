@@ -596,6 +596,34 @@ class MoE(nn.Module):
         self.gate = Gate(config, is_hash)
         self.experts = nn.ModuleList(Expert(H, inter, lim) for _ in range(config.n_routed_experts))
         self.shared_experts = Expert(H, inter, lim)
+        self.inter, self.limit = inter, lim
+        self._packed: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def packed_experts(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The routed experts' weights stacked for one grouped matmul per projection:
+        (w13 [E, H, 2*inter] = [w1 | w3] transposed, w2 [E, inter, H]); None where not used.
+
+        Packed on first use (inference on the CPU only): the stacks become the only storage and
+        every expert's `w1/w2/w3.weight` a view into them, so memory does not grow and the
+        checkpoint names stay. Re-packed if the expert parameters were replaced (e.g. reloaded).
+
+        NOTE: CUDA keeps the per-expert loop until the grouped path is validated there.
+        """
+        first = self.experts[0].w1.weight
+        if first.device.type != "cpu" or first.requires_grad and torch.is_grad_enabled():
+            return None
+        if self._packed is not None and self._packed[0].data_ptr() == first.data_ptr():
+            return self._packed
+        n = self.inter
+        w13 = torch.stack([torch.cat([ex.w1.weight.detach(), ex.w3.weight.detach()], 0) for ex in self.experts])
+        w2 = torch.stack([ex.w2.weight.detach() for ex in self.experts])  # [E, H, I]
+        for e, ex in enumerate(self.experts):
+            rg = ex.w1.weight.requires_grad
+            ex.w1.weight = nn.Parameter(w13[e, :n], requires_grad=rg)
+            ex.w3.weight = nn.Parameter(w13[e, n:], requires_grad=rg)
+            ex.w2.weight = nn.Parameter(w2[e], requires_grad=rg)
+        self._packed = (w13.transpose(1, 2), w2.transpose(1, 2))
+        return self._packed
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, idx = self.gate(x, input_ids)
@@ -612,9 +640,20 @@ class MoE(nn.Module):
         out = torch.zeros_like(x)
         flat_e = idx.reshape(-1)
         order = torch.argsort(flat_e, stable=True)
-        counts = torch.bincount(flat_e, minlength=len(self.experts)).tolist()
         tok = order // idx.shape[1]
         wsorted = weights.reshape(-1)[order]
+        packed = self.packed_experts()
+        if packed is not None:
+            # every (token, expert) pair in expert order: two grouped matmuls instead of a loop
+            w13, w2 = packed
+            offs = torch.bincount(flat_e, minlength=len(self.experts)).cumsum(0).to(torch.int32)
+            h = torch._grouped_mm(x[tok], w13, offs=offs)  # [T*k, 2*inter]
+            g = h[:, :self.inter].clamp(max=self.limit)
+            u = h[:, self.inter:].clamp(min=-self.limit, max=self.limit)
+            y = torch._grouped_mm(F.silu(g) * u, w2, offs=offs) * wsorted[:, None].to(x.dtype)  # [T*k, H]
+            out.index_add_(0, tok, y)
+            return out + self.shared_experts(x)
+        counts = torch.bincount(flat_e, minlength=len(self.experts)).tolist()
         off = 0
         for e, c in enumerate(counts):
             if c == 0:
