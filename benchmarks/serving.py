@@ -280,16 +280,20 @@ class EngineProcess:
 class LocalCluster:
     """Balancers, one prefill and one decode worker and the entrypoint, each `python -m ...` on loopback."""
 
-    def __init__(self, checkpoint: str, engine_threads: int, worker_args: list[str], logdir: Path) -> None:
+    def __init__(self, checkpoint: str, engine_threads: int, worker_args: list[str], logdir: Path,
+                 ucx_tls: str | None = None) -> None:
         self.logdir = logdir
         self.procs: dict[str, subprocess.Popen] = {}
         self.info: dict[str, dict] = {}
         self.env = {**os.environ, "OMP_NUM_THREADS": str(engine_threads), "PYTHONUNBUFFERED": "1"}
+        if ucx_tls:
+            # NOTE: the workers then read UCX's settings from the environment instead of `--loopback-ucx`
+            self.env.update(UCX_TLS=ucx_tls, UCX_NET_DEVICES="lo")
         try:
             self._spawn("prefill_lb", ["loadbalancer", "--stage", "prefill", "--policy", "prefix_aware"])
             self._spawn("decode_lb", ["loadbalancer", "--stage", "decode", "--policy", "kv_load"])
             self._wait_ready()
-            common = ["--model", checkpoint, "--loopback-ucx", *worker_args]
+            common = ["--model", checkpoint, *([] if ucx_tls else ["--loopback-ucx"]), *worker_args]
             self._spawn("prefill", ["prefill_worker", "--lb-address", self.info["prefill_lb"]["address"],
                                     "--instance-id", "prefill-0", *common])
             self._spawn("decode", ["decode_worker", "--lb-address", self.info["decode_lb"]["address"],
@@ -570,7 +574,7 @@ def run(args: argparse.Namespace) -> dict:
         from kv_transfer.bench import run as nixl_bench
 
         results["nixl_vs_memcpy"] = nixl_bench(mb=args.nixl_mb, preset=args.preset, block_size=args.nixl_block_size,
-                                               reps=args.nixl_reps)
+                                               reps=args.nixl_reps, ucx_tls=args.ucx_tls or "cma,tcp,self")
         _save(results, args.json)
 
     if "disaggregated" in modes:
@@ -579,7 +583,7 @@ def run(args: argparse.Namespace) -> dict:
         logdir = tmp / "logs"
         logdir.mkdir()
         t0 = time.monotonic()
-        cluster = LocalCluster(ckpt, args.engine_threads, worker_args, logdir)
+        cluster = LocalCluster(ckpt, args.engine_threads, worker_args, logdir, args.ucx_tls)
         client = Client(cluster.info["entrypoint"]["address"], timeout_s=args.point_timeout_s + 30)
         try:
             entry = {"description": f"1 prefill + 1 decode worker, 2 balancers (python -m loadbalancer), "
@@ -702,6 +706,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--nixl-reps", type=int, default=5)
     ap.add_argument("--nixl-block-size", type=int, default=64,
                     help="tokens per block in kv_transfer.bench (the engine's default for tiny and small: 64)")
+    ap.add_argument("--ucx-tls", default=None,
+                    help="UCX_TLS for the workers and kv_transfer.bench (UCX_NET_DEVICES=lo); default: the "
+                         "workers' --loopback-ucx (cma,tcp,self). NIXL refuses that on a host with NVIDIA GPUs: "
+                         "there use cma,tcp,self,cuda_copy")
     ap.add_argument("--json", default=None, help="write the results here (rewritten after every point)")
     ap.add_argument("--plot-dir", default=None, help="write serving_{ttft,itl,throughput}.png here")
     ap.add_argument("--plot-from", default=None, help="only plot this results JSON (needs --plot-dir)")
