@@ -451,16 +451,25 @@ class Attention(nn.Module):
     # -- per request ------------------------------------------------------------------------
 
     def _attend_one(self, s: SeqChunk, q, kv, pos, cache: V4KVCache, extra) -> torch.Tensor:
-        """Attention of one request's new tokens over window + (selected) compressed entries."""
+        """Attention of one request's new tokens over window + (selected) compressed entries.
+
+        Query i (position p0 + i) sees exactly the W keys at positions p0 + i - W + 1 .. p0 + i: the
+        ring's history (positions before p0, from `h0` on) followed by this chunk's keys, padded in
+        front to W - 1 history rows; `unfold` gives every query its W-row window as a view, so the
+        cost is n * W per head instead of n * (n + W).
+        """
         W, p0, n = self.window, s.num_computed_tokens, s.num_new_tokens
         ring = cache.window_kv[self.layer_idx, s.slot]  # [W, D]
         h0 = max(s.state_start, p0 - W + 1)
-        hist_pos = torch.arange(h0, p0, device=kv.device)
-        keys = torch.cat([ring[hist_pos % W], kv], dim=0) if p0 > h0 else kv
-        key_pos = torch.cat([hist_pos, pos]) if p0 > h0 else pos
+        hist_pos = torch.arange(p0 - W + 1, p0, device=kv.device)  # [W - 1] positions before the chunk
+        hist = ring[hist_pos % W].to(kv.dtype)
+        if h0 > p0 - W + 1:  # rows before h0 hold no key of this request: zero them (masked below)
+            hist[: h0 - (p0 - W + 1)] = 0
+        keys = torch.cat([hist, kv], dim=0)  # [W - 1 + n, D]
+        windows = keys.unfold(0, W, 1)  # [n, D, W]: row i = positions p0 + i - W + 1 .. p0 + i
+        allowed = (pos[:, None] - (W - 1) + torch.arange(W, device=kv.device)[None, :]) >= h0  # [n, W]
         scale = self.head_dim**-0.5
-        logits = torch.einsum("nhd,sd->nhs", q, keys) * scale  # [n, NH, S]
-        allowed = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - W)
+        logits = torch.einsum("nhd,ndw->nhw", q, windows) * scale  # [n, NH, W]
         logits = logits.masked_fill(~allowed[:, None, :], float("-inf"))
         parts = [logits]
         if extra is not None:
@@ -470,11 +479,10 @@ class Attention(nn.Module):
         sink = self.attn_sink.to(logits.dtype).view(1, -1, 1).expand(n, -1, 1)
         parts.append(sink)
         probs = torch.cat(parts, dim=-1).softmax(dim=-1)  # the sink keeps every row finite
-        S = keys.shape[0]
-        o = torch.einsum("nhs,sd->nhd", probs[..., :S].to(keys.dtype), keys)
+        o = torch.einsum("nhw,ndw->nhd", probs[..., :W].to(keys.dtype), windows)
         if extra is not None:
             C = entries.shape[0]
-            o = o + torch.einsum("nhc,cd->nhd", probs[..., S:S + C].to(entries.dtype), entries)
+            o = o + torch.einsum("nhc,cd->nhd", probs[..., W:W + C].to(entries.dtype), entries)
         # write the new tokens' K=V into the ring (only the last W matter)
         keep = min(n, W)
         ring[pos[-keep:] % W] = kv[-keep:]
