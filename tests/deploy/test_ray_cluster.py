@@ -1,0 +1,364 @@
+"""The Ray launcher end to end on this machine: one local Ray cluster (loopback) for the module.
+
+`deepinfer`'s controller launches 2 prefill + 2 decode instances (each a Ray actor in its own OS
+process, in its own placement group), both balancers and the entrypoint. Checked: 32 concurrent
+greedy requests equal the offline engine token for token and the NIXL counters equal the prompts'
+compressed-KV bytes; the CLI finds the cluster (`status`, `generate --entrypoint`); SIGKILL of a
+decode and of a prefill worker mid-request fails only that worker's requests with a clear error,
+the balancer drops it, Ray restarts it, it rejoins, and the survivors' pools return to idle; live
+scaling decode 2 -> 3 -> 1 and prefill 2 -> 1 while requests flow fails no request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+# NOTE: deploy first: it picks Ray's token-auth mode before ray is imported (deploy/__init__.py)
+from deploy.config import ClusterConfig  # isort: skip
+from deploy.controller import NAMESPACE  # isort: skip
+from deploy.launcher import connect_ray, start_cluster, stop_cluster  # isort: skip
+
+import grpc
+import pytest
+import ray
+import torch
+
+from entrypoint.client import Client, GenerateError
+from protos import common_pb2, decode_pb2_grpc, loadbalancer_pb2, loadbalancer_pb2_grpc, prefill_pb2_grpc
+
+pytest.importorskip("nixl")
+
+CLUSTER_NAME = "deepinfer-test"
+RPC_TIMEOUT_S = 10.0
+STATS_KEY = "deepinfer-stats-json"
+MAX_TOKENS = 8
+NUM_POOL_PROMPTS = 48
+
+
+@dataclass
+class Cluster:
+    checkpoint: str
+    controller: object
+    addresses: dict[str, str]
+    client: Client
+    gcs_address: str
+    prompts: list[list[int]]
+    """A pool of prompts whose greedy outputs (`MAX_TOKENS` tokens) are in `reference`."""
+    reference: list[list[int]]
+    block_nbytes: int
+    block_size: int
+
+    def status(self) -> dict:
+        return ray.get(self.controller.status.remote(), timeout=60)
+
+    def rows(self, stage: str) -> dict[str, dict]:
+        return {r["instance_id"]: r for r in self.status()["instances"] if r["stage"] == stage}
+
+    def listed(self, stage: str) -> dict[str, loadbalancer_pb2.Instance]:
+        with grpc.insecure_channel(self.addresses[f"{stage}_lb"]) as channel:
+            reply = loadbalancer_pb2_grpc.LoadBalancerStub(channel).ListInstances(
+                loadbalancer_pb2.ListInstancesRequest(), timeout=RPC_TIMEOUT_S)
+        return {i.instance_id: i for i in reply.instances}
+
+    def stats(self, stage: str, address: str) -> dict:
+        stub_cls = prefill_pb2_grpc.PrefillStub if stage == "prefill" else decode_pb2_grpc.DecodeStub
+        with grpc.insecure_channel(address) as channel:
+            reply, call = stub_cls(channel).Health.with_call(common_pb2.HealthRequest(), timeout=RPC_TIMEOUT_S)
+        assert reply.is_healthy, reply.message
+        return json.loads(dict(call.trailing_metadata())[STATS_KEY])
+
+    def all_stats(self, stage: str) -> dict[str, dict]:
+        return {iid: self.stats(stage, inst.address) for iid, inst in self.listed(stage).items()}
+
+    def actor_info(self, instance_id: str) -> dict:
+        """The role actor's `info()`; waits while Ray restarts it."""
+        actor = ray.get_actor(f"{CLUSTER_NAME}-{instance_id}", namespace=NAMESPACE)
+
+        def info():
+            try:
+                return ray.get(actor.info.remote(), timeout=120)
+            except ray.exceptions.ActorUnavailableError:  # restarting
+                return None
+
+        return _wait_for(f"{instance_id} to answer", info, timeout_s=120, interval_s=0.5)
+
+    def check(self, i: int, out: dict) -> None:
+        assert out["token_ids"] == self.reference[i], f"pool prompt {i}"
+        assert out["finish_reason"] == "length"
+        assert out["usage"]["prompt_tokens"] == len(self.prompts[i])
+
+
+def _wait_for(what: str, fn, timeout_s: float = 60.0, interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = fn()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(interval_s)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from engine import LLM, SamplingParams
+    from engine.testing.make_checkpoint import make_checkpoint
+
+    ckpt = str(make_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny", seed=7))
+    g = torch.Generator().manual_seed(0)
+    lengths = [int(n) for n in torch.randint(3, 200, (NUM_POOL_PROMPTS,), generator=g)]
+    prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in lengths]
+    llm = LLM(ckpt)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    reference = [o.outputs[0].token_ids for o in outs]
+    pools = llm.engine.cache.compressed_pools()
+    block_nbytes = sum(p[:, 0].numel() * p.element_size() for p in pools.values())
+    block_size = llm.engine.kv_manager.block_pool.block_size
+    assert block_nbytes == block_size * llm.engine.bytes_per_token  # a block holds block_size tokens' entries
+    del llm
+
+    config = ClusterConfig.model_validate({
+        "name": CLUSTER_NAME, "model": ckpt,
+        "prefill": {"balancer": {"policy": "prefix_aware", "heartbeat_timeout_s": 2.0},
+                    "worker": {"max_num_seqs": 8, "num_blocks": 256}, "groups": [{"num_instances": 2}]},
+        "decode": {"balancer": {"policy": "kv_load", "heartbeat_timeout_s": 2.0},
+                   "worker": {"max_num_seqs": 16, "num_blocks": 256}, "groups": [{"num_instances": 2}]},
+        "entrypoint": {"max_attempts": 3}, "http": {"enabled": False},
+    })
+    assert not ray.is_initialized()
+    connect_ray(None, num_cpus=8)
+    controller = client = None
+    try:
+        controller = start_cluster(config)
+        addresses = ray.get(controller.up.remote(), timeout=600)
+        client = Client(addresses["entrypoint"], timeout_s=120.0)
+        yield Cluster(ckpt, controller, addresses, client, ray.get_runtime_context().gcs_address, prompts,
+                      reference, block_nbytes, block_size)
+    finally:
+        if client is not None:
+            client.close()
+        if controller is not None:
+            stop_cluster(controller)
+        ray.shutdown()
+
+
+def test_32_concurrent_requests_equal_offline_and_kv_moved_by_nixl(cluster):
+    rows = cluster.status()["instances"]
+    assert sorted(r["instance_id"] for r in rows) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
+    assert len({r["pid"] for r in rows}) == 4 and os.getpid() not in {r["pid"] for r in rows}
+    assert all(r["state"] == "serving" and r["is_healthy"] for r in rows), rows
+    p0, d0 = cluster.all_stats("prefill"), cluster.all_stats("decode")
+
+    ids = list(range(32))
+    with ThreadPoolExecutor(len(ids)) as pool:
+        outs = list(pool.map(lambda i: cluster.client.generate(
+            cluster.prompts[i], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True), ids))
+    for i, out in zip(ids, outs):
+        cluster.check(i, out)
+
+    p1, d1 = cluster.all_stats("prefill"), cluster.all_stats("decode")
+
+    def delta(after, before, key):
+        return sum(after[k][key] - before[k][key] for k in after)
+
+    num_blocks = [-(-len(cluster.prompts[i]) // cluster.block_size) for i in ids]
+    assert delta(p1, p0, "kv_transfer_sends_done_total") == 32
+    assert delta(p1, p0, "kv_transfer_sent_blocks_total") == sum(num_blocks)
+    assert delta(p1, p0, "kv_transfer_sent_bytes_total") == sum(n * cluster.block_nbytes for n in num_blocks)
+    assert delta(d1, d0, "kv_transfer_received_bytes_total") == delta(p1, p0, "kv_transfer_sent_bytes_total")
+    assert all(s["kv_transfer_sends_failed_total"] == 0 for s in p1.values())
+    # both instances of each stage served
+    assert all(p1[k]["kv_transfer_sends_done_total"] > p0[k]["kv_transfer_sends_done_total"] for k in p1)
+    assert all(d1[k]["kv_transfer_recvs_done_total"] > d0[k]["kv_transfer_recvs_done_total"] for k in d1)
+
+
+def test_cli_finds_the_cluster(cluster, tmp_path):
+    env = {**os.environ, "DEEPINFER_HOME": str(tmp_path)}
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True,
+                              timeout=120, env=env)
+
+    r = cli("status", "--address", cluster.gcs_address, "--name", CLUSTER_NAME)
+    assert r.returncode == 0, r.stderr
+    table = r.stdout.splitlines()
+    assert table[0].split()[:4] == ["STAGE", "INSTANCE", "DC", "STATE"]
+    assert sum(line.split()[3:5] == ["serving", "yes"] for line in table[1:5]) == 4, r.stdout
+    assert f"entrypoint: {cluster.addresses['entrypoint']}" in r.stdout
+
+    r = cli("generate", "--entrypoint", cluster.addresses["entrypoint"], "--prompt-ids",
+            ",".join(map(str, cluster.prompts[0])), "--prompt-ids", ",".join(map(str, cluster.prompts[1])),
+            "--max-tokens", str(MAX_TOKENS), "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    # no ignore_eos on the command line: the outputs are the reference up to the first EOS
+    for i, line in enumerate(lines):
+        assert line["token_ids"] == cluster.reference[i][:len(line["token_ids"])]
+        assert line["usage"]["prompt_tokens"] == len(cluster.prompts[i])
+
+    r = cli("generate", "--entrypoint", cluster.addresses["entrypoint"], "--prompt-ids", "5,999", "--max-tokens", "2")
+    assert r.returncode == 2
+    err = json.loads(r.stderr.splitlines()[0])
+    assert err["code"] == "INVALID_ARGUMENT" and err["field"] == "prompt_token_ids"
+
+    r = cli("scale", "--address", cluster.gcs_address, "--name", CLUSTER_NAME, "vision=1")
+    assert r.returncode == 2 and "unknown stage 'vision'" in r.stderr
+
+
+def _idle(cluster: Cluster) -> bool:
+    for stage in ("prefill", "decode"):
+        for stats in cluster.all_stats(stage).values():
+            if stats["num_kv_blocks_used"] or stats.get("num_unfinished_requests", 0) or stats.get(
+                    "num_inflight_requests", 0):
+                return False
+    return True
+
+
+LONG_MAX_TOKENS = 400
+"""Long enough that every stream still runs when the test kills a decode instance."""
+
+
+def _streams_on_both(cluster: Cluster, num_streams: int):
+    """Long greedy streams, opened until both decode instances run at least one; returns them."""
+    streams, firsts = [], []
+    while True:
+        i = len(streams)
+        stream = cluster.client.stream(cluster.prompts[i], request_id=f"long-{i}-{time.monotonic_ns()}",
+                                       max_tokens=LONG_MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        firsts.append(next(stream))
+        streams.append(stream)
+        running = {k: s["num_running_requests"] for k, s in cluster.all_stats("decode").items()}
+        if len(streams) >= num_streams and all(running.values()):
+            return streams, firsts, running
+        assert len(streams) < 12, f"streams did not spread over both decode instances: {running}"
+
+
+def test_sigkill_decode_mid_stream(cluster):
+    _wait_for("an idle cluster", lambda: _idle(cluster))
+    before = cluster.actor_info("decode-0")
+    streams, firsts, running = _streams_on_both(cluster, 4)
+    os.kill(before["pid"], signal.SIGKILL)
+
+    failed, finished = [], []
+    for i, stream in enumerate(streams):
+        tokens, last = list(firsts[i]["token_ids"]), firsts[i]
+        try:
+            for delta in stream:
+                tokens += delta["token_ids"]
+                last = delta
+            finished.append((i, tokens, last))
+        except GenerateError as e:
+            failed.append(e)
+    # the victim's requests end with a clear error; the survivor's run to the end, correct
+    assert 1 <= len(failed) <= running["decode-0"] and len(finished) >= running["decode-1"], (failed, running)
+    for e in failed:
+        assert e.code == grpc.StatusCode.UNAVAILABLE and "decod" in e.message, e
+    for i, tokens, last in finished:
+        assert len(tokens) == LONG_MAX_TOKENS and last["finish_reason"] == "length"
+        assert tokens[:MAX_TOKENS] == cluster.reference[i]
+
+    # new requests keep working while the victim is dead, expiring and restarting
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda i: cluster.client.generate(
+            cluster.prompts[i], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True), range(8, 16)))
+    for i, out in zip(range(8, 16), outs):
+        cluster.check(i, out)
+
+    after = cluster.actor_info("decode-0")  # Ray restarted the actor: a new process
+    assert after["is_restarted"] and after["pid"] != before["pid"]
+    _wait_for("decode-0 registered again", lambda: "decode-0" in cluster.listed("decode")
+              and cluster.listed("decode")["decode-0"].address == after["address"])
+    _wait_for("the pools back to idle", lambda: _idle(cluster))
+    _wait_for("the restarted decode-0 serving requests", lambda: _serves(cluster, "decode", after["address"]))
+
+
+def _serves(cluster: Cluster, stage: str, address: str) -> bool:
+    key = "kv_transfer_recvs_done_total" if stage == "decode" else "kv_transfer_sends_done_total"
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda i: cluster.client.generate(
+            cluster.prompts[i], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True), range(16, 24)))
+    for i, out in zip(range(16, 24), outs):
+        cluster.check(i, out)
+    return cluster.stats(stage, address)[key] > 0
+
+
+def test_sigkill_prefill_mid_request(cluster):
+    _wait_for("an idle cluster", lambda: _idle(cluster))
+    before = cluster.actor_info("prefill-0")
+    g = torch.Generator().manual_seed(1)
+    long_prompts = [torch.randint(2, 512, (1500,), generator=g).tolist() for _ in range(12)]
+    results: list = [None] * len(long_prompts)
+
+    def run(i):
+        try:
+            results[i] = cluster.client.generate(long_prompts[i], max_tokens=2, temperature=0.0, ignore_eos=True)
+        except GenerateError as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(long_prompts))]
+    for t in threads:
+        t.start()
+    _wait_for("prefill-0 working", lambda: cluster.stats("prefill", before["address"])["num_inflight_requests"] > 0,
+              interval_s=0.01)
+    os.kill(before["pid"], signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    failed = [r for r in results if isinstance(r, GenerateError)]
+    done = [r for r in results if isinstance(r, dict)]
+    assert failed and done, results
+    for e in failed:
+        assert e.code == grpc.StatusCode.UNAVAILABLE and "prefill" in e.message, e
+    assert all(len(r["token_ids"]) == 2 for r in done)
+
+    after = cluster.actor_info("prefill-0")
+    assert after["is_restarted"] and after["pid"] != before["pid"]
+    _wait_for("prefill-0 registered again", lambda: "prefill-0" in cluster.listed("prefill")
+              and cluster.listed("prefill")["prefill-0"].address == after["address"])
+    _wait_for("the pools back to idle", lambda: _idle(cluster))
+    _wait_for("the restarted prefill-0 serving requests", lambda: _serves(cluster, "prefill", after["address"]))
+
+
+def test_scaling_while_requests_flow(cluster):
+    stop = threading.Event()
+    errors: list = []
+    num_done = [0]
+
+    def traffic(worker: int):
+        k = worker
+        while not stop.is_set():
+            i = 24 + k % (NUM_POOL_PROMPTS - 24)
+            k += 4
+            try:
+                out = cluster.client.generate(cluster.prompts[i], max_tokens=MAX_TOKENS, temperature=0.0,
+                                              ignore_eos=True)
+                cluster.check(i, out)
+                num_done[0] += 1
+            except Exception as e:  # every request must complete correctly
+                errors.append(e)
+
+    threads = [threading.Thread(target=traffic, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        counts = []
+        for targets in ({"decode": 3}, {"decode": 1}, {"prefill": 1}):
+            seen = num_done[0]
+            counts.append(ray.get(cluster.controller.scale.remote(targets), timeout=300))
+            _wait_for("requests after the scale step", lambda seen=seen: num_done[0] > seen + 4, timeout_s=120)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    assert not errors, errors[:3]
+    assert counts == [{"prefill": 2, "decode": 3}, {"prefill": 2, "decode": 1}, {"prefill": 1, "decode": 1}]
+    assert sorted(cluster.rows("decode")) == ["decode-0"] and sorted(cluster.rows("prefill")) == ["prefill-0"]
+    assert sorted(cluster.listed("decode")) == ["decode-0"] and sorted(cluster.listed("prefill")) == ["prefill-0"]
+    _wait_for("the pools back to idle", lambda: _idle(cluster))
