@@ -41,10 +41,9 @@ from protos import common_pb2, entrypoint_pb2
 
 logger = logging.getLogger("entrypoint.http")
 
-GENERATION_ROUTES = {"/v1/chat/completions": CHAT, "/v1/responses": RESPONSES, "/v1/messages": MESSAGES,
-                     "/v1/completions": "completions", "/v1/generate": "generate"}
-"""Route -> endpoint label of the generation routes."""
-KNOWN_ROUTES = {*GENERATION_ROUTES, "/v1/models", "/health", "/metrics"}
+KNOWN_ROUTES = {"/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/completions", "/v1/generate",
+                "/v1/models", "/health", "/metrics"}
+"""Paths that get their own `endpoint` metric label (others count as "other")."""
 
 
 def _is_anthropic(path: str) -> bool:
@@ -280,7 +279,7 @@ async def _recipe_route(front: Front, api: str, request: Request) -> Response:
     token_request = entrypoint_pb2.GenerateRequest(
         request_id=prepared.response_id, prompt_token_ids=prepared.prompt_token_ids,
         sampling_params=prepared.sampling_params(), images=prepared.images)
-    run, first = await _start(front, api, request, t_accept, token_request)
+    run, first = await _start(front, request.url.path, request, t_accept, token_request)
     events = _recipe_events(front, prepared, run, first)
     if prepared.is_stream:
         return _EventStream(_recipe_sse(api, events, run), run)
@@ -414,7 +413,7 @@ def create_app(config: HttpConfig) -> FastAPI:
         prompt_ids = body.prompt_token_ids(front.recipe.tokenizer)
         token_request = entrypoint_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt_ids,
                                                        sampling_params=body.sampling_params())
-        run, first = await _start(front, "completions", request, t_accept, token_request)
+        run, first = await _start(front, request.url.path, request, t_accept, token_request)
         builder = completions.CompletionBuilder(rid, body.model, body.include_usage)
         if body.stream:
             return _EventStream(_token_sse(builder, run, first), run)
@@ -429,7 +428,7 @@ def create_app(config: HttpConfig) -> FastAPI:
         rid = body.request_id or f"gen-{uuid.uuid4().hex}"
         token_request = entrypoint_pb2.GenerateRequest(request_id=rid, prompt_token_ids=body.token_ids,
                                                        sampling_params=completions.generate_sampling_params(body))
-        run, first = await _start(front, "generate", request, t_accept, token_request)
+        run, first = await _start(front, request.url.path, request, t_accept, token_request)
         builder = completions.GenerateBuilder(rid, body.model or front.served_model_name)
         if body.stream:
             return _EventStream(_token_sse(builder, run, first), run)

@@ -37,12 +37,13 @@ _ID_PREFIX = {CHAT: "chatcmpl-", RESPONSES: "resp_", MESSAGES: "msg_"}
 
 
 def chat_encoding(model_dir: str | Path) -> str:
-    """The checkpoint's prompt encoding: config.json's `chat_encoding`, "v4" (default) or "v4.1".
+    """The checkpoint's prompt encoding: config.json's `chat_encoding` (top level or in its `deepinfer`
+    section), "v4" (default) or "v4.1".
 
     NOTE: stand-in for the engine.tokenizer helper that reads the same key; swap it in when it lands.
     """
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    encoding = config.get("chat_encoding", "v4")
+    encoding = config.get("chat_encoding") or (config.get("deepinfer") or {}).get("chat_encoding") or "v4"
     if encoding not in ("v4", "v4.1"):
         raise ValueError(f"{model_dir}/config.json: chat_encoding {encoding!r} is not one of 'v4', 'v4.1'")
     return encoding
