@@ -209,7 +209,7 @@ class ClusterConfig(_Frozen):
     @model_validator(mode="after")
     def _role_configs_validate(self) -> ClusterConfig:
         # NOTE: builds every role's config once so that a bad value fails at load time, naming the role
-        for role in ("prefill", "decode", "entrypoint"):
+        for role in ("prefill", "decode", "prefill_lb", "decode_lb", "entrypoint"):
             try:
                 self.role_config(role, instance_id=f"{role}-check", lb_address="127.0.0.1:1",
                                  lb_addresses=("127.0.0.1:1", "127.0.0.1:2"))

@@ -54,6 +54,14 @@ logger = logging.getLogger("prefill_worker")
 LOOP_CALL_TIMEOUT_S = 5.0
 """How long Health, Abort and heartbeats wait for the engine loop before calling it stuck."""
 
+DRAIN_LINGER_S = 0.5
+"""A draining instance keeps its port open at least this long after the drain began, refusing new
+requests in-band (UNAVAILABLE, which the entrypoint retries on another instance).
+
+NOTE: a Pick the balancer answered just before the draining heartbeat reached it must not meet a
+closed port: the entrypoint does not retry a Prefill call that failed at the transport (it may
+have written into the decode's blocks), so the request would fail during a graceful scale-down."""
+
 
 @dataclasses.dataclass
 class _Waiter:
@@ -155,6 +163,7 @@ class PrefillWorker:
         self._stopped.set()
 
     def _finish_drain(self, timeout_s: float | None) -> None:
+        linger_until = time.monotonic() + DRAIN_LINGER_S
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while self.loop.is_alive:
             try:
@@ -167,6 +176,7 @@ class PrefillWorker:
                 self.loop.call(self._abort_all, LOOP_CALL_TIMEOUT_S)
                 deadline = None
             time.sleep(0.02)
+        time.sleep(max(0.0, linger_until - time.monotonic()))
         self.stop()
 
     # ------------------------------------------------------------------ loop thread
