@@ -1,9 +1,9 @@
 """Online serving benchmark: a request-rate sweep, disaggregated 1P+1D against one colocated engine.
 
-    python -m benchmarks.serving [--preset small] [--rates 1,2,4,8] [--num-requests 24] [--seed 0]
-        [--prompt-len 32:256] [--output-len 16:64] [--fixed-len P,O] [--cpus 0-3]
-        [--engine-threads 1] [--colocated-threads 2] [--modes disaggregated,colocated]
-        [--overhead-requests 20] [--nixl-mb 64] [--json OUT] [--plot-dir DIR]
+    python -m benchmarks.serving [--preset small] [--rates 1,2,4,8,16] [--num-requests 20] [--seed 0]
+        [--prompt-len 32:256] [--output-len 32:128] [--fixed-len P,O] [--cpus 0-3]
+        [--engine-threads 1] [--colocated-threads 1,2] [--modes disaggregated,colocated]
+        [--overhead-requests 20] [--nixl-mb 64] [--ucx-tls TLS] [--json OUT] [--plot-dir DIR]
     python -m benchmarks.serving --plot-from OUT.json --plot-dir DIR      # plots only
 
 Workload (all of it fixed by `--seed`): each rate point sends `--num-requests` requests whose
@@ -686,15 +686,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--checkpoint", default=None, help="use this checkpoint instead of making one")
     ap.add_argument("--seed", type=int, default=0, help="seeds the checkpoint, lengths, prompts and arrivals")
     ap.add_argument("--modes", default="disaggregated,colocated", help="comma list of disaggregated, colocated")
-    ap.add_argument("--rates", default="1,2,4,8", help="comma list of offered request rates (req/s)")
-    ap.add_argument("--num-requests", type=int, default=24, help="requests per rate point")
+    ap.add_argument("--rates", default="1,2,4,8,16", help="comma list of offered request rates (req/s)")
+    ap.add_argument("--num-requests", type=int, default=20, help="requests per rate point")
     ap.add_argument("--prompt-len", default="32:256", help="prompt length range LO:HI (uniform)")
-    ap.add_argument("--output-len", default="16:64", help="output length range LO:HI (uniform)")
+    ap.add_argument("--output-len", default="32:128", help="output length range LO:HI (uniform)")
     ap.add_argument("--fixed-len", default=None, help="P,O: every prompt P tokens, every output O tokens")
     ap.add_argument("--warmup", type=int, default=4, help="warm-up requests before each mode's sweep")
     ap.add_argument("--cpus", default=None, help="pin this process and every child to these CPUs, e.g. 0-3")
     ap.add_argument("--engine-threads", type=int, default=1, help="torch threads of each disaggregated worker")
-    ap.add_argument("--colocated-threads", default="2", help="comma list: one colocated run per thread count")
+    ap.add_argument("--colocated-threads", default="1,2", help="comma list: one colocated run per thread count")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-model-len", type=int, default=1024)
