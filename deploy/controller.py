@@ -83,6 +83,12 @@ class ClusterController:
         with self._scale_lock:
             if self._is_up:
                 return dict(self.addresses)
+            if self.config.model is None:
+                # NOTE: written once here, not by every role at once (their writes would collide); on a
+                # multi-node cluster give `model:` a path that exists on every node
+                from engine.engine import default_model_path
+
+                self.config = self.config.model_copy(update={"model": str(default_model_path())})
             c = self.config
             for role in ("prefill_lb", "decode_lb"):
                 self._roles[role] = ServiceActor.options(num_cpus=0, max_concurrency=4, namespace=NAMESPACE,
