@@ -163,7 +163,12 @@ async def _start(front: Front, endpoint: str, request: Request, t_accept: float,
     """Take a slot, submit the request and block until its first delta, so that refusals (bad input,
     no capacity) still get their HTTP status. Returns the run (the caller closes it) and that delta."""
     front.acquire()
-    run = _Run(front, endpoint, request, front.backend.generate(token_request), t_accept)
+    try:
+        call = front.backend.generate(token_request)
+    except BaseException:
+        front.release()
+        raise
+    run = _Run(front, endpoint, request, call, t_accept)
     try:
         first = await run.read()
         if first is None:
@@ -305,6 +310,9 @@ async def _recipe_sse(api: str, events: AsyncIterator[Any], run: _Run) -> AsyncI
         return
     except ApiError as e:
         yield _sse_error(api, e)
+    except Exception:
+        logger.exception("%s: the stream failed", run.call.request_id)
+        yield _sse_error(api, ApiError(500, f"internal error (request {run.call.request_id})", code="internal_error"))
     finally:
         await events.aclose()
 
@@ -386,6 +394,10 @@ def create_app(config: HttpConfig) -> FastAPI:
     async def http_error(request: Request, e: StarletteHTTPException):
         message = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
         return _error_response(request.url.path, ApiError(e.status_code, message, code="not_found"))
+
+    @app.exception_handler(_ClientGone)
+    async def client_gone(request: Request, e: _ClientGone):
+        return Response(status_code=499)  # nobody reads it; counted in the metrics as 499
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):
@@ -496,6 +508,10 @@ async def _token_sse(builder, run: _Run, first: entrypoint_pb2.GenerateResponse)
         return
     except ApiError as e:
         yield f"data: {json.dumps(e.openai_body())}\n\n".encode()
+    except Exception:
+        logger.exception("%s: the stream failed", run.call.request_id)
+        error = ApiError(500, f"internal error (request {run.call.request_id})", code="internal_error")
+        yield f"data: {json.dumps(error.openai_body())}\n\n".encode()
 
 
 def serve(config: HttpConfig, *, on_ready=None) -> None:

@@ -283,6 +283,12 @@ def test_bad_input_battery(http, cluster, oai, model_name):
         "url": "http://169.254.169.254/latest/meta-data.png"}}]}
     error = _openai_error(http.post(chat, json={**ok, "messages": [image]}), 400)
     assert error["code"] == "image_url_not_allowed" and ALLOWED_IMAGE_HOST in error["message"]
+    responses_image = {"model": model_name, "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "see"}, {"type": "input_image", "image_url": "http://10.0.0.1/a.png"}]}]}
+    assert _openai_error(http.post("/v1/responses", json=responses_image), 400)["code"] == "image_url_not_allowed"
+    messages_image = {"model": model_name, "max_tokens": 1, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": "https://localhost/a.png"}}]}]}
+    assert "not allowed" in _anthropic_error(http.post("/v1/messages", json=messages_image), 400)["message"]
     big = {**ok, "messages": [{"role": "user", "content": "x" * (MAX_BODY_BYTES + 10)}]}
     assert _openai_error(http.post(chat, json=big), 413)["code"] == "request_too_large"
     # API keys: missing, wrong, and the Anthropic header
@@ -369,8 +375,13 @@ def test_inflight_cap_answers_429_with_retry_after(cluster, http, model_name):
 
 def test_image_fetcher_destination_filter():
     """The allow-list as recipe's fetcher hook: a URL of another host is never connected to."""
-    from entrypoint.http.conversion import ImageUrlPolicy
+    from entrypoint.http.conversion import ImageUrlPolicy, image_urls
 
+    assert sorted(image_urls({"messages": [{"content": [
+        {"type": "image_url", "image_url": {"url": "http://a/1.png"}},
+        {"type": "input_image", "image_url": "http://b/2.png"},
+        {"type": "image", "source": {"type": "url", "url": "http://c/3.png"}},
+        {"type": "text", "text": "http://not-an-image/"}]}]})) == ["http://a/1.png", "http://b/2.png", "http://c/3.png"]
     policy = ImageUrlPolicy([ALLOWED_IMAGE_HOST])
     with pytest.raises(recipe.ImageError) as e:
         policy.fetcher(1 << 20).fetch("http://127.0.0.1:9/secret.png")
