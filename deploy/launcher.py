@@ -61,15 +61,17 @@ def remove_state(cluster_name: str | None = None) -> None:
 def connect_ray(address: str | None, *, num_cpus: int | None = None) -> bool:
     """Connect this process to Ray; True if it started a local cluster (which dies with this process).
 
-    `address` None starts a local single-node cluster on loopback (`num_cpus` logical CPUs);
+    `address` None starts a local single-node cluster (`num_cpus` logical CPUs);
     "auto" or "host:port" joins a running one.
     """
     if ray.is_initialized():
         return False
     kwargs = dict(namespace=NAMESPACE, log_to_driver=False, include_dashboard=False)
     if address is None:
-        ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1",
-                 # NOTE: actors get their own processes; idle task workers would only cost memory here
+        # NOTE: Ray's own GCS/raylet use the node's IP (Ray maps 127.0.0.1 to it); every deepinfer
+        # server binds the config's `host`. Actors get their own processes, so idle prestarted task
+        # workers would only cost memory.
+        ray.init(num_cpus=num_cpus,
                  _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False},
                  **kwargs)
         return True
