@@ -3,4 +3,5 @@ streaming and abort.
 
 `server.serve_entrypoint` runs the token-level `deepinfer.v1.Entrypoint` service (validation, the P/D
 handshake, streaming, abort); `client.Client` is its Python client; `python -m entrypoint` runs it
-as a process. The HTTP front arrives with the HTTP API issue."""
+as a process. `entrypoint.http` is the HTTP front (OpenAI / Anthropic APIs through deepseek-recipe) on
+top of the token API; `python -m entrypoint.http` runs it."""
