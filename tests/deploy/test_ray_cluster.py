@@ -54,7 +54,10 @@ class Cluster:
     """A pool of prompts whose greedy outputs (`MAX_TOKENS` tokens) are in `reference`."""
     reference: list[list[int]]
     block_nbytes: int
+    """Bytes of one block of compressed KV (every pool and layer)."""
     block_size: int
+    slot_nbytes: int
+    """Bytes of one request's bounded state (sent along when the workers do not rebuild it by replay)."""
 
     def status(self) -> dict:
         return ray.get(self.controller.status.remote(), timeout=60)
@@ -123,6 +126,7 @@ def cluster(tmp_path_factory):
     block_nbytes = sum(p[:, 0].numel() * p.element_size() for p in pools.values())
     block_size = llm.engine.kv_manager.block_pool.block_size
     assert block_nbytes == block_size * llm.engine.bytes_per_token  # a block holds block_size tokens' entries
+    slot_nbytes = sum(t[:, 0].numel() * t.element_size() for t in llm.engine.cache.state_tensors().values())
     del llm
 
     config = ClusterConfig.model_validate({
@@ -141,7 +145,7 @@ def cluster(tmp_path_factory):
         addresses = ray.get(controller.up.remote(), timeout=600)
         client = Client(addresses["entrypoint"], timeout_s=120.0)
         yield Cluster(ckpt, controller, addresses, client, ray.get_runtime_context().gcs_address, prompts,
-                      reference, block_nbytes, block_size)
+                      reference, block_nbytes, block_size, slot_nbytes)
     finally:
         if client is not None:
             client.close()
@@ -172,7 +176,9 @@ def test_32_concurrent_requests_equal_offline_and_kv_moved_by_nixl(cluster):
     num_blocks = [-(-len(cluster.prompts[i]) // cluster.block_size) for i in ids]
     assert delta(p1, p0, "kv_transfer_sends_done_total") == 32
     assert delta(p1, p0, "kv_transfer_sent_blocks_total") == sum(num_blocks)
-    assert delta(p1, p0, "kv_transfer_sent_bytes_total") == sum(n * cluster.block_nbytes for n in num_blocks)
+    # each prompt's compressed-KV blocks, plus its bounded-state slot when the workers send it
+    kv_bytes = sum(n * cluster.block_nbytes for n in num_blocks)
+    assert delta(p1, p0, "kv_transfer_sent_bytes_total") - kv_bytes in (0, 32 * cluster.slot_nbytes)
     assert delta(d1, d0, "kv_transfer_received_bytes_total") == delta(p1, p0, "kv_transfer_sent_bytes_total")
     assert all(s["kv_transfer_sends_failed_total"] == 0 for s in p1.values())
     # both instances of each stage served
