@@ -25,7 +25,6 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import deepseek_recipe as recipe
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -34,7 +33,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from entrypoint.http import completions
 from entrypoint.http.backend import TokenBackend, TokenCall
 from entrypoint.http.config import HttpConfig
-from entrypoint.http.conversion import CHAT, MESSAGES, RESPONSE_CLS, RESPONSES, ImageUrlPolicy, Prepared, RecipeFront
+from entrypoint.http.conversion import (
+    CHAT,
+    MESSAGES,
+    RESPONSE_CLS,
+    RESPONSES,
+    ImageUrlPolicy,
+    Prepared,
+    RecipeFront,
+    RecipeStream,
+)
 from entrypoint.http.errors import ApiError
 from entrypoint.http.metrics import HttpMetrics
 from protos import common_pb2, entrypoint_pb2
@@ -234,48 +242,26 @@ def _sse_error(api: str, e: ApiError) -> bytes:
 
 async def _recipe_events(front: Front, prepared: Prepared, run: _Run,
                          first: entrypoint_pb2.GenerateResponse) -> AsyncIterator[Any]:
-    """Recipe's protocol events for the token stream that starts with `first`.
-
-    The engine's stop token (EOS) is counted but not shown: recipe gets an empty text chunk worth
-    one token instead. When recipe's parser finishes early (a stop sequence matched) the call is
-    cancelled, which aborts the rest of the request.
-    """
-    processor = prepared.processor(front.recipe.tokenizer)
+    """Recipe's protocol events for the token stream that starts with `first` (see `RecipeStream`);
+    cancels the token call when recipe's parser ends early (a stop sequence matched)."""
+    stream = RecipeStream(prepared, front.recipe.tokenizer)
     try:
-        for event in processor.push(recipe.InferenceChunk.ready(prompt_usage=recipe.PromptUsage(
-                prompt_tokens=first.usage.prompt_tokens, prompt_cache_hit_tokens=first.usage.cached_prompt_tokens))):
+        for event in stream.start(first):
             yield event
         msg = first
-        while msg is not None:
-            token_ids = list(msg.token_ids)
-            is_stop_token = (msg.finish_reason == common_pb2.FINISH_REASON_STOP and token_ids
-                             and msg.WhichOneof("stop_reason") == "stop_token_id"
-                             and token_ids[-1] == msg.stop_token_id)
-            if is_stop_token:
-                token_ids.pop()
-            if token_ids:
-                for event in processor.push(recipe.InferenceChunk.tokens(token_ids)):
-                    yield event
-            if processor.finished:
-                run.call.cancel()
-                return
-            if is_stop_token:
-                for event in processor.push(recipe.InferenceChunk.text("", 1)):
-                    yield event
-            if msg.finish_reason:
-                reason = (recipe.InferenceFinishReason.Stop if msg.finish_reason == common_pb2.FINISH_REASON_STOP
-                          else recipe.InferenceFinishReason.Length)
-                for event in processor.push(recipe.InferenceChunk.finish(reason)):
-                    yield event
+        while True:
+            for event in stream.push(msg):
+                yield event
+            if stream.is_done:
                 break
             msg = await run.read()
-        if msg is None:
-            raise ApiError(500, f"internal error (request {prepared.response_id})", code="internal_error")
-        for event in processor.finish():
+            if msg is None:
+                raise ApiError(500, f"internal error (request {prepared.response_id})", code="internal_error")
+        run.call.cancel()  # no-op when the call finished
+        for event in stream.finish():
             yield event
     finally:
-        if not processor.finished:
-            processor.close()
+        stream.close()
 
 
 async def _recipe_route(front: Front, api: str, request: Request) -> Response:

@@ -152,6 +152,52 @@ class Prepared:
         return recipe.StreamProcessor(generator, self.request.parsing_options, tokenizer)
 
 
+class RecipeStream:
+    """Token API deltas -> recipe's protocol events for one request (pure: no I/O).
+
+    `start(first)` with the first delta (its usage carries the prompt and cached prompt tokens), then
+    `push(delta)` for each delta, the first included; `is_done` turns True at the finish or when
+    recipe's parser ended early (a stop sequence matched: the caller cancels the token call), and
+    `finish()` gives the closing events. The engine's stop token (EOS) is counted but not shown:
+    recipe gets an empty text chunk worth one token instead.
+    """
+
+    def __init__(self, prepared: Prepared, tokenizer: recipe.Tokenizer) -> None:
+        self.processor = prepared.processor(tokenizer)
+        self.is_done = False
+
+    def start(self, first) -> list:
+        return self.processor.push(recipe.InferenceChunk.ready(prompt_usage=recipe.PromptUsage(
+            prompt_tokens=first.usage.prompt_tokens, prompt_cache_hit_tokens=first.usage.cached_prompt_tokens)))
+
+    def push(self, msg) -> list:
+        token_ids = list(msg.token_ids)
+        is_stop_token = (msg.finish_reason == common_pb2.FINISH_REASON_STOP and token_ids
+                         and msg.WhichOneof("stop_reason") == "stop_token_id" and token_ids[-1] == msg.stop_token_id)
+        if is_stop_token:
+            token_ids.pop()
+        events = self.processor.push(recipe.InferenceChunk.tokens(token_ids)) if token_ids else []
+        if self.processor.finished:
+            self.is_done = True
+            return events
+        if is_stop_token:
+            events += self.processor.push(recipe.InferenceChunk.text("", 1))
+        if msg.finish_reason:
+            reason = (recipe.InferenceFinishReason.Stop if msg.finish_reason == common_pb2.FINISH_REASON_STOP
+                      else recipe.InferenceFinishReason.Length)
+            events += self.processor.push(recipe.InferenceChunk.finish(reason))
+            self.is_done = True
+        return events
+
+    def finish(self) -> list:
+        return [] if self.processor.finished else self.processor.finish()
+
+    def close(self) -> None:
+        """Release recipe's state of a stream that did not finish (no-op otherwise)."""
+        if not self.processor.finished:
+            self.processor.close()
+
+
 class RecipeFront:
     """Converts protocol requests with recipe for one model (tokenizer, chat encoding, names, context)."""
 
