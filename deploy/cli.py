@@ -167,6 +167,10 @@ def _cmd_up(args, parser) -> int:
         signal.signal(sig, lambda *_: stopped.set())
     try:
         addresses = ray.get(controller.up.remote())
+    except ray.exceptions.RayTaskError as e:
+        stop_cluster(controller)
+        print(f"deepinfer up: {e.cause if isinstance(e.cause, Exception) else e}", file=sys.stderr)
+        return 1
     except BaseException:
         stop_cluster(controller)
         raise

@@ -211,7 +211,7 @@ class ClusterController:
                "datacenter": inst.datacenter, "state": "draining" if inst.is_draining else "serving"}
         try:
             row.update(ray.get(inst.actor.info.remote(), timeout=RPC_TIMEOUT_S))
-        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):  # incl. ActorUnavailableError
             row["state"] = "restarting"
         if seen is None:
             row["state"] = "not registered" if row["state"] == "serving" else row["state"]
