@@ -250,6 +250,8 @@ class RecipeFront:
             raise _conversion_error(e) from None
         except ValueError as e:
             raise invalid(str(e)) from None
+        if converted.inference_options.logprobs or converted.inference_options.top_logprobs:
+            raise invalid("logprobs are not served yet; leave logprobs / top_logprobs unset", param="logprobs")
         try:
             prompt_token_ids = self.encoding.encode(converted.conversation)
         except RuntimeError as e:

@@ -277,6 +277,7 @@ def test_bad_input_battery(http, cluster, oai, model_name):
     assert unknown["code"] == "model_not_found" and unknown["param"] == "model"
     assert "Stop" in _openai_error(http.post(chat, json={**ok, "stop": [f"s{i}" for i in range(17)]}), 400)["message"]
     assert "n" in _openai_error(http.post(chat, json={**ok, "n": 2}), 400)["message"]
+    assert _openai_error(http.post(chat, json={**ok, "logprobs": True}), 400)["param"] == "logprobs"
     _openai_error(http.post(chat, json={**ok, "tools": [{"type": "function"}]}), 400)
     _openai_error(http.post(chat, json={**ok, "tools": [{"type": "function", "function": {"parameters": {}}}]}), 400)
     image = {"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {
