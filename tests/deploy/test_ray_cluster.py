@@ -219,6 +219,42 @@ def test_cli_finds_the_cluster(cluster, tmp_path):
     assert r.returncode == 2 and "unknown stage 'vision'" in r.stderr
 
 
+def test_cli_up_detached_then_down(cluster, tmp_path):
+    """`up --address --detach` onto the running Ray cluster (a second, instance-less deployment);
+    the other commands find it through the state file; `down` removes it and the record."""
+    env = {**os.environ, "DEEPINFER_HOME": str(tmp_path)}
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True,
+                              timeout=180, env=env)
+
+    config = tmp_path / "empty.yaml"
+    config.write_text(f"name: cli-test\nmodel: {cluster.checkpoint}\nhttp: {{enabled: false}}\n"
+                      "prefill: {balancer: {policy: prefix_aware}, groups: [{num_instances: 0}]}\n"
+                      "decode: {balancer: {policy: kv_load}, groups: [{num_instances: 0}]}\n")
+    r = cli("up", "--address", cluster.gcs_address, "--detach", "--config", str(config))
+    assert r.returncode == 0, r.stderr
+    state = json.loads(r.stdout.splitlines()[-1])
+    assert state["name"] == "cli-test" and state["is_detached"]
+    assert json.loads((tmp_path / "cluster.json").read_text())["entrypoint"] == state["entrypoint"]
+
+    r = cli("status")  # Ray address and cluster name from the state file
+    assert r.returncode == 0, r.stderr
+    assert "prefill: 0 serving" in r.stdout and f"entrypoint: {state['entrypoint']}" in r.stdout
+    # no --entrypoint, no --model: generate goes to the recorded cluster, which has no instance
+    r = cli("generate", "--prompt-ids", "5,6,7", "--max-tokens", "2")
+    assert r.returncode == 1
+    err = json.loads(r.stderr.splitlines()[0])
+    assert err["code"] == "UNAVAILABLE" and "decode" in err["error"]
+
+    r = cli("down")
+    assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "cluster.json").exists()
+    with pytest.raises(ValueError):
+        ray.get_actor("cli-test-controller", namespace=NAMESPACE)
+    assert sorted(cluster.rows("decode")) == ["decode-0", "decode-1"]  # the test's own cluster is untouched
+
+
 def _idle(cluster: Cluster) -> bool:
     for stage in ("prefill", "decode"):
         for stats in cluster.all_stats(stage).values():
