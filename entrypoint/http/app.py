@@ -452,6 +452,10 @@ def create_app(config: HttpConfig) -> FastAPI:
     async def metrics():
         is_healthy, _, stats = await front.backend.health()
         front.metrics.set_cluster(is_healthy, stats)
+        lb_addresses = {stage: address for stage, address in (("prefill", config.prefill_lb_address),
+                                                               ("decode", config.decode_lb_address)) if address}
+        if lb_addresses:
+            front.metrics.set_stages(await front.backend.stage_stats(lb_addresses))
         return Response(generate_latest(front.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

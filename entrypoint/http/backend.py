@@ -12,7 +12,15 @@ import grpc
 from grpc import aio
 
 from entrypoint.http.errors import ApiError, from_grpc
-from protos import common_pb2, entrypoint_pb2, entrypoint_pb2_grpc
+from protos import (
+    common_pb2,
+    decode_pb2_grpc,
+    entrypoint_pb2,
+    entrypoint_pb2_grpc,
+    loadbalancer_pb2,
+    loadbalancer_pb2_grpc,
+    prefill_pb2_grpc,
+)
 
 ERROR_FIELD_METADATA_KEY = "deepinfer-error-field"
 STATS_METADATA_KEY = "deepinfer-stats-json"
@@ -59,6 +67,7 @@ class TokenBackend:
         self.request_timeout_s = request_timeout_s
         self._channel = aio.insecure_channel(address)
         self._stub = entrypoint_pb2_grpc.EntrypointStub(self._channel)
+        self._stage_channels: dict[str, aio.Channel] = {}
 
     def generate(self, request: entrypoint_pb2.GenerateRequest) -> TokenCall:
         # NOTE: always with a deadline; the entrypoint turns the call's time left into stage deadlines
@@ -78,3 +87,32 @@ class TokenBackend:
 
     async def close(self) -> None:
         await self._channel.close()
+        for channel in self._stage_channels.values():
+            await channel.close()
+
+    async def stage_stats(self, lb_addresses: dict[str, str], timeout_s: float = 2.0) -> dict[tuple[str, str], dict]:
+        """Blocks for `{(stage, instance_id): Health stats}` of every instance the balancers list
+        (`{stage: balancer address}`); instances or balancers that do not answer are left out."""
+        out: dict[tuple[str, str], dict] = {}
+        for stage, lb_address in lb_addresses.items():
+            try:
+                listed = await loadbalancer_pb2_grpc.LoadBalancerStub(self._stage_channel(lb_address)).ListInstances(
+                    loadbalancer_pb2.ListInstancesRequest(), timeout=timeout_s)
+            except grpc.RpcError:
+                continue
+            stub_cls = prefill_pb2_grpc.PrefillStub if stage == "prefill" else decode_pb2_grpc.DecodeStub
+            for instance in listed.instances:
+                try:
+                    call = stub_cls(self._stage_channel(instance.address)).Health(common_pb2.HealthRequest(),
+                                                                                   timeout=timeout_s)
+                    await call
+                    trailing = dict(await call.trailing_metadata() or ())
+                    out[(stage, instance.instance_id)] = json.loads(trailing.get(STATS_METADATA_KEY, "{}"))
+                except grpc.RpcError:
+                    continue
+        return out
+
+    def _stage_channel(self, address: str) -> aio.Channel:
+        if address not in self._stage_channels:
+            self._stage_channels[address] = aio.insecure_channel(address)
+        return self._stage_channels[address]

@@ -34,6 +34,11 @@ class HttpConfig(BaseModel):
     image_url_allowed_hosts: str = ""
     """Comma-separated host names whose image URLs may be fetched (exact match); empty = none
     (data: URLs are always accepted, they need no fetch)."""
+    prefill_lb_address: str = ""
+    """host:port of the prefill balancer; when set, /metrics gathers its instances' stats (KV blocks,
+    KV transfer bytes). Empty = not gathered."""
+    decode_lb_address: str = ""
+    """host:port of the decode balancer; as `prefill_lb_address`."""
     request_timeout_s: float = Field(600.0, gt=0, le=86400)
     """Deadline of each request's token call (the cluster aborts the request when it runs out)."""
     retry_after_s: int = Field(1, ge=0)

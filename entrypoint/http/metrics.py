@@ -1,13 +1,27 @@
 """Prometheus metrics of the HTTP front (`GET /metrics`), in a registry of their own per app.
 
 Requests by endpoint and status, time to first token, inter-token latency, tokens in and out,
-cached prompt tokens, requests in flight here, and the cluster's view from the entrypoint's Health
-(requests in flight at the entrypoint, healthy instances per stage), gathered at scrape time.
+cached prompt tokens, requests in flight here, and, gathered at scrape time, the cluster's view from
+the entrypoint's Health (requests in flight there, healthy instances per stage) and, when the
+balancer addresses are configured, each stage instance's stats (`deepinfer_stage_*{stage,instance}`:
+KV blocks, requests, KV transfer bytes, read from the instance's Health).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+STAGE_STATS = {
+    "num_kv_blocks_used": "KV cache blocks in use on the instance",
+    "num_kv_blocks_total": "KV cache blocks of the instance",
+    "num_running_requests": "Requests running on the instance",
+    "num_unfinished_requests": "Requests not finished on the instance",
+    "kv_transfer_sent_bytes_total": "KV bytes the instance sent (NIXL), since it started",
+    "kv_transfer_received_bytes_total": "KV bytes the instance received (NIXL), since it started",
+    "kv_transfer_sends_done_total": "KV transfers the instance completed sending",
+    "kv_transfer_recvs_done_total": "KV transfers the instance completed receiving",
+}
+"""Worker Health stats exported per instance (as gauges: they are read, not counted, here)."""
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -43,6 +57,17 @@ class HttpMetrics:
                                        registry=r)
         self.cluster_healthy = Gauge("deepinfer_entrypoint_healthy", "1 when the entrypoint reports healthy",
                                      registry=r)
+
+        self.stage = {name: Gauge(f"deepinfer_stage_{name}", help_, ["stage", "instance"], registry=r)
+                      for name, help_ in STAGE_STATS.items()}
+
+    def set_stages(self, stats_by_instance: dict[tuple[str, str], dict]) -> None:
+        """Replace the per-instance gauges with `{(stage, instance_id): Health stats}`."""
+        for name, gauge in self.stage.items():
+            gauge.clear()
+            for (stage, instance_id), stats in stats_by_instance.items():
+                if isinstance(stats.get(name), (int, float)):
+                    gauge.labels(stage, instance_id).set(stats[name])
 
     def set_cluster(self, is_healthy: bool, stats: dict) -> None:
         self.cluster_healthy.set(1 if is_healthy else 0)

@@ -89,7 +89,8 @@ class LocalCluster:
                                    self.info["decode_lb"]["address"]])
         self._wait_ready()
         http = ["entrypoint.http", "--entrypoint", self.grpc_address, "--host", "127.0.0.1", "--port", "0",
-                "--model", self.checkpoint, *self.http_args]
+                "--model", self.checkpoint, "--prefill-lb-address", self.info["prefill_lb"]["address"],
+                "--decode-lb-address", self.info["decode_lb"]["address"], *self.http_args]
         if self.api_key is not None:
             http += ["--api-key", self.api_key]
         self._spawn("http", http)

@@ -191,6 +191,11 @@ def test_models_health_metrics(http, cluster, model_name):
                  "deepinfer_entrypoint_healthy_instances"):
         assert name in text
     assert re.search(r'deepinfer_http_requests_total\{endpoint="/v1/chat/completions",status="200"\} [1-9]', text)
+    # the stage instances' own stats, gathered through the balancers
+    metrics = _metrics(http)
+    sent = metrics['deepinfer_stage_kv_transfer_sent_bytes_total{instance="prefill-0",stage="prefill"}']
+    assert sent > 0 and sent == metrics['deepinfer_stage_kv_transfer_received_bytes_total{instance="decode-0",stage="decode"}']
+    assert metrics['deepinfer_stage_num_kv_blocks_total{instance="decode-0",stage="decode"}'] == 256
 
 
 # ---------------------------------------------------------------------------------------- Anthropic
