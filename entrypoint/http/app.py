@@ -45,7 +45,7 @@ from entrypoint.http.conversion import (
 )
 from entrypoint.http.errors import ApiError
 from entrypoint.http.metrics import HttpMetrics
-from protos import common_pb2, entrypoint_pb2
+from protos import entrypoint_pb2
 
 logger = logging.getLogger("entrypoint.http")
 
@@ -120,8 +120,6 @@ class _Run:
         self.t_last: float | None = None
         self.is_client_gone = False
         self.is_closed = False
-        self.usage: common_pb2.Usage | None = None
-        """The token API's final usage (what the engine saw)."""
         self._watch = asyncio.ensure_future(self._watch_disconnect(request.receive))
 
     async def _watch_disconnect(self, receive) -> None:
@@ -148,8 +146,7 @@ class _Run:
             else:
                 m.itl.labels(self.endpoint).observe((now - self.t_last) / len(msg.token_ids))
             self.t_last = now
-        if msg.finish_reason:
-            self.usage = msg.usage
+        if msg.finish_reason:  # the engine's own count, whatever the API reports
             m.prompt_tokens.labels(self.endpoint).inc(msg.usage.prompt_tokens)
             m.completion_tokens.labels(self.endpoint).inc(msg.usage.completion_tokens)
             m.cached_prompt_tokens.labels(self.endpoint).inc(msg.usage.cached_prompt_tokens)
