@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.engine import EngineConfig
@@ -40,6 +42,10 @@ class DecodeWorkerConfig(BaseModel):
     """KV cache blocks; None = the engine's default sizing."""
     max_model_len: int | None = Field(None, gt=1)
     """Longest prompt + output; None = the engine default (must match the prefill instances')."""
+    bounded_state: Literal["send", "replay"] = "send"
+    """How a request's bounded state (sliding-window ring, compressor buffers) gets here: "send" =
+    the prefill writes it into a reserved slot with the KV; "replay" = recomputed here by bounded
+    replay of the prompt's tail. Outputs are identical; BENCHMARKS.md compares the two."""
     loopback_ucx: bool = False
     """Keep UCX on loopback (`kv_transfer.LOOPBACK_UCX_ENV`): every process on one host (tests)."""
     kv_lease_s: float = Field(30.0, gt=0)

@@ -7,8 +7,9 @@ drains `step()`. One request's life here:
    scheduler) and the agent starts expecting the transfer; the destination goes back to the
    entrypoint, which hands it to the prefill instance.
 2. `step()` polls the agent: when the notification arrives (it carries the first token sampled by
-   prefill) the request is committed to the engine, which rebuilds the bounded state by bounded
-   replay and decodes from the token after the first. An expired lease aborts the request and
+   prefill) the request is committed to the engine, which decodes from the token after the first
+   after rebuilding the bounded state by bounded replay, or, on an agent built with
+   `send_state=True`, on the state the prefill wrote into the reserved slot. An expired lease aborts the request and
    frees its blocks.
 3. `step()` returns the engine's incremental outputs (`RequestOutput`) and `DecodeFailed` events.
 """
@@ -31,6 +32,8 @@ class Reservation:
     """This instance's agent name (the prefill side sends to it)."""
     block_ids: list[int]
     lease_s: float
+    state_slot: int | None = None
+    """Reserved bounded-state slot the prefill writes the state into; None = bounded replay here."""
 
 
 @dataclass
@@ -52,11 +55,14 @@ class DecodeCore:
                 lease_s: float = 60.0) -> Reservation:
         """Reserve blocks for the prompt's KV; raises InvalidRequestError on bad input."""
         transfer_id = f"{request_id}/{self.agent_name}"
-        self.engine.reserve_kv(request_id, prompt_token_ids, params, num_kv_tokens=len(prompt_token_ids))
+        with_state = self.agent.send_state
+        self.engine.reserve_kv(request_id, prompt_token_ids, params, num_kv_tokens=len(prompt_token_ids),
+                               with_state=with_state)
         block_ids = self.engine.kv_block_ids(request_id)
-        self.agent.expect(transfer_id, block_ids, lease_s)
+        slot = self.engine.kv_state_slot(request_id) if with_state else None
+        self.agent.expect(transfer_id, block_ids, lease_s, dst_slot=slot)
         self._by_transfer[transfer_id] = request_id
-        return Reservation(request_id, transfer_id, self.agent_name, list(block_ids), lease_s)
+        return Reservation(request_id, transfer_id, self.agent_name, list(block_ids), lease_s, slot)
 
     def abort(self, request_id: str) -> None:
         """Abort wherever the request is; its reserved or running blocks are freed."""

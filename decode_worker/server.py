@@ -42,7 +42,7 @@ import grpc
 
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.core import DecodeCore, DecodeFailed
-from engine.cache.block_pool import NoFreeBlocksError
+from engine.cache.block_pool import NoFreeBlocksError, NoFreeSlotsError
 from engine.engine import Engine, RequestOutput
 from engine.errors import InvalidRequestError
 from engine.worker_shell import STATS_METADATA_KEY, EngineLoop, LoadReporter, LoopMode
@@ -112,7 +112,7 @@ class DecodeWorker:
         self.instance_id = config.instance_id or f"decode-{uuid.uuid4().hex[:8]}"
         self.agent_name = config.agent_name or self.instance_id
         self.engine = Engine(config.engine_config())
-        self.agent = KVTransferAgent(self.agent_name, self.engine.cache,
+        self.agent = KVTransferAgent(self.agent_name, self.engine.cache, send_state=config.bounded_state == "send",
                                      ucx_env=LOOPBACK_UCX_ENV if config.loopback_ucx else None)
         # NOTE: read once here, before the loop owns the agent; neither changes during its life.
         self.agent_metadata = self.agent.metadata()
@@ -219,7 +219,7 @@ class DecodeWorker:
                            f"prompt needs {num_needed}; retry later or on another instance")
         try:
             reservation = self.core.reserve(request_id, prompt_token_ids, params, lease_s=lease_s)
-        except NoFreeBlocksError as e:
+        except (NoFreeBlocksError, NoFreeSlotsError) as e:
             self.engine.abort_request(request_id)
             raise _Refused(common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, str(e)) from None
         self._streams[request_id] = _Stream(request_id, reservation.transfer_id, len(prompt_token_ids),
@@ -385,7 +385,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return decode_pb2.ReserveResponse(
             request_id=rid, agent_name=w.agent_name, agent_metadata=w.agent_metadata, agent_layout=w.agent_layout,
             block_ids=reservation.block_ids, block_size=w.block_size, transfer_id=reservation.transfer_id,
-            lease_deadline_unix_ms=int((now_unix + lease_s) * 1000))
+            lease_deadline_unix_ms=int((now_unix + lease_s) * 1000), state_slot=reservation.state_slot)
 
     def Start(self, request, context):
         w = self.worker

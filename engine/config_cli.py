@@ -21,6 +21,10 @@ def make_parser(config_cls: type[BaseModel], prog: str, description: str) -> arg
         if annotation is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=field.default,
                                 help=field.description)
+        elif typing.get_origin(annotation) is typing.Literal:
+            choices = typing.get_args(annotation)
+            parser.add_argument(flag, dest=name, type=type(choices[0]), choices=choices, default=field.default,
+                                help=f"{field.description} (default: {field.default})")
         else:
             parser.add_argument(flag, dest=name, type=annotation, default=field.default,
                                 help=f"{field.description} (default: {field.default})")

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.cache.block_pool import BlockPool, KVCacheManager, StateSlotPool
+from engine.cache.block_pool import BlockPool, KVCacheManager, NoFreeSlotsError, StateSlotPool
 from engine.cache.kv_cache import V4KVCache, compressed_bytes_per_token
 from engine.errors import InvalidRequestError
 from engine.model_runner import ModelRunner, exact_replay_tokens
@@ -98,6 +98,8 @@ class RequestOutput:
     """Text added to each sequence by the last step."""
     kv_block_ids: list[int] | None = None
     """For `hold_kv` requests: the held blocks with the prompt's compressed KV."""
+    kv_state_slot: int | None = None
+    """For `hold_state` requests: the held state slot with the bounded state after the prompt."""
 
 
 @dataclass
@@ -115,6 +117,9 @@ class _Seq:
     hold_kv: bool = False
     """Keep the KV blocks referenced after the first sampled token (prefill side, until sent)."""
     pinned_block_ids: list[int] | None = None
+    hold_state: bool = False
+    """Also keep the bounded-state slot (prefill side with the state sent, until sent)."""
+    pinned_slot: int | None = None
 
 
 @dataclass
@@ -204,7 +209,8 @@ class Engine:
         self.num_computed_tokens_total = 0
         """Tokens the model computed since start (prefix hits excluded)."""
         self.bytes_per_token = compressed_bytes_per_token(mc, dtype)
-        self.timings = {"schedule": 0.0, "model": 0.0, "sample": 0.0, "steps": 0}
+        self.timings = {"schedule": 0.0, "model": 0.0, "sample": 0.0, "steps": 0, "tokens": 0}
+        """Seconds spent scheduling, in the model and sampling; steps run; tokens computed (replay included)."""
         self._inflight = None
         self._executor = None
         self._held: dict[str, _Seq] = {}
@@ -226,13 +232,16 @@ class Engine:
         priority: int = 0,
         *,
         hold_kv: bool = False,
+        hold_state: bool = False,
         _num_imported_tokens: int = 0,
     ) -> str:
         """Validate and queue a request; raises InvalidRequestError (naming the field) on bad input.
 
         `hold_kv=True` (prefill instances): from its first sampled token on, the request's KV blocks
         stay referenced, even after it finishes, until `release_kv` (or `abort_request`); the
-        output's `kv_block_ids` names them.
+        output's `kv_block_ids` names them. `hold_state=True` (with `hold_kv`) also keeps the
+        request's bounded-state slot, as it is after the prompt, until `release_kv`; the output's
+        `kv_state_slot` names it.
         """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -276,6 +285,9 @@ class Engine:
             if params.n != 1:
                 raise InvalidRequestError("hold_kv requests must have n = 1", field="n")
             parent.seqs[0].hold_kv = True
+            parent.seqs[0].hold_state = hold_state
+        elif hold_state:
+            raise InvalidRequestError("hold_state needs hold_kv", field="hold_state")
         self._parents[request_id] = parent
         # NOTE: with n > 1 the first sequence runs alone until its prompt is cached; the others then
         # start from the cached prefix blocks (shared copy-free) instead of recomputing the prompt.
@@ -304,19 +316,36 @@ class Engine:
     # ------------------------------------------------------------------ KV written from outside
 
     def reserve_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                   num_kv_tokens: int) -> list[tuple[str, int, int, int]]:
+                   num_kv_tokens: int, *, with_state: bool = False) -> list[tuple[str, int, int, int]]:
         """Reserve blocks for a request whose first `num_kv_tokens` tokens' compressed KV will be
         written from outside (a prefill instance); returns their `(pool, block, byte_offset, num_bytes)`.
 
-        The request waits until `commit_kv`; it then rebuilds its bounded state by bounded replay
-        and continues from token `num_kv_tokens`. `abort_request` releases the reservation.
+        The request waits until `commit_kv`; it then continues from token `num_kv_tokens`. Without
+        `with_state` it first rebuilds its bounded state by bounded replay; with it, a state slot
+        is reserved too (`kv_state_slot`) and must receive the bounded state as it is after the
+        prompt (the prefill's `hold_state` slot): no replay. `abort_request` releases everything.
+        Raises `InvalidRequestError` on bad input, `NoFreeBlocksError` / `NoFreeSlotsError` when full.
         """
         if params.n != 1:
             raise InvalidRequestError("requests with imported KV must have n = 1", field="n")
         if not 0 < num_kv_tokens <= len(prompt_token_ids):
             raise InvalidRequestError(f"num_kv_tokens must be in [1, {len(prompt_token_ids)}]", field="num_kv_tokens")
         self.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params, _num_imported_tokens=num_kv_tokens)
+        if with_state:
+            req = self._parents[request_id].seqs[0].req
+            try:
+                self.scheduler.state_slot_pool.allocate(req.req_id)
+            except NoFreeSlotsError:
+                self.abort_request(request_id)
+                raise
+            # the window rows the first decode step reads (positions num_kv - W + 1 ...) were computed
+            # by the prefill with at least W - 1 exact tokens before them (its replay, if any, is longer)
+            req.imported_state_start = max(0, num_kv_tokens - (self.model_config.sliding_window - 1))
         return self.cache.block_byte_ranges(self.kv_block_ids(request_id))
+
+    def kv_state_slot(self, request_id: str) -> int | None:
+        """The state slot a reserved (`with_state`) or running request holds, if any."""
+        return self.scheduler.state_slot_pool.get_slot_id(self._parents[request_id].seqs[0].req.req_id)
 
     def commit_kv(self, request_id: str, first_token_ids: list[int] | None = None) -> list[RequestOutput]:
         """The reserved KV has landed: let the request run.
@@ -340,6 +369,7 @@ class Engine:
                 co.finish_reason = str(reason.value if hasattr(reason, "value") else reason)
                 co.stop_reason = upd.stop_reason
                 self.kv_manager.free(seq.req)
+                self.scheduler.state_slot_pool.free(seq.req.req_id)
                 ro = self._make_output(parent, {seq.req.req_id: (accepted, upd.text_delta)})
                 self._seqs.pop(seq.req.req_id, None)
                 del self._parents[request_id]
@@ -352,6 +382,7 @@ class Engine:
         ids = self._pinned.pop(request_id, None)
         if ids:
             self.kv_manager.block_pool.free(ids)
+        self.scheduler.state_slot_pool.free(_held_slot_owner(request_id))
 
     def kv_block_ids(self, request_id: str) -> list[int]:
         """Block table of a live (or reserved) request's first sequence."""
@@ -388,6 +419,7 @@ class Engine:
             if seq.req is not None:
                 if self._held.pop(seq.req.req_id, None) is not None:
                     self.kv_manager.free(seq.req)
+                    self.scheduler.state_slot_pool.free(seq.req.req_id)
                 else:
                     self.scheduler.abort_request(seq.req.req_id)
                 self._seqs.pop(seq.req.req_id, None)
@@ -450,6 +482,7 @@ class Engine:
                 seq.parent.outputs[seq.index].finish_reason = "error"
                 touched.add(seq.parent.request_id)
         self.timings["schedule"] += time.perf_counter() - t0
+        self.timings["tokens"] += out.total_num_scheduled_tokens
         return out, touched
 
     def _prepare(self, out, pending: dict[str, int]) -> _PreparedStep:
@@ -506,6 +539,9 @@ class Engine:
                     seq.pinned_block_ids = list(self.kv_manager.get_block_ids(seq.req))
                     self.kv_manager.block_pool.touch(seq.pinned_block_ids)
                     self._pinned[seq.parent.request_id] = seq.pinned_block_ids
+                    if seq.hold_state:  # the slot now outlives the request, until release_kv
+                        seq.pinned_slot = self.scheduler.state_slot_pool.transfer(
+                            seq.req.req_id, _held_slot_owner(seq.parent.request_id))
                 upd = seq.stop.append([tok])
                 accepted = [tok][: upd.num_accepted_tokens]
                 if seq.logprobs is not None and lp is not None and accepted:
@@ -578,6 +614,7 @@ class Engine:
             new_token_ids=new_ids,
             new_text=new_text,
             kv_block_ids=parent.seqs[0].pinned_block_ids,
+            kv_state_slot=parent.seqs[0].pinned_slot,
         )
 
     # ------------------------------------------------------------------ extras
@@ -592,3 +629,8 @@ class Engine:
         lt = compute_logprobs(torch.log_softmax(logits, dim=-1), torch.tensor(prompt_token_ids[1:]),
                               num_logprobs)
         return [None] + lt.tolists([num_logprobs] * (len(prompt_token_ids) - 1))
+
+
+def _held_slot_owner(request_id: str) -> str:
+    """State-slot owner name of a `hold_state` request's slot once the request itself is done."""
+    return f"held-state:{request_id}"

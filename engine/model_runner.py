@@ -56,7 +56,7 @@ class ModelRunner:
             self.reqs[new.req_id] = _RunnerReq(
                 slot=new.state_slot_id,
                 block_ids=list(new.block_ids),
-                state_start=new.num_computed_tokens,
+                state_start=new.num_computed_tokens if new.state_start is None else new.state_start,
                 num_frozen_tokens=num_hit_tokens.get(new.req_id, 0),
             )
         for run in out.scheduled_running_reqs:

@@ -178,6 +178,10 @@ class Request:
     """Times the request was preempted."""
     error_message: str | None = None
     """Why the request finished with FINISHED_ERROR."""
+    imported_state_start: int | None = None
+    """Set when the request's bounded state was written from outside into the state slot it already
+    holds (prefill -> decode with the state sent): it is admitted on that slot with no bounded
+    replay, its sliding window valid from this position on. Cleared at admission."""
     all_token_ids: list[int] = field(init=False)
     """Prompt followed by the outputs so far (kept in sync by `append_output_token_ids`)."""
 
@@ -242,6 +246,9 @@ class NewRequestData:
     num_cached_tokens: int = 0
     """Prefix-hit (or imported) tokens whose compressed entries are already in `block_ids`; tokens
     from `num_computed_tokens` up to this are a bounded replay and must not rewrite those entries."""
+    state_start: int | None = None
+    """First position the slot's bounded state is valid from; None = `num_computed_tokens` (the
+    state is built from there). Set for requests whose state was imported."""
 
 
 @dataclass
@@ -467,7 +474,8 @@ class Scheduler:
         for req in candidates:
             if step.budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if self.state_slot_pool.num_free_slots == 0:
+            held_slot = self.state_slot_pool.get_slot_id(req.req_id)  # imported bounded state
+            if held_slot is None and self.state_slot_pool.num_free_slots == 0:
                 break
             if req.req_id in step.preempted_req_ids or req.num_output_placeholders:
                 continue  # just preempted, or a token of it is still being sampled
@@ -485,7 +493,7 @@ class Scheduler:
             else:
                 hit_block_ids, num_hit_tokens = kv.get_computed_blocks(req)
             num_replay = 0
-            if num_hit_tokens and self.replay_tokens_fn is not None:
+            if num_hit_tokens and self.replay_tokens_fn is not None and held_slot is None:
                 num_replay = min(max(int(self.replay_tokens_fn(num_hit_tokens)), 0), num_hit_tokens)
             num_computed = num_hit_tokens - num_replay
             num_remaining = req.num_tokens - num_computed
@@ -497,10 +505,11 @@ class Scheduler:
             is_resumed = req.status == RequestStatus.PREEMPTED
             req.num_computed_tokens = num_computed
             req.status = RequestStatus.RUNNING
-            slot_id = self.state_slot_pool.allocate(req.req_id)
+            slot_id = held_slot if held_slot is not None else self.state_slot_pool.allocate(req.req_id)
+            state_start, req.imported_state_start = req.imported_state_start, None
             self.running[req.req_id] = req
             admitted.add(req.req_id)
-            step.add_new(req, num_new, slot_id, is_resumed, kv.get_block_ids(req), num_hit_tokens)
+            step.add_new(req, num_new, slot_id, is_resumed, kv.get_block_ids(req), num_hit_tokens, state_start)
         if admitted:
             self.waiting = deque(r for r in self.waiting if r.req_id not in admitted)
 
@@ -512,7 +521,7 @@ class Scheduler:
             req = self.requests[req_id]
             start = req.num_computed_tokens
             if req_id in step.new_reqs:
-                slot_id, is_resumed, block_ids, num_cached = step.new_reqs[req_id]
+                slot_id, is_resumed, block_ids, num_cached, state_start = step.new_reqs[req_id]
                 out.scheduled_new_reqs.append(
                     NewRequestData(
                         req_id=req_id,
@@ -523,6 +532,7 @@ class Scheduler:
                         is_resumed=is_resumed,
                         sampling_params=req.sampling_params,
                         num_cached_tokens=num_cached,
+                        state_start=state_start,
                     )
                 )
             else:
@@ -655,10 +665,10 @@ class _StepBuilder:
 
     def add_new(
         self, req: Request, num_new_tokens: int, slot_id: int, is_resumed: bool, block_ids: list[int],
-        num_cached_tokens: int = 0,
+        num_cached_tokens: int = 0, state_start: int | None = None,
     ) -> None:
         self.num_tokens[req.req_id] = num_new_tokens
-        self.new_reqs[req.req_id] = (slot_id, is_resumed, block_ids, num_cached_tokens)
+        self.new_reqs[req.req_id] = (slot_id, is_resumed, block_ids, num_cached_tokens, state_start)
         self.budget -= num_new_tokens
 
     def unschedule(self, req_id: str) -> None:

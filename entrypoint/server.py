@@ -315,6 +315,8 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
             decode_instance_id=req.decode[0], agent_name=reserve.agent_name, agent_metadata=reserve.agent_metadata,
             agent_layout=reserve.agent_layout, block_ids=reserve.block_ids, block_size=reserve.block_size,
             transfer_id=reserve.transfer_id, lease_deadline_unix_ms=reserve.lease_deadline_unix_ms)
+        if reserve.HasField("state_slot"):
+            destination.state_slot = reserve.state_slot
         hashes = prompt_block_hashes(prompt, reserve.block_size)
         excluded = []
         for attempt in range(self.config.max_attempts):

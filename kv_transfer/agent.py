@@ -280,9 +280,10 @@ class KVTransferAgent:
         regions = {n: RegionLayout(**dict(r)) for n, r in layout.items()}
         for n, mine in self._regions.items():
             theirs = regions.get(n)
+            if theirs is None and mine.is_state:
+                continue  # a peer that rebuilds its state by replay: sends to it carry no slot
             if theirs is None:
-                hint = " (start both agents with the same send_state)" if mine.is_state else ""
-                raise ValueError(f"peer {name!r} has no region {n!r}{hint}; both sides must run the same model.")
+                raise ValueError(f"peer {name!r} has no region {n!r}; both sides must run the same model.")
             if (theirs.num_layers, theirs.unit_nbytes) != (mine.num_layers, mine.unit_nbytes):
                 raise ValueError(
                     f"peer {name!r} region {n!r} is {theirs.num_layers} layers x {theirs.unit_nbytes} B per unit, "
@@ -338,6 +339,8 @@ class KVTransferAgent:
         _check_ids(dst_block_ids, next(r for r in remote.values() if not r.is_state).num_units,
                    f"destination block (peer {peer!r})")
         if src_slot is not None:
+            if not any(r.is_state for r in remote.values()):
+                raise ValueError(f"peer {peer!r} registered no bounded-state regions (it rebuilds state by replay)")
             _check_ids([src_slot], self.cache.num_slots, "source slot")
             _check_ids([dst_slot], next(r for r in remote.values() if r.is_state).num_units,
                        f"destination slot (peer {peer!r})")

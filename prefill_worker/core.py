@@ -3,11 +3,12 @@
 No sockets: the gRPC shell (`server.py`) feeds `submit` and drains `step()`'s events. One
 request's life here:
 
-1. `submit(PrefillWork)`: the engine queues the prompt with `max_tokens=1` and `hold_kv=True`.
+1. `submit(PrefillWork)`: the engine queues the prompt with `max_tokens=1` and `hold_kv=True`
+   (plus `hold_state=True` when the destination names a state slot).
 2. `step()` runs engine steps; when the first token is sampled the request finishes in the engine
    but its blocks stay held, and the core posts one NIXL WRITE of those blocks into the decode
-   instance's reserved blocks (`KVTransferAgent.send_blocks`), the notification carrying the first
-   token.
+   instance's reserved blocks (`KVTransferAgent.send_blocks`), and the bounded state into its
+   reserved slot when it named one, the notification carrying the first token.
 3. When the agent reports the WRITE finished (or failed, or its lease ran out) the hold is dropped
    and a `PrefillDone` event (with the first token, or an error) is returned.
 """
@@ -37,6 +38,9 @@ class KVDestination:
     send_deadline: float | None = None
     """`time.monotonic()` after which the WRITE must neither start nor run (the decode lease minus a
     margin); caps `lease_s` at send time. None = only `lease_s` bounds it."""
+    state_slot: int | None = None
+    """The decode side's reserved bounded-state slot: the state after the prompt is written there
+    too (no replay on decode). None = decode rebuilds the state by bounded replay."""
 
 
 @dataclass
@@ -80,7 +84,12 @@ class PrefillCore:
     def submit(self, work: PrefillWork) -> None:
         """Queue a prefill; raises InvalidRequestError before any compute on bad input."""
         params = replace(work.params, max_tokens=1, min_tokens=0, n=1)
-        self.engine.add_request(work.request_id, {"prompt_token_ids": work.prompt_token_ids}, params, hold_kv=True)
+        with_state = work.destination.state_slot is not None
+        if with_state and not self.agent.send_state:
+            raise ValueError("the destination wants the bounded state but this instance's agent does not "
+                             "register it (KVTransferAgent(send_state=True))")
+        self.engine.add_request(work.request_id, {"prompt_token_ids": work.prompt_token_ids}, params,
+                                hold_kv=True, hold_state=with_state)
         self._reqs[work.request_id] = _Inflight(work)
 
     def abort(self, request_id: str) -> None:
@@ -128,8 +137,11 @@ class PrefillCore:
                         continue
                 notify = json.dumps({"first_token_id": inflight.first_token_id}).encode()
                 try:
+                    slots = {}
+                    if dest.state_slot is not None:
+                        slots = {"src_slot": out.kv_state_slot, "dst_slot": dest.state_slot}
                     inflight.num_bytes = self.agent.send_blocks(dest.transfer_id, dest.peer, src, dest.block_ids,
-                                                                notify, lease_s=lease_s)
+                                                                notify, lease_s=lease_s, **slots)
                 except ValueError as e:
                     done.append(PrefillDone(out.request_id, error=f"KV transfer refused: {e}"))
                     self._finish(out.request_id)

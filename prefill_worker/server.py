@@ -88,7 +88,9 @@ class PrefillWorker:
         self.instance_id = config.instance_id or f"prefill-{uuid.uuid4().hex[:8]}"
         self.agent_name = config.agent_name or self.instance_id
         self.engine = Engine(config.engine_config())
-        self.agent = KVTransferAgent(self.agent_name, self.engine.cache,
+        # NOTE: the state regions are always registered, so this instance serves decode instances of
+        # either bounded-state mode; each destination says whether it wants the state.
+        self.agent = KVTransferAgent(self.agent_name, self.engine.cache, send_state=True,
                                      ucx_env=LOOPBACK_UCX_ENV if config.loopback_ucx else None)
         self.core = PrefillCore(self.engine, self.agent)
         self.block_size = self.engine.kv_manager.block_pool.block_size
@@ -339,7 +341,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 raise _Refused(common_pb2.ERROR_CODE_DEADLINE_EXCEEDED,
                                "the decode reservation's lease has (almost) run out; reserve again")
             send_deadline = time.monotonic() + lease_s
-        destination = KVDestination(dest.agent_name, list(dest.block_ids), dest.transfer_id, lease_s, send_deadline)
+        destination = KVDestination(dest.agent_name, list(dest.block_ids), dest.transfer_id, lease_s, send_deadline,
+                                    dest.state_slot if dest.HasField("state_slot") else None)
         work = PrefillWork(request.request_id, list(request.prompt_token_ids), params, destination)
         return work, bytes(dest.agent_metadata), bytes(dest.agent_layout)
 

@@ -28,7 +28,7 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageRef, _Mapping]]] = ..., num_kv_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("request_id", "agent_name", "agent_metadata", "block_ids", "block_size", "transfer_id", "lease_deadline_unix_ms", "error", "agent_layout")
+    __slots__ = ("request_id", "agent_name", "agent_metadata", "block_ids", "block_size", "transfer_id", "lease_deadline_unix_ms", "error", "agent_layout", "state_slot")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class ReserveResponse(_message.Message):
     LEASE_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     AGENT_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     agent_name: str
     agent_metadata: bytes
@@ -47,7 +48,8 @@ class ReserveResponse(_message.Message):
     lease_deadline_unix_ms: int
     error: _common_pb2.Error
     agent_layout: bytes
-    def __init__(self, request_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., transfer_id: _Optional[str] = ..., lease_deadline_unix_ms: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., agent_layout: _Optional[bytes] = ...) -> None: ...
+    state_slot: int
+    def __init__(self, request_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., transfer_id: _Optional[str] = ..., lease_deadline_unix_ms: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., agent_layout: _Optional[bytes] = ..., state_slot: _Optional[int] = ...) -> None: ...
 
 class StartRequest(_message.Message):
     __slots__ = ("request_id", "transfer_id", "first_token_id", "first_token_logprobs", "num_cached_prompt_tokens")

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVDestination(_message.Message):
-    __slots__ = ("decode_instance_id", "agent_name", "agent_metadata", "block_ids", "block_size", "transfer_id", "lease_deadline_unix_ms", "agent_layout")
+    __slots__ = ("decode_instance_id", "agent_name", "agent_metadata", "block_ids", "block_size", "transfer_id", "lease_deadline_unix_ms", "agent_layout", "state_slot")
     DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class KVDestination(_message.Message):
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     AGENT_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
     decode_instance_id: str
     agent_name: str
     agent_metadata: bytes
@@ -25,7 +26,8 @@ class KVDestination(_message.Message):
     transfer_id: str
     lease_deadline_unix_ms: int
     agent_layout: bytes
-    def __init__(self, decode_instance_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., transfer_id: _Optional[str] = ..., lease_deadline_unix_ms: _Optional[int] = ..., agent_layout: _Optional[bytes] = ...) -> None: ...
+    state_slot: int
+    def __init__(self, decode_instance_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., transfer_id: _Optional[str] = ..., lease_deadline_unix_ms: _Optional[int] = ..., agent_layout: _Optional[bytes] = ..., state_slot: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "images", "destination", "num_kv_tokens", "priority", "deadline_ms")

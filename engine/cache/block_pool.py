@@ -533,6 +533,14 @@ class StateSlotPool:
         self._req_to_slot_id[req_id] = slot_id
         return slot_id
 
+    def transfer(self, req_id: str, new_owner: str) -> int:
+        """Hand `req_id`'s slot to `new_owner` (e.g. a hold outliving the request); returns its id."""
+        if new_owner in self._req_to_slot_id:
+            raise ValueError(f"{new_owner} already holds slot {self._req_to_slot_id[new_owner]}")
+        slot_id = self._req_to_slot_id.pop(req_id)
+        self._req_to_slot_id[new_owner] = slot_id
+        return slot_id
+
     def get_slot_id(self, req_id: str) -> int | None:
         """The slot `req_id` holds, if any."""
         return self._req_to_slot_id.get(req_id)

@@ -1,5 +1,7 @@
 """Prefill and decode cores on separate engines, KV moved by NIXL (two agents in one process):
-greedy and seeded outputs equal the offline engine's, token for token."""
+greedy and seeded outputs equal the offline engine's, token for token, in both bounded-state
+modes: decode rebuilding the state by bounded replay, or the prefill sending it into a reserved slot.
+The prefill agent registers its state in both; the replay-mode decode agent does not."""
 
 from __future__ import annotations
 
@@ -19,14 +21,19 @@ pytest.importorskip("nixl")
 
 
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory):
-    path = str(make_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny", seed=5))
+def checkpoint(tmp_path_factory):
+    return str(make_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny", seed=5))
+
+
+@pytest.fixture(scope="module", params=["replay", "send"])
+def pd(request, checkpoint):
+    path, mode = checkpoint, request.param
     p_eng = Engine(EngineConfig(model=path, max_num_seqs=8))
     d_eng = Engine(EngineConfig(model=path, max_num_seqs=8))
-    p_agent = KVTransferAgent("prefill-0", p_eng.cache, ucx_env=LOOPBACK_UCX_ENV)
-    d_agent = KVTransferAgent("decode-0", d_eng.cache, ucx_env=LOOPBACK_UCX_ENV)
-    p_agent.add_peer("decode-0", d_agent.metadata(), d_agent.pool_layout())
-    yield path, PrefillCore(p_eng, p_agent), DecodeCore(d_eng, d_agent, "decode-0")
+    p_agent = KVTransferAgent(f"prefill-{mode}", p_eng.cache, ucx_env=LOOPBACK_UCX_ENV, send_state=True)
+    d_agent = KVTransferAgent(f"decode-{mode}", d_eng.cache, ucx_env=LOOPBACK_UCX_ENV, send_state=mode == "send")
+    p_agent.add_peer(f"decode-{mode}", d_agent.metadata(), d_agent.pool_layout())
+    yield path, PrefillCore(p_eng, p_agent), DecodeCore(d_eng, d_agent, f"decode-{mode}")
     p_agent.close()
     d_agent.close()
 
@@ -35,7 +42,8 @@ def _run(prefill: PrefillCore, decode: DecodeCore, requests, timeout_s: float = 
     """Drive the P/D handshake the way the entrypoint will: reserve on D, prefill on P, start D."""
     for rid, prompt, params in requests:
         res = decode.reserve(rid, prompt, params, lease_s=60.0)
-        prefill.submit(PrefillWork(rid, prompt, params, KVDestination(res.peer, res.block_ids, res.transfer_id, 30.0)))
+        dest = KVDestination(res.peer, res.block_ids, res.transfer_id, 30.0, state_slot=res.state_slot)
+        prefill.submit(PrefillWork(rid, prompt, params, dest))
     outs, firsts, errors = {}, {}, {}
     deadline = time.monotonic() + timeout_s
     while len(outs) + len(errors) < len(requests):
@@ -64,6 +72,7 @@ def test_disaggregated_equals_offline(pd):
               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=1.0, top_k=20, seed=3, max_tokens=9, ignore_eos=True)]
     ref = LLM(path).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    tokens_before = decode.engine.timings["tokens"]
     outs, firsts, errors = _run(prefill, decode, [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))])
     assert not errors
     for i, r in enumerate(ref):
@@ -71,17 +80,29 @@ def test_disaggregated_equals_offline(pd):
         assert got.token_ids == r.outputs[0].token_ids, f"request {i}"
         assert got.token_ids[0] == firsts[f"r{i}"]
         assert got.finish_reason == r.outputs[0].finish_reason
+    decode_tokens = sum(len(o.outputs[0].token_ids) - 1 for o in ref)  # the first comes from prefill
+    computed = decode.engine.timings["tokens"] - tokens_before
+    if decode.agent.send_state:
+        assert computed == decode_tokens  # no replay
+    else:
+        assert computed > decode_tokens  # bounded replay of each prompt's tail
     stats = prefill.agent.stats()
     assert stats["kv_transfer_sends_done_total"] >= len(prompts)
     # nothing stranded on either side
     assert prefill.engine.kv_manager.num_free_blocks == prefill.engine.kv_manager.num_blocks
     assert decode.engine.kv_manager.num_free_blocks == decode.engine.kv_manager.num_blocks
     assert prefill.engine.slots.num_free_slots == prefill.engine.config.max_num_seqs
+    assert decode.engine.slots.num_free_slots == decode.engine.config.max_num_seqs
+    d_stats = decode.agent.stats()
+    if decode.agent.send_state:  # the state moved with the KV: each transfer also carried one slot
+        state_bytes = sum(t.numel() * t.element_size() for t in decode.engine.cache.state_tensors().values())
+        assert d_stats["kv_transfer_received_bytes_total"] >= len(prompts) * state_bytes // decode.engine.cache.num_slots
 
 
 def test_decode_lease_expires_when_prefill_never_sends(pd):
     _, _, decode = pd
     decode.reserve("lost", [5, 6, 7, 8, 9], SamplingParams(max_tokens=4), lease_s=0.3)
+    assert (decode.engine.slots.num_free_slots < decode.engine.config.max_num_seqs) == decode.agent.send_state
     deadline = time.monotonic() + 10
     failed = []
     while not failed:
@@ -89,3 +110,4 @@ def test_decode_lease_expires_when_prefill_never_sends(pd):
         failed = [e for e in decode.step() if isinstance(e, DecodeFailed)]
     assert failed[0].request_id == "lost"
     assert decode.engine.kv_manager.num_free_blocks == decode.engine.kv_manager.num_blocks
+    assert decode.engine.slots.num_free_slots == decode.engine.config.max_num_seqs
