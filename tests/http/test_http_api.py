@@ -414,3 +414,27 @@ def test_concurrent_streams_are_independent(oai, model_name):
     for t in threads:
         t.join()
     assert all(r is not None and r.usage.completion_tokens <= 3 for r in results)
+
+
+def test_unreachable_entrypoint_answers_503_with_retry_after(tmp_path, default_model_dir):
+    """A front whose token entrypoint is gone: 503 + Retry-After in each API's shape, /health 503."""
+    import subprocess
+    import sys
+
+    from tests.http.cluster import ROOT
+
+    proc = subprocess.Popen([sys.executable, "-m", "entrypoint.http", "--entrypoint", "127.0.0.1:9", "--port", "0",
+                             "--model", str(default_model_dir)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=open(tmp_path / "http.err", "w"), text=True)
+    try:
+        url = json.loads(proc.stdout.readline())["address"]
+        body = {"model": default_model_dir.name, "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
+        resp = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+        assert _openai_error(resp, 503)["type"] == "service_unavailable_error"
+        assert resp.headers["retry-after"] == "1" and "127.0.0.1:9" not in resp.text  # no internals
+        assert _anthropic_error(httpx.post(url + "/v1/messages", json=body, timeout=30), 503)["type"] == \
+            "overloaded_error"
+        assert httpx.get(url + "/health", timeout=30).status_code == 503
+    finally:
+        proc.terminate()
+        proc.wait(10)
