@@ -10,6 +10,10 @@ Separate `deepinfer` invocations find it by name (`<cluster name>-controller` in
   and exit — before their actor and placement group go. No accepted request fails.
 * `status()`: per instance its balancer view (health, load, cache use) and its `Health` stats.
 * `down()`: stops everything, front to back.
+
+Ray restarts every role that crashes: a worker comes back on a new port and registers again; a
+balancer or the entrypoint comes back on its old address (they run on the controller's node, on a
+port fixed at `up`), and the workers' heartbeats register them again.
 """
 
 from __future__ import annotations
@@ -19,12 +23,13 @@ import dataclasses
 import importlib.util
 import json
 import logging
+import socket
 import threading
 
 import grpc
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from deploy.actors import ProcessActor, ServiceActor
 from deploy.config import STAGES, ClusterConfig, InstanceGroup
@@ -91,16 +96,12 @@ class ClusterController:
                 self.config = self.config.model_copy(update={"model": str(default_model_path())})
             c = self.config
             for role in ("prefill_lb", "decode_lb"):
-                self._roles[role] = ServiceActor.options(num_cpus=0, max_concurrency=4, namespace=NAMESPACE,
-                                                         name=f"{c.name}-{role}").remote(
-                    role, c.role_config(role).model_dump())
+                self._start_front_role(role, c.role_config(role))
             infos = self._wait_roles(["prefill_lb", "decode_lb"])
             self.addresses.update({role: info["address"] for role, info in infos.items()})
             self._start_instances([(s, g) for s in STAGES for g in c.stage(s).groups for _ in range(g.num_instances)])
-            entry = c.role_config("entrypoint", lb_addresses=(self.addresses["prefill_lb"], self.addresses["decode_lb"]))
-            self._roles["entrypoint"] = ServiceActor.options(num_cpus=0, max_concurrency=4, namespace=NAMESPACE,
-                                                             name=f"{c.name}-entrypoint").remote(
-                "entrypoint", entry.model_dump())
+            self._start_front_role("entrypoint", c.role_config(
+                "entrypoint", lb_addresses=(self.addresses["prefill_lb"], self.addresses["decode_lb"])))
             self.addresses["entrypoint"] = self._wait_roles(["entrypoint"])["entrypoint"]["address"]
             if c.http.enabled and _has_module("entrypoint.http.__main__"):
                 args = ["--entrypoint", self.addresses["entrypoint"], "--host", c.http.host, "--port", str(c.http.port)]
@@ -235,6 +236,19 @@ class ClusterController:
 
     # ------------------------------------------------------------------ helpers
 
+    def _start_front_role(self, role: str, config) -> None:
+        """Start a balancer or the entrypoint on this controller's node, on a fixed port.
+
+        NOTE: others hold its address, so a restart must come back on the same one: an ephemeral
+        port is picked here, once, and the actor (restarted by Ray like the workers) binds it each time.
+        """
+        if config.port == 0:
+            config = config.model_copy(update={"port": _free_port(config.host)})
+        node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self._roles[role] = ServiceActor.options(
+            num_cpus=0, max_concurrency=4, max_restarts=-1, namespace=NAMESPACE, name=f"{self.config.name}-{role}",
+            scheduling_strategy=node).remote(role, config.model_dump())
+
     def _start_instances(self, wanted: list[tuple[str, InstanceGroup]]) -> None:
         """Blocks until each wanted instance serves and is registered with its balancer."""
         c = self.config
@@ -302,6 +316,13 @@ class ClusterController:
     @staticmethod
     def _index_of(instance_id: str) -> int:
         return int(instance_id.rsplit("-", 1)[1])
+
+
+def _free_port(host: str) -> int:
+    """A TCP port free on this node right now (bound and released)."""
+    with socket.socket() as sock:
+        sock.bind(("" if host in ("0.0.0.0", "::") else host, 0))
+        return sock.getsockname()[1]
 
 
 def _has_module(name: str) -> bool:

@@ -5,8 +5,10 @@ process, in its own placement group), both balancers and the entrypoint. Checked
 greedy requests equal the offline engine token for token and the NIXL counters equal the prompts'
 compressed-KV bytes; the CLI finds the cluster (`status`, `generate --entrypoint`); SIGKILL of a
 decode and of a prefill worker mid-request fails only that worker's requests with a clear error,
-the balancer drops it, Ray restarts it, it rejoins, and the survivors' pools return to idle; live
-scaling decode 2 -> 3 -> 1 and prefill 2 -> 1 while requests flow fails no request.
+the balancer drops it, Ray restarts it, it rejoins, and the survivors' pools return to idle; a
+SIGKILLed balancer comes back on its address and the workers register again; live scaling decode
+2 -> 3 -> 1 and prefill 2 -> 1 while requests flow fails no request. `deepinfer up --address
+--detach` / `status` / `generate` / `down` run against the same Ray cluster.
 """
 
 from __future__ import annotations
@@ -366,6 +368,22 @@ def test_sigkill_prefill_mid_request(cluster):
               and cluster.listed("prefill")["prefill-0"].address == after["address"])
     _wait_for("the pools back to idle", lambda: _idle(cluster))
     _wait_for("the restarted prefill-0 serving requests", lambda: _serves(cluster, "prefill", after["address"]))
+
+
+def test_sigkill_balancer_comes_back_on_its_address(cluster):
+    before = cluster.actor_info("decode_lb")
+    os.kill(before["pid"], signal.SIGKILL)
+    after = cluster.actor_info("decode_lb")
+    assert after["is_restarted"] and after["pid"] != before["pid"]
+    assert after["address"] == before["address"] == cluster.addresses["decode_lb"]
+    # the workers' heartbeats find it empty and register again
+    _wait_for("both decode instances registered again", lambda: sorted(cluster.listed("decode")) == [
+        "decode-0", "decode-1"])
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda i: cluster.client.generate(
+            cluster.prompts[i], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True), range(4)))
+    for i, out in enumerate(outs):
+        cluster.check(i, out)
 
 
 def test_scaling_while_requests_flow(cluster):
