@@ -297,6 +297,8 @@ def test_bad_input_battery(http, cluster, oai, model_name):
     assert "not allowed" in _anthropic_error(http.post("/v1/messages", json=messages_image), 400)["message"]
     big = {**ok, "messages": [{"role": "user", "content": "x" * (MAX_BODY_BYTES + 10)}]}
     assert _openai_error(http.post(chat, json=big), 413)["code"] == "request_too_large"
+    chunked = (b"x" * 65536 for _ in range(MAX_BODY_BYTES // 65536 + 2))  # no Content-Length: counted as read
+    assert _openai_error(http.post(chat, content=chunked), 413)["code"] == "request_too_large"
     # API keys: missing, wrong, and the Anthropic header
     assert _openai_error(httpx.post(cluster.http_url + chat, json=ok), 401)["code"] == "invalid_api_key"
     _openai_error(httpx.post(cluster.http_url + chat, json=ok, headers={"Authorization": "Bearer wrong"}), 401)
