@@ -103,3 +103,26 @@ def test_length_finish(front):
     out, _ = _run(front, CHAT, body, _deltas(ids, 2, common_pb2.FINISH_REASON_LENGTH))
     assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == len(ids)
     assert recipe.ChatCompletionResponse.sse_done_data() == "[DONE]"
+
+
+def test_prepare_thinking_effort_json_and_max_tokens(front):
+    def prepare(**extra):
+        body = {"model": "m", "messages": [{"role": "user", "content": "Give me json for 37 + 48"}], **extra}
+        return front.prepare(CHAT, json.dumps(body).encode())
+
+    thinking, plain = prepare(), prepare(thinking={"type": "disabled"})
+    end_think = front.tokenizer.encode("</think>")
+    assert plain.prompt_token_ids[-len(end_think):] == end_think  # non-thinking prompts close the think block
+    assert thinking.prompt_token_ids[-1:] == front.tokenizer.encode("<think>")
+    # unset max_tokens: recipe's default, lowered to the context left (4096 here)
+    assert thinking.max_tokens == 4096 - len(thinking.prompt_token_ids)
+    assert prepare(max_tokens=7).max_tokens == 7
+    assert len(prepare(reasoning_effort="max").prompt_token_ids) > len(prepare(reasoning_effort="high").prompt_token_ids)
+    json_mode = prepare(response_format={"type": "json_object"}, thinking={"type": "disabled"})
+    assert json_mode.request.parsing_options.parse_json_output
+    params = prepare(temperature=0.3, top_p=0.5, seed=11, thinking={"type": "disabled"}).sampling_params()
+    assert (params.temperature, params.top_p, params.seed) == (pytest.approx(0.3), pytest.approx(0.5), 11)
+    assert not params.stop  # stop sequences stay with recipe's parser
+    assert thinking.sampling_params().temperature == 1.0  # recipe: thinking mode samples at 1.0
+    assert front.prepare(CHAT, json.dumps({"model": "DeepSeek-V4-Pro", "messages": [
+        {"role": "user", "content": "x"}]}).encode()).model == "DeepSeek-V4-Pro"  # recipe's names are aliases
