@@ -126,3 +126,16 @@ def test_prepare_thinking_effort_json_and_max_tokens(front):
     assert thinking.sampling_params().temperature == 1.0  # recipe: thinking mode samples at 1.0
     assert front.prepare(CHAT, json.dumps({"model": "DeepSeek-V4-Pro", "messages": [
         {"role": "user", "content": "x"}]}).encode()).model == "DeepSeek-V4-Pro"  # recipe's names are aliases
+
+
+def test_chat_encoding_is_read_from_the_checkpoint_config(tmp_path):
+    from entrypoint.http.conversion import chat_encoding
+
+    config = tmp_path / "config.json"
+    for content, expected in (({}, "v4"), ({"chat_encoding": "v4.1"}, "v4.1"),
+                              ({"deepinfer": {"chat_encoding": "v4.1"}}, "v4.1")):
+        config.write_text(json.dumps(content))
+        assert chat_encoding(tmp_path) == expected
+    config.write_text(json.dumps({"chat_encoding": "v5"}))
+    with pytest.raises(ValueError, match="v5"):
+        chat_encoding(tmp_path)
