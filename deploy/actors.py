@@ -171,9 +171,9 @@ def _accepts(host: str, port: int) -> bool:
 
 
 def _log_dir() -> str:
-    try:
-        return ray.get_runtime_context().get_node_logs_dir()  # type: ignore[attr-defined]
-    except Exception:
-        import tempfile
+    """Where child processes write their output: `$TMPDIR/deepinfer-logs` on the actor's node."""
+    import tempfile
 
-        return tempfile.gettempdir()
+    path = os.path.join(tempfile.gettempdir(), "deepinfer-logs")
+    os.makedirs(path, exist_ok=True)
+    return path
