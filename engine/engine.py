@@ -409,12 +409,24 @@ class Engine:
             return None, list(prompt)
         raise InvalidRequestError(f"unsupported prompt type {type(prompt).__name__}", field="prompt")
 
-    def abort_request(self, request_id: str) -> bool:
-        """Abort a request (all its sequences) wherever it is; frees its blocks and slot."""
+    def abort_request(self, request_id: str, *, hold_as: str | None = None) -> bool:
+        """Abort a request (all its sequences) wherever it is; frees its blocks and slot.
+
+        `hold_as`: keep the first sequence's blocks and state slot out of circulation under that
+        key until `release_kv(hold_as)` (e.g. a reservation a remote WRITE may still land in).
+        """
         self.release_kv(request_id)
         parent = self._parents.pop(request_id, None)
         if parent is None:
             return False
+        first = parent.seqs[0].req
+        if hold_as is not None and first is not None:
+            ids = list(self.kv_manager.get_block_ids(first))
+            if ids:
+                self.kv_manager.block_pool.touch(ids)
+                self._pinned[hold_as] = ids
+            if self.slots.get_slot_id(first.req_id) is not None:
+                self.slots.transfer(first.req_id, _held_slot_owner(hold_as))
         for seq in parent.seqs:
             if seq.req is not None:
                 if self._held.pop(seq.req.req_id, None) is not None:

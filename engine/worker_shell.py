@@ -24,6 +24,17 @@ import grpc
 
 from protos import loadbalancer_pb2, loadbalancer_pb2_grpc
 
+MAX_DEADLINE_S = (2**32 - 1) / 1000
+"""The longest deadline a stage call carries (`deadline_ms` fields are uint32 ms); longer = none."""
+
+
+def call_time_remaining(context: grpc.ServicerContext) -> float | None:
+    """Seconds left of a gRPC call's deadline; None when the caller set none (gRPC then reports a
+    huge value that overflows timers and uint32 fields)."""
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining >= MAX_DEADLINE_S else remaining
+
+
 STATS_METADATA_KEY = "deepinfer-stats-json"
 """Trailing-metadata key of `Health`: the instance's load and kv_transfer counters as one JSON object."""
 

@@ -45,6 +45,7 @@ from engine.cache.block_pool import hash_block_tokens
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams
+from engine.worker_shell import MAX_DEADLINE_S, call_time_remaining
 from entrypoint.config import EntrypointConfig
 from protos import (
     common_pb2,
@@ -239,7 +240,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
             validate_request(request, self.vocab_size, self.max_model_len)
         except InvalidRequestError as e:
             _abort_call(context, _Failed(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field or ""))
-        timeouts = [t for t in (request.deadline_ms / 1000 or None, context.time_remaining()) if t is not None]
+        timeouts = [t for t in (request.deadline_ms / 1000 or None, call_time_remaining(context)) if t is not None]
         deadline = time.monotonic() + min(timeouts) if timeouts else None
         req = _Request(rid)
         with self._lock:
@@ -277,7 +278,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         req.usage.prompt_tokens = len(prompt)
 
         def deadline_ms() -> int:
-            return 0 if deadline is None else max(1, int((deadline - time.monotonic()) * 1000))
+            return 0 if deadline is None else min(max(1, int((deadline - time.monotonic()) * 1000)), int(MAX_DEADLINE_S * 1000))
 
         reserve, d_stub = None, None
         excluded: list[str] = []

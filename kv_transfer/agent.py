@@ -406,6 +406,11 @@ class KVTransferAgent:
         """
         return self._expects.pop(transfer_id, None) is not None
 
+    def notification_arrived(self, transfer_id: str) -> bool:
+        """Whether the sender's completion notification of `transfer_id` came without an `expect`
+        claiming it (e.g. after `cancel_expect`): its bytes have landed, nothing more will."""
+        return transfer_id in self._arrived
+
     # ------------------------------------------------------------------ progress
 
     def poll(self) -> KVTransferEvents:

@@ -42,7 +42,7 @@ import grpc
 
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
-from engine.worker_shell import STATS_METADATA_KEY, Aborted, EngineLoop, LoadReporter, LoopMode
+from engine.worker_shell import STATS_METADATA_KEY, Aborted, EngineLoop, LoadReporter, LoopMode, call_time_remaining
 from kv_transfer import LOOPBACK_UCX_ENV, KVTransferAgent
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.core import KVDestination, PrefillCore, PrefillDone, PrefillWork
@@ -293,7 +293,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         task = w.loop.post(partial(w._admit, work, metadata, layout, fut))
         task.add_done_callback(lambda t: t.exception() is None or fut.done() or fut.set_exception(t.exception()))
         context.add_callback(lambda: fut.done() or w.loop.post(partial(w._abort, rid, "prefill call ended")))
-        timeouts = [t for t in (context.time_remaining(), request.deadline_ms / 1000 or None) if t is not None]
+        timeouts = [t for t in (call_time_remaining(context), request.deadline_ms / 1000 or None) if t is not None]
         try:
             done: PrefillDone = fut.result(min(timeouts) if timeouts else None)
         except concurrent.futures.TimeoutError:

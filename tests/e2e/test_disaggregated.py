@@ -251,6 +251,13 @@ def test_deadline_aborts_the_request(cluster):
     _wait_for("blocks freed after the deadline", lambda: _blocks_freed(cluster))
 
 
+def test_call_without_a_deadline_is_served(cluster):
+    """A Generate call with no gRPC deadline (gRPC reports a huge remaining time) runs normally."""
+    with Client(cluster.info["entrypoint"]["address"]) as client:  # no timeout_s: no deadline
+        out = client.generate([5, 6, 7], max_tokens=3, temperature=0.0, ignore_eos=True)
+    assert len(out["token_ids"]) == 3 and out["finish_reason"] == "length"
+
+
 def test_drained_decode_stage_answers_unavailable(cluster):
     """Last: drains the only decode instance (the process exits) and checks the UNAVAILABLE answer."""
     reply = cluster.stub("decode").Drain(common_pb2.DrainRequest(timeout_ms=5000), timeout=RPC_TIMEOUT_S)
@@ -260,3 +267,4 @@ def test_drained_decode_stage_answers_unavailable(cluster):
         cluster.client.generate([5, 6, 7], max_tokens=2)
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
     assert "decode" in e.value.message
+

@@ -109,5 +109,35 @@ def test_decode_lease_expires_when_prefill_never_sends(pd):
         assert time.monotonic() < deadline
         failed = [e for e in decode.step() if isinstance(e, DecodeFailed)]
     assert failed[0].request_id == "lost"
+    # held a short margin past the lease (a WRITE from a prefill with a skewed clock), then freed
+    assert decode.num_quarantined == 1
+    while decode.num_quarantined:
+        assert time.monotonic() < deadline
+        decode.step()
+        time.sleep(0.05)
     assert decode.engine.kv_manager.num_free_blocks == decode.engine.kv_manager.num_blocks
     assert decode.engine.slots.num_free_slots == decode.engine.config.max_num_seqs
+
+
+def test_abort_before_kv_arrives_keeps_blocks_until_the_write_landed(pd):
+    """Decode aborts a reservation the prefill is about to write into: the blocks (and slot) stay out
+    of circulation until the WRITE's notification arrives, then are freed; nothing stranded."""
+    _, prefill, decode = pd
+    prompt = list(range(3, 80))
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    res = decode.reserve("late", prompt, params, lease_s=60.0)
+    prefill.submit(PrefillWork("late", prompt, params,
+                               KVDestination(res.peer, res.block_ids, res.transfer_id, 30.0, state_slot=res.state_slot)))
+    decode.abort("late")
+    total = decode.engine.kv_manager.num_blocks
+    assert decode.num_quarantined == 1
+    assert decode.engine.kv_manager.num_free_blocks == total - len(res.block_ids)
+    deadline = time.monotonic() + 30
+    sent = False
+    while not sent or decode.num_quarantined:
+        assert time.monotonic() < deadline, "the quarantine was not lifted by the WRITE's notification"
+        sent |= any(d.request_id == "late" and d.error is None for d in prefill.step())
+        decode.step()
+    assert decode.engine.kv_manager.num_free_blocks == total
+    assert decode.engine.slots.num_free_slots == decode.engine.config.max_num_seqs
+    assert prefill.engine.kv_manager.num_free_blocks == prefill.engine.kv_manager.num_blocks
