@@ -160,7 +160,7 @@ def _cmd_up(args, parser) -> int:
     needed = sum(g.num_instances * g.num_ranks * g.resources_per_rank.get("CPU", 0)
                  for s in ("prefill", "decode") for g in config.stage(s).groups)
     num_cpus = args.num_cpus or max(os.cpu_count() or 1, 2 * int(needed + 0.999), 8)
-    started_ray = connect_ray(args.address, num_cpus=num_cpus)
+    started_ray = connect_ray(args.address, num_cpus=num_cpus, resources=args.resources)
     controller = start_cluster(config)
     stopped = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -255,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--model", default=None, help="checkpoint directory (overrides the config's model)")
     up.add_argument("--detach", action="store_true", help="return once up (needs --address); `deepinfer down` stops it")
     up.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of a local Ray cluster")
+    up.add_argument("--resources", type=json.loads, default=None,
+                    help='custom resources of a local Ray cluster (JSON), e.g. \'{"datacenter_dc-a": 100}\'')
     status = sub.add_parser("status", help="instances per stage: state, health, load, KV cache use")
     _add_ray_args(status)
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")

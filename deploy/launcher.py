@@ -58,11 +58,12 @@ def remove_state(cluster_name: str | None = None) -> None:
         state_path().unlink(missing_ok=True)
 
 
-def connect_ray(address: str | None, *, num_cpus: int | None = None) -> bool:
+def connect_ray(address: str | None, *, num_cpus: int | None = None, resources: dict[str, float] | None = None) -> bool:
     """Connect this process to Ray; True if it started a local cluster (which dies with this process).
 
-    `address` None starts a local single-node cluster (`num_cpus` logical CPUs);
-    "auto" or "host:port" joins a running one.
+    `address` None starts a local single-node cluster (`num_cpus` logical CPUs, custom `resources`
+    such as {"datacenter_dc-a": 100} to place datacenter-labelled groups on it); "auto" or
+    "host:port" joins a running one.
     """
     if ray.is_initialized():
         return False
@@ -71,7 +72,7 @@ def connect_ray(address: str | None, *, num_cpus: int | None = None) -> bool:
         # NOTE: Ray's own GCS/raylet use the node's IP (Ray maps 127.0.0.1 to it); every deepinfer
         # server binds the config's `host`. Actors get their own processes, so idle prestarted task
         # workers would only cost memory.
-        ray.init(num_cpus=num_cpus,
+        ray.init(num_cpus=num_cpus, resources=resources,
                  _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False},
                  **kwargs)
         return True

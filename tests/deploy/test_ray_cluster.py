@@ -1,7 +1,8 @@
 """The Ray launcher end to end on this machine: one local Ray cluster (loopback) for the module.
 
 `deepinfer`'s controller launches 2 prefill + 2 decode instances (each a Ray actor in its own OS
-process, in its own placement group), both balancers and the entrypoint. Checked: 32 concurrent
+process, in its own placement group; the prefill group labelled datacenter dc-a, a custom resource of
+the node), both balancers and the entrypoint. Checked: 32 concurrent
 greedy requests equal the offline engine token for token and the NIXL counters equal the prompts'
 compressed-KV bytes; the CLI finds the cluster (`status`, `generate --entrypoint`); SIGKILL of a
 decode and of a prefill worker mid-request fails only that worker's requests with a clear error,
@@ -24,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 # NOTE: deploy first: it picks Ray's token-auth mode before ray is imported (deploy/__init__.py)
-from deploy.config import ClusterConfig  # isort: skip
+from deploy.config import ClusterConfig, datacenter_resource  # isort: skip
 from deploy.controller import NAMESPACE  # isort: skip
 from deploy.launcher import connect_ray, start_cluster, stop_cluster  # isort: skip
 
@@ -134,14 +135,15 @@ def cluster(tmp_path_factory):
     config = ClusterConfig.model_validate({
         "name": CLUSTER_NAME, "model": ckpt,
         "prefill": {"balancer": {"policy": "prefix_aware", "heartbeat_timeout_s": 2.0},
-                    "worker": {"max_num_seqs": 8, "num_blocks": 256}, "groups": [{"num_instances": 2}]},
+                    "worker": {"max_num_seqs": 8, "num_blocks": 256},
+                    "groups": [{"num_instances": 2, "datacenter": "dc-a"}]},
         "decode": {"balancer": {"policy": "kv_load", "heartbeat_timeout_s": 2.0},
                    "worker": {"max_num_seqs": 16, "num_blocks": 256}, "groups": [{"num_instances": 2}]},
         # a shorter KV lease than the default 30 s: quarantined blocks of a killed prefill's requests return sooner
         "entrypoint": {"max_attempts": 3, "kv_lease_ms": 15000}, "http": {"enabled": False},
     })
     assert not ray.is_initialized()
-    connect_ray(None, num_cpus=8)
+    connect_ray(None, num_cpus=8, resources={datacenter_resource("dc-a"): 100})  # the node is in dc-a
     controller = client = None
     try:
         controller = start_cluster(config)
@@ -162,6 +164,11 @@ def test_32_concurrent_requests_equal_offline_and_kv_moved_by_nixl(cluster):
     assert sorted(r["instance_id"] for r in rows) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
     assert len({r["pid"] for r in rows}) == 4 and os.getpid() not in {r["pid"] for r in rows}
     assert all(r["state"] == "serving" and r["is_healthy"] for r in rows), rows
+    # the prefill group's datacenter label: placed on a node with its resource, reported to the balancer
+    assert {r["instance_id"]: r["datacenter"] for r in rows if r["stage"] == "prefill"} == {
+        "prefill-0": "dc-a", "prefill-1": "dc-a"}
+    assert {i.datacenter for i in cluster.listed("prefill").values()} == {"dc-a"}
+    assert {i.datacenter for i in cluster.listed("decode").values()} == {""}
     p0, d0 = cluster.all_stats("prefill"), cluster.all_stats("decode")
 
     ids = list(range(32))
