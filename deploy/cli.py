@@ -73,7 +73,7 @@ def _run(args, prompts: list) -> int:
 
 
 REMOTE_TIMEOUT_S = 3600.0
-"""Longest a `generate` call on a cluster may take."""
+"""Longest a `generate` call on a cluster may take (a bound on a stuck cluster, not a speed target)."""
 
 
 def _print_result(prompt_token_ids: list[int], out: dict) -> None:
@@ -93,7 +93,6 @@ def _run_remote(args, address: str, prompts: list) -> int:
         return 2
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     t0 = time.perf_counter()
-    # NOTE: a finite call timeout; the entrypoint turns a call without one into an out-of-range deadline
     with Client(address, timeout_s=REMOTE_TIMEOUT_S) as client, ThreadPoolExecutor(min(32, len(prompts))) as pool:
         futures = [pool.submit(client.generate, p["prompt_token_ids"], **kwargs) for p in prompts]
         code = 0
