@@ -253,7 +253,12 @@ class EngineProcess:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_engine_child, args=(child, checkpoint, threads, engine_kwargs), daemon=True)
         self.proc.start()
-        tag, self.num_threads = self.conn.recv()
+        child.close()  # so that recv() raises EOFError once the child is gone
+        try:
+            tag, self.num_threads = self.conn.recv()
+        except EOFError:
+            self.proc.join(10)
+            raise RuntimeError(f"the engine process exited with {self.proc.exitcode} before it was ready") from None
         assert tag == "ready"
 
     def serve(self, requests: list[Request], timeout_s: float) -> list[Record]:
@@ -281,7 +286,7 @@ class LocalCluster:
     """Balancers, one prefill and one decode worker and the entrypoint, each `python -m ...` on loopback."""
 
     def __init__(self, checkpoint: str, engine_threads: int, worker_args: list[str], logdir: Path,
-                 ucx_tls: str | None = None) -> None:
+                 ucx_tls: str | None = None, bounded_state: str | None = None) -> None:
         self.logdir = logdir
         self.procs: dict[str, subprocess.Popen] = {}
         self.info: dict[str, dict] = {}
@@ -297,7 +302,8 @@ class LocalCluster:
             self._spawn("prefill", ["prefill_worker", "--lb-address", self.info["prefill_lb"]["address"],
                                     "--instance-id", "prefill-0", *common])
             self._spawn("decode", ["decode_worker", "--lb-address", self.info["decode_lb"]["address"],
-                                   "--instance-id", "decode-0", *common])
+                                   "--instance-id", "decode-0", *common,
+                                   *(["--bounded-state", bounded_state] if bounded_state else [])])
             max_len = worker_args[worker_args.index("--max-model-len") + 1]
             self._spawn("entrypoint", ["entrypoint", "--model", checkpoint, "--max-model-len", max_len,
                                        "--prefill-lb-address", self.info["prefill_lb"]["address"],
@@ -410,6 +416,8 @@ def direct_latencies(cluster: LocalCluster, prompts: list[list[int]]) -> dict:
                 decode_instance_id="decode-0", agent_name=r.agent_name, agent_metadata=r.agent_metadata,
                 agent_layout=r.agent_layout, block_ids=r.block_ids, block_size=r.block_size,
                 transfer_id=r.transfer_id, lease_deadline_unix_ms=r.lease_deadline_unix_ms)
+            if r.HasField("state_slot"):  # as the entrypoint does: the bounded state travels with the KV
+                dest.state_slot = r.state_slot
             pf = p.Prefill(prefill_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=sampling,
                                                       destination=dest, num_kv_tokens=len(prompt)), timeout=30)
             assert not pf.error.code, pf.error.message
@@ -583,20 +591,21 @@ def run(args: argparse.Namespace) -> dict:
         logdir = tmp / "logs"
         logdir.mkdir()
         t0 = time.monotonic()
-        cluster = LocalCluster(ckpt, args.engine_threads, worker_args, logdir, args.ucx_tls)
+        cluster = LocalCluster(ckpt, args.engine_threads, worker_args, logdir, args.ucx_tls, args.bounded_state)
         client = Client(cluster.info["entrypoint"]["address"], timeout_s=args.point_timeout_s + 30)
         try:
             entry = {"description": f"1 prefill + 1 decode worker, 2 balancers (python -m loadbalancer), "
-                     "entrypoint;"
-                     f" separate processes, OMP_NUM_THREADS={args.engine_threads} each; client = this process",
+                     f"entrypoint; separate processes, OMP_NUM_THREADS={args.engine_threads} each; decode "
+                     f"--bounded-state {args.bounded_state or '(worker default)'}; client = this process",
                      "startup_s": time.monotonic() - t0, "points": []}
-            results["modes"]["disaggregated"] = entry
+            mode = f"disaggregated_{args.bounded_state}" if args.bounded_state else "disaggregated"
+            results["modes"][mode] = entry
             serve_disaggregated(client, warm, args.point_timeout_s)
             for i, rate in enumerate(rates):
                 recs = serve_disaggregated(client, point_requests(lengths, rate, vocab, args.seed, i),
                                            args.point_timeout_s)
                 entry["points"].append({"rate": rate, "summary": summarize(recs)})
-                _print_point("disaggregated", rate, entry["points"][-1]["summary"])
+                _print_point(mode, rate, entry["points"][-1]["summary"])
                 _save(results, args.json)
             p = cluster.stats("prefill")
             results["kv_transfer_in_sweep"] = {
@@ -710,6 +719,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="UCX_TLS for the workers and kv_transfer.bench (UCX_NET_DEVICES=lo); default: the "
                          "workers' --loopback-ucx (cma,tcp,self). NIXL refuses that on a host with NVIDIA GPUs: "
                          "there use cma,tcp,self,cuda_copy")
+    ap.add_argument("--bounded-state", default=None, choices=["send", "replay"],
+                    help="the decode worker's --bounded-state (send: with the KV; replay: recomputed on decode); "
+                         "default: the worker's default")
     ap.add_argument("--json", default=None, help="write the results here (rewritten after every point)")
     ap.add_argument("--plot-dir", default=None, help="write serving_{ttft,itl,throughput}.png here")
     ap.add_argument("--plot-from", default=None, help="only plot this results JSON (needs --plot-dir)")
