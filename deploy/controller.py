@@ -107,9 +107,10 @@ class ClusterController:
                 args = ["--entrypoint", self.addresses["entrypoint"], "--host", c.http.host, "--port", str(c.http.port)]
                 if c.model:
                     args += ["--model", c.model]
-                self._roles["http"] = ProcessActor.options(num_cpus=0, max_concurrency=2, max_restarts=-1,
-                                                           namespace=NAMESPACE, name=f"{c.name}-http").remote(
-                    "http", "entrypoint.http", args, c.http.host, c.http.port)
+                self._roles["http"] = ProcessActor.options(
+                    num_cpus=0, max_concurrency=2, max_restarts=-1, namespace=NAMESPACE, name=f"{c.name}-http",
+                    scheduling_strategy=self._this_node()).remote("http", "entrypoint.http", args, c.http.host,
+                                                                  c.http.port)
                 self.addresses["http"] = self._wait_roles(["http"])["http"]["address"]
             elif c.http.enabled:
                 logger.info("entrypoint.http is not installed; no HTTP front")
@@ -244,10 +245,14 @@ class ClusterController:
         """
         if config.port == 0:
             config = config.model_copy(update={"port": _free_port(config.host)})
-        node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self._roles[role] = ServiceActor.options(
             num_cpus=0, max_concurrency=4, max_restarts=-1, namespace=NAMESPACE, name=f"{self.config.name}-{role}",
-            scheduling_strategy=node).remote(role, config.model_dump())
+            scheduling_strategy=self._this_node()).remote(role, config.model_dump())
+
+    @staticmethod
+    def _this_node() -> NodeAffinitySchedulingStrategy:
+        """Placement on the controller's node (roles with a fixed address: balancers, entrypoint, HTTP)."""
+        return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
     def _start_instances(self, wanted: list[tuple[str, InstanceGroup]]) -> None:
         """Blocks until each wanted instance serves and is registered with its balancer."""
