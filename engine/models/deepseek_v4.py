@@ -351,13 +351,18 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         dm: DecodeMeta | None = rope.get("decode")
         if dm is not None:
-            r = dm.rows
+            # a pure decode step (every row is a decode row, in order): no gather / scatter copies
+            r = slice(None) if not dm.other_idx else dm.rows
             proj = None
             if self.kind == "csa":
                 proj = (ckv[r], cgate[r], ikv[r], igate[r])
             elif self.kind == "hca":
                 proj = (ckv[r], cgate[r], None, None)
-            out[r] = self._decode_batched(dm, q[r], kv[r], x[r], q_res[r], proj, cache, rope)
+            o = self._decode_batched(dm, q[r], kv[r], x[r], q_res[r], proj, cache, rope)
+            if dm.other_idx:
+                out[r] = o
+            else:
+                out = o
         for i in (dm.other_idx if dm is not None else range(len(batch.seqs))):
             s = batch.seqs[i]
             a, b = batch.starts[i], batch.starts[i] + s.num_new_tokens
