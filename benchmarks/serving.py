@@ -361,6 +361,21 @@ class LocalCluster:
                     p.wait(STOP_TIMEOUT_S)
 
 
+def wait_until_serving(client, timeout_s: float = 30.0) -> None:
+    """Blocks until a 1-token request succeeds (both workers registered and pickable); raises after `timeout_s`."""
+    from entrypoint.client import GenerateError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.generate([2, 3, 4], max_tokens=1, temperature=0.0, ignore_eos=True)
+            return
+        except GenerateError as e:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the cluster did not serve within {timeout_s} s: {e}") from None
+            time.sleep(0.2)
+
+
 def serve_disaggregated(client, requests: list[Request], timeout_s: float) -> list[Record]:
     """Blocks until every request finished: one client thread per request, started at its arrival."""
     from entrypoint.client import GenerateError
@@ -600,6 +615,7 @@ def run(args: argparse.Namespace) -> dict:
                      "startup_s": time.monotonic() - t0, "points": []}
             mode = f"disaggregated_{args.bounded_state}" if args.bounded_state else "disaggregated"
             results["modes"][mode] = entry
+            wait_until_serving(client)
             serve_disaggregated(client, warm, args.point_timeout_s)
             for i, rate in enumerate(rates):
                 recs = serve_disaggregated(client, point_requests(lengths, rate, vocab, args.seed, i),
@@ -609,9 +625,10 @@ def run(args: argparse.Namespace) -> dict:
                 _save(results, args.json)
             p = cluster.stats("prefill")
             results["kv_transfer_in_sweep"] = {
-                k: p.get(k) for k in ("kv_transfer_sent_bytes_total", "kv_transfer_sent_blocks_total",
+                "num_requests_sent": 1 + len(warm) + len(rates) * args.num_requests,  # probe + warm-up + sweep
+                **{k: p.get(k) for k in ("kv_transfer_sent_bytes_total", "kv_transfer_sent_blocks_total",
                                       "kv_transfer_sends_done_total", "kv_transfer_sends_failed_total",
-                                      "kv_transfer_send_seconds_sum")}
+                                      "kv_transfer_send_seconds_sum")}}
             n = p.get("kv_transfer_sends_done_total") or 0
             if n and p.get("kv_transfer_send_seconds_sum"):
                 results["kv_transfer_in_sweep"]["mean_bytes_per_transfer"] = p["kv_transfer_sent_bytes_total"] / n

@@ -45,7 +45,9 @@ def test_serving_benchmark_minimal_sweep(tmp_path):
     assert over["offline_engine"]["n"] == 4
     assert "added_by_entrypoint_and_balancers_ms_p50" in over
 
-    assert res["kv_transfer_in_sweep"]["kv_transfer_sends_done_total"] == 5  # 1 warm-up + 4
+    kv = res["kv_transfer_in_sweep"]
+    assert kv["num_requests_sent"] == 6  # readiness probe + 1 warm-up + 4
+    assert kv["kv_transfer_sends_done_total"] == kv["num_requests_sent"] and kv["kv_transfer_sends_failed_total"] == 0
     nixl = res["nixl_vs_memcpy"]
     assert nixl["bytes_intact"] is True
     for case in ("nixl_contiguous", "nixl_scattered", "torch_copy", "torch_index_copy"):
