@@ -21,7 +21,10 @@ Modes (same checkpoint, same engine limits `--max-num-seqs` / `--max-num-batched
   decode), one prefill and one decode worker (`python -m prefill_worker` /
   `decode_worker`, NIXL over UCX loopback, `OMP_NUM_THREADS=--engine-threads` each) and the
   entrypoint, each its own OS process. This process is the client: one thread per request calls
-  `entrypoint.client.Client.stream` at the request's arrival time and stamps every delta.
+  `entrypoint.client.Client.stream` at the request's arrival time and stamps every delta. The
+  sweep starts once a 1-token probe request succeeded. With `--bounded-state send|replay` the mode
+  is named `disaggregated_send` / `disaggregated_replay` (the decode worker's flag); without it, the
+  worker's default applies.
 - `colocated` (one per `--colocated-threads` value, named `colocated_tN`): the code has no
   single worker process that serves both prefill and decode behind a socket (prefill_worker and
   decode_worker are prefill-only / decode-only), so "one colocated instance" is the offline
@@ -48,7 +51,9 @@ Also measured:
   a process with `--engine-threads` threads, as the prefill worker). entrypoint - workers_direct is
   the latency the entrypoint and the balancers add; workers_direct - offline_engine is what the
   disaggregated workers add over running the engine in-process (gRPC, NIXL transfer, engine-loop
-  wake-ups, the decode side's commit and bounded replay).
+  wake-ups, the decode side's commit). NOTE: with `max_tokens=1` the decode side finishes the
+  request when the KV lands, so this path never pays a bounded replay (the sweep does, in
+  `--bounded-state replay`).
 - `kv_transfer_in_sweep`: the prefill worker's kv_transfer counters after the sweep (bytes sent,
   mean post-to-DONE seconds per transfer).
 - `nixl_vs_memcpy`: `kv_transfer.bench.run` (NIXL WRITE of `--nixl-mb` MiB of compressed-KV blocks
