@@ -58,6 +58,19 @@ def remove_state(cluster_name: str | None = None) -> None:
         state_path().unlink(missing_ok=True)
 
 
+def _is_loopback(address: str) -> bool:
+    """Whether a Ray address ("host:port" or "auto") points at a cluster on this host's loopback."""
+    if address == "auto":
+        try:
+            from ray._private.services import canonicalize_bootstrap_address
+
+            address = canonicalize_bootstrap_address("auto") or ""
+        except Exception:
+            return False
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 def connect_ray(address: str | None, *, num_cpus: int | None = None, resources: dict[str, float] | None = None) -> bool:
     """Connect this process to Ray; True if it started a local cluster (which dies with this process).
 
@@ -68,10 +81,16 @@ def connect_ray(address: str | None, *, num_cpus: int | None = None, resources: 
     if ray.is_initialized():
         return False
     kwargs = dict(namespace=NAMESPACE, log_to_driver=False, include_dashboard=False)
+    if address is None or _is_loopback(address):
+        # NOTE: a local cluster keeps Ray's own GCS/raylet addresses on loopback too (and a driver
+        # joining it must then use loopback as well): Ray would otherwise advertise the node's
+        # routable IP (it maps 127.0.0.1 to it unless its "cluster" mode is off, which it reads
+        # from this constant at init). Every deepinfer server binds the config's `host`.
+        import ray._private.ray_constants as ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
     if address is None:
-        # NOTE: Ray's own GCS/raylet use the node's IP (Ray maps 127.0.0.1 to it); every deepinfer
-        # server binds the config's `host`. Actors get their own processes, so idle prestarted task
-        # workers would only cost memory.
+        # Actors get their own processes, so idle prestarted task workers would only cost memory.
         ray.init(num_cpus=num_cpus, resources=resources,
                  _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False},
                  **kwargs)
