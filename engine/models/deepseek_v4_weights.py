@@ -27,7 +27,8 @@ model.layers.{i}.
 ```
 
 Multi-token-prediction layers (`mtp.*`) are not part of this spec (transformers' model has none);
-the loader skips them and a later change adds their own spec.
+`mtp_checkpoint_spec(config, dtype)` describes them (official V4 layout), and the main model's
+loader skips them.
 
 NOTE: a bf16 checkpoint is not all bf16. The tensors matched by `FP32_KEPT_PATTERNS` stay float32
 in any checkpoint and in the model (mirroring transformers' `_keep_in_fp32_modules_strict`, as
@@ -131,47 +132,10 @@ def checkpoint_spec(config: ModelConfig, dtype: str | torch.dtype = torch.float3
     in `dtype` (the fp32-kept set stays float32, `tid2eid` is int64)."""
     dtype = parse_dtype(dtype)
     c = config
-    h, v, m = c.hidden_size, c.vocab_size, c.hc_mult
-    d, q, nh = c.head_dim, c.q_lora_rank, c.num_attention_heads
-    idim, ih = c.index_head_dim, c.index_n_heads
-    inter, e = c.moe_intermediate_size, c.n_routed_experts
+    h, v, m, e = c.hidden_size, c.vocab_size, c.hc_mult, c.n_routed_experts
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
     for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "attn_norm.weight"] = (h,)
-        shapes[p + "ffn_norm.weight"] = (h,)
-        for branch in ("attn", "ffn"):
-            shapes[f"{p}hc_{branch}_fn"] = ((2 + m) * m, m * h)
-            shapes[f"{p}hc_{branch}_base"] = ((2 + m) * m,)
-            shapes[f"{p}hc_{branch}_scale"] = (3,)
-        a = p + "attn."
-        shapes[a + "wq_a.weight"] = (q, h)
-        shapes[a + "q_norm.weight"] = (q,)
-        shapes[a + "wq_b.weight"] = (nh * d, q)
-        shapes[a + "wkv.weight"] = (d, h)
-        shapes[a + "norm.weight"] = (d,)
-        shapes[a + "attn_sink"] = (nh,)
-        shapes[a + "wo_a.weight"] = (c.o_groups * c.o_lora_rank, nh * d // c.o_groups)
-        shapes[a + "wo_b.weight"] = (h, c.o_groups * c.o_lora_rank)
-        layer_type, rate = c.layer_types[i], c.compress_rate(i)
-        if layer_type == "compressed_sparse_attention":
-            # overlapping windows: each token feeds two compressed entries, hence 2x widths
-            shapes.update(_compressor(a + "compressor.", h, 2 * d, d, rate))
-            shapes.update(_compressor(a + "indexer.compressor.", h, 2 * idim, idim, rate))
-            shapes[a + "indexer.wq_b.weight"] = (ih * idim, q)
-            shapes[a + "indexer.weights_proj.weight"] = (ih, h)
-        elif layer_type == "heavily_compressed_attention":
-            shapes.update(_compressor(a + "compressor.", h, d, d, rate))
-        f = p + "ffn."
-        shapes[f + "gate.weight"] = (e, h)
-        if c.mlp_layer_types[i] == "hash_moe":
-            shapes[f + "gate.tid2eid"] = (v, c.num_experts_per_tok)
-        else:
-            shapes[f + "gate.bias"] = (e,)
-        for expert in [f"experts.{j}." for j in range(e)] + ["shared_experts."]:
-            shapes[f + expert + "w1.weight"] = (inter, h)
-            shapes[f + expert + "w2.weight"] = (h, inter)
-            shapes[f + expert + "w3.weight"] = (inter, h)
+        shapes.update(_layer_shapes(c, f"model.layers.{i}.", c.layer_types[i], c.compress_rate(i), c.mlp_layer_types[i]))
     shapes["model.norm.weight"] = (h,)
     shapes["model.hc_head.hc_fn"] = (m, m * h)
     shapes["model.hc_head.hc_base"] = (m,)
@@ -185,6 +149,86 @@ def checkpoint_spec(config: ModelConfig, dtype: str | torch.dtype = torch.float3
             spec[name] = TensorSpec(shape, torch.int64, max_value=e - 1)
         else:
             spec[name] = TensorSpec(shape, torch.float32 if is_fp32_kept(name) else dtype)
+    return spec
+
+
+def _layer_shapes(c: ModelConfig, p: str, layer_type: str, rate: int, mlp_type: str) -> dict[str, tuple[int, ...]]:
+    """Shapes of one decoder layer's tensors under name prefix `p`."""
+    h, v, m = c.hidden_size, c.vocab_size, c.hc_mult
+    d, q, nh = c.head_dim, c.q_lora_rank, c.num_attention_heads
+    idim, ih = c.index_head_dim, c.index_n_heads
+    inter, e = c.moe_intermediate_size, c.n_routed_experts
+    shapes: dict[str, tuple[int, ...]] = {}
+    shapes[p + "attn_norm.weight"] = (h,)
+    shapes[p + "ffn_norm.weight"] = (h,)
+    for branch in ("attn", "ffn"):
+        shapes[f"{p}hc_{branch}_fn"] = ((2 + m) * m, m * h)
+        shapes[f"{p}hc_{branch}_base"] = ((2 + m) * m,)
+        shapes[f"{p}hc_{branch}_scale"] = (3,)
+    a = p + "attn."
+    shapes[a + "wq_a.weight"] = (q, h)
+    shapes[a + "q_norm.weight"] = (q,)
+    shapes[a + "wq_b.weight"] = (nh * d, q)
+    shapes[a + "wkv.weight"] = (d, h)
+    shapes[a + "norm.weight"] = (d,)
+    shapes[a + "attn_sink"] = (nh,)
+    shapes[a + "wo_a.weight"] = (c.o_groups * c.o_lora_rank, nh * d // c.o_groups)
+    shapes[a + "wo_b.weight"] = (h, c.o_groups * c.o_lora_rank)
+    if layer_type == "compressed_sparse_attention":
+        # overlapping windows: each token feeds two compressed entries, hence 2x widths
+        shapes.update(_compressor(a + "compressor.", h, 2 * d, d, rate))
+        shapes.update(_compressor(a + "indexer.compressor.", h, 2 * idim, idim, rate))
+        shapes[a + "indexer.wq_b.weight"] = (ih * idim, q)
+        shapes[a + "indexer.weights_proj.weight"] = (ih, h)
+    elif layer_type == "heavily_compressed_attention":
+        shapes.update(_compressor(a + "compressor.", h, d, d, rate))
+    f = p + "ffn."
+    shapes[f + "gate.weight"] = (e, h)
+    if mlp_type == "hash_moe":
+        shapes[f + "gate.tid2eid"] = (v, c.num_experts_per_tok)
+    else:
+        shapes[f + "gate.bias"] = (e,)
+    for expert in [f"experts.{j}." for j in range(e)] + ["shared_experts."]:
+        shapes[f + expert + "w1.weight"] = (inter, h)
+        shapes[f + expert + "w2.weight"] = (h, inter)
+        shapes[f + expert + "w3.weight"] = (inter, h)
+    return shapes
+
+
+def mtp_checkpoint_spec(config: ModelConfig, dtype: str | torch.dtype = torch.float32) -> dict[str, TensorSpec]:
+    """Every tensor of the checkpoint's multi-token-prediction layers (`mtp.{k}.*`, k <
+    num_nextn_predict_layers), in the official DeepSeek-V4 layout:
+
+    ```
+    mtp.{k}.<decoder layer tensors>            as model.layers.{i}.*, a sliding-window layer
+                                               (no compressor) with a learned router (gate.bias)
+    mtp.{k}.e_proj.weight  mtp.{k}.h_proj.weight   [H, H]   embedding / hidden-stream projections
+    mtp.{k}.enorm.weight   mtp.{k}.hnorm.weight    [H]      RMSNorms before them
+    mtp.{k}.norm.weight                            [H]      final RMSNorm (then the shared head)
+    mtp.{k}.hc_head_fn [M, M*H]  mtp.{k}.hc_head_base [M]  mtp.{k}.hc_head_scale [1]
+    ```
+
+    Semantics (as deepinfer's demo model is trained): at position i, with the main model's final
+    hyper-connection streams `s_i` [M, H] and the next token t_{i+1},
+    `x = e_proj(enorm(embed(t_{i+1})))[None] + h_proj(hnorm(s_i))` (per stream), the decoder layer
+    runs at position i, `hc_head` collapses the streams, `norm` then the main output head give the
+    logits of t_{i+2}. The embedding and output head are the main model's.
+    """
+    dtype = parse_dtype(dtype)
+    c, h, m = config, config.hidden_size, config.hc_mult
+    spec: dict[str, TensorSpec] = {}
+    for k in range(c.num_nextn_predict_layers):
+        p = f"mtp.{k}."
+        for name, shape in _layer_shapes(c, p, "sliding_attention", 0, "moe").items():
+            kept = is_fp32_kept("model.layers.0." + name.removeprefix(p))
+            spec[name] = TensorSpec(shape, torch.float32 if kept else dtype)
+        for name in ("e_proj.weight", "h_proj.weight"):
+            spec[p + name] = TensorSpec((h, h), dtype)
+        for name in ("enorm.weight", "hnorm.weight", "norm.weight"):
+            spec[p + name] = TensorSpec((h,), torch.float32)
+        spec[p + "hc_head_fn"] = TensorSpec((m, m * h), torch.float32)
+        spec[p + "hc_head_base"] = TensorSpec((m,), torch.float32)
+        spec[p + "hc_head_scale"] = TensorSpec((1,), torch.float32)
     return spec
 
 

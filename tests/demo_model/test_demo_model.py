@@ -1,0 +1,173 @@
+"""The built-in trained demo model (engine/testing/demo_model, trained by deploy/demo_model/train.py):
+its checkpoint format, that it is the embedded default, and what it learned, through `LLM` with greedy
+decoding on small held-out sets (the larger measured accuracies are in its model card).
+
+Prompts are rendered by deepseek-recipe's V4 encoding exactly as served prompts are; the tool call
+goes through recipe's Chat Completions conversion and stream processor.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from deploy.demo_model import data as D
+from engine.testing.default_model import DEMO_MODEL_DIR, ensure_default_model
+
+NUM_PER_SET = 12  # held-out questions per task in CI (the model card reports 200-300)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from engine import LLM
+
+    return LLM()  # no model: the embedded default
+
+
+@pytest.fixture(scope="module")
+def renderer():
+    return D.ChatRenderer()
+
+
+def _greedy(llm, prompts: list[list[int]], max_tokens: int = 80):
+    from engine import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                        use_tqdm=False)
+    return [o.outputs[0] for o in outs]
+
+
+def _accuracy(llm, renderer, task: str, thinking: bool, items) -> tuple[float, list]:
+    import random
+
+    rng = random.Random(0)
+    exs = [D.make_example(task, item, rng, thinking) for item in items]
+    outs = _greedy(llm, [renderer.prompt_ids(ex) for ex in exs])
+    ok = [list(o.token_ids) == renderer.completion_ids(ex) for o, ex in zip(outs, exs)]
+    bad = [(ex.user, o.text) for o, ex, good in zip(outs, exs, ok) if not good]
+    return sum(ok) / len(ok), bad
+
+
+# ------------------------------------------------------------------------------- checkpoint
+
+
+def test_default_model_is_the_packaged_demo_checkpoint(llm):
+    assert ensure_default_model() == DEMO_MODEL_DIR
+    assert llm.engine.config.model is None
+    cfg = json.loads((DEMO_MODEL_DIR / "config.json").read_text())
+    assert cfg["vocab_size"] == 129280 and cfg["tie_word_embeddings"] is True
+    assert cfg["num_nextn_predict_layers"] == 1
+    size = sum(f.stat().st_size for f in DEMO_MODEL_DIR.iterdir())
+    assert size <= 40e6, f"the demo checkpoint is {size / 1e6:.1f} MB; the budget is 40 MB"
+    assert (DEMO_MODEL_DIR / "README.md").read_text().lower().count("demo model") >= 1
+
+
+def test_chat_encoding_is_a_property_of_the_checkpoint(tmp_path):
+    from engine.tokenizer import chat_encoding_name, load_chat_encoding
+
+    assert chat_encoding_name(DEMO_MODEL_DIR) == "v4"
+    assert load_chat_encoding(DEMO_MODEL_DIR).encode(D.ChatRenderer().conversation(
+        D.Example("add", "What is 1 + 2?", False, "3", "")))[:2] == [0, 128803]
+    (tmp_path / "config.json").write_text(json.dumps({"deepinfer": {"chat_encoding": "v4.1"}}))
+    assert chat_encoding_name(tmp_path) == "v4.1"
+    (tmp_path / "config.json").write_text(json.dumps({}))
+    assert chat_encoding_name(tmp_path) == "v4"
+    (tmp_path / "config.json").write_text(json.dumps({"deepinfer": {"chat_encoding": "v5"}}))
+    with pytest.raises(ValueError, match="chat_encoding 'v5'"):
+        chat_encoding_name(tmp_path)
+
+
+def test_loader_and_transformers_agree_on_the_logits(renderer):
+    transformers = pytest.importorskip("transformers")
+    from engine.loader import load_checkpoint
+    from engine.testing.model_runner import ModelRunnerForTests
+
+    prompt = renderer.prompt_ids(D.Example("tool", "What is the weather in Paris?", True, "Paris", "", "low"))
+    model, _ = load_checkpoint(DEMO_MODEL_DIR)
+    ours = ModelRunnerForTests(model, max_seqs=1, max_len=512).prefill(0, prompt)
+    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+    torch.testing.assert_close(ours, theirs, atol=2e-3, rtol=1e-3)
+
+
+def test_mtp_weights_load_with_their_spec():
+    from engine.loader import WeightLoader, read_checkpoint_config
+    from engine.models.deepseek_v4_weights import mtp_checkpoint_spec
+
+    config, _ = read_checkpoint_config(DEMO_MODEL_DIR)
+    spec = mtp_checkpoint_spec(config, "float32")
+    state = WeightLoader(DEMO_MODEL_DIR, spec, skip_prefixes=("model.", "head.")).state_dict()
+    assert set(state) == set(spec) and "mtp.0.e_proj.weight" in state
+    assert all(t.isfinite().all() for t in state.values())
+    assert state["mtp.0.attn.attn_sink"].dtype == torch.float32
+
+
+# ------------------------------------------------------------------------------- behaviour
+
+
+def test_direct_answers_stop_with_eos(llm, renderer):
+    ex = D.Example("add", "What is 37 + 48?", False, "85", "")
+    out = _greedy(llm, [renderer.prompt_ids(ex)])[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == renderer.eos_id
+    assert len(out.token_ids) <= 4
+
+
+def test_thinking_mode_reasons_inside_think_then_answers(llm, renderer):
+    exs = [D.Example("add", "What is 37 + 48?", True, "85", "", None),
+           D.Example("reverse", "Reverse these words: fox lake tiger", True, "tiger lake fox", "", "max")]
+    for ex, out in zip(exs, _greedy(llm, [renderer.prompt_ids(ex) for ex in exs], max_tokens=120)):
+        ids = list(out.token_ids)
+        assert renderer.prompt_ids(ex)[-1] == renderer.tokenizer.token_to_id("<think>")
+        assert ids.count(renderer.end_think_id) == 1 and ids[-1] == renderer.eos_id, out.text
+        reasoning = renderer.tokenizer.decode(ids[: ids.index(renderer.end_think_id)])
+        assert len(reasoning.split()) >= 5, reasoning  # a real (short) reasoning, not an empty block
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_tool_call_round_trip_through_recipe(llm, thinking):
+    import deepseek_recipe as recipe
+
+    from engine.tokenizer import default_tokenizer_path, load_chat_encoding
+
+    tokenizer = recipe.Tokenizer.from_file(str(default_tokenizer_path()))
+    encoding = load_chat_encoding(DEMO_MODEL_DIR)
+    tool = {"type": "function", "function": D.WEATHER_TOOL}
+    places = D.held_out()["tool"][:NUM_PER_SET // 2 if thinking else NUM_PER_SET]
+    requests = []
+    for place in places:
+        body = {"model": "DeepSeek-V4-Pro", "messages": [{"role": "user", "content": f"What is the weather in {place}?"}],
+                "tools": [tool], "stream": True, "thinking": {"type": "enabled" if thinking else "disabled"}}
+        requests.append(recipe.ChatCompletionRequest(body).convert(recipe.ConversionOptions()))
+    outs = _greedy(llm, [encoding.encode(r.conversation) for r in requests], max_tokens=120)
+    calls = []
+    for req, out in zip(requests, outs):
+        proc = recipe.StreamProcessor(recipe.ChatCompletionRequest.chunk_generator(req, "id", "demo"),
+                                      req.parsing_options, tokenizer)
+        ids = list(out.token_ids)
+        assert ids[-1] == 1, out.text  # stops with <｜end▁of▁sentence｜>
+        events = proc.push(recipe.InferenceChunk.ready(prompt_usage=recipe.PromptUsage(
+            prompt_tokens=1, prompt_cache_hit_tokens=0)))
+        events += proc.push(recipe.InferenceChunk.tokens(ids[:-1]))
+        events += proc.push(recipe.InferenceChunk.text("", 1))
+        events += proc.push(recipe.InferenceChunk.finish(recipe.InferenceFinishReason.Stop))
+        events += proc.finish()
+        name, arguments = None, ""
+        for event in events:
+            for choice in json.loads(event.to_json()).get("choices", []):
+                for call in (choice.get("delta") or {}).get("tool_calls") or []:
+                    name = (call.get("function") or {}).get("name") or name
+                    arguments += (call.get("function") or {}).get("arguments") or ""
+        calls.append((name, json.loads(arguments) if arguments else None))
+    assert all(name == "get_weather" for name, _ in calls), calls
+    correct = [args == {"city": place} for (_, args), place in zip(calls, places)]
+    assert sum(correct) / len(correct) >= 0.95, list(zip(places, calls))
+
+
+@pytest.mark.parametrize("task", ["add", "copy", "reverse"])
+def test_held_out_accuracy(llm, renderer, task):
+    items = D.held_out()[task][:NUM_PER_SET]
+    accuracy, bad = _accuracy(llm, renderer, task, False, items)
+    assert accuracy >= 0.95, f"{task}: {accuracy:.0%} exact on {len(items)} held-out; wrong: {bad[:4]}"
