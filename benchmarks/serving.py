@@ -4,7 +4,7 @@
         [--prompt-len 32:256] [--output-len 32:128] [--fixed-len P,O] [--cpus 0-3]
         [--engine-threads 1] [--colocated-threads 1,2] [--modes disaggregated,colocated]
         [--overhead-requests 20] [--nixl-mb 64] [--ucx-tls TLS] [--json OUT] [--plot-dir DIR]
-    python -m benchmarks.serving --plot-from OUT.json --plot-dir DIR      # plots only
+    python -m benchmarks.serving --plot-from OUT.json[,OUT2.json] --plot-dir DIR      # plots only
 
 Workload (all of it fixed by `--seed`): each rate point sends `--num-requests` requests whose
 arrival times are a Poisson process of that rate (unit exponential gaps drawn once, divided by the
@@ -517,6 +517,15 @@ def plot(results: dict, out_dir: Path) -> list[str]:
 # ---------------------------------------------------------------------------------------- main
 
 
+def merge_results(runs: list[dict]) -> dict:
+    """The first run with the modes of the later ones added (for plotting runs side by side)."""
+    merged = {**runs[0], "modes": dict(runs[0]["modes"])}
+    for run in runs[1:]:
+        for mode, data in run["modes"].items():
+            merged["modes"][mode if mode not in merged["modes"] else f"{mode} ({run['date_utc']})"] = data
+    return merged
+
+
 def _range(s: str) -> tuple[int, int]:
     lo, _, hi = s.partition(":")
     return int(lo), int(hi or lo)
@@ -746,10 +755,11 @@ def main(argv: list[str] | None = None) -> dict:
                          "default: the worker's default")
     ap.add_argument("--json", default=None, help="write the results here (rewritten after every point)")
     ap.add_argument("--plot-dir", default=None, help="write serving_{ttft,itl,throughput}.png here")
-    ap.add_argument("--plot-from", default=None, help="only plot this results JSON (needs --plot-dir)")
+    ap.add_argument("--plot-from", default=None,
+                    help="only plot these results JSONs, comma-separated, modes side by side (needs --plot-dir)")
     args = ap.parse_args(argv)
     if args.plot_from:
-        results = json.loads(Path(args.plot_from).read_text())
+        results = merge_results([json.loads(Path(f).read_text()) for f in args.plot_from.split(",")])
     else:
         results = run(args)
     if args.plot_dir:
