@@ -104,7 +104,10 @@ class ClusterController:
                 "entrypoint", lb_addresses=(self.addresses["prefill_lb"], self.addresses["decode_lb"])))
             self.addresses["entrypoint"] = self._wait_roles(["entrypoint"])["entrypoint"]["address"]
             if c.http.enabled and _has_module("entrypoint.http.__main__"):
-                args = ["--entrypoint", self.addresses["entrypoint"], "--host", c.http.host, "--port", str(c.http.port)]
+                args = ["--entrypoint", self.addresses["entrypoint"], "--host", c.http.host, "--port", str(c.http.port),
+                        # the balancers let /metrics gather the stages' figures (KV blocks, transfer bytes)
+                        "--prefill-lb-address", self.addresses["prefill_lb"],
+                        "--decode-lb-address", self.addresses["decode_lb"]]
                 if c.model:
                     args += ["--model", c.model]
                 self._roles["http"] = ProcessActor.options(
