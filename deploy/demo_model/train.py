@@ -96,11 +96,14 @@ BUCKETS: dict[tuple[str, bool], tuple[float, int]] = {
     ("tool", False): (0.18, 8),
     ("tool", True): (0.13, 8),
 }
-# Stage 2 (`--init-from`): the same buckets, weighted towards the content tasks (copy, reverse, add)
-# that stage 1 leaves at the format-only plateau.
-STAGE2_SHARES: dict[tuple[str, bool], float] = {
-    ("add", False): 0.20, ("add", True): 0.05, ("copy", False): 0.30, ("copy", True): 0.05,
-    ("reverse", False): 0.35, ("reverse", True): 0.05, ("tool", False): 0.0, ("tool", True): 0.0,
+# Later stages (`--stage N --init-from PREVIOUS`): the same buckets, weighted towards the content
+# tasks (copy, reverse, add) that stage 1 leaves at a format-only plateau; stage 2 leaves the
+# (long, slow) tool prompts out, stage 3 brings them back.
+STAGE_SHARES: dict[int, dict[tuple[str, bool], float]] = {
+    2: {("add", False): 0.20, ("add", True): 0.05, ("copy", False): 0.30, ("copy", True): 0.05,
+        ("reverse", False): 0.35, ("reverse", True): 0.05, ("tool", False): 0.0, ("tool", True): 0.0},
+    3: {("add", False): 0.15, ("add", True): 0.05, ("copy", False): 0.20, ("copy", True): 0.05,
+        ("reverse", False): 0.25, ("reverse", True): 0.05, ("tool", False): 0.15, ("tool", True): 0.10},
 }
 
 
@@ -113,7 +116,7 @@ def build_dataset(steps: int, seed: int, stage: int = 1) -> dict:
     rng = random.Random(seed + stage - 1)
     held = D.held_out()
     keys = list(BUCKETS)
-    shares = [BUCKETS[k][0] if stage == 1 else STAGE2_SHARES[k] for k in keys]
+    shares = [BUCKETS[k][0] if stage == 1 else STAGE_SHARES[stage][k] for k in keys]
     batches = []
     for _ in range(steps):
         task, thinking = rng.choices(keys, shares)[0]
@@ -471,15 +474,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data", type=Path, help="train from a dataset written by --save-data")
     p.add_argument("--save-compact", type=Path, help="also save the compact trained model here")
     p.add_argument("--from-compact", type=Path, help="skip training: export this compact model")
-    p.add_argument("--init-from", type=Path, help="stage 2: continue training this compact model (content-weighted data)")
+    p.add_argument("--stage", type=int, default=1, choices=[1, 2, 3], help="data mix (see STAGE_SHARES)")
+    p.add_argument("--init-from", type=Path, help="continue training this compact model (stages 2, 3)")
     p.add_argument("--stop-after", type=int, help="stop after this many steps (the schedule still spans --steps)")
     p.add_argument("--eval-limit", type=int, default=None, help="held-out examples per eval set (default all)")
     p.add_argument("--no-export", action="store_true", help="train and evaluate only")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.time()
-    stage = 2 if args.init_from else 1
-    dataset = torch.load(args.data) if args.data else build_dataset(args.steps, args.seed, stage)
+    if (args.stage > 1) != bool(args.init_from or args.from_compact):
+        p.error("--stage 2 and 3 continue a previous stage: give --init-from (and only they take it)")
+    dataset = torch.load(args.data) if args.data else build_dataset(args.steps, args.seed, args.stage)
     dataset["batches"] = dataset["batches"][: args.steps]
     print(f"dataset: {len(dataset['batches'])} batches, {len(dataset['used_ids'])} used ids, "
           f"{time.time() - t0:.0f}s", flush=True)

@@ -36,5 +36,5 @@ def test_demo_runs_on_the_embedded_default(tmp_path):
     r = _cli("demo", "--max-tokens", "3", env={"DEEPINFER_HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     lines = [json.loads(x) for x in r.stdout.splitlines()]
-    assert len(lines) == 2 and all(len(x["token_ids"]) == 3 for x in lines)
-    assert (tmp_path / "default-tiny" / "config.json").exists()
+    assert len(lines) == 2 and all(1 <= len(x["token_ids"]) <= 3 for x in lines)  # the demo model may stop early
+    assert not list(tmp_path.iterdir())  # the packaged demo checkpoint: nothing is written on first use

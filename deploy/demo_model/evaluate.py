@@ -1,0 +1,65 @@
+"""Measure the demo checkpoint's held-out accuracies through `engine.LLM` (greedy), for its model card.
+
+    python -m deploy.demo_model.evaluate [--model DIR] [--num 200] [--json OUT]
+
+Exact match of the whole completion (reasoning, `</think>`, answer and `<｜end▁of▁sentence｜>` for
+thinking mode) against the rendered target, per task and mode, on the fixed held-out items of
+`deploy/demo_model/data.py` (the tool set: every held-out place with every phrasing). Also reports
+how often an answer contains the right sum / city, and whether every output ended with EOS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+from deploy.demo_model import data as D
+
+
+def evaluate(model: str | None, num: int) -> dict:
+    """Blocks while generating; returns {set name: metrics}."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=model)
+    renderer = D.ChatRenderer()
+    held = D.held_out()
+    results = {}
+    for task in D.TASKS:
+        items = [p for p in held["tool"] for _ in D.TOOL_TEMPLATES] if task == "tool" else held[task][:num]
+        for thinking in (False, True):
+            rng = random.Random(11)
+            exs = [D.make_example(task, item, rng, thinking) for item in items]
+            start = time.time()
+            outs = llm.generate([{"prompt_token_ids": renderer.prompt_ids(ex)} for ex in exs],
+                                SamplingParams(temperature=0.0, max_tokens=96), use_tqdm=False)
+            exact = contains = eos = 0
+            for ex, out in zip(exs, outs):
+                ids = list(out.outputs[0].token_ids)
+                exact += ids == renderer.completion_ids(ex)
+                eos += bool(ids) and ids[-1] == renderer.eos_id
+                answer = out.outputs[0].text.split("</think>")[-1]
+                contains += (f'"true">{ex.answer}<' in answer) if task == "tool" else (ex.answer in answer)
+            name = f"{task}/{'thinking' if thinking else 'direct'}"
+            results[name] = {"n": len(exs), "exact": exact / len(exs), "answer_contains": contains / len(exs),
+                             "ends_with_eos": eos / len(exs), "seconds": round(time.time() - start, 1)}
+            print(name, json.dumps(results[name]), flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point (see the module docstring)."""
+    p = argparse.ArgumentParser(prog="python -m deploy.demo_model.evaluate", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model)")
+    p.add_argument("--num", type=int, default=200, help="held-out items per addition/list set")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    args = p.parse_args(argv)
+    results = evaluate(args.model, args.num)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
