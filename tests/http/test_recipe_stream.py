@@ -77,10 +77,12 @@ def test_tool_call_parsed_the_same_whatever_the_chunking(front, chunk):
     assert out["stop_reason"] == "tool_use" and use["name"] == "get_weather" and use["input"] == {"city": "Paris"}
 
 
-def test_eos_is_counted_not_shown_and_reasoning_is_split(front):
+@pytest.mark.parametrize("reported", [True, False], ids=["stop_token_id", "eos_without_stop_reason"])
+def test_eos_is_counted_not_shown_and_reasoning_is_split(front, reported):
+    # the engine reports no stop_reason when EOS (rather than one of stop_token_ids) ended the answer
     ids = front.tokenizer.encode("Adding: 85.</think>The answer is 85.") + [EOS]
     body = {"model": "m", "messages": [{"role": "user", "content": "What is 37 + 48?"}]}  # thinking by default
-    out, _ = _run(front, CHAT, body, _deltas(ids, 3, common_pb2.FINISH_REASON_STOP, EOS))
+    out, _ = _run(front, CHAT, body, _deltas(ids, 3, common_pb2.FINISH_REASON_STOP, EOS if reported else None))
     message = out["choices"][0]["message"]
     assert message["reasoning_content"] == "Adding: 85." and message["content"] == "The answer is 85."
     assert out["choices"][0]["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == len(ids)
