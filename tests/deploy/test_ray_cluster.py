@@ -196,6 +196,36 @@ def test_32_concurrent_requests_equal_offline_and_kv_moved_by_nixl(cluster):
     assert all(d1[k]["kv_transfer_recvs_done_total"] > d0[k]["kv_transfer_recvs_done_total"] for k in d1)
 
 
+def test_prefix_aware_routing_lands_on_the_instance_with_the_cache(cluster):
+    """Requests sharing a long prefix go to the prefill instance that has it cached (2 instances,
+    prefix_aware) and report cached prompt tokens; their outputs still equal the offline engine's."""
+    from engine import LLM, SamplingParams
+
+    g = torch.Generator().manual_seed(123)
+    prefix = torch.randint(2, 512, (6 * cluster.block_size,), generator=g).tolist()
+    prompts = [prefix + [int(t)] for t in torch.randint(2, 512, (7,), generator=g)]
+    before = cluster.all_stats("prefill")
+    listed = cluster.listed("prefill")
+    first = cluster.client.generate(prompts[0], max_tokens=2, temperature=0.0, ignore_eos=True)
+    after_first = cluster.all_stats("prefill")
+    (owner,) = [k for k in after_first
+                if after_first[k]["kv_transfer_sends_done_total"] > before[k]["kv_transfer_sends_done_total"]]
+    hashes_before = listed[owner].num_cached_block_hashes
+    # the owner's heartbeats bring the prefix's 6 block hashes to the balancer
+    _wait_for("the prefix's block hashes at the balancer",
+              lambda: cluster.listed("prefill")[owner].num_cached_block_hashes >= hashes_before + 6, timeout_s=20)
+    outs = [cluster.client.generate(p, max_tokens=2, temperature=0.0, ignore_eos=True) for p in prompts[1:]]
+    after = cluster.all_stats("prefill")
+    # every follow-up ran on the owner (a coin flip per request otherwise) and hit its cache
+    assert {k: after[k]["kv_transfer_sends_done_total"] - after_first[k]["kv_transfer_sends_done_total"]
+            for k in after} == {k: (len(outs) if k == owner else 0) for k in after}
+    assert first["usage"]["cached_prompt_tokens"] == 0
+    assert all(o["usage"]["cached_prompt_tokens"] >= 4 * cluster.block_size for o in outs), [o["usage"] for o in outs]
+    ref = LLM(cluster.checkpoint).generate([{"prompt_token_ids": p} for p in prompts],
+                                           SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert [o["token_ids"] for o in [first, *outs]] == [r.outputs[0].token_ids for r in ref]
+
+
 def test_cli_finds_the_cluster(cluster, tmp_path):
     env = {**os.environ, "DEEPINFER_HOME": str(tmp_path)}
 
