@@ -1,6 +1,7 @@
 """The `deepinfer` command line.
 
-  demo       offline generation with the embedded default model (the README's first command)
+  demo       the main job (the README's first command): a local cluster with the built-in model
+             answers chat requests end to end, then goes down; `--offline` runs the offline engine instead
   generate   generation: on the running cluster's entrypoint, or offline on a checkpoint
   up         launch a cluster on Ray: balancers, prefill + decode instances, entrypoint (+ HTTP front)
   status     a table of the cluster's instances: state, health, load, KV cache use
@@ -70,6 +71,53 @@ def _run(args, prompts: list) -> int:
     print(f"# loaded in {t1 - t0:.2f}s, generated in {t2 - t1:.2f}s; compressed KV: "
           f"{llm.engine.bytes_per_token:.1f} bytes/token", file=sys.stderr)
     return 0
+
+
+DEMO_QUESTIONS = ("Reverse these words: red green blue", "Repeat these words: cat river song")
+"""Chat requests the demo sends (tasks the built-in model learned well; see its model card)."""
+
+
+def _cmd_demo(args) -> int:
+    """A local Ray cluster (1 prefill + 1 decode, balancers, entrypoint) on the built-in model
+    answers `DEMO_QUESTIONS` rendered in the model's chat format; prints one JSON line each."""
+    import deepseek_recipe as recipe
+    import ray
+
+    from deploy.config import ClusterConfig
+    from deploy.launcher import connect_ray, start_cluster, stop_cluster
+    from engine.testing.default_model import ensure_default_model
+    from engine.tokenizer import load_chat_encoding, load_tokenizer
+    from entrypoint.client import Client
+
+    model = args.model or str(ensure_default_model())
+    encoding = load_chat_encoding(model)
+    tokenizer = load_tokenizer(model)
+    config = ClusterConfig.model_validate({"name": "deepinfer-demo", "model": model, "http": {"enabled": False}})
+    t0 = time.perf_counter()
+    connect_ray(None, num_cpus=max(os.cpu_count() or 1, 8))
+    controller = start_cluster(config)
+    code = 0
+    try:
+        addresses = ray.get(controller.up.remote())
+        t1 = time.perf_counter()
+        print(f"# local cluster up in {t1 - t0:.1f}s: entrypoint {addresses['entrypoint']}, 1 prefill + 1 decode "
+              "instance (separate processes, KV over NIXL)", file=sys.stderr, flush=True)
+        with Client(addresses["entrypoint"], timeout_s=REMOTE_TIMEOUT_S) as client:
+            for question in DEMO_QUESTIONS:
+                conversation = recipe.Conversation([recipe.UserMessage(question)], thinking_mode=False)
+                prompt = encoding.encode(conversation)
+                out = client.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+                answer = tokenizer.decode(out["token_ids"], skip_special_tokens=True)
+                print(json.dumps({"question": question, "answer": answer, "token_ids": out["token_ids"],
+                                  "finish_reason": out["finish_reason"], "usage": out["usage"]}, ensure_ascii=False),
+                      flush=True)
+    except Exception as e:
+        print(f"deepinfer demo: {e}", file=sys.stderr)
+        code = 1
+    finally:
+        stop_cluster(controller)
+        ray.shutdown()
+    return code
 
 
 REMOTE_TIMEOUT_S = 3600.0
@@ -240,8 +288,9 @@ def _parse_targets(parser, items: list[str]) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deepinfer", description="Disaggregated serving for DeepSeek-V4 models")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    demo = sub.add_parser("demo", help="generate with the embedded default model")
+    demo = sub.add_parser("demo", help="a local cluster with the built-in model answers chat requests, then stops")
     _add_engine_args(demo)
+    demo.add_argument("--offline", action="store_true", help="generate with the offline engine instead of a cluster")
     gen = sub.add_parser("generate", help="generate on the running cluster, or offline on a checkpoint")
     _add_engine_args(gen)
     gen.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable; offline only)")
@@ -295,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
             print("# cluster down", file=sys.stderr)
         return 0
     if args.cmd == "demo":
+        if not args.offline:
+            return _cmd_demo(args)
         prompts = ["Hello, DeepSeek-V4!", {"prompt_token_ids": [0, 100, 200, 300]}]
         return _run(args, prompts)
     prompts: list = list(args.prompt)

@@ -33,8 +33,19 @@ def test_generate_refuses_bad_input_with_field(tmp_path):
 
 
 def test_demo_runs_on_the_embedded_default(tmp_path):
-    r = _cli("demo", "--max-tokens", "3", env={"DEEPINFER_HOME": str(tmp_path)})
+    """The README's main job: a local Ray cluster (1 prefill + 1 decode process, KV over NIXL) with the
+    built-in model answers chat requests through the real chat format, then goes down."""
+    r = _cli("demo", "--max-tokens", "16", env={"DEEPINFER_HOME": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert [(x["question"], x["answer"], x["finish_reason"]) for x in lines] == [
+        ("Reverse these words: red green blue", "blue green red", "stop"),
+        ("Repeat these words: cat river song", "cat river song", "stop")]
+    assert not list(tmp_path.iterdir())  # the packaged demo checkpoint: nothing is written on first use
+
+
+def test_demo_offline(tmp_path):
+    r = _cli("demo", "--offline", "--max-tokens", "3", env={"DEEPINFER_HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     lines = [json.loads(x) for x in r.stdout.splitlines()]
     assert len(lines) == 2 and all(1 <= len(x["token_ids"]) <= 3 for x in lines)  # the demo model may stop early
-    assert not list(tmp_path.iterdir())  # the packaged demo checkpoint: nothing is written on first use
