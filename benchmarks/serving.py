@@ -71,8 +71,6 @@ import multiprocessing as mp
 import os
 import platform
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -82,8 +80,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from benchmarks.offline_throughput import source_digest
+from deploy.processes import ServiceProcesses
 
-ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
 STATS_METADATA_KEY = "deepinfer-stats-json"
@@ -292,13 +290,12 @@ class LocalCluster:
 
     def __init__(self, checkpoint: str, engine_threads: int, worker_args: list[str], logdir: Path,
                  ucx_tls: str | None = None, bounded_state: str | None = None) -> None:
-        self.logdir = logdir
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.info: dict[str, dict] = {}
-        self.env = {**os.environ, "OMP_NUM_THREADS": str(engine_threads), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": str(engine_threads), "PYTHONUNBUFFERED": "1"}
         if ucx_tls:
             # NOTE: the workers then read UCX's settings from the environment instead of `--loopback-ucx`
-            self.env.update(UCX_TLS=ucx_tls, UCX_NET_DEVICES="lo")
+            env.update(UCX_TLS=ucx_tls, UCX_NET_DEVICES="lo")
+        self.processes = ServiceProcesses(logdir, env)
+        self.info = self.processes.info
         try:
             self._spawn("prefill_lb", ["loadbalancer", "--stage", "prefill", "--policy", "prefix_aware"])
             self._spawn("decode_lb", ["loadbalancer", "--stage", "decode", "--policy", "kv_load"])
@@ -319,26 +316,10 @@ class LocalCluster:
             raise
 
     def _spawn(self, name: str, args: list[str]) -> None:
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", *args], cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL,
-            stdout=open(self.logdir / f"{name}.out", "w"), stderr=open(self.logdir / f"{name}.err", "w"))
+        self.processes.spawn(name, args)
 
     def _wait_ready(self) -> None:
-        """Blocks until every process printed its JSON address line; raises with the log of one that died."""
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while len(self.info) < len(self.procs):
-            for name, proc in self.procs.items():
-                if name in self.info:
-                    continue
-                lines = [ln for ln in (self.logdir / f"{name}.out").read_text().splitlines() if ln.startswith("{")]
-                if lines:
-                    self.info[name] = json.loads(lines[0])
-                elif proc.poll() is not None:
-                    err = (self.logdir / f"{name}.err").read_text()[-3000:]
-                    raise RuntimeError(f"{name} exited with {proc.returncode} before serving:\n{err}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"not ready after {STARTUP_TIMEOUT_S} s: {sorted(set(self.procs) - set(self.info))}")
-            time.sleep(0.05)
+        self.processes.wait_ready(STARTUP_TIMEOUT_S, poll_s=0.05)
 
     def stats(self, name: str) -> dict:
         """A worker's Health stats (its trailing-metadata JSON)."""
@@ -353,17 +334,7 @@ class LocalCluster:
 
     def stop(self) -> None:
         """SIGTERM front to back (workers deregister while their balancers still run); kill stragglers."""
-        for group in (("entrypoint",), ("prefill", "decode"), ("prefill_lb", "decode_lb")):
-            procs = [self.procs[n] for n in group if n in self.procs]
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            for p in procs:
-                try:
-                    p.wait(STOP_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(STOP_TIMEOUT_S)
+        self.processes.stop(STOP_TIMEOUT_S)
 
 
 def wait_until_serving(client, timeout_s: float = 30.0) -> None:

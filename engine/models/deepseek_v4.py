@@ -348,8 +348,8 @@ class Attention(nn.Module):
             ckv, cgate = self.compressor.project(x)
             if self.kind == "csa":
                 ikv, igate = self.indexer.compressor.project(x)
-        out = torch.empty_like(q)
         dm: DecodeMeta | None = rope.get("decode")
+        out = torch.empty_like(q) if dm is None or dm.other_idx else None  # a pure decode step fills none
         if dm is not None:
             # a pure decode step (every row is a decode row, in order): no gather / scatter copies
             r = slice(None) if not dm.other_idx else dm.rows

@@ -10,7 +10,6 @@ shape carrying token deltas, ending `data: [DONE]`.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -18,20 +17,13 @@ import deepseek_recipe as recipe
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from entrypoint.client import FINISH_REASONS, sampling_params_proto
-from entrypoint.http.errors import invalid
+from entrypoint.http.errors import invalid, json_object
 from protos import common_pb2, entrypoint_pb2
 
 
 def parse(cls: type[BaseModel], body: bytes) -> Any:
     """The validated body; 400 naming the first offending field otherwise."""
-    if not body.strip():
-        raise invalid("the request body is empty; send a JSON object")
-    try:
-        parsed = json.loads(body)
-    except ValueError as e:
-        raise invalid(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(parsed, dict):
-        raise invalid("the request body must be a JSON object")
+    parsed = json_object(body)
     try:
         return cls.model_validate(parsed)
     except ValidationError as e:

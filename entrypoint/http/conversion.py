@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import deepseek_recipe as recipe
 
-from entrypoint.http.errors import ApiError, invalid
+from entrypoint.http.errors import ApiError, invalid, json_object
 from protos import common_pb2
 
 RECIPE_MODEL_NAMES = ("DeepSeek-V4-Pro", "DeepSeek-V4.1-Flash")
@@ -226,14 +226,7 @@ class RecipeFront:
 
     def prepare(self, api: str, body: bytes) -> Prepared:
         """Convert a protocol request body; raises `ApiError` (400/404) for bad input."""
-        if not body.strip():
-            raise invalid("the request body is empty; send a JSON object")
-        try:
-            parsed = json.loads(body)
-        except ValueError as e:
-            raise invalid(f"the request body is not valid JSON: {e}") from None
-        if not isinstance(parsed, dict):
-            raise invalid("the request body must be a JSON object")
+        parsed = json_object(body)
         for url in image_urls(parsed):
             self.image_policy.check(url)
         try:

@@ -56,6 +56,19 @@ def invalid(message: str, param: str | None = None, code: str = "invalid_request
     return ApiError(400, message, param=param, code=code)
 
 
+def json_object(body: bytes) -> dict:
+    """The request body as a JSON object; 400 for an empty body, bad JSON or another JSON value."""
+    if not body.strip():
+        raise invalid("the request body is empty; send a JSON object")
+    try:
+        parsed = json.loads(body)
+    except ValueError as e:
+        raise invalid(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(parsed, dict):
+        raise invalid("the request body must be a JSON object")
+    return parsed
+
+
 def from_grpc(code: grpc.StatusCode, details: str, field: str | None, request_id: str, retry_after_s: int) -> ApiError:
     """The HTTP answer to a failed token-API call; only INVALID_ARGUMENT passes its message through."""
     if code == grpc.StatusCode.INVALID_ARGUMENT:

@@ -10,24 +10,21 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 import pytest
 import torch
 
+from deploy.processes import ServiceProcesses
 from entrypoint.client import Client, GenerateError
 from protos import common_pb2, decode_pb2_grpc, loadbalancer_pb2, loadbalancer_pb2_grpc, prefill_pb2_grpc
 
 pytest.importorskip("nixl")
 
-ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 RPC_TIMEOUT_S = 10.0
@@ -59,80 +56,37 @@ class Cluster:
         return json.loads(dict(call.trailing_metadata())[STATS_KEY])
 
 
-def _spawn(name: str, args: list[str], logdir: Path, env: dict) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", *args], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-        stdout=open(logdir / f"{name}.out", "w"), stderr=open(logdir / f"{name}.err", "w"))
-
-
-def _wait_ready(procs: dict[str, subprocess.Popen], logdir: Path) -> dict[str, dict]:
-    """Blocks until every process printed its JSON address line; fails with the log tail of one that died."""
-    info: dict[str, dict] = {}
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while len(info) < len(procs):
-        for name, proc in procs.items():
-            if name in info:
-                continue
-            lines = [ln for ln in (logdir / f"{name}.out").read_text().splitlines() if ln.startswith("{")]
-            if lines:
-                info[name] = json.loads(lines[0])
-            elif proc.poll() is not None:
-                err = (logdir / f"{name}.err").read_text()[-3000:]
-                pytest.fail(f"{name} exited with {proc.returncode} before serving:\n{err}")
-        assert time.monotonic() < deadline, f"not ready after {STARTUP_TIMEOUT_S} s: {sorted(set(procs) - set(info))}"
-        time.sleep(0.1)
-    return info
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM the processes, wait for them; kill those still running after STOP_TIMEOUT_S."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(STOP_TIMEOUT_S)
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     from engine.testing.make_checkpoint import make_checkpoint
 
     logdir = tmp_path_factory.mktemp("logs")
     ckpt = str(make_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny", seed=7))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    procs: dict[str, subprocess.Popen] = {}
+    processes = ServiceProcesses(logdir, {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     client = None
     cluster = None
     try:
-        procs["prefill_lb"] = _spawn("prefill_lb", ["loadbalancer", "--stage", "prefill", "--policy", "prefix_aware",
-                                                    "--heartbeat-timeout-s", "3"], logdir, env)
-        procs["decode_lb"] = _spawn("decode_lb", ["loadbalancer", "--stage", "decode", "--policy", "kv_load",
-                                                  "--heartbeat-timeout-s", "3"], logdir, env)
-        info = _wait_ready(procs, logdir)
+        for stage, policy in (("prefill", "prefix_aware"), ("decode", "kv_load")):
+            processes.spawn(f"{stage}_lb", ["loadbalancer", "--stage", stage, "--policy", policy,
+                                            "--heartbeat-timeout-s", "3"])
+        info = processes.wait_ready(STARTUP_TIMEOUT_S)
         worker_args = ["--model", ckpt, "--loopback-ucx", "--max-num-seqs", "8", "--num-blocks", "256"]
-        procs["prefill"] = _spawn("prefill", ["prefill_worker", "--lb-address", info["prefill_lb"]["address"],
-                                              "--instance-id", "prefill-0", *worker_args], logdir, env)
-        procs["decode"] = _spawn("decode", ["decode_worker", "--lb-address", info["decode_lb"]["address"],
-                                            "--instance-id", "decode-0", *worker_args], logdir, env)
-        procs["entrypoint"] = _spawn("entrypoint", [
+        for stage in ("prefill", "decode"):
+            processes.spawn(stage, [f"{stage}_worker", "--lb-address", info[f"{stage}_lb"]["address"],
+                                    "--instance-id", f"{stage}-0", *worker_args])
+        processes.spawn("entrypoint", [
             "entrypoint", "--model", ckpt, "--prefill-lb-address", info["prefill_lb"]["address"],
-            "--decode-lb-address", info["decode_lb"]["address"]], logdir, env)
-        info.update(_wait_ready(procs, logdir))
+            "--decode-lb-address", info["decode_lb"]["address"]])
+        processes.wait_ready(STARTUP_TIMEOUT_S)
         client = Client(info["entrypoint"]["address"], timeout_s=60.0)
-        cluster = Cluster(ckpt, procs, info, client)
+        cluster = Cluster(ckpt, processes.procs, info, client)
         yield cluster
     finally:
         if client is not None:
             client.close()
         for channel in cluster.channels.values() if cluster is not None else ():
             channel.close()
-        # front to back, so the workers can still deregister from their balancers
-        for group in (("entrypoint",), ("prefill", "decode"), ("prefill_lb", "decode_lb")):
-            _stop([procs[n] for n in group if n in procs])
+        processes.stop(STOP_TIMEOUT_S)  # front to back, so the workers can still deregister
 
 
 def _wait_for(what: str, fn, timeout_s: float = 10.0):

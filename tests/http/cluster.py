@@ -9,22 +9,19 @@ with LocalCluster(checkpoint, logdir, api_key="k") as cluster:
     cluster.worker_stats("decode")["num_kv_blocks_used"]
 ```
 
-NOTE: the process start / stop logic mirrors tests/e2e/test_disaggregated.py (owned elsewhere) in
-a few lines rather than importing from a test module.
+The processes are started and stopped by `deploy.processes.ServiceProcesses`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import grpc
 
+from deploy.processes import ProcessStartError, ServiceProcesses
 from protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,11 +45,11 @@ class LocalCluster:
         self.api_key = api_key
         self.http_args = http_args
         self.worker_args = worker_args
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.info: dict[str, dict] = {}
         self._channels: dict[str, grpc.Channel] = {}
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        self.env.pop("DEEPINFER_API_KEY", None)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env.pop("DEEPINFER_API_KEY", None)
+        self.processes = ServiceProcesses(self.logdir, env)
+        self.info = self.processes.info
 
     @property
     def http_url(self) -> str:
@@ -74,7 +71,6 @@ class LocalCluster:
         self.stop()
 
     def _start(self) -> None:
-        self.logdir.mkdir(parents=True, exist_ok=True)
         for stage, policy in (("prefill", "prefix_aware"), ("decode", "kv_load")):
             self._spawn(f"{stage}_lb", ["loadbalancer", "--stage", stage, "--policy", policy,
                                         "--heartbeat-timeout-s", "3"])
@@ -98,26 +94,13 @@ class LocalCluster:
         self._wait_workers_registered()
 
     def _spawn(self, name: str, args: list[str]) -> None:
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", *args], cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL,
-            stdout=open(self.logdir / f"{name}.out", "w"), stderr=open(self.logdir / f"{name}.err", "w"))
+        self.processes.spawn(name, args)
 
     def _wait_ready(self) -> None:
-        """Blocks until every process printed its JSON address line."""
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while len(self.info) < len(self.procs):
-            for name, proc in self.procs.items():
-                if name in self.info:
-                    continue
-                lines = [ln for ln in (self.logdir / f"{name}.out").read_text().splitlines() if ln.startswith("{")]
-                if lines:
-                    self.info[name] = json.loads(lines[0])
-                elif proc.poll() is not None:
-                    err = (self.logdir / f"{name}.err").read_text()[-3000:]
-                    raise ClusterError(f"{name} exited with {proc.returncode} before serving:\n{err}")
-            if time.monotonic() > deadline:
-                raise ClusterError(f"not ready after {STARTUP_TIMEOUT_S} s: {sorted(set(self.procs) - set(self.info))}")
-            time.sleep(0.1)
+        try:
+            self.processes.wait_ready(STARTUP_TIMEOUT_S)
+        except ProcessStartError as e:
+            raise ClusterError(str(e)) from None
 
     def _wait_workers_registered(self) -> None:
         from entrypoint.client import Client
@@ -148,14 +131,4 @@ class LocalCluster:
         for channel in self._channels.values():
             channel.close()
         self._channels.clear()
-        for group in (("http",), ("entrypoint",), ("prefill", "decode"), ("prefill_lb", "decode_lb")):
-            procs = [self.procs[n] for n in group if n in self.procs]
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            for proc in procs:
-                try:
-                    proc.wait(STOP_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(STOP_TIMEOUT_S)
+        self.processes.stop(STOP_TIMEOUT_S)
