@@ -23,21 +23,22 @@ _sym_db = _symbol_database.Default()
 
 
 from protos import common_pb2 as protos_dot_common__pb2
+from protos import vision_pb2 as protos_dot_vision__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/prefill.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x13protos/common.proto\"\xf1\x01\n\rKVDestination\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0btransfer_id\x18\x06 \x01(\t\x12\x1e\n\x16lease_deadline_unix_ms\x18\x07 \x01(\x04\x12\x14\n\x0c\x61gent_layout\x18\x08 \x01(\x0c\x12\x17\n\nstate_slot\x18\t \x01(\rH\x00\x88\x01\x01\x42\r\n\x0b_state_slot\"\x8d\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x35\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12&\n\x06images\x18\x04 \x03(\x0b\x32\x16.deepinfer.v1.ImageRef\x12\x30\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x1b.deepinfer.v1.KVDestination\x12\x15\n\rnum_kv_tokens\x18\x06 \x01(\r\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x08 \x01(\r\"\xd3\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x39\n\x14\x66irst_token_logprobs\x18\x03 \x01(\x0b\x32\x1b.deepinfer.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1b.deepinfer.v1.TokenLogprobs\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.deepinfer.v1.FinishReason\x12\x15\n\rnum_kv_tokens\x18\x06 \x01(\r\x12 \n\x18num_cached_prompt_tokens\x18\x07 \x01(\r\x12\x13\n\x0btransfer_id\x18\x08 \x01(\t\x12\"\n\x05\x65rror\x18\t \x01(\x0b\x32\x13.deepinfer.v1.Error2\x9a\x02\n\x07Prefill\x12\x46\n\x07Prefill\x12\x1c.deepinfer.v1.PrefillRequest\x1a\x1d.deepinfer.v1.PrefillResponse\x12@\n\x05\x41\x62ort\x12\x1a.deepinfer.v1.AbortRequest\x1a\x1b.deepinfer.v1.AbortResponse\x12\x43\n\x06Health\x12\x1b.deepinfer.v1.HealthRequest\x1a\x1c.deepinfer.v1.HealthResponse\x12@\n\x05\x44rain\x12\x1a.deepinfer.v1.DrainRequest\x1a\x1b.deepinfer.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/prefill.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x13protos/common.proto\x1a\x13protos/vision.proto\"\xf1\x01\n\rKVDestination\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0btransfer_id\x18\x06 \x01(\t\x12\x1e\n\x16lease_deadline_unix_ms\x18\x07 \x01(\x04\x12\x14\n\x0c\x61gent_layout\x18\x08 \x01(\x0c\x12\x17\n\nstate_slot\x18\t \x01(\rH\x00\x88\x01\x01\x42\r\n\x0b_state_slot\"\xc6\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x35\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12&\n\x06images\x18\x04 \x03(\x0b\x32\x16.deepinfer.v1.ImageRef\x12\x30\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x1b.deepinfer.v1.KVDestination\x12\x15\n\rnum_kv_tokens\x18\x06 \x01(\r\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x08 \x01(\r\x12\x37\n\x10image_embeddings\x18\t \x03(\x0b\x32\x1d.deepinfer.v1.ImageEmbeddings\"\xd3\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x39\n\x14\x66irst_token_logprobs\x18\x03 \x01(\x0b\x32\x1b.deepinfer.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1b.deepinfer.v1.TokenLogprobs\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.deepinfer.v1.FinishReason\x12\x15\n\rnum_kv_tokens\x18\x06 \x01(\r\x12 \n\x18num_cached_prompt_tokens\x18\x07 \x01(\r\x12\x13\n\x0btransfer_id\x18\x08 \x01(\t\x12\"\n\x05\x65rror\x18\t \x01(\x0b\x32\x13.deepinfer.v1.Error2\x9a\x02\n\x07Prefill\x12\x46\n\x07Prefill\x12\x1c.deepinfer.v1.PrefillRequest\x1a\x1d.deepinfer.v1.PrefillResponse\x12@\n\x05\x41\x62ort\x12\x1a.deepinfer.v1.AbortRequest\x1a\x1b.deepinfer.v1.AbortResponse\x12\x43\n\x06Health\x12\x1b.deepinfer.v1.HealthRequest\x1a\x1c.deepinfer.v1.HealthResponse\x12@\n\x05\x44rain\x12\x1a.deepinfer.v1.DrainRequest\x1a\x1b.deepinfer.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.prefill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVDESTINATION']._serialized_start=60
-  _globals['_KVDESTINATION']._serialized_end=301
-  _globals['_PREFILLREQUEST']._serialized_start=304
-  _globals['_PREFILLREQUEST']._serialized_end=573
-  _globals['_PREFILLRESPONSE']._serialized_start=576
-  _globals['_PREFILLRESPONSE']._serialized_end=915
-  _globals['_PREFILL']._serialized_start=918
-  _globals['_PREFILL']._serialized_end=1200
+  _globals['_KVDESTINATION']._serialized_start=81
+  _globals['_KVDESTINATION']._serialized_end=322
+  _globals['_PREFILLREQUEST']._serialized_start=325
+  _globals['_PREFILLREQUEST']._serialized_end=651
+  _globals['_PREFILLRESPONSE']._serialized_start=654
+  _globals['_PREFILLRESPONSE']._serialized_end=993
+  _globals['_PREFILL']._serialized_start=996
+  _globals['_PREFILL']._serialized_end=1278
 # @@protoc_insertion_point(module_scope)

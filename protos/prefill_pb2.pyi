@@ -1,4 +1,5 @@
 from protos import common_pb2 as _common_pb2
+from protos import vision_pb2 as _vision_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -30,7 +31,7 @@ class KVDestination(_message.Message):
     def __init__(self, decode_instance_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., transfer_id: _Optional[str] = ..., lease_deadline_unix_ms: _Optional[int] = ..., agent_layout: _Optional[bytes] = ..., state_slot: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "images", "destination", "num_kv_tokens", "priority", "deadline_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "images", "destination", "num_kv_tokens", "priority", "deadline_ms", "image_embeddings")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +40,7 @@ class PrefillRequest(_message.Message):
     NUM_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -47,7 +49,8 @@ class PrefillRequest(_message.Message):
     num_kv_tokens: int
     priority: int
     deadline_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageRef, _Mapping]]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., num_kv_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
+    image_embeddings: _containers.RepeatedCompositeFieldContainer[_vision_pb2.ImageEmbeddings]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageRef, _Mapping]]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., num_kv_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., image_embeddings: _Optional[_Iterable[_Union[_vision_pb2.ImageEmbeddings, _Mapping]]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_token_logprobs", "prompt_logprobs", "finish_reason", "num_kv_tokens", "num_cached_prompt_tokens", "transfer_id", "error")
