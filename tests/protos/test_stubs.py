@@ -14,6 +14,7 @@ grpc_tools = pytest.importorskip("grpc_tools")
 SERVICES = {
     "entrypoint": ("Entrypoint", {"Generate": True, "Abort": False, "Health": False}),
     "prefill": ("Prefill", {"Prefill": False, "Abort": False, "Health": False, "Drain": False}),
+    "vision": ("Vision", {"Encode": False, "Release": False, "Abort": False, "Health": False, "Drain": False}),
     "decode": ("Decode", {"Reserve": False, "Start": True, "Abort": False, "Health": False, "Drain": False}),
     "loadbalancer": (
         "LoadBalancer",
