@@ -20,6 +20,108 @@ MLP_LAYER_TYPES = ("hash_moe", "moe")
 _RATIO_TO_LAYER_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 _DEFAULT_COMPRESS_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 
+IMAGE_TOKEN_ID = 129264
+"""deepseek-recipe's `IMAGE_SPECIAL_TOKEN_ID`: the id each image position of the engine's prompt ids holds."""
+IMAGE_PIXELS_PER_TOKEN = 42
+"""Pixels per image token side in recipe's image token layout (`patch_size * merge_size`)."""
+
+# Keys of a `vision_config` that carry no math (what transformers' `SiglipVisionConfig.to_dict()` adds).
+_VISION_IGNORED_KEYS = frozenset(
+    {
+        "model_type", "transformers_version", "architectures", "dtype", "torch_dtype", "_name_or_path",
+        "output_hidden_states", "output_attentions", "return_dict", "chunk_size_feed_forward",
+        "is_encoder_decoder", "id2label", "label2id", "problem_type", "initializer_range", "initializer_factor",
+        "tie_word_embeddings", "use_bfloat16", "torchscript", "pruned_heads",
+    }
+)
+
+
+class VisionConfig(BaseModel):
+    """The vision tower of a checkpoint: config.json's `vision_config` (see `engine.models.vision`).
+
+    A SigLIP ViT in transformers' `SiglipVisionModel` layout (no pooling head) followed by
+    deepinfer's projector, which merges `merge_size x merge_size` patches into one LM token. The
+    defaults are the built-in demo model's numbers; checkpoints state every value.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    hidden_size: int = Field(64, gt=0)
+    """ViT width."""
+    intermediate_size: int = Field(256, gt=0)
+    """ViT MLP width."""
+    num_hidden_layers: int = Field(2, gt=0)
+    """ViT encoder layers."""
+    num_attention_heads: int = Field(4, gt=0)
+    """ViT attention heads."""
+    num_channels: Literal[3] = 3
+    """Input channels (RGB)."""
+    image_size: int = Field(546, gt=0)
+    """Side of the square image the position table was trained for (table side = image_size / patch_size)."""
+    patch_size: int = Field(14, gt=0)
+    """Side of one ViT patch in pixels."""
+    hidden_act: Literal["gelu_pytorch_tanh", "gelu"] = "gelu_pytorch_tanh"
+    """ViT MLP activation (tanh-approximated or exact GELU)."""
+    layer_norm_eps: float = Field(1e-6, gt=0)
+    """Epsilon of the ViT's LayerNorms."""
+    attention_dropout: float = Field(0.0, ge=0.0, le=1.0)
+    """Training-only; inference never drops."""
+    merge_size: int = Field(3, gt=0)
+    """Patches per LM token side: the projector merges merge_size x merge_size patches."""
+    projector_hidden_size: int = Field(256, gt=0)
+    """Hidden width of the projector MLP (fc1 output)."""
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    """Per-channel mean subtracted from pixels in [0, 1]."""
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    """Per-channel std dividing the centred pixels."""
+
+    @property
+    def pixels_per_token(self) -> int:
+        """Side in pixels of the square an LM image token covers (`patch_size * merge_size`, 42)."""
+        return self.patch_size * self.merge_size
+
+    @property
+    def position_grid_size(self) -> int:
+        """Side of the ViT's learned position table (`image_size // patch_size`, 39)."""
+        return self.image_size // self.patch_size
+
+    @model_validator(mode="after")
+    def _check(self) -> VisionConfig:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"`vision_config.hidden_size` ({self.hidden_size}) must be a multiple of num_attention_heads "
+                f"({self.num_attention_heads})."
+            )
+        if self.image_size % self.patch_size:
+            raise ValueError(
+                f"`vision_config.image_size` ({self.image_size}) must be a multiple of patch_size ({self.patch_size})."
+            )
+        if self.pixels_per_token != IMAGE_PIXELS_PER_TOKEN:
+            raise ValueError(
+                f"`vision_config.patch_size * merge_size` is {self.pixels_per_token}, but recipe's image token layout "
+                f"covers {IMAGE_PIXELS_PER_TOKEN} px per token; use e.g. patch_size=14, merge_size=3."
+            )
+        if any(s <= 0 for s in self.image_std):
+            raise ValueError(f"`vision_config.image_std` must be positive; got {list(self.image_std)}.")
+        return self
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> VisionConfig:
+        """Validate a `vision_config` dict (transformers' bookkeeping keys are dropped)."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"`vision_config` must be an object; got {type(raw).__name__}.")
+        d = {k: v for k, v in raw.items() if k not in _VISION_IGNORED_KEYS}
+        if d.pop("vision_use_head", False):
+            raise ValueError("`vision_config.vision_use_head`=true is not supported: the tower has no pooling head.")
+        unknown = sorted(k for k in d if k not in cls.model_fields)
+        if unknown:
+            raise ValueError(
+                f"`vision_config` has fields deepinfer does not implement: {unknown}. Remove them if they carry no "
+                "math, or add support for them in engine/config.py."
+            )
+        return cls(**d)
+
+
 # Keys of config.json that carry no math (bookkeeping written by transformers or the hub).
 _IGNORED_KEYS = frozenset(
     {
@@ -130,6 +232,11 @@ class ModelConfig(BaseModel):
     """RoPE for sliding-only layers."""
     rope_compress: RopeConfig
     """RoPE for CSA/HCA layers, their compressors and the indexer."""
+    vision: VisionConfig | None = None
+    """The vision tower (config.json's `vision_config`); None for a text-only checkpoint."""
+    image_token_id: int | None = None
+    """Id of the image positions in the engine's prompt ids (config.json's `image_token_id`; 129264
+    by default when the checkpoint has a vision tower)."""
 
     @property
     def rope_head_dim(self) -> int:
@@ -174,6 +281,8 @@ class ModelConfig(BaseModel):
                 f"`partial_rotary_factor` gives a rope width of {rd}; it must be even, positive and at most "
                 f"head_dim ({self.head_dim}) and index_head_dim ({self.index_head_dim})."
             )
+        if self.image_token_id is not None and not 0 <= self.image_token_id < self.vocab_size:
+            raise ValueError(f"`image_token_id` ({self.image_token_id}) must be in [0, vocab_size={self.vocab_size}).")
         if self.num_experts_per_tok > self.n_routed_experts:
             raise ValueError(
                 f"`num_experts_per_tok` ({self.num_experts_per_tok}) exceeds n_routed_experts ({self.n_routed_experts})."
@@ -265,10 +374,15 @@ class ModelConfig(BaseModel):
                 comp_raw.setdefault("attention_factor", 1.0)
         rope_main = _parse_rope(main_raw, "main", d.get("max_position_embeddings", 1048576))
         rope_compress = _parse_rope(comp_raw, "compress", d.get("max_position_embeddings", 1048576))
+        vision_raw = d.pop("vision_config", None)
+        vision = VisionConfig.from_hf_dict(vision_raw) if vision_raw is not None else None
+        image_token_id = d.pop("image_token_id", None)
+        if vision is not None and image_token_id is None:
+            image_token_id = IMAGE_TOKEN_ID
         for key in list(d):
             if key in _IGNORED_KEYS:
                 d.pop(key)
-        fields = set(cls.model_fields) - {"rope_main", "rope_compress", "layer_types", "mlp_layer_types"}
+        fields = set(cls.model_fields) - {"rope_main", "rope_compress", "layer_types", "mlp_layer_types", "vision"}
         unknown = sorted(k for k in d if k not in fields)
         if unknown:
             raise ValueError(
@@ -287,6 +401,8 @@ class ModelConfig(BaseModel):
             partial_rotary_factor=float(prf),
             rope_main=rope_main,
             rope_compress=rope_compress,
+            vision=vision,
+            image_token_id=image_token_id,
         )
 
 
