@@ -27,6 +27,7 @@ from engine.sampling import IncrementalDetokenizer, Sampler, SamplingBatch, Samp
 from engine.sampling.sampler import TokenLogprobs, compute_logprobs
 from engine.sampling.stop import StopChecker
 from engine.scheduler import Request, Scheduler, SchedulerConfig
+from engine.structured_output import GrammarCompiler, GrammarState, allocate_bitmask
 
 
 class EngineConfig(BaseModel):
@@ -120,6 +121,8 @@ class _Seq:
     hold_state: bool = False
     """Also keep the bounded-state slot (prefill side with the state sent, until sent)."""
     pinned_slot: int | None = None
+    grammar: GrammarState | None = None
+    """The structured-output matcher when the params carry a constraint."""
 
 
 @dataclass
@@ -203,6 +206,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.cache)
         self.sampler = Sampler(seed=config.seed)
         self.eos_token_ids = tuple(mc.eos_token_ids)
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
+        """Compiles (and caches) structured-output constraints against this model's tokenizer."""
         self._parents: dict[str, _Parent] = {}
         self._seqs: dict[str, _Seq] = {}
         self._ids = itertools.count()
@@ -269,6 +274,8 @@ class Engine:
                 f"({self.max_model_len})",
                 field="max_tokens",
             )
+        if params.structured_output is not None:
+            self.grammar_compiler.compile(params.structured_output)  # refuses a bad constraint before any compute
         parent = _Parent(request_id, text, ids, params, priority,
                          [CompletionOutput(index=i) for i in range(params.n)])
         for i in range(params.n):
@@ -276,7 +283,9 @@ class Engine:
             det = IncrementalDetokenizer(self.tokenizer, ids, child.skip_special_tokens)
             stop = StopChecker(child, det, eos_token_ids=self.eos_token_ids, num_prompt_tokens=len(ids),
                                max_model_len=self.max_model_len)
-            parent.seqs.append(_Seq(parent, i, child, stop, logprobs=[] if child.logprobs is not None else None))
+            grammar = self.grammar_compiler.new_state(child.structured_output) if child.structured_output else None
+            parent.seqs.append(_Seq(parent, i, child, stop, logprobs=[] if child.logprobs is not None else None,
+                                    grammar=grammar))
         if params.prompt_logprobs is not None:
             # NOTE: computed by a separate scratch pass over the prompt (not inside the batched
             # prefill), so it costs one extra prompt forward for the requests that ask for it.
@@ -364,8 +373,9 @@ class Engine:
             co = parent.outputs[0]
             co.token_ids.extend(accepted)
             co.text += upd.text_delta
-            if upd.finish_reason is not None:
-                reason = upd.finish_reason
+            grammar_finish = self._advance_grammar(seq, seq.req.output_token_ids)
+            if upd.finish_reason is not None or grammar_finish is not None:
+                reason = upd.finish_reason if upd.finish_reason is not None else grammar_finish
                 co.finish_reason = str(reason.value if hasattr(reason, "value") else reason)
                 co.stop_reason = upd.stop_reason
                 self.kv_manager.free(seq.req)
@@ -519,8 +529,44 @@ class Engine:
                 prompts.append(req.prompt_token_ids)
             sbatch = SamplingBatch.build(params, outs, prompts, device=self.runner.device,
                                          eos_token_ids=self.eos_token_ids)
+            sbatch.token_bitmask = self._grammar_bitmask(out.sampling_req_ids, outs)
         self.num_computed_tokens_total += out.total_num_scheduled_tokens
         return _PreparedStep(batch, sbatch)
+
+    def _grammar_bitmask(self, sampling_req_ids: list[str], output_token_ids: list[list[int]]):
+        """The step's structured-output bitmask `[num_reqs, ceil(vocab / 32)]`, or None without constraints.
+
+        Each constrained row's matcher first catches up with the row's outputs (`output_token_ids[i]`,
+        the token still being sampled by the previous step included), then writes its allowed tokens.
+        """
+        bitmask = None
+        for row, rid in enumerate(sampling_req_ids):
+            seq = self._seqs.get(rid)
+            if seq is None or seq.grammar is None:
+                continue
+            if bitmask is None:
+                bitmask = allocate_bitmask(len(sampling_req_ids), self.model_config.vocab_size)
+            grammar = seq.grammar
+            # a terminated or failed matcher leaves its row unconstrained: the request ends at this update
+            if grammar.advance_to(output_token_ids[row]) and not grammar.is_terminated:
+                grammar.fill_bitmask(bitmask, row)
+        return bitmask
+
+    def _advance_grammar(self, seq: _Seq, output_token_ids: list[int]) -> str | None:
+        """Feed a sequence's new outputs to its matcher; the finish reason this forces, if any.
+
+        "stop" when the constraint terminated (complete and EOS accepted, even with `ignore_eos`);
+        "error" (with the request's error set) when a token violates the constraint, which only a
+        token sampled without it can do.
+        """
+        grammar = seq.grammar
+        if grammar is None:
+            return None
+        if not grammar.advance_to(output_token_ids):
+            seq.parent.error = (f"output token {grammar.rejected_token_id} violates the request's structured_output "
+                                f"constraint ({seq.params.structured_output.kind})")
+            return "error"
+        return "stop" if grammar.is_terminated else None
 
     def _run(self, prep: _PreparedStep) -> _StepResult:
         """Model forward + sampling (the part that may run on the worker thread)."""
@@ -559,10 +605,13 @@ class Engine:
                 if seq.logprobs is not None and lp is not None and accepted:
                     seq.logprobs.append(lp)
                 deltas[rid] = (accepted, upd.text_delta)
+                grammar_finish = self._advance_grammar(seq, seq.req.output_token_ids + accepted)
                 if upd.finish_reason is not None:
                     reason = upd.finish_reason
                     finished[rid] = str(reason.value if hasattr(reason, "value") else reason)
                     seq.stop_reason = upd.stop_reason
+                elif grammar_finish is not None:
+                    finished[rid] = grammar_finish
         t0 = time.perf_counter()
         done = self.scheduler.update_from_output(out, new_tokens, finished)
         self.timings["schedule"] += time.perf_counter() - t0

@@ -59,6 +59,16 @@ def sampling_params_proto(**fields: Any) -> common_pb2.SamplingParams:
             continue
         if name == "logit_bias":
             msg.logit_bias.update({int(k): float(v) for k, v in value.items()})
+        elif name == "structured_output":
+            if not isinstance(value, dict):
+                raise TypeError(f"structured_output must be a dict of StructuredOutput fields, got {value!r}")
+            msg.structured_output.SetInParent()  # an empty dict still marks the field set (the server refuses it)
+            fields_by_name = msg.structured_output.DESCRIPTOR.fields_by_name
+            for key, item in value.items():
+                if key not in fields_by_name:
+                    raise TypeError(f"unknown structured_output field {key!r}; use one of {sorted(fields_by_name)}")
+                if item is not None:
+                    setattr(msg.structured_output, key, item)  # TypeError for a value of the wrong type
         elif name == "stop" and isinstance(value, str):
             msg.stop.append(value)
         elif known[name].is_repeated:

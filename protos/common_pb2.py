@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\x0c\x64\x65\x65pinfer.v1\"\xc1\x05\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x04\x88\x01\x01\x12?\n\nlogit_bias\x18\t \x03(\x0b\x32+.deepinfer.v1.SamplingParams.LogitBiasEntry\x12\x11\n\x04seed\x18\n \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x17\n\nmax_tokens\x18\r \x01(\x05H\x06\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x12\x12\n\nignore_eos\x18\x0f \x01(\x08\x12\x15\n\x08logprobs\x18\x10 \x01(\x05H\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x08\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\t\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokens\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"N\n\x05\x45rror\x12%\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x17.deepinfer.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\"X\n\x08ImageRef\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\t\x12\x12\n\ndescriptor\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\"\x0f\n\rHealthRequest\"\x83\x01\n\x0eHealthResponse\x12\x12\n\nis_healthy\x18\x01 \x01(\x08\x12\x13\n\x0bis_draining\x18\x02 \x01(\x08\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\"\n\x05stage\x18\x04 \x01(\x0e\x32\x13.deepinfer.v1.Stage\x12\x0f\n\x07message\x18\x05 \x01(\t\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\"\n\rAbortResponse\x12\x11\n\twas_found\x18\x01 \x01(\x08\"\"\n\x0c\x44rainRequest\x12\x12\n\ntimeout_ms\x18\x01 \x01(\r\"0\n\rDrainResponse\x12\x1f\n\x17num_unfinished_requests\x18\x01 \x01(\r*U\n\x05Stage\x12\x15\n\x11STAGE_UNSPECIFIED\x10\x00\x12\x10\n\x0cSTAGE_VISION\x10\x01\x12\x11\n\rSTAGE_PREFILL\x10\x02\x12\x10\n\x0cSTAGE_DECODE\x10\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\xf3\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_CODE_INVALID_REQUEST\x10\x01\x12\x18\n\x14\x45RROR_CODE_NOT_FOUND\x10\x02\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x03\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x04\x12 \n\x1c\x45RROR_CODE_DEADLINE_EXCEEDED\x10\x05\x12\x16\n\x12\x45RROR_CODE_ABORTED\x10\x06\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x07\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\x0c\x64\x65\x65pinfer.v1\"\xfc\x05\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x04\x88\x01\x01\x12?\n\nlogit_bias\x18\t \x03(\x0b\x32+.deepinfer.v1.SamplingParams.LogitBiasEntry\x12\x11\n\x04seed\x18\n \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x17\n\nmax_tokens\x18\r \x01(\x05H\x06\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x12\x12\n\nignore_eos\x18\x0f \x01(\x08\x12\x15\n\x08logprobs\x18\x10 \x01(\x05H\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x08\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\t\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08\x12\x39\n\x11structured_output\x18\x14 \x01(\x0b\x32\x1e.deepinfer.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokens\"\xd7\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x61ny_json\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x05 \x01(\tH\x00\x12\x1a\n\rreasoning_end\x18\x06 \x01(\tH\x01\x88\x01\x01\x12\x1e\n\x16\x64isable_any_whitespace\x18\x07 \x01(\x08\x42\x0c\n\nconstraintB\x10\n\x0e_reasoning_end\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"N\n\x05\x45rror\x12%\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x17.deepinfer.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\"X\n\x08ImageRef\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\t\x12\x12\n\ndescriptor\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\"\x0f\n\rHealthRequest\"\x83\x01\n\x0eHealthResponse\x12\x12\n\nis_healthy\x18\x01 \x01(\x08\x12\x13\n\x0bis_draining\x18\x02 \x01(\x08\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\"\n\x05stage\x18\x04 \x01(\x0e\x32\x13.deepinfer.v1.Stage\x12\x0f\n\x07message\x18\x05 \x01(\t\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\"\n\rAbortResponse\x12\x11\n\twas_found\x18\x01 \x01(\x08\"\"\n\x0c\x44rainRequest\x12\x12\n\ntimeout_ms\x18\x01 \x01(\r\"0\n\rDrainResponse\x12\x1f\n\x17num_unfinished_requests\x18\x01 \x01(\r*U\n\x05Stage\x12\x15\n\x11STAGE_UNSPECIFIED\x10\x00\x12\x10\n\x0cSTAGE_VISION\x10\x01\x12\x11\n\rSTAGE_PREFILL\x10\x02\x12\x10\n\x0cSTAGE_DECODE\x10\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\xf3\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_CODE_INVALID_REQUEST\x10\x01\x12\x18\n\x14\x45RROR_CODE_NOT_FOUND\x10\x02\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x03\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x04\x12 \n\x1c\x45RROR_CODE_DEADLINE_EXCEEDED\x10\x05\x12\x16\n\x12\x45RROR_CODE_ABORTED\x10\x06\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x07\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,34 +33,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_STAGE']._serialized_start=1440
-  _globals['_STAGE']._serialized_end=1525
-  _globals['_FINISHREASON']._serialized_start=1528
-  _globals['_FINISHREASON']._serialized_end=1673
-  _globals['_ERRORCODE']._serialized_start=1676
-  _globals['_ERRORCODE']._serialized_end=1919
+  _globals['_STAGE']._serialized_start=1717
+  _globals['_STAGE']._serialized_end=1802
+  _globals['_FINISHREASON']._serialized_start=1805
+  _globals['_FINISHREASON']._serialized_end=1950
+  _globals['_ERRORCODE']._serialized_start=1953
+  _globals['_ERRORCODE']._serialized_end=2196
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=743
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=549
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=597
-  _globals['_TOKENLOGPROBS']._serialized_start=745
-  _globals['_TOKENLOGPROBS']._serialized_end=854
-  _globals['_USAGE']._serialized_start=856
-  _globals['_USAGE']._serialized_end=943
-  _globals['_ERROR']._serialized_start=945
-  _globals['_ERROR']._serialized_end=1023
-  _globals['_IMAGEREF']._serialized_start=1025
-  _globals['_IMAGEREF']._serialized_end=1113
-  _globals['_HEALTHREQUEST']._serialized_start=1115
-  _globals['_HEALTHREQUEST']._serialized_end=1130
-  _globals['_HEALTHRESPONSE']._serialized_start=1133
-  _globals['_HEALTHRESPONSE']._serialized_end=1264
-  _globals['_ABORTREQUEST']._serialized_start=1266
-  _globals['_ABORTREQUEST']._serialized_end=1316
-  _globals['_ABORTRESPONSE']._serialized_start=1318
-  _globals['_ABORTRESPONSE']._serialized_end=1352
-  _globals['_DRAINREQUEST']._serialized_start=1354
-  _globals['_DRAINREQUEST']._serialized_end=1388
-  _globals['_DRAINRESPONSE']._serialized_start=1390
-  _globals['_DRAINRESPONSE']._serialized_end=1438
+  _globals['_SAMPLINGPARAMS']._serialized_end=802
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=608
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=656
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=805
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1020
+  _globals['_TOKENLOGPROBS']._serialized_start=1022
+  _globals['_TOKENLOGPROBS']._serialized_end=1131
+  _globals['_USAGE']._serialized_start=1133
+  _globals['_USAGE']._serialized_end=1220
+  _globals['_ERROR']._serialized_start=1222
+  _globals['_ERROR']._serialized_end=1300
+  _globals['_IMAGEREF']._serialized_start=1302
+  _globals['_IMAGEREF']._serialized_end=1390
+  _globals['_HEALTHREQUEST']._serialized_start=1392
+  _globals['_HEALTHREQUEST']._serialized_end=1407
+  _globals['_HEALTHRESPONSE']._serialized_start=1410
+  _globals['_HEALTHRESPONSE']._serialized_end=1541
+  _globals['_ABORTREQUEST']._serialized_start=1543
+  _globals['_ABORTREQUEST']._serialized_end=1593
+  _globals['_ABORTRESPONSE']._serialized_start=1595
+  _globals['_ABORTRESPONSE']._serialized_end=1629
+  _globals['_DRAINREQUEST']._serialized_start=1631
+  _globals['_DRAINREQUEST']._serialized_end=1665
+  _globals['_DRAINRESPONSE']._serialized_start=1667
+  _globals['_DRAINRESPONSE']._serialized_end=1715
 # @@protoc_insertion_point(module_scope)

@@ -1,6 +1,6 @@
 """Sampling: per-request parameters, the batched sampler, detokenization and stop conditions."""
 
-from engine.sampling.params import MAX_LOGPROBS, SamplingParams
+from engine.sampling.params import MAX_LOGPROBS, SamplingParams, StructuredOutputParams
 from engine.sampling.sampler import (
     LogprobsTensors,
     Sampler,
@@ -30,6 +30,7 @@ __all__ = [
     "SamplingParams",
     "StopChecker",
     "StopUpdate",
+    "StructuredOutputParams",
     "TokenLogprobs",
     "check_stop_strings",
     "compute_logprobs",

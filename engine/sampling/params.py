@@ -4,11 +4,16 @@
 `engine.errors.InvalidRequestError` whose `field` (and message) names the parameter, so a request is
 refused before it costs compute. Checks that need the model (token ids within the vocabulary) live in
 `validate_against_vocab`, which the entrypoint calls once it knows the tokenizer.
+
+`StructuredOutputParams` says what constrained decoding enforces on the output (a JSON schema, any
+JSON, a regular expression, an EBNF grammar or an xgrammar structural tag); its syntax is checked
+here, and the grammar is compiled against the tokenizer by `engine.structured_output`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +29,78 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 
 MAX_ABS_ADDITIVE_PENALTY = 2.0
 """`presence_penalty` and `frequency_penalty` must lie in [-2, 2] (OpenAI's range)."""
+
+
+STRUCTURED_OUTPUT_KINDS = ("json_schema", "any_json", "regex", "grammar", "structural_tag")
+"""The constraint kinds of `StructuredOutputParams`, exactly one of which a constraint sets."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StructuredOutputParams:
+    """A constraint on a request's output, enforced token by token (constrained decoding with xgrammar).
+
+    Exactly one of the constraint fields is set. Without `reasoning_end` the constraint covers the
+    whole output from its first token; with it, the output first runs free (a reasoning block the
+    prompt opened) until the text `reasoning_end` (e.g. "</think>"), and the constraint covers what
+    follows. Once the constraint is complete only EOS may follow, and the request ends.
+    """
+
+    json_schema: str | None = None
+    """A JSON Schema as JSON text: the output is one JSON value that validates against it."""
+    any_json: bool = False
+    """The output is any one JSON value."""
+    regex: str | None = None
+    """A regular expression the whole output matches."""
+    grammar: str | None = None
+    """An EBNF grammar (xgrammar's dialect; generation starts at rule `root`)."""
+    structural_tag: str | None = None
+    """An xgrammar structural tag as JSON text (e.g. tool calls in the model's own syntax)."""
+    reasoning_end: str | None = None
+    """When set, the constraint starts after the first occurrence of this text; the output before it is free."""
+    disable_any_whitespace: bool = False
+    """JSON constraints: compact JSON (`", "` and `": "` separators, no other whitespace) instead of
+    any whitespace between elements (at most `engine.structured_output.MAX_WHITESPACE` characters)."""
+
+    def __post_init__(self) -> None:
+        field_name = "structured_output"
+        for name in ("any_json", "disable_any_whitespace"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"structured_output.{name} must be a boolean, got {getattr(self, name)!r}",
+                                          field=field_name)
+        for name in ("json_schema", "regex", "grammar", "structural_tag", "reasoning_end"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"structured_output.{name} must be a non-empty string, got {value!r}",
+                                          field=field_name)
+        chosen = [name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False)]
+        if len(chosen) != 1:
+            raise InvalidRequestError(
+                f"structured_output must set exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}; got "
+                f"{', '.join(chosen) if chosen else 'none'}",
+                field=field_name,
+            )
+        for name in ("json_schema", "structural_tag"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            try:
+                parsed = json.loads(value)
+            except ValueError as e:
+                raise InvalidRequestError(f"structured_output.{name} is not valid JSON: {e}", field=field_name) from None
+            if not isinstance(parsed, (dict, bool)) or (name == "structural_tag" and not isinstance(parsed, dict)):
+                raise InvalidRequestError(f"structured_output.{name} must be a JSON object, got {value[:100]!r}",
+                                          field=field_name)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of `STRUCTURED_OUTPUT_KINDS`."""
+        return next(name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint's text (the schema, regex, grammar or tag; "" for any_json)."""
+        value = getattr(self, self.kind)
+        return "" if value is True else value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +153,8 @@ class SamplingParams:
     """Leave special tokens out of the detokenized text."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string (or stop token text) at the end of the output text."""
+    structured_output: StructuredOutputParams | None = None
+    """Constrained decoding: the output must match this constraint (a dict of its fields is accepted)."""
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1)
@@ -120,6 +199,13 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be a boolean, got {getattr(self, name)!r}", field=name)
+        object.__setattr__(self, "structured_output", _normalize_structured_output(self.structured_output))
+        if self.structured_output is not None and self.min_tokens:
+            raise InvalidRequestError(
+                "min_tokens cannot be combined with structured_output (the constraint decides where the output "
+                "ends); leave min_tokens at 0",
+                field="min_tokens",
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
@@ -200,6 +286,23 @@ def _normalize_logit_bias(logit_bias: Mapping[Any, Any] | None) -> dict[int, flo
             )
         normalized[token_id] = float(value)
     return normalized
+
+
+def _normalize_structured_output(value: Any) -> StructuredOutputParams | None:
+    if value is None or isinstance(value, StructuredOutputParams):
+        return value
+    if not isinstance(value, Mapping):
+        raise InvalidRequestError(
+            f"structured_output must be an object with one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, got {value!r}",
+            field="structured_output",
+        )
+    known = {f.name for f in dataclasses.fields(StructuredOutputParams)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise InvalidRequestError(
+            f"structured_output has unknown field(s) {unknown}; use {sorted(known)}", field="structured_output"
+        )
+    return StructuredOutputParams(**value)
 
 
 def _normalize_stop(stop: Any) -> list[str]:

@@ -6,7 +6,7 @@ ops over the whole batch:
 
 1. raw logprobs (`log_softmax` of the model logits) if any request asked for logprobs;
 2. logits processing: `min_tokens` blocking, `logit_bias`, repetition / frequency / presence
-   penalties (`Sampler.process_logits`);
+   penalties, then the structured-output token bitmask (`Sampler.process_logits`);
 3. greedy rows take the argmax of the processed logits;
 4. other rows: temperature, top-k, top-p, min-p, then an exponential race (Gumbel-max in probability
    space): `argmax(probs / E)` with `E ~ Exp(1)` per token.
@@ -180,6 +180,9 @@ class SamplingBatch:
     has_min_p: bool
     has_additive_penalties: bool  # presence or frequency
     has_repetition_penalty: bool
+    token_bitmask: torch.Tensor | None = None
+    """[num_reqs, ceil(vocab / 32)] int32 allowed-token bits from the requests' grammars (structured
+    output; all ones on unconstrained rows), filled by the engine; None when no row has a constraint."""
 
     @classmethod
     def build(
@@ -413,9 +416,9 @@ class Sampler:
     def process_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Apply min_tokens blocking, logit bias and penalties; returns new logits `[num_reqs, vocab]`.
 
-        Order (as vLLM): min_tokens, logit bias, repetition, frequency, presence.
+        Order (as vLLM): min_tokens, logit bias, repetition, frequency, presence, then the grammar
+        bitmask (disallowed tokens -> -inf), so the penalties never revive a disallowed token.
         """
-        vocab_size = logits.shape[-1]
         logits = logits.clone()
         if batch.min_tokens_row_ids is not None:
             logits[batch.min_tokens_row_ids, batch.min_tokens_token_ids] = float("-inf")
@@ -423,9 +426,17 @@ class Sampler:
             logits.index_put_(
                 (batch.logit_bias_row_ids, batch.logit_bias_token_ids), batch.logit_bias_values, accumulate=True
             )
-        if batch.output_token_ids is None:
-            return logits
+        if batch.output_token_ids is not None:
+            logits = self._apply_penalties(logits, batch)
+        if batch.token_bitmask is not None:
+            from engine.structured_output import apply_bitmask
 
+            apply_bitmask(logits, batch.token_bitmask)
+        return logits
+
+    def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Repetition (prompt + output), frequency and presence (output only, as OpenAI) penalties."""
+        vocab_size = logits.shape[-1]
         output_counts = count_tokens(batch.output_token_ids, vocab_size)  # [num_reqs, vocab]
         if batch.has_repetition_penalty:
             seen = output_counts > 0  # [num_reqs, vocab]
