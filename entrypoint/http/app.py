@@ -266,7 +266,8 @@ async def _recipe_route(front: Front, api: str, request: Request) -> Response:
     prepared = front.recipe.prepare(api, await _read_body(request, front.config.max_body_bytes))
     token_request = entrypoint_pb2.GenerateRequest(
         request_id=prepared.response_id, prompt_token_ids=prepared.prompt_token_ids,
-        sampling_params=prepared.sampling_params(), images=prepared.images)
+        sampling_params=prepared.sampling_params(), images=prepared.images,
+        is_max_tokens_default=prepared.is_max_tokens_default)
     run, first = await _start(front, request.url.path, request, t_accept, token_request)
     events = _recipe_events(front, prepared, run, first)
     if prepared.is_stream:

@@ -8,19 +8,21 @@ it the model's tokenizer, the chat encoding the checkpoint names, and our accept
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import deepseek_recipe as recipe
 
+from engine.images import IMAGE_PLACEHOLDER_ID, ImageUrlPolicy, InvalidImageError, image_descriptor
 from entrypoint.http.errors import ApiError, invalid, json_object
 from protos import common_pb2
+
+__all__ = ["ImageUrlPolicy", "Prepared", "RecipeFront", "RecipeStream", "image_urls"]
+"""`ImageUrlPolicy` lives in `engine.images` (shared with the vision worker) and is re-exported here."""
 
 RECIPE_MODEL_NAMES = ("DeepSeek-V4-Pro", "DeepSeek-V4.1-Flash")
 """Recipe's official API model names; accepted as aliases of the served model."""
@@ -59,34 +61,6 @@ def tokenizer_path(model_dir: str | Path) -> Path:
     return default_tokenizer_path()
 
 
-class ImageUrlPolicy:
-    """Which image URLs may be fetched: data: URLs (no fetch) and http(s) URLs of allowed hosts.
-
-    `destination_filter` is recipe's `ReqwestImageFetcher.with_destination_filter` hook, so a fetcher
-    built by `fetcher()` connects to nothing else, redirects included.
-    """
-
-    def __init__(self, allowed_hosts: list[str]) -> None:
-        self.allowed_hosts = frozenset(h.strip().lower() for h in allowed_hosts if h.strip())
-
-    def check(self, url: str) -> None:
-        """Raises a 400 `ApiError` unless `url` may be fetched."""
-        if url.startswith("data:"):
-            return
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or (parts.hostname or "").lower() not in self.allowed_hosts:
-            raise invalid(f"image URL {url[:200]!r} is not allowed: send the image inline as a data: URL"
-                          + (f" or use a host of {sorted(self.allowed_hosts)}" if self.allowed_hosts else ""),
-                          code="image_url_not_allowed")
-
-    def destination_filter(self, host: str, address: str) -> bool:
-        return host.lower() in self.allowed_hosts
-
-    def fetcher(self, max_bytes: int) -> recipe.ReqwestImageFetcher:
-        """A recipe image fetcher restricted to the allowed hosts."""
-        return recipe.ReqwestImageFetcher.with_max_bytes(max_bytes).with_destination_filter(self.destination_filter)
-
-
 def image_urls(body: Any) -> list[str]:
     """The image URLs of a Chat Completions / Responses / Messages body (every nesting level)."""
     urls: list[str] = []
@@ -120,6 +94,9 @@ class Prepared:
     prompt_token_ids: list[int]
     max_tokens: int
     images: list[common_pb2.ImageRef] = field(default_factory=list)
+    is_max_tokens_default: bool = False
+    """The client asked no max_tokens (recipe's default): the entrypoint may lower it once image
+    placeholders are expanded to their image tokens."""
     echo: recipe.ResponsesEcho | None = None
     namespace_tool_map: dict | None = None
     created: int = field(default_factory=lambda: int(time.time()))
@@ -227,8 +204,11 @@ class RecipeFront:
     def prepare(self, api: str, body: bytes) -> Prepared:
         """Convert a protocol request body; raises `ApiError` (400/404) for bad input."""
         parsed = json_object(body)
-        for url in image_urls(parsed):
-            self.image_policy.check(url)
+        try:
+            for url in image_urls(parsed):
+                self.image_policy.check(url)
+        except InvalidImageError as e:
+            raise invalid(str(e), code=e.code) from None
         try:
             request = _REQUEST_CLS[api](parsed)
         except ValueError as e:
@@ -256,8 +236,11 @@ class RecipeFront:
             max_tokens = converted.resolve_max_tokens(len(prompt_token_ids), self.max_model_len)
         except recipe.ConversionError as e:
             raise _conversion_error(e, param="max_tokens") from None
+        # NOTE: an image counts as its one placeholder here; the entrypoint counts its image tokens once
+        # the vision stage measured them, and lowers a default max_tokens (or refuses an asked one) then.
         return Prepared(api, f"{_ID_PREFIX[api]}{uuid.uuid4().hex}", model, converted, prompt_token_ids, max_tokens,
-                        images, echo, namespace_tool_map)
+                        images, bool(images) and converted.inference_options.max_tokens is None, echo,
+                        namespace_tool_map)
 
 
 def _conversion_error(e: recipe.ConversionError, param: str | None = None) -> ApiError:
@@ -273,14 +256,17 @@ def _conversion_error(e: recipe.ConversionError, param: str | None = None) -> Ap
 
 
 def _image_refs(conversation: recipe.Conversation, prompt_token_ids: list[int]) -> list[common_pb2.ImageRef]:
-    """The prompt's images for the vision stage: one per placeholder token, in prompt order."""
+    """The prompt's images for the vision stage: one per placeholder token (`<｜image｜>`), in prompt order.
+
+    Each ref covers its one placeholder; the entrypoint expands it to the image's token count. The
+    content hash is left to the vision stage (it hashes the preprocessed image).
+    """
     sources = [s for m in conversation.messages for s in m.image_sources]
     if not sources:
         return []
-    offsets = [i for i, t in enumerate(prompt_token_ids) if t == recipe.IMAGE_SPECIAL_TOKEN_ID]
-    refs = []
-    for source, offset in zip(sources, offsets):
-        descriptor = (source.url or source.data_url or "").encode() or (source.data or b"")
-        refs.append(common_pb2.ImageRef(content_hash=hashlib.sha256(descriptor).hexdigest(), descriptor=descriptor,
-                                        offset=offset, num_tokens=1))
-    return refs
+    offsets = [i for i, t in enumerate(prompt_token_ids) if t == IMAGE_PLACEHOLDER_ID]
+    if len(offsets) != len(sources):
+        raise invalid(f"the conversation has {len(sources)} images but its prompt renders {len(offsets)} image "
+                      "placeholders; put each image in a user message's content", param="messages")
+    return [common_pb2.ImageRef(descriptor=image_descriptor(source), offset=offset, num_tokens=1)
+            for source, offset in zip(sources, offsets)]
