@@ -222,3 +222,27 @@ def test_drained_decode_stage_answers_unavailable(cluster):
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
     assert "decode" in e.value.message
 
+
+
+def test_structured_output_is_honoured_by_prefill_and_decode_like_offline(cluster):
+    """The prefill samples the first token under the constraint, decode replays it into its own matcher
+    and constrains the rest: outputs equal the offline engine's, and they match the constraint."""
+    from engine import LLM, SamplingParams
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 99,
+              "minimum": 0}}, "required": ["ok", "n"], "additionalProperties": False}
+    constraints = [{"json_schema": json.dumps(schema), "disable_any_whitespace": True}, {"regex": "(cat|dog) [0-9]{2}"}]
+    kwargs = [dict(temperature=0.0, max_tokens=40, structured_output=constraints[0]),
+              dict(temperature=0.9, seed=4, max_tokens=20, structured_output=constraints[1])]
+    prompts = [[5, 6, 7, 8, 9], list(range(30, 70))]
+    ref = LLM(cluster.checkpoint).generate([{"prompt_token_ids": p} for p in prompts],
+                                           [SamplingParams(**k) for k in kwargs], use_tqdm=False)
+    outs = [cluster.client.generate(p, **k) for p, k in zip(prompts, kwargs)]
+    for out, r in zip(outs, ref):
+        assert out["token_ids"] == r.outputs[0].token_ids and out["finish_reason"] == "stop"
+    assert json.loads(outs[0]["text"]).keys() == {"ok", "n"}
+    assert outs[1]["text"].split(" ")[0] in ("cat", "dog") and len(outs[1]["text"]) == 6
+    with pytest.raises(GenerateError) as e:  # refused by decode's reservation, before the prefill worked
+        cluster.client.generate([5, 6, 7], max_tokens=4, structured_output={"regex": "(unclosed"})
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.field == "structured_output"
+    _wait_for("blocks freed", lambda: _blocks_freed(cluster))
