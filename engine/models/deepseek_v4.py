@@ -816,6 +816,16 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.model = DeepseekV4Model(config)
         if not config.tie_word_embeddings:
             self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.vision = None
+        """The `VisionTower` of a checkpoint with a `vision_config` (image -> input embeddings), else None."""
+        if config.vision is not None:
+            from engine.models.vision import VisionTower
+
+            tower = VisionTower(config.vision, config.hidden_size)
+            # NOTE: its two children are registered here under their checkpoint names, so state_dict()
+            # stays the checkpoint format; `self.vision` is a plain attribute sharing those modules.
+            self.vision_tower, self.vision_projector = tower.vision_tower, tower.vision_projector
+            self.__dict__["vision"] = tower
 
     def head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.head.weight

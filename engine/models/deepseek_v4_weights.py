@@ -26,6 +26,21 @@ model.layers.{i}.
   ffn.shared_experts.w1.weight [I, H]  .w2.weight [H, I]  .w3.weight [I, H]
 ```
 
+A checkpoint whose config.json has a `vision_config` also holds the vision tower and projector,
+listed by `vision_checkpoint_spec` (appended to `checkpoint_spec`; names in engine/models/vision.py):
+
+```
+vision_tower.vision_model.embeddings.patch_embedding.{weight [C, 3, p, p], bias [C]}
+vision_tower.vision_model.embeddings.position_embedding.weight  [(S/p)^2, C]
+vision_tower.vision_model.encoder.layers.{i}.
+  layer_norm1.{weight,bias} layer_norm2.{weight,bias}                       [C]
+  self_attn.{q,k,v,out}_proj.{weight [C, C], bias [C]}
+  mlp.fc1.{weight [I, C], bias [I]}  mlp.fc2.{weight [C, I], bias [C]}
+vision_tower.vision_model.post_layernorm.{weight,bias}                      [C]
+vision_projector.norm.{weight,bias} [m*m*C]   fc1.{weight [P, m*m*C], bias [P]}   fc2.{weight [H, P], bias [H]}
+vision_projector.image_begin / image_newline / image_end                     [H]
+```
+
 Multi-token-prediction layers (`mtp.*`) are not part of this spec (transformers' model has none);
 `mtp_checkpoint_spec(config, dtype)` describes them (official V4 layout), and the main model's
 loader skips them.
@@ -119,11 +134,18 @@ def is_fp32_kept(name: str) -> bool:
 
 def official_to_spec_name(name: str) -> str:
     """Map a key of DeepSeek's own checkpoint layout (`embed.weight`, `layers.0...`, `hc_head_fn`)
-    to this spec's name; names already in the spec's layout come back unchanged."""
+    to this spec's name; names already in the spec's layout come back unchanged.
+
+    Vision keys written as `vision_tower.` + a transformers-5 `SiglipVisionModel.state_dict()` key
+    (which lacks the `vision_model.` level) gain it: `vision_tower.embeddings...` ->
+    `vision_tower.vision_model.embeddings...`.
+    """
     if name in _OFFICIAL_TOP_LEVEL:
         return _OFFICIAL_TOP_LEVEL[name]
     if name.startswith("layers."):
         return "model." + name
+    if name.startswith("vision_tower.") and not name.startswith(_VIT_PREFIX):
+        return _VIT_PREFIX + name.removeprefix("vision_tower.")
     return name
 
 
@@ -149,7 +171,46 @@ def checkpoint_spec(config: ModelConfig, dtype: str | torch.dtype = torch.float3
             spec[name] = TensorSpec(shape, torch.int64, max_value=e - 1)
         else:
             spec[name] = TensorSpec(shape, torch.float32 if is_fp32_kept(name) else dtype)
+    spec.update(vision_checkpoint_spec(config, dtype))
     return spec
+
+
+VISION_PREFIXES = ("vision_tower.", "vision_projector.")
+"""Top-level name prefixes of the vision tower's and projector's tensors."""
+_VIT_PREFIX = "vision_tower.vision_model."
+
+
+def vision_checkpoint_spec(config: ModelConfig, dtype: str | torch.dtype = torch.float32) -> dict[str, TensorSpec]:
+    """Every tensor of the vision tower and projector (empty when `config.vision` is None), all in
+    `dtype`, in the order of `engine.models.vision.VisionTower.state_dict()`."""
+    vc = config.vision
+    if vc is None:
+        return {}
+    dtype = parse_dtype(dtype)
+    C, inter, p = vc.hidden_size, vc.intermediate_size, vc.patch_size
+    merged, P, H = vc.merge_size**2 * C, vc.projector_hidden_size, config.hidden_size
+    e = _VIT_PREFIX + "embeddings."
+    shapes: dict[str, tuple[int, ...]] = {
+        e + "patch_embedding.weight": (C, vc.num_channels, p, p),
+        e + "patch_embedding.bias": (C,),
+        e + "position_embedding.weight": (vc.position_grid_size**2, C),
+    }
+    for i in range(vc.num_hidden_layers):
+        lp = f"{_VIT_PREFIX}encoder.layers.{i}."
+        shapes[lp + "layer_norm1.weight"] = shapes[lp + "layer_norm1.bias"] = (C,)
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            shapes[f"{lp}self_attn.{proj}.weight"] = (C, C)
+            shapes[f"{lp}self_attn.{proj}.bias"] = (C,)
+        shapes[lp + "layer_norm2.weight"] = shapes[lp + "layer_norm2.bias"] = (C,)
+        shapes[lp + "mlp.fc1.weight"], shapes[lp + "mlp.fc1.bias"] = (inter, C), (inter,)
+        shapes[lp + "mlp.fc2.weight"], shapes[lp + "mlp.fc2.bias"] = (C, inter), (C,)
+    shapes[_VIT_PREFIX + "post_layernorm.weight"] = shapes[_VIT_PREFIX + "post_layernorm.bias"] = (C,)
+    for name in ("image_begin", "image_newline", "image_end"):
+        shapes["vision_projector." + name] = (H,)
+    shapes["vision_projector.norm.weight"] = shapes["vision_projector.norm.bias"] = (merged,)
+    shapes["vision_projector.fc1.weight"], shapes["vision_projector.fc1.bias"] = (P, merged), (P,)
+    shapes["vision_projector.fc2.weight"], shapes["vision_projector.fc2.bias"] = (H, P), (H,)
+    return {name: TensorSpec(shape, dtype) for name, shape in shapes.items()}
 
 
 def _layer_shapes(c: ModelConfig, p: str, layer_type: str, rate: int, mlp_type: str) -> dict[str, tuple[int, ...]]:

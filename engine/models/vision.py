@@ -185,3 +185,222 @@ class VisionProjector(nn.Module):
         end = self.image_end.to(x.dtype).view(1, 1, H).expand(B, 1, H)
         out = torch.cat([begin, x, end], dim=1)  # [B, 2 + r*(c+1), H]
         return out[0] if squeeze else out
+
+
+# --------------------------------------------------------------------------- ViT (SiglipVisionModel layout)
+
+
+class VisionEmbeddings(nn.Module):
+    """Patch convolution plus the learned position table, interpolated to the patch grid."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.patch_size = config.patch_size
+        self.grid_size = config.position_grid_size
+        self.patch_embedding = nn.Conv2d(config.num_channels, config.hidden_size, config.patch_size, config.patch_size)
+        self.position_embedding = nn.Embedding(self.grid_size**2, config.hidden_size)
+
+    def position_table(self, grid_h: int, grid_w: int) -> torch.Tensor:
+        """Position embeddings of a grid_h x grid_w patch grid -> [grid_h * grid_w, C].
+
+        NOTE: like transformers, the table is used as is only at exactly its own square grid; any
+        other grid gets a bicubic (align_corners=False) resize. The resize runs in float32.
+        """
+        table = self.position_embedding.weight  # [G*G, C]
+        if (grid_h, grid_w) == (self.grid_size, self.grid_size):
+            return table
+        G, C = self.grid_size, table.shape[-1]
+        grid = table.float().view(1, G, G, C).permute(0, 3, 1, 2)  # [1, C, G, G]
+        grid = F.interpolate(grid, size=(grid_h, grid_w), mode="bicubic", align_corners=False)
+        return grid.permute(0, 2, 3, 1).reshape(grid_h * grid_w, C).to(table.dtype)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels [B, 3, Hpx, Wpx] -> patch embeddings [B, (Hpx/p) * (Wpx/p), C]."""
+        w = self.patch_embedding.weight
+        x = self.patch_embedding(pixels.to(w.dtype))  # [B, C, Hpx/p, Wpx/p]
+        gh, gw = x.shape[-2:]
+        return x.flatten(2).transpose(1, 2) + self.position_table(gh, gw)
+
+
+class VisionAttention(nn.Module):
+    """Bidirectional multi-head self-attention with biased q/k/v/out projections."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        C = config.hidden_size
+        self.num_heads, self.head_dim = config.num_attention_heads, C // config.num_attention_heads
+        self.q_proj = nn.Linear(C, C)
+        self.k_proj = nn.Linear(C, C)
+        self.v_proj = nn.Linear(C, C)
+        self.out_proj = nn.Linear(C, C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, P, C] -> [B, P, C]."""
+        B, P, C = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(B, P, self.num_heads, self.head_dim).transpose(1, 2)  # [B, heads, P, head_dim]
+
+        out = F.scaled_dot_product_attention(heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x)))
+        return self.out_proj(out.transpose(1, 2).reshape(B, P, C))
+
+
+class VisionMLP(nn.Module):
+    """fc1 -> GELU -> fc2, with biases."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.approximate = "tanh" if config.hidden_act == "gelu_pytorch_tanh" else "none"
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
+
+
+class VisionEncoderLayer(nn.Module):
+    """Pre-norm transformer layer: x + attn(ln1(x)), then + mlp(ln2(.))."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.self_attn = VisionAttention(config)
+        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.mlp = VisionMLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class VisionEncoder(nn.Module):
+    """The stack of encoder layers (`layers.{i}`)."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(VisionEncoderLayer(config) for _ in range(config.num_hidden_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class VisionModel(nn.Module):
+    """Embeddings, encoder and final LayerNorm (transformers' SiglipVisionModel without the head)."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.embeddings = VisionEmbeddings(config)
+        self.encoder = VisionEncoder(config)
+        self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels [B, 3, Hpx, Wpx] -> last hidden state [B, (Hpx/p) * (Wpx/p), C]."""
+        return self.post_layernorm(self.encoder(self.embeddings(pixels)))
+
+
+class VisionTransformer(nn.Module):
+    """The SigLIP ViT under its checkpoint prefix: `vision_model.*` (so `vision_tower.vision_model.*`)."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.vision_model = VisionModel(config)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels [B, 3, Hpx, Wpx] (Hpx, Wpx multiples of patch_size) -> [B, (Hpx/p) * (Wpx/p), C]."""
+        p = self.vision_model.embeddings.patch_size
+        if pixels.dim() != 4 or pixels.shape[1] != 3 or pixels.shape[2] % p or pixels.shape[3] % p:
+            raise ValueError(f"pixels must be [B, 3, H, W] with H, W multiples of {p}; got {tuple(pixels.shape)}")
+        return self.vision_model(pixels)
+
+
+# --------------------------------------------------------------------------- the tower
+
+
+class VisionTower(nn.Module):
+    """ViT + projector: preprocessed pixels -> LM input embeddings of each image.
+
+    Children `vision_tower` (`VisionTransformer`) and `vision_projector` (`VisionProjector`), so
+    `state_dict()` keys are the checkpoint names. The LM (`DeepseekV4ForCausalLM`) of a vision
+    checkpoint registers the same two modules under the same names and exposes this object as
+    `model.vision`; `VisionTower.from_checkpoint` loads the tower alone (the vision stage).
+    """
+
+    def __init__(self, config: VisionConfig, lm_hidden_size: int, max_batch_size: int = 8) -> None:
+        super().__init__()
+        self.config = config
+        self.lm_hidden_size = lm_hidden_size
+        self.max_batch_size = max_batch_size
+        """Most images of one size encoded in one ViT forward (bounds activation memory)."""
+        self.vision_tower = VisionTransformer(config)
+        self.vision_projector = VisionProjector(config, lm_hidden_size)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.vision_projector.fc2.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.vision_projector.fc2.weight.device
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels [B, 3, rows*42, cols*42] (equal sizes) -> embeddings [B, 2 + rows*(cols+1), lm_hidden]."""
+        unit = self.config.pixels_per_token
+        rows, cols = pixels.shape[-2] // unit, pixels.shape[-1] // unit
+        if pixels.shape[-2] != rows * unit or pixels.shape[-1] != cols * unit or rows == 0 or cols == 0:
+            raise ValueError(f"pixels must be padded to multiples of {unit} px; got {tuple(pixels.shape)}")
+        return self.vision_projector(self.vision_tower(pixels), rows, cols)
+
+    @torch.inference_mode()
+    def encode(self, pixel_list: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Blocks while encoding: [3, rows_i*42, cols_i*42] per image -> [2 + rows_i*(cols_i+1), lm_hidden] each.
+
+        Images of equal size run together (up to `max_batch_size` per forward); outputs keep the
+        input order and are in the tower's dtype, on its device.
+        """
+        out: list[torch.Tensor | None] = [None] * len(pixel_list)
+        by_size: dict[tuple[int, ...], list[int]] = {}
+        for i, px in enumerate(pixel_list):
+            if px.dim() != 3 or px.shape[0] != 3:
+                raise ValueError(f"image {i}: pixels must be [3, H, W]; got {tuple(px.shape)}")
+            by_size.setdefault(tuple(px.shape), []).append(i)
+        for idx in by_size.values():
+            for a in range(0, len(idx), self.max_batch_size):
+                chunk = idx[a:a + self.max_batch_size]
+                batch = torch.stack([pixel_list[i] for i in chunk]).to(self.device, self.dtype)  # [b, 3, H, W]
+                emb = self(batch)  # [b, N, lm_hidden]
+                for j, i in enumerate(chunk):
+                    out[i] = emb[j]
+        return out  # type: ignore[return-value]
+
+    @classmethod
+    def from_checkpoint(
+        cls, path: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+    ) -> VisionTower:
+        """Blocks while reading: the vision tower alone from checkpoint `path` (the LM's tensors are not read).
+
+        Raises `CheckpointError` when config.json has no `vision_config` or a vision tensor is
+        missing or misshapen.
+        """
+        from engine.loader import (
+            CheckpointError,
+            WeightLoader,
+            meta_parameters,
+            read_checkpoint_config,
+            scan_checkpoint,
+        )
+        from engine.models.deepseek_v4_weights import VISION_PREFIXES, parse_dtype, vision_checkpoint_spec
+
+        config, quant = read_checkpoint_config(path)
+        if config.vision is None:
+            raise CheckpointError(f"checkpoint {path} has no vision tower (no `vision_config` in config.json).")
+        spec = vision_checkpoint_spec(config, parse_dtype(dtype))
+        # skip the LM's tensors by their top-level name component (a handful of prefixes)
+        others = tuple({n.split(".", 1)[0] + ("." if "." in n else "") for n in scan_checkpoint(path)
+                        if not n.startswith(VISION_PREFIXES)})
+        loader = WeightLoader(path, spec, quantization_config=quant, device=device, skip_prefixes=others)
+        with torch.device(device), meta_parameters():
+            tower = cls(config.vision, config.hidden_size)
+        tower.load_state_dict(loader.state_dict(), strict=True, assign=True)
+        return tower.to(device).eval().requires_grad_(False)

@@ -1,9 +1,14 @@
 """Write random-weight DeepSeek-V4 checkpoints for tests and benchmarks.
 
     python -m engine.testing.make_checkpoint DIR --preset tiny [--seed 0] [--dtype float32|bfloat16]
-        [--writer ours|hf] [--max-shard-size 5MB] [--overwrite]
+        [--writer ours|hf] [--max-shard-size 5MB] [--overwrite] [--vision]
 
-or `make_checkpoint(dir, preset="tiny", seed=0, dtype="float32", writer="ours")` from Python.
+or `make_checkpoint(dir, preset="tiny", seed=0, dtype="float32", writer="ours", vision=False)` from Python.
+
+`vision=True` (`--vision`) adds a random vision tower and projector (`TINY_VISION_CONFIG`: a 2-layer,
+64-wide ViT, the demo model's vision numbers) and `image_token_id` 129264; the vocabulary grows to
+the real V4 one (129280) when smaller, so recipe's image ids and the real tokenizer fit. Only the
+`ours` writer writes vision checkpoints (transformers' `DeepseekV4ForCausalLM` has no vision tower).
 
 Every tensor of `checkpoint_spec` is drawn, in spec order, from one `torch.Generator` seeded with
 `seed`, in float32 and then cast (so a bf16 checkpoint is the rounded fp32 one). All values are
@@ -60,6 +65,12 @@ def _distinct_expert_ids(s: TensorSpec, g: torch.Generator) -> torch.Tensor:
 
 _FAN_IN = _normal(lambda shape: shape[-1] ** -0.5)  # y = W x keeps x's scale
 _INIT_RULES: tuple[tuple[str, Init], ...] = (
+    # vision tower and projector (names in engine/models/vision.py)
+    (r"vision_tower\..*patch_embedding\.weight", _normal(lambda shape: (shape[1] * shape[2] * shape[3]) ** -0.5)),
+    (r"vision_tower\..*position_embedding\.weight", _normal(lambda _: 0.5)),
+    (r"vision_.*layer_?norm\d?\.weight|vision_projector\.norm\.weight", _normal(lambda _: 0.1, mean=1.0)),
+    (r"vision_.*\.bias", _normal(lambda _: 0.1)),
+    (r"vision_projector\.image_(begin|newline|end)", _normal(lambda _: 1.0)),  # like embedding rows
     (r".*\.tid2eid", _distinct_expert_ids),
     (r".*norm\.weight", _normal(lambda _: 0.1, mean=1.0)),  # RMSNorm gains: 1 +- 0.1
     (r"model\.embed_tokens\.weight", _normal(lambda _: 1.0)),  # unit-RMS residual stream
@@ -82,6 +93,36 @@ def random_weights(config: ModelConfig, dtype: str | torch.dtype = "float32", se
     for name, s in spec.items():
         init = next(init for pattern, init in _INIT_RES if pattern.fullmatch(name))
         out[name] = init(s, g).to(s.dtype).contiguous()
+    return out
+
+
+TINY_VISION_CONFIG: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_channels": 3,
+    "image_size": 546,
+    "patch_size": 14,
+    "hidden_act": "gelu_pytorch_tanh",
+    "layer_norm_eps": 1e-6,
+    "attention_dropout": 0.0,
+    "merge_size": 3,
+    "projector_hidden_size": 256,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
+"""The `vision_config` that `vision=True` adds (the numbers of the vision contract's demo model)."""
+_VISION_VOCAB = 129280
+
+
+def with_vision(hf_config: Mapping[str, Any], vision_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A copy of a transformers-style config dict with a vision tower (`vision_config` +
+    `image_token_id` 129264), its vocabulary raised to 129280 when smaller."""
+    out = dict(hf_config)
+    out["vision_config"] = dict(vision_config or TINY_VISION_CONFIG)
+    out["image_token_id"] = 129264
+    out["vocab_size"] = max(int(out.get("vocab_size", _VISION_VOCAB)), _VISION_VOCAB)
     return out
 
 
@@ -108,12 +149,18 @@ def make_checkpoint(
     *,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     overwrite: bool = False,
+    vision: bool = False,
 ) -> Path:
     """Write a random-weight checkpoint of `preset` (a preset name or a transformers-style config
-    dict) to `directory` and return its path."""
+    dict) to `directory` and return its path; `vision=True` adds a vision tower (`with_vision`)."""
     if writer not in WRITERS:
         raise ValueError(f"unknown writer {writer!r}; choose one of {WRITERS}.")
     hf_config = get_preset(preset).hf_config() if isinstance(preset, str) else dict(preset)
+    if vision:
+        hf_config = with_vision(hf_config)
+    if writer == "hf" and "vision_config" in hf_config:
+        raise ValueError("writer 'hf' cannot write a vision tower (transformers' DeepseekV4ForCausalLM has none); "
+                         "use writer 'ours'.")
     torch_dtype = parse_dtype(dtype)
     shard_bytes = parse_size(max_shard_size)
     out = Path(directory)
@@ -210,11 +257,12 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--writer", default="ours", choices=WRITERS, help="ours: direct; hf: via transformers")
     parser.add_argument("--max-shard-size", default=str(DEFAULT_MAX_SHARD_SIZE), help="shard above this size, e.g. 5MB")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    parser.add_argument("--vision", action="store_true", help="add a random vision tower (TINY_VISION_CONFIG)")
     args = parser.parse_args(argv)
     try:
         out = make_checkpoint(
             args.directory, args.preset, seed=args.seed, dtype=args.dtype, writer=args.writer,
-            max_shard_size=args.max_shard_size, overwrite=args.overwrite,
+            max_shard_size=args.max_shard_size, overwrite=args.overwrite, vision=args.vision,
         )
     except (ValueError, FileExistsError) as e:
         parser.error(str(e))
