@@ -8,7 +8,7 @@ A pick:
 2. keeps only those in `preferred_datacenter` when there is any;
 3. asks the policy; None (nobody has room) raises `InsufficientCapacity`;
 4. adds the request to the chosen instance's load until its next heartbeat (uncached prompt tokens
-   for prefill, KV blocks for decode, one waiting request everywhere), so picks between two
+   for prefill, KV blocks for decode, uncached image tokens for vision, one waiting request everywhere), so picks between two
    heartbeats spread out.
 """
 
@@ -87,6 +87,10 @@ class Balancer:
             num_prefill_tokens = max(0, request.num_prompt_tokens - matched_prefix_tokens(chosen, request))
         elif self.stage == Stage.DECODE:
             num_kv_blocks = num_kv_blocks_needed(chosen, request)
+        elif self.stage == Stage.VISION:  # image tokens to encode, less those of images it has cached
+            num_images = max(1, len(request.block_hashes))
+            cached = sum(h in chosen.cached_block_hashes for h in request.block_hashes)
+            num_prefill_tokens = request.num_prompt_tokens * (num_images - cached) // num_images
         self.membership.add_pending(
             chosen.instance_id, num_prefill_tokens=num_prefill_tokens, num_requests=1, num_kv_blocks=num_kv_blocks
         )

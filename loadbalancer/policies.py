@@ -11,6 +11,7 @@ request (the balancer then raises `InsufficientCapacity`). Register a new one wi
 | `power_of_two` | any | two distinct random candidates (seeded RNG); the lower `stage_load` wins |
 | `prefix_aware` | prefill | max `alpha * matched_tokens - queued_prefill_tokens`; ties to lower load |
 | `kv_load` | decode | fewest KV blocks used, then fewest running requests, among those with room |
+| `image_affinity` | vision | max `alpha * cached_image_tokens - pending_image_tokens`; ties to fewer requests |
 
 Ties always end on the instance id, so every policy is deterministic given its seed.
 """
@@ -57,10 +58,11 @@ def stage_load(instance: Instance) -> float:
     """The one load number of an instance that balance metrics and generic policies compare.
 
     prefill: queued prefill tokens (the work ahead of a new prompt); decode: KV blocks in use (what
-    limits a decode batch); vision: running + waiting requests.
+    limits a decode batch); vision: image tokens waiting to be encoded (reported in
+    `num_queued_prefill_tokens`).
     """
     load = instance.load
-    if instance.stage == Stage.PREFILL:
+    if instance.stage in (Stage.PREFILL, Stage.VISION):
         return float(load.num_queued_prefill_tokens)
     if instance.stage == Stage.DECODE:
         return float(load.num_kv_blocks_used)
@@ -212,3 +214,31 @@ class KVLoad(Policy):
         if not fits:
             return None
         return min(fits, key=lambda c: (c.load.num_kv_blocks_used, c.load.num_running_requests, c.instance_id))
+
+
+@register_policy("image_affinity")
+class ImageAffinity(Policy):
+    """Vision: the fewest pending image tokens, unless another instance has the request's images cached.
+
+    The request's `block_hashes` are its images' 64-bit content-hash keys (one per image) and
+    `num_prompt_tokens` its (estimated) image tokens; an instance's cached hashes are the images
+    whose embeddings it holds. score = alpha * (image tokens of cached images) - pending image
+    tokens, highest wins; ties go to fewer running + waiting requests, then the instance id. With
+    `alpha = 1` the score is minus the encoding work ahead of the request on that instance.
+    """
+
+    def __init__(self, alpha: float = 1.0) -> None:
+        if not alpha >= 0:
+            raise ValueError(f"alpha must be >= 0, got {alpha}")
+        self.alpha = alpha
+
+    def select(self, candidates: Sequence[Instance], request: RequestInfo) -> Instance | None:
+        tokens_per_image = request.num_prompt_tokens / len(request.block_hashes) if request.block_hashes else 0.0
+
+        def key(c: Instance):
+            queued = c.load.num_queued_prefill_tokens
+            cached = sum(h in c.cached_block_hashes for h in request.block_hashes)
+            score = self.alpha * cached * tokens_per_image - queued
+            return (-score, c.load.num_running_requests + c.load.num_waiting_requests, c.instance_id)
+
+        return min(candidates, key=key)
