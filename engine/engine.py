@@ -13,7 +13,8 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from engine.cache.block_pool import BlockPool, KVCacheManager, NoFreeSlotsError,
 from engine.cache.kv_cache import V4KVCache, compressed_bytes_per_token
 from engine.errors import InvalidRequestError
 from engine.model_runner import ModelRunner, exact_replay_tokens
+from engine.multimodal import ImageSpan
 from engine.sampling import IncrementalDetokenizer, Sampler, SamplingBatch, SamplingParams
 from engine.sampling.sampler import TokenLogprobs, compute_logprobs
 from engine.sampling.stop import StopChecker
@@ -138,6 +140,7 @@ class _Parent:
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     error: str | None = None
+    image_spans: tuple[ImageSpan, ...] = ()
 
 
 @dataclass
@@ -204,6 +207,8 @@ class Engine:
             replay_tokens_fn=lambda hit: self.replay_tokens,
         )
         self.runner = ModelRunner(self.model, self.cache)
+        self.vision = getattr(self.model, "vision", None)
+        """The model's `VisionTower` (encodes images given without embeddings), or None: text only."""
         self.sampler = Sampler(seed=config.seed)
         self.eos_token_ids = tuple(mc.eos_token_ids)
         self.grammar_compiler = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
@@ -238,9 +243,14 @@ class Engine:
         *,
         hold_kv: bool = False,
         hold_state: bool = False,
+        images: Sequence[ImageSpan] | None = None,
         _num_imported_tokens: int = 0,
     ) -> str:
         """Validate and queue a request; raises InvalidRequestError (naming the field) on bad input.
+
+        `images`: the prompt's images (`engine.multimodal.ImageSpan`, sorted by offset), each over
+        positions of the prompt ids that hold `image_token_id`, with `embeds` [num_tokens, hidden]
+        or an `image` the model's vision tower encodes here (blocking) before the request is queued.
 
         `hold_kv=True` (prefill instances): from its first sampled token on, the request's KV blocks
         stay referenced, even after it finishes, until `release_kv` (or `abort_request`); the
@@ -276,8 +286,9 @@ class Engine:
             )
         if params.structured_output is not None:
             self.grammar_compiler.compile(params.structured_output)  # refuses a bad constraint before any compute
+        spans = tuple(self.encode_images(self._check_images(ids, images))) if images else ()
         parent = _Parent(request_id, text, ids, params, priority,
-                         [CompletionOutput(index=i) for i in range(params.n)])
+                         [CompletionOutput(index=i) for i in range(params.n)], image_spans=spans)
         for i in range(params.n):
             child = params.for_child(i) if params.n > 1 else params
             det = IncrementalDetokenizer(self.tokenizer, ids, child.skip_special_tokens)
@@ -289,7 +300,7 @@ class Engine:
         if params.prompt_logprobs is not None:
             # NOTE: computed by a separate scratch pass over the prompt (not inside the batched
             # prefill), so it costs one extra prompt forward for the requests that ask for it.
-            parent.prompt_logprobs = self.prompt_logprobs(ids, params.prompt_logprobs)
+            parent.prompt_logprobs = self.prompt_logprobs(ids, params.prompt_logprobs, spans)
         if hold_kv:
             if params.n != 1:
                 raise InvalidRequestError("hold_kv requests must have n = 1", field="n")
@@ -307,11 +318,77 @@ class Engine:
             self._submit(seq, _num_imported_tokens)
         return request_id
 
+    def _check_images(self, ids: list[int], images: Sequence[ImageSpan]) -> list[ImageSpan]:
+        """Validate a request's image spans against its prompt ids (no compute)."""
+        if self.vision is None:
+            raise InvalidRequestError(
+                "this model has no vision tower (its config.json has no vision_config); send text only",
+                field="images")
+        hidden, image_id = self.model_config.hidden_size, self.model_config.image_token_id
+        spans, end = list(images), 0
+        for i, span in enumerate(spans):
+            if not isinstance(span, ImageSpan):
+                raise InvalidRequestError(f"images[{i}] must be an ImageSpan, got {type(span).__name__}", field="images")
+            if span.num_tokens <= 0 or span.offset < end or span.end > len(ids):
+                raise InvalidRequestError(
+                    f"images[{i}] covers positions [{span.offset}, {span.end}); spans must be non-empty, sorted, "
+                    f"disjoint and inside the prompt ({len(ids)} tokens)", field="images")
+            if any(t != image_id for t in ids[span.offset:span.end]):
+                raise InvalidRequestError(
+                    f"images[{i}] covers positions [{span.offset}, {span.end}) that do not all hold the image "
+                    f"token {image_id}; expand each image placeholder into its image tokens first "
+                    "(engine.multimodal.expand_image_placeholders)", field="images")
+            if not isinstance(span.content_hash, str) or not span.content_hash:
+                raise InvalidRequestError(f"images[{i}] needs a content_hash", field="images")
+            if span.embeds is not None:
+                if tuple(span.embeds.shape) != (span.num_tokens, hidden):
+                    raise InvalidRequestError(
+                        f"images[{i}].embeds has shape {tuple(span.embeds.shape)}; expected "
+                        f"({span.num_tokens}, {hidden})", field="images")
+            elif span.image is None:
+                raise InvalidRequestError(f"images[{i}] has neither embeds nor an image to encode", field="images")
+            else:
+                from engine.models.vision import image_token_count
+
+                n = image_token_count(int(span.image.width), int(span.image.height))
+                if n != span.num_tokens:
+                    raise InvalidRequestError(
+                        f"images[{i}] is {span.image.width}x{span.image.height} = {n} image tokens but its span has "
+                        f"{span.num_tokens}", field="images")
+            end = span.end
+        return spans
+
+    def encode_images(self, images: Sequence[ImageSpan]) -> list[ImageSpan]:
+        """Blocks while encoding: `images` with `embeds` filled in (model dtype and device) by the model's
+        vision tower where they carry only an `image`; images of equal size share a forward.
+
+        Raises `InvalidRequestError` when the model has no vision tower or an image does not decode.
+        """
+        from engine.models.vision import preprocess_pixels
+
+        if self.vision is None and any(s.embeds is None for s in images):
+            raise InvalidRequestError("this model has no vision tower (its config.json has no vision_config)",
+                                      field="images")
+        todo = [i for i, s in enumerate(images) if s.embeds is None]
+        pixels = []
+        for i in todo:
+            try:
+                pixels.append(preprocess_pixels(images[i].image, self.vision.config))
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"images[{i}]: {e}", field="images") from None
+        encoded = dict(zip(todo, self.vision.encode(pixels))) if todo else {}
+        dtype, device = self.model.model.embed_tokens.weight.dtype, self.runner.device
+        out = []
+        for i, span in enumerate(images):
+            emb = encoded.get(i, span.embeds)
+            out.append(replace(span, embeds=emb.to(device=device, dtype=dtype)))
+        return out
+
     def _submit(self, seq: _Seq, num_imported_tokens: int = 0) -> list[int]:
         p = seq.parent
         rid = p.request_id if len(p.seqs) == 1 else f"{p.request_id}#{seq.index}"
         seq.req = Request(rid, p.prompt_token_ids, max_tokens=seq.params.max_tokens, priority=p.priority,
-                          sampling_params=seq.params, arrival_time=time.monotonic())
+                          sampling_params=seq.params, arrival_time=time.monotonic(), image_spans=p.image_spans)
         block_ids: list[int] = []
         if num_imported_tokens:
             block_ids = self.kv_manager.import_blocks(seq.req, num_imported_tokens)
@@ -325,7 +402,8 @@ class Engine:
     # ------------------------------------------------------------------ KV written from outside
 
     def reserve_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                   num_kv_tokens: int, *, with_state: bool = False) -> list[tuple[str, int, int, int]]:
+                   num_kv_tokens: int, *, with_state: bool = False,
+                   images: Sequence[ImageSpan] | None = None) -> list[tuple[str, int, int, int]]:
         """Reserve blocks for a request whose first `num_kv_tokens` tokens' compressed KV will be
         written from outside (a prefill instance); returns their `(pool, block, byte_offset, num_bytes)`.
 
@@ -334,12 +412,17 @@ class Engine:
         is reserved too (`kv_state_slot`) and must receive the bounded state as it is after the
         prompt (the prefill's `hold_state` slot): no replay. `abort_request` releases everything.
         Raises `InvalidRequestError` on bad input, `NoFreeBlocksError` / `NoFreeSlotsError` when full.
+
+        `images` (as in `add_request`): an image prompt needs its spans here too, with embeddings,
+        whenever this instance may compute image positions (bounded replay without `with_state`,
+        recompute after preemption) and so that its prefix-cache hashes carry the images.
         """
         if params.n != 1:
             raise InvalidRequestError("requests with imported KV must have n = 1", field="n")
         if not 0 < num_kv_tokens <= len(prompt_token_ids):
             raise InvalidRequestError(f"num_kv_tokens must be in [1, {len(prompt_token_ids)}]", field="num_kv_tokens")
-        self.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params, _num_imported_tokens=num_kv_tokens)
+        self.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params, images=images,
+                         _num_imported_tokens=num_kv_tokens)
         if with_state:
             req = self._parents[request_id].seqs[0].req
             try:
@@ -681,12 +764,25 @@ class Engine:
     # ------------------------------------------------------------------ extras
 
     @torch.inference_mode()
-    def prompt_logprobs(self, prompt_token_ids: list[int], num_logprobs: int) -> list[TokenLogprobs | None]:
-        """Logprobs of each prompt token given its prefix (first is None), computed in a scratch pass."""
+    def prompt_logprobs(self, prompt_token_ids: list[int], num_logprobs: int,
+                        images: Sequence[ImageSpan] = ()) -> list[TokenLogprobs | None]:
+        """Logprobs of each prompt token given its prefix (first is None), computed in a scratch pass
+        (`images`: encoded spans whose embeddings replace those input rows)."""
+        from engine.forward_batch import ForwardBatch, SeqChunk
         from engine.testing.model_runner import ModelRunnerForTests
 
         runner = ModelRunnerForTests(self.model, max_seqs=1, max_len=len(prompt_token_ids) + 1)
-        logits = runner.run([(0, prompt_token_ids)], logits="all")[:-1]
+        n = len(prompt_token_ids)
+        batch = ForwardBatch.build([prompt_token_ids], [SeqChunk(0, runner.tables[0], 0, n)], device=runner.device,
+                                   logits="all")
+        if images:
+            batch.input_embeds = torch.zeros(n, images[0].embeds.shape[-1], dtype=images[0].embeds.dtype,
+                                             device=runner.device)  # [n, hidden]
+            batch.embeds_mask = torch.zeros(n, dtype=torch.bool, device=runner.device)
+            for span in images:
+                batch.input_embeds[span.offset:span.end] = span.embeds
+                batch.embeds_mask[span.offset:span.end] = True
+        logits = self.model.step(batch, runner.cache)[:-1]
         lt = compute_logprobs(torch.log_softmax(logits, dim=-1), torch.tensor(prompt_token_ids[1:]),
                               num_logprobs)
         return [None] + lt.tolists([num_logprobs] * (len(prompt_token_ids) - 1))

@@ -1,12 +1,24 @@
-"""The offline API, in vLLM's shape: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+"""The offline API, in vLLM's shape: `LLM(model=...).generate(prompts, SamplingParams(...))`.
+
+Images (models with a vision tower): a prompt dict may carry `"multi_modal_data": {"image": [...]}`
+with one image per placeholder token (129279, what recipe's chat encodings render per image) in
+its `prompt_token_ids` (or `prompt` text), in order. An image is encoded bytes (PNG, JPEG, WEBP,
+GIF) or a `PIL.Image`, preprocessed by recipe's `OpenCvImagePreprocessor` (detail "high", longer
+side at most 2048, low detail 512, as the HTTP front does), or an already preprocessed recipe
+`ImageInfo`. Each placeholder becomes the image's tokens (`engine.multimodal.expand_image_placeholders`).
+"""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from tqdm import tqdm
 
 from engine.engine import Engine, EngineConfig, RequestOutput
+from engine.errors import InvalidRequestError
+from engine.multimodal import ImageSpan, expand_image_placeholders
 from engine.sampling import SamplingParams
 
 
@@ -25,9 +37,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Blocks until every prompt finished; returns one `RequestOutput` per prompt, in order.
 
-        A prompt is a string, a list of token ids, or a dict with `prompt` or `prompt_token_ids`.
-        Every prompt is validated before any runs: one bad prompt raises `InvalidRequestError`
-        and nothing is queued.
+        A prompt is a string, a list of token ids, or a dict with `prompt` or `prompt_token_ids`
+        (and optionally `multi_modal_data`, see the module docstring). Every prompt is validated
+        before any runs: one bad prompt raises `InvalidRequestError` and nothing is queued. The
+        images of all prompts are encoded together (equal sizes share a forward).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -37,10 +50,15 @@ class LLM:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        prepared = [self._with_images(p) for p in prompts]
+        flat = [s for _, spans in prepared for s in spans]
+        if flat:  # NOTE: one encode call for every image of the batch
+            encoded = iter(self.engine.encode_images(flat))
+            prepared = [(p, [next(encoded) for _ in spans]) for p, spans in prepared]
         ids = []
         try:
-            for p, sp in zip(prompts, params_list):
-                ids.append(self.engine.add_request(None, p, sp))
+            for (p, spans), sp in zip(prepared, params_list):
+                ids.append(self.engine.add_request(None, p, sp, images=spans or None))
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -57,7 +75,8 @@ class LLM:
 
     def stream(self, prompt: str | dict | list[int], sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield incremental outputs (`new_token_ids` / `new_text` deltas) of one request as they come."""
-        rid = self.engine.add_request(None, prompt, sampling_params)
+        prompt, spans = self._with_images(prompt)
+        rid = self.engine.add_request(None, prompt, sampling_params, images=spans or None)
         try:
             while True:
                 for out in self.engine.step():
@@ -67,3 +86,60 @@ class LLM:
                             return
         finally:
             self.engine.abort_request(rid)
+
+    # ------------------------------------------------------------------ images
+
+    def _with_images(self, prompt: Any) -> tuple[Any, list[ImageSpan]]:
+        """A prompt without `multi_modal_data` and its image spans (placeholders expanded, not encoded)."""
+        if not isinstance(prompt, dict) or "multi_modal_data" not in prompt:
+            return prompt, []
+        mm = prompt["multi_modal_data"]
+        if not isinstance(mm, dict) or set(mm) - {"image"}:
+            raise InvalidRequestError("multi_modal_data must be a dict with the key 'image' (the only modality)",
+                                      field="multi_modal_data")
+        if self.engine.vision is None:
+            raise InvalidRequestError("this model has no vision tower (its config.json has no vision_config); "
+                                      "send text only", field="multi_modal_data")
+        images = mm.get("image") or []
+        if not isinstance(images, (list, tuple)):
+            images = [images]
+        infos = [_preprocessed_image(im, i) for i, im in enumerate(images)]
+        rest = {k: v for k, v in prompt.items() if k != "multi_modal_data"}
+        if "prompt_token_ids" in rest:
+            ids = rest["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)):
+                raise InvalidRequestError("prompt_token_ids must be a list of ints", field="prompt_token_ids")
+        elif isinstance(rest.get("prompt"), str):
+            ids = self.tokenizer.encode(rest["prompt"], add_special_tokens=False).ids
+        else:
+            raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", field="prompt")
+        ids, spans = expand_image_placeholders(list(ids), infos, image_token_id=self.engine.model_config.image_token_id)
+        return {"prompt_token_ids": ids, "prompt": rest.get("prompt")}, spans
+
+
+def _preprocessed_image(image: Any, index: int):
+    """recipe's preprocessed `ImageInfo` of one `multi_modal_data` image (bytes, PIL image or ImageInfo)."""
+    import deepseek_recipe as recipe
+
+    from engine.images import LOW_DETAIL_MAX_DIMENSION_PX, MAX_DIMENSION_PX, InvalidImageError
+
+    if all(hasattr(image, a) for a in ("data", "width", "height")):
+        return image  # already preprocessed (recipe ImageInfo)
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        data = bytes(image)
+    elif hasattr(image, "save") and hasattr(image, "mode"):  # a PIL image
+        if image.mode not in ("RGB", "RGBA", "L"):
+            image = image.convert("RGBA" if "A" in image.mode else "RGB")
+        buf = io.BytesIO()
+        image.save(buf, "PNG")
+        data = buf.getvalue()
+    else:
+        raise InvalidRequestError(
+            f"multi_modal_data image {index} is a {type(image).__name__}; give encoded bytes, a PIL image or a "
+            "recipe ImageInfo", field="multi_modal_data")
+    options = recipe.PreprocessOptions("high", MAX_DIMENSION_PX, LOW_DETAIL_MAX_DIMENSION_PX)
+    try:
+        return recipe.OpenCvImagePreprocessor().preprocess(data, options)
+    except recipe.ImageError as e:
+        raise InvalidImageError(f"multi_modal_data image {index} cannot be used ({e.kind}): {e}",
+                                field="multi_modal_data") from None

@@ -35,6 +35,8 @@ class _RunnerReq:
     """First position computed in this life (bounded state valid from here)."""
     num_frozen_tokens: int
     """Prefix-hit tokens: their compressed entries are cached and must not be rewritten."""
+    image_spans: tuple = ()
+    """`engine.multimodal.ImageSpan`s of the prompt (with embeddings): replace those input rows."""
 
 
 class ModelRunner:
@@ -58,6 +60,7 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 state_start=new.num_computed_tokens if new.state_start is None else new.state_start,
                 num_frozen_tokens=num_hit_tokens.get(new.req_id, 0),
+                image_spans=new.image_spans,
             )
         for run in out.scheduled_running_reqs:
             self.reqs[run.req_id].block_ids.extend(run.new_block_ids)
@@ -80,13 +83,28 @@ class ModelRunner:
         starts.update({r.req_id: r.num_computed_tokens for r in out.scheduled_running_reqs})
         order = [n.req_id for n in out.scheduled_new_reqs] + [r.req_id for r in out.scheduled_running_reqs]
         seqs, chunks, last_index, off = [], [], {}, 0
+        image_rows: list[tuple[int, torch.Tensor]] = []  # (flat row, embeds [k, hidden]) of image positions
         for req_id in order:
             n = out.num_scheduled_tokens[req_id]
             p0 = starts[req_id]
             st = self.reqs[req_id]
             seqs.append(SeqChunk(st.slot, list(st.block_ids), p0, n, st.state_start, st.num_frozen_tokens))
             chunks.append(token_ids_of[req_id][p0:p0 + n])
+            for span in st.image_spans:  # NOTE: a chunk may cover any part of a span
+                a, b = max(p0, span.offset), min(p0 + n, span.offset + span.num_tokens)
+                if a < b:
+                    if span.embeds is None:
+                        raise RuntimeError(f"request {req_id}: image at {span.offset} has no embeddings")
+                    image_rows.append((off + a - p0, span.embeds[a - span.offset:b - span.offset]))
             off += n
             last_index[req_id] = off - 1
         logits_idx = [last_index[r] for r in out.sampling_req_ids]
-        return ForwardBatch.build(chunks, seqs, device=self.device, logits=logits_idx)
+        batch = ForwardBatch.build(chunks, seqs, device=self.device, logits=logits_idx)
+        if image_rows:
+            embeds = torch.zeros(off, image_rows[0][1].shape[-1], dtype=image_rows[0][1].dtype, device=self.device)
+            mask = torch.zeros(off, dtype=torch.bool, device=self.device)
+            for row, e in image_rows:
+                embeds[row:row + e.shape[0]] = e
+                mask[row:row + e.shape[0]] = True
+            batch.input_embeds, batch.embeds_mask = embeds, mask  # [num_tokens, hidden], [num_tokens]
+        return batch

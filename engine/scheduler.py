@@ -65,6 +65,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.cache.block_pool import KVCacheManager, StateSlotPool
 from engine.errors import InvalidRequestError
+from engine.multimodal import ImageSpan
 from engine.sampling.params import SamplingParams
 
 # ---------------------------------------------------------------------------------------- config
@@ -140,14 +141,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
 }
-
-
-class ImageSpan(NamedTuple):
-    """Placeholder tokens `[offset, offset + num_tokens)` of one image, and the image's content hash."""
-
-    offset: int
-    num_tokens: int
-    content_hash: str
 
 
 @dataclass(eq=False)
@@ -249,6 +242,8 @@ class NewRequestData:
     state_start: int | None = None
     """First position the slot's bounded state is valid from; None = `num_computed_tokens` (the
     state is built from there). Set for requests whose state was imported."""
+    image_spans: tuple[ImageSpan, ...] = ()
+    """The request's images (positions and input embeddings), for the steps that compute them."""
 
 
 @dataclass
@@ -533,6 +528,7 @@ class Scheduler:
                         sampling_params=req.sampling_params,
                         num_cached_tokens=num_cached,
                         state_start=state_start,
+                        image_spans=req.image_spans,
                     )
                 )
             else:
