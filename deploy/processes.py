@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 """The repository root: the processes' working directory."""
 
 STOP_ORDER: tuple[tuple[str, ...], ...] = (
-    ("http",), ("entrypoint",), ("prefill", "decode"), ("prefill_lb", "decode_lb"))
+    ("http",), ("entrypoint",), ("vision", "prefill", "decode"), ("vision_lb", "prefill_lb", "decode_lb"))
 """Front to back, so workers can still deregister from their balancers; other names stop last."""
 
 

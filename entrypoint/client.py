@@ -107,9 +107,12 @@ class Client:
         self._stub = entrypoint_pb2_grpc.EntrypointStub(self._channel)
 
     def stream(self, prompt_token_ids: list[int], *, request_id: str = "", deadline_ms: int = 0, priority: int = 0,
-               **sampling: Any) -> Iterator[dict]:
+               images: list[bytes | str] | None = None, **sampling: Any) -> Iterator[dict]:
         """Blocks per delta: yields `{request_id, token_ids, text, finish_reason, stop_reason, usage, error}`
         dicts (token_ids/text are deltas; finish_reason and usage are set on the last one).
+
+        `images`: one per image placeholder (`<｜image｜>`, 129279) of the prompt, in order: encoded
+        image bytes or a URL (data: or an allowed http(s) host); the vision stage encodes them.
 
         Closing the iterator early (break, `close()`) cancels the call, which aborts the request on
         every stage. Raises `GenerateError` on a failed or refused request.
@@ -117,6 +120,13 @@ class Client:
         request = entrypoint_pb2.GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params_proto(**sampling),
             deadline_ms=deadline_ms, priority=priority)
+        if images:
+            from engine.images import IMAGE_PLACEHOLDER_ID
+
+            offsets = [i for i, t in enumerate(prompt_token_ids) if t == IMAGE_PLACEHOLDER_ID]
+            for offset, image in zip(offsets, images):
+                descriptor = image.encode() if isinstance(image, str) else bytes(image)
+                request.images.add(descriptor=descriptor, offset=offset, num_tokens=1)
         call = self._stub.Generate(request, timeout=self.timeout_s)
         try:
             for msg in call:

@@ -23,6 +23,8 @@ class EntrypointConfig(BaseModel):
     """host:port of the prefill balancer (required)."""
     decode_lb_address: str = ""
     """host:port of the decode balancer (required)."""
+    vision_lb_address: str = ""
+    """host:port of the vision balancer; empty = no vision stage (image prompts are refused)."""
     instance_id: str = ""
     """Id of this entrypoint in logs and Health; empty = `entrypoint-<random hex>`."""
     max_model_len: int | None = Field(None, gt=1)

@@ -9,6 +9,11 @@ One `Generate` call (DESIGN.md §1):
 
 1. Validate (`validate_request`) against the model's vocabulary and context length: empty prompt,
    out-of-vocabulary ids, bad sampling params -> INVALID_ARGUMENT before any stage works.
+   Images: vision balancer `Pick` (image-hash affinity) -> `Vision.Encode`: a bad image is refused
+   (INVALID_ARGUMENT) before any other stage works; otherwise each image's placeholder is replaced
+   by its image tokens (`expand_image_placeholders`), the context length checked again, and the
+   embeddings' descriptors ride with the prefill request (P READs them over NIXL); the vision hold
+   is released once the prefill answered. Text-only requests skip the stage.
 2. Decode balancer `Pick` -> `Decode.Reserve` on D: blocks for the prompt's KV, the transfer id,
    D's agent name, metadata and layout, and the lease deadline.
 3. Prefill balancer `Pick` (prefix-aware: the prompt's chained block hashes) -> `Prefill.Prefill` on
@@ -32,6 +37,7 @@ finished) its WRITE into them, as far as P can tell; see the lease NOTE in `kv_t
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import json
 import logging
 import threading
@@ -44,6 +50,7 @@ import grpc
 from engine.cache.block_pool import hash_block_tokens
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError
+from engine.images import IMAGE_TOKEN_ID
 from engine.sampling import SamplingParams
 from engine.worker_shell import MAX_DEADLINE_S, call_time_remaining
 from entrypoint.config import EntrypointConfig
@@ -57,6 +64,8 @@ from protos import (
     loadbalancer_pb2_grpc,
     prefill_pb2,
     prefill_pb2_grpc,
+    vision_pb2,
+    vision_pb2_grpc,
 )
 from protos.convert import sampling_params_from_proto
 
@@ -82,6 +91,9 @@ STATS_METADATA_KEY = "deepinfer-stats-json"
 ABORT_RPC_REASON = "Abort RPC"
 """The abort reason of requests aborted by the Entrypoint's Abort call."""
 
+NOMINAL_IMAGE_TOKENS = 184
+"""Image tokens a vision pick counts per image (a small image's; the exact count comes from preprocessing)."""
+
 RETRYABLE_ERRORS = (common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, common_pb2.ERROR_CODE_UNAVAILABLE)
 """In-band errors after which another instance of the stage is tried (nothing was done yet)."""
 
@@ -89,7 +101,8 @@ RETRYABLE_ERRORS = (common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, common_pb2.ERROR_C
 # ---------------------------------------------------------------------------------------- validation
 
 
-def validate_request(request: entrypoint_pb2.GenerateRequest, vocab_size: int, max_model_len: int) -> SamplingParams:
+def validate_request(request: entrypoint_pb2.GenerateRequest, vocab_size: int, max_model_len: int,
+                     has_vision: bool = False) -> SamplingParams:
     """The request's engine `SamplingParams`; raises `InvalidRequestError` naming the field on bad input.
 
     Pure: checks the prompt against the vocabulary and context length, the sampling params
@@ -106,7 +119,18 @@ def validate_request(request: entrypoint_pb2.GenerateRequest, vocab_size: int, m
         raise InvalidRequestError(f"the prompt has {len(prompt)} tokens but the context length is {max_model_len}; "
                                   "shorten it", field="prompt_token_ids")
     if request.images:
-        raise InvalidRequestError("image prompts need the vision stage, which is not deployed yet", field="images")
+        if not has_vision:
+            raise InvalidRequestError("image prompts need the vision stage: this entrypoint has no vision balancer "
+                                      "(--vision-lb-address) or the model has no vision tower", field="images")
+        end = 0
+        for i, ref in enumerate(request.images):
+            if not ref.descriptor:
+                raise InvalidRequestError(f"image {i} has an empty descriptor", field="images")
+            if ref.offset < end or ref.num_tokens < 1 or ref.offset + ref.num_tokens > len(prompt):
+                raise InvalidRequestError(f"image {i} covers prompt positions [{ref.offset}, {ref.offset + ref.num_tokens})"
+                                          f", which overlap another image or leave the prompt ({len(prompt)} tokens); "
+                                          "images must be in prompt order, each on its own placeholder", field="images")
+            end = ref.offset + ref.num_tokens
     params = sampling_params_from_proto(request.sampling_params)
     params.validate_against_vocab(vocab_size)
     if params.n != 1:
@@ -116,10 +140,38 @@ def validate_request(request: entrypoint_pb2.GenerateRequest, vocab_size: int, m
         if getattr(params, name) is not None:
             raise InvalidRequestError(f"{name} is not served by the disaggregated path yet; leave it unset",
                                       field=name)
-    if params.max_tokens is not None and len(prompt) + params.max_tokens > max_model_len:
+    if params.max_tokens is not None and len(prompt) + params.max_tokens > max_model_len and not (
+            request.images and request.is_max_tokens_default):
         raise InvalidRequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                                   f"context length ({max_model_len})", field="max_tokens")
     return params
+
+
+def expand_image_placeholders(prompt_token_ids: list[int], images, num_tokens: list[int],
+                              content_hashes: list[str]) -> tuple[list[int], list[common_pb2.ImageRef]]:
+    """The prompt with each image's placeholder span replaced by `num_tokens[i]` x IMAGE_TOKEN_ID, and
+    the images' refs at their new offsets (content hash and token count filled in)."""
+    out: list[int] = []
+    refs: list[common_pb2.ImageRef] = []
+    pos = 0
+    for ref, n, content_hash in zip(images, num_tokens, content_hashes):
+        out.extend(prompt_token_ids[pos:ref.offset])
+        refs.append(common_pb2.ImageRef(content_hash=content_hash, offset=len(out), num_tokens=n))
+        out.extend([IMAGE_TOKEN_ID] * n)
+        pos = ref.offset + ref.num_tokens
+    out.extend(prompt_token_ids[pos:])
+    return out, refs
+
+
+def image_pick_keys(images) -> list[int]:
+    """The vision balancer's affinity keys of a request's images: the content hash when the client
+    gave one, else the SHA-256 of the source descriptor (first 8 bytes, little-endian), the keys a
+    vision instance reports for the images it holds."""
+    keys = []
+    for ref in images:
+        digest = bytes.fromhex(ref.content_hash) if ref.content_hash else hashlib.sha256(ref.descriptor).digest()
+        keys.append(int.from_bytes(digest[:8], "little"))
+    return keys
 
 
 def prompt_block_hashes(prompt_token_ids: list[int], block_size: int) -> list[int]:
@@ -164,6 +216,8 @@ class _Request:
         """(instance id, stub) while P may hold the request."""
         self.decode: tuple[str, decode_pb2_grpc.DecodeStub] | None = None
         """(instance id, stub) while D may hold the request."""
+        self.vision: tuple[str, vision_pb2_grpc.VisionStub] | None = None
+        """(instance id, stub) while V may hold the request's embeddings."""
         self.calls: list = []
         self.abort_reason: str | None = None
         self.is_done = False
@@ -187,7 +241,7 @@ class _Request:
             if self.is_done or self.abort_reason is not None:
                 return False
             self.abort_reason = reason
-            calls, stages = list(self.calls), [s for s in (self.prefill, self.decode) if s is not None]
+            calls, stages = list(self.calls), [s for s in (self.vision, self.prefill, self.decode) if s is not None]
         for call in calls:
             call.cancel()
         threading.Thread(target=self._abort_stages, args=(stages, reason, rpc_timeout_s),
@@ -218,6 +272,8 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         self._inflight: dict[str, _Request] = {}
         self.prefill_lb = loadbalancer_pb2_grpc.LoadBalancerStub(self._channel(config.prefill_lb_address))
         self.decode_lb = loadbalancer_pb2_grpc.LoadBalancerStub(self._channel(config.decode_lb_address))
+        self.vision_lb = (loadbalancer_pb2_grpc.LoadBalancerStub(self._channel(config.vision_lb_address))
+                          if config.vision_lb_address else None)
 
     def close(self) -> None:
         with self._lock:
@@ -237,7 +293,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
     def Generate(self, request, context):
         rid = request.request_id or f"req-{uuid.uuid4().hex}"
         try:
-            validate_request(request, self.vocab_size, self.max_model_len)
+            validate_request(request, self.vocab_size, self.max_model_len, has_vision=self.vision_lb is not None)
         except InvalidRequestError as e:
             _abort_call(context, _Failed(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field or ""))
         timeouts = [t for t in (request.deadline_ms / 1000 or None, call_time_remaining(context)) if t is not None]
@@ -275,10 +331,14 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         rid = req.request_id
         prompt = list(request.prompt_token_ids)
         sampling = request.sampling_params
-        req.usage.prompt_tokens = len(prompt)
 
         def deadline_ms() -> int:
             return 0 if deadline is None else min(max(1, int((deadline - time.monotonic()) * 1000)), int(MAX_DEADLINE_S * 1000))
+
+        images, image_embeddings = [], []
+        if request.images:
+            prompt, sampling, images, image_embeddings = self._encode_images(req, request, deadline, deadline_ms)
+        req.usage.prompt_tokens = len(prompt)
 
         reserve, d_stub = None, None
         excluded: list[str] = []
@@ -318,6 +378,11 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
             transfer_id=reserve.transfer_id, lease_deadline_unix_ms=reserve.lease_deadline_unix_ms)
         if reserve.HasField("state_slot"):
             destination.state_slot = reserve.state_slot
+        elif images:
+            # NOTE: a decode instance that rebuilds the bounded state by replay would recompute the prompt's
+            # tail from token ids alone, without the image embeddings
+            raise _Failed(grpc.StatusCode.UNAVAILABLE, f"decode instance {req.decode[0]} rebuilds the bounded "
+                          "state by replay, which cannot serve image prompts; run decode with --bounded-state send")
         hashes = prompt_block_hashes(prompt, reserve.block_size)
         excluded = []
         for attempt in range(self.config.max_attempts):
@@ -329,11 +394,12 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                 req.prefill = (p_inst.instance_id, p_stub)
             prefilled = self._unary(req, p_stub.Prefill, prefill_pb2.PrefillRequest(
                 request_id=rid, prompt_token_ids=prompt, sampling_params=sampling, destination=destination,
-                num_kv_tokens=len(prompt), priority=request.priority, deadline_ms=deadline_ms()),
-                deadline, "prefilling")
+                num_kv_tokens=len(prompt), priority=request.priority, deadline_ms=deadline_ms(), images=images,
+                image_embeddings=image_embeddings), deadline, "prefilling")
             with req.lock:
                 req.prefill = None
             if not prefilled.error.code:
+                self._release_images(req)
                 break
             if prefilled.error.code not in RETRYABLE_ERRORS or attempt + 1 == self.config.max_attempts:
                 raise _Failed.of_error(prefilled.error, f"prefill instance {p_inst.instance_id} failed")
@@ -377,6 +443,77 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         raise _Failed(grpc.StatusCode.INTERNAL, f"decode instance {req.decode[0]} ended the stream of {rid!r} "
                       "without a finish_reason")
 
+    def _encode_images(self, req: _Request, request, deadline: float | None, deadline_ms):
+        """Blocks until a vision instance encoded the request's images; returns the expanded prompt, the
+        (possibly lowered) sampling params, the images' refs and their embeddings' descriptors."""
+        rid = req.request_id
+        keys = image_pick_keys(request.images)
+        excluded: list[str] = []
+        for attempt in range(self.config.max_attempts):
+            v_inst = self._pick(req, "vision", self.vision_lb, loadbalancer_pb2.PickRequest(
+                request_id=rid, stage=common_pb2.STAGE_VISION, prompt_block_hashes=keys,
+                num_prompt_tokens=len(keys) * NOMINAL_IMAGE_TOKENS, exclude_instance_ids=excluded), deadline)
+            v_stub = vision_pb2_grpc.VisionStub(self._channel(v_inst.address))
+            with req.lock:
+                req.vision = (v_inst.instance_id, v_stub)
+            is_last = attempt + 1 == self.config.max_attempts
+            try:
+                encoded = self._unary(req, v_stub.Encode, vision_pb2.EncodeRequest(
+                    request_id=rid, images=request.images, lease_ms=self.config.kv_lease_ms,
+                    deadline_ms=deadline_ms()), deadline, f"encoding images on vision instance {v_inst.instance_id}")
+            except _Failed as e:
+                if e.status != grpc.StatusCode.UNAVAILABLE or is_last:
+                    raise
+                logger.warning("%s: skipping vision instance %s: %s", rid, v_inst.instance_id, e)
+                with req.lock:
+                    req.vision = None
+                excluded.append(v_inst.instance_id)
+                continue
+            if not encoded.error.code:
+                break
+            with req.lock:
+                req.vision = None
+            if encoded.error.code not in RETRYABLE_ERRORS or is_last:
+                raise _Failed.of_error(encoded.error, "the request's images cannot be used"
+                                       if encoded.error.code == common_pb2.ERROR_CODE_INVALID_REQUEST
+                                       else f"vision instance {v_inst.instance_id} failed")
+            excluded.append(v_inst.instance_id)
+        embeddings = list(encoded.embeddings)
+        prompt, refs = expand_image_placeholders(list(request.prompt_token_ids), request.images,
+                                                 [e.num_tokens for e in embeddings],
+                                                 [e.content_hash for e in embeddings])
+        sampling = request.sampling_params
+        if len(prompt) >= self.max_model_len:
+            raise _Failed(grpc.StatusCode.INVALID_ARGUMENT, f"the prompt has {len(prompt)} tokens with its images' "
+                          f"{sum(e.num_tokens for e in embeddings)} image tokens but the context length is "
+                          f"{self.max_model_len}; send fewer or smaller images or a shorter prompt", "images")
+        if sampling.HasField("max_tokens") and len(prompt) + sampling.max_tokens > self.max_model_len:
+            if not request.is_max_tokens_default:
+                raise _Failed(grpc.StatusCode.INVALID_ARGUMENT, f"prompt ({len(prompt)} tokens with image tokens) + "
+                              f"max_tokens ({sampling.max_tokens}) exceeds the context length ({self.max_model_len})",
+                              "max_tokens")
+            lowered = type(sampling)()
+            lowered.CopyFrom(sampling)
+            lowered.max_tokens = self.max_model_len - len(prompt)
+            sampling = lowered
+        return prompt, sampling, refs, embeddings
+
+    def _release_images(self, req: _Request) -> None:
+        """Drop the vision instance's hold on the request's embeddings (in a daemon thread, best effort)."""
+        with req.lock:
+            vision, req.vision = req.vision, None
+        if vision is None:
+            return
+
+        def release() -> None:
+            try:
+                vision[1].Release(vision_pb2.ReleaseRequest(request_id=req.request_id),
+                                  timeout=self.config.rpc_timeout_s)
+            except grpc.RpcError as e:
+                logger.warning("releasing %s on %s failed: %s", req.request_id, vision[0], e.code().name)
+
+        threading.Thread(target=release, name="entrypoint-release", daemon=True).start()
+
     def _pick(self, req: _Request, stage: str, stub, pick: loadbalancer_pb2.PickRequest, deadline: float | None):
         timeout = self.config.rpc_timeout_s
         if deadline is not None:
@@ -389,7 +526,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
             raise _Cancelled() from None
         except grpc.RpcError as e:
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
-                address = self.config.prefill_lb_address if stage == "prefill" else self.config.decode_lb_address
+                address = getattr(self.config, f"{stage}_lb_address")
                 raise _Failed(e.code(), f"no {stage} instance can take the request (balancer {address}): "
                               f"{e.details()}") from None
             raise self._translate(req, e, f"picking a {stage} instance") from None
@@ -426,7 +563,8 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
 
     def Health(self, request, context):
         counts, problems = {}, []
-        for stage, stub in (("prefill", self.prefill_lb), ("decode", self.decode_lb)):
+        lbs = (("vision", self.vision_lb),) if self.vision_lb is not None else ()
+        for stage, stub in (*lbs, ("prefill", self.prefill_lb), ("decode", self.decode_lb)):
             try:
                 listed = stub.ListInstances(loadbalancer_pb2.ListInstancesRequest(), timeout=self.config.rpc_timeout_s)
                 counts[stage] = sum(i.load.is_healthy and not i.load.is_draining for i in listed.instances)

@@ -42,6 +42,8 @@ class PrefillWorkerConfig(BaseModel):
     """Longest prompt + output; None = the engine default (must match the decode instances')."""
     loopback_ucx: bool = False
     """Keep UCX on loopback (`kv_transfer.LOOPBACK_UCX_ENV`): every process on one host (tests)."""
+    embedding_rows: int = Field(8192, gt=0)
+    """Rows of the buffer image embeddings are READ into (models with a vision tower; 184 per small image)."""
     kv_lease_margin_s: float = Field(0.5, ge=0)
     """The KV WRITE must end this long before the decode reservation's lease does."""
     heartbeat_interval_s: float | None = Field(0.5, gt=0)

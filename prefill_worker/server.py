@@ -44,8 +44,9 @@ from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.worker_shell import STATS_METADATA_KEY, Aborted, EngineLoop, LoadReporter, LoopMode, call_time_remaining
 from kv_transfer import LOOPBACK_UCX_ENV, KVTransferAgent
+from kv_transfer.embeddings import EmbeddingAgent, EmbeddingSource
 from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.core import KVDestination, PrefillCore, PrefillDone, PrefillWork
+from prefill_worker.core import ImageInput, KVDestination, PrefillCore, PrefillDone, PrefillWork
 from protos import common_pb2, loadbalancer_pb2, prefill_pb2, prefill_pb2_grpc
 from protos.convert import sampling_params_from_proto
 
@@ -92,7 +93,14 @@ class PrefillWorker:
         # either bounded-state mode; each destination says whether it wants the state.
         self.agent = KVTransferAgent(self.agent_name, self.engine.cache, send_state=True,
                                      ucx_env=LOOPBACK_UCX_ENV if config.loopback_ucx else None)
-        self.core = PrefillCore(self.engine, self.agent)
+        # image embeddings arrive by NIXL READ from vision instances into a buffer of our own
+        self.emb_agent = None
+        if self.engine.model_config.vision is not None:
+            self.emb_agent = EmbeddingAgent(f"{self.agent_name}-emb", config.embedding_rows,
+                                            self.engine.model_config.hidden_size,
+                                            self.engine.model.model.embed_tokens.weight.dtype, config.device,
+                                            ucx_env=LOOPBACK_UCX_ENV if config.loopback_ucx else None)
+        self.core = PrefillCore(self.engine, self.agent, self.emb_agent)
         self.block_size = self.engine.kv_manager.block_pool.block_size
         self.num_blocks = self.engine.kv_manager.num_blocks
         # loop-thread state
@@ -161,6 +169,8 @@ class PrefillWorker:
         self.server.stop(grace_s).wait()
         self.loop.stop()
         self.agent.close()
+        if self.emb_agent is not None:
+            self.emb_agent.close()
         logger.info("prefill instance %s stopped", self.instance_id)
         self._stopped.set()
 
@@ -192,7 +202,8 @@ class PrefillWorker:
     def _mode(self) -> LoopMode:
         if self.engine.has_unfinished_requests():
             return LoopMode.COMPUTE
-        return LoopMode.POLL if self.core.num_inflight or self.agent.num_inflight_sends else LoopMode.IDLE
+        return LoopMode.POLL if (self.core.num_inflight or self.core.num_reading or self.agent.num_inflight_sends) \
+            else LoopMode.IDLE
 
     def _admit(self, work: PrefillWork, metadata: bytes, layout: bytes, fut: Future) -> None:
         try:
@@ -263,6 +274,8 @@ class PrefillWorker:
     def _stats(self) -> dict:
         load = self._load()
         stats = {k: v for k, v in self.agent.stats().items() if not isinstance(v, list)}
+        if self.emb_agent is not None:
+            stats.update(self.emb_agent.stats())
         stats.update(num_inflight_requests=self.core.num_inflight, num_kv_blocks_used=load.num_kv_blocks_used,
                      num_kv_blocks_total=load.num_kv_blocks_total,
                      num_queued_prefill_tokens=load.num_queued_prefill_tokens, num_peers=len(self._peer_digests))
@@ -321,8 +334,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                            f"prefill instance {w.instance_id} is unhealthy: {w.loop.error or 'stopped'}")
         if not request.request_id:
             raise InvalidRequestError("request_id must be set", field="request_id")
-        if request.images:
-            raise InvalidRequestError("images are not supported by this prefill instance yet", field="images")
+        images = _image_inputs(request, len(request.prompt_token_ids)) if request.images else []
+        if images and w.emb_agent is None:
+            raise InvalidRequestError("this prefill instance's model has no vision tower; it cannot take images",
+                                      field="images")
         params = sampling_params_from_proto(request.sampling_params)
         dest = request.destination
         if not (dest.agent_name and dest.block_ids and dest.transfer_id):
@@ -343,7 +358,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             send_deadline = time.monotonic() + lease_s
         destination = KVDestination(dest.agent_name, list(dest.block_ids), dest.transfer_id, lease_s, send_deadline,
                                     dest.state_slot if dest.HasField("state_slot") else None)
-        work = PrefillWork(request.request_id, list(request.prompt_token_ids), params, destination)
+        work = PrefillWork(request.request_id, list(request.prompt_token_ids), params, destination, images)
         return work, bytes(dest.agent_metadata), bytes(dest.agent_layout)
 
     def Abort(self, request, context):
@@ -370,6 +385,22 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def Drain(self, request, context):
         num_unfinished = self.worker.drain(request.timeout_ms / 1000 if request.timeout_ms else None)
         return common_pb2.DrainResponse(num_unfinished_requests=num_unfinished)
+
+
+def _image_inputs(request, num_prompt_tokens: int) -> list[ImageInput]:
+    """The request's images with their embeddings' sources; InvalidRequestError when they do not pair up."""
+    if len(request.image_embeddings) != len(request.images):
+        raise InvalidRequestError(f"{len(request.images)} images but {len(request.image_embeddings)} image_embeddings; "
+                                  "encode every image on the vision stage first", field="image_embeddings")
+    out = []
+    for i, (ref, emb) in enumerate(zip(request.images, request.image_embeddings)):
+        if emb.num_tokens != ref.num_tokens or ref.offset + ref.num_tokens > num_prompt_tokens or not emb.num_bytes:
+            raise InvalidRequestError(f"image {i}: span [{ref.offset}, {ref.offset + ref.num_tokens}) and its "
+                                      f"{emb.num_tokens} embedding rows do not fit the prompt", field="images")
+        source = EmbeddingSource(emb.agent_name, bytes(emb.agent_metadata), emb.addr, emb.num_bytes, emb.num_tokens,
+                                 emb.hidden_size, emb.dtype, emb.mem_type or "DRAM", emb.dev_id)
+        out.append(ImageInput(ref.offset, ref.num_tokens, ref.content_hash or emb.content_hash, source))
+    return out
 
 
 def _refusal(request_id: str, e: _Refused | InvalidRequestError) -> prefill_pb2.PrefillResponse:

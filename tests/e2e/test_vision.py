@@ -1,0 +1,200 @@
+"""The vision stage across real processes on loopback: three balancers, one vision, one prefill and one
+decode instance (embeddings and KV over NIXL) and the entrypoint, each started as `python -m ...`, with
+a random-weight vision checkpoint.
+
+Image prompts give the offline engine's output token for token, the embeddings moved by NIXL READ
+(counters on both sides), a repeated image is encoded once, bad images are refused with
+INVALID_ARGUMENT before prefill while text keeps flowing, and killing the vision worker fails image
+requests cleanly (text unaffected) until a new one joins.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import time
+
+import grpc
+import pytest
+
+from deploy.processes import ServiceProcesses
+from entrypoint.client import Client, GenerateError
+from protos import common_pb2, prefill_pb2_grpc, vision_pb2_grpc
+
+pytest.importorskip("nixl")
+pytest.importorskip("PIL")
+
+STARTUP_TIMEOUT_S = 90.0
+RPC_TIMEOUT_S = 10.0
+STATS_KEY = "deepinfer-stats-json"
+PLACEHOLDER = 129279
+
+
+def png(color, shape="circle", size=(64, 64)) -> bytes:
+    from PIL import Image, ImageDraw
+
+    im = Image.new("RGB", size, (255, 255, 255))
+    draw = ImageDraw.Draw(im)
+    if shape == "circle":
+        draw.ellipse((8, 8, size[0] - 8, size[1] - 8), fill=color)
+    else:
+        draw.polygon([(size[0] // 2, 4), (4, size[1] - 4), (size[0] - 4, size[1] - 4)], fill=color)
+    buf = io.BytesIO()
+    im.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+class VisionCluster:
+    def __init__(self, checkpoint: str, processes: ServiceProcesses) -> None:
+        self.checkpoint = checkpoint
+        self.processes = processes
+        self.info = processes.info
+        self.client = Client(self.info["entrypoint"]["address"], timeout_s=120.0)
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def stats(self, name: str) -> dict:
+        address = self.info[name]["address"]
+        if address not in self._channels:
+            self._channels[address] = grpc.insecure_channel(address)
+        stub = {"vision": vision_pb2_grpc.VisionStub, "prefill": prefill_pb2_grpc.PrefillStub}[name.split("-")[0]](
+            self._channels[address])
+        reply, call = stub.Health.with_call(common_pb2.HealthRequest(), timeout=RPC_TIMEOUT_S)
+        assert reply.is_healthy, reply.message
+        return json.loads(dict(call.trailing_metadata())[STATS_KEY])
+
+    def start_vision(self, name: str) -> None:
+        self.processes.spawn(name, ["vision_worker", "--model", self.checkpoint, "--lb-address",
+                                    self.info["vision_lb"]["address"], "--instance-id", name, "--loopback-ucx",
+                                    "--embedding-rows", "4096"])
+        self.processes.wait_ready(STARTUP_TIMEOUT_S)
+
+    def close(self) -> None:
+        self.client.close()
+        for channel in self._channels.values():
+            channel.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from engine.testing.make_checkpoint import make_checkpoint
+
+    ckpt = str(make_checkpoint(tmp_path_factory.mktemp("tiny-vision"), preset="tiny", seed=11, vision=True))
+    processes = ServiceProcesses(tmp_path_factory.mktemp("logs"),
+                                 {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    cluster = None
+    try:
+        for stage, policy in (("vision", "image_affinity"), ("prefill", "prefix_aware"), ("decode", "kv_load")):
+            processes.spawn(f"{stage}_lb", ["loadbalancer", "--stage", stage, "--policy", policy,
+                                            "--heartbeat-timeout-s", "2"])
+        info = processes.wait_ready(STARTUP_TIMEOUT_S)
+        worker_args = ["--model", ckpt, "--loopback-ucx", "--max-num-seqs", "8", "--num-blocks", "256"]
+        for stage in ("prefill", "decode"):
+            processes.spawn(stage, [f"{stage}_worker", "--lb-address", info[f"{stage}_lb"]["address"],
+                                    "--instance-id", f"{stage}-0", *worker_args])
+        processes.spawn("entrypoint", [
+            "entrypoint", "--model", ckpt, "--prefill-lb-address", info["prefill_lb"]["address"],
+            "--decode-lb-address", info["decode_lb"]["address"], "--vision-lb-address", info["vision_lb"]["address"]])
+        processes.wait_ready(STARTUP_TIMEOUT_S)
+        cluster = VisionCluster(ckpt, processes)
+        cluster.start_vision("vision-0")
+        yield cluster
+    finally:
+        if cluster is not None:
+            cluster.close()
+        processes.stop(10.0)
+
+
+RED, BLUE = png((255, 0, 0)), png((0, 0, 255), "triangle")
+
+
+def test_image_outputs_equal_offline_engine_and_embeddings_moved_by_nixl(cluster):
+    from engine import LLM, SamplingParams
+
+    cases = [
+        ([5, 6, PLACEHOLDER, 7, 8], [RED]),
+        ([9, PLACEHOLDER, 10, 11, PLACEHOLDER, 12], [BLUE, RED]),
+        ([9, PLACEHOLDER, 10, 11, PLACEHOLDER, 12], [RED, BLUE]),
+        ([13, 14, 15], []),
+    ]
+    v0, p0 = cluster.stats("vision-0"), cluster.stats("prefill")
+    outs = [cluster.client.generate(ids, images=[data_url(i) for i in imgs] or None, temperature=0.0,
+                                    max_tokens=8, ignore_eos=True) for ids, imgs in cases]
+    llm = LLM(model=cluster.checkpoint, num_blocks=256, max_num_seqs=8)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for (ids, imgs), out in zip(cases, outs):
+        prompt = {"prompt_token_ids": ids, **({"multi_modal_data": {"image": imgs}} if imgs else {})}
+        expected = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert out["token_ids"] == expected.outputs[0].token_ids, (ids, len(imgs))
+        assert out["usage"]["prompt_tokens"] == len(ids) + 183 * len(imgs)  # each placeholder -> 184 image tokens
+    assert outs[1]["token_ids"] != outs[2]["token_ids"]  # same ids, images swapped: the embeddings matter
+    # two distinct images, five image uses: encoded twice, the rest were cache hits
+    v1, p1 = cluster.stats("vision-0"), cluster.stats("prefill")
+    assert v1["vision_images_encoded_total"] - v0["vision_images_encoded_total"] == 2
+    assert v1["vision_cache_hits_total"] - v0["vision_cache_hits_total"] == 3
+    row_bytes = 4 * json.loads(open(os.path.join(cluster.checkpoint, "config.json")).read())["hidden_size"]
+    assert p1["embeddings_read_bytes_total"] - p0["embeddings_read_bytes_total"] == 5 * 184 * row_bytes
+    assert p1["embeddings_reads_done_total"] - p0["embeddings_reads_done_total"] == 5
+    assert v1["embeddings_served_bytes_total"] - v0["embeddings_served_bytes_total"] == \
+        p1["embeddings_read_bytes_total"] - p0["embeddings_read_bytes_total"]
+    # the holds were released once the prefill answered
+    assert _wait_for("holds released", lambda: cluster.stats("vision-0")["vision_held_requests"] == 0)
+
+
+def test_bad_images_are_refused_before_prefill_and_text_keeps_flowing(cluster):
+    p0 = cluster.stats("prefill")
+    bad = {
+        "corrupt": b"\x89PNG\r\n\x1a\n" + b"\x00" * 64,
+        "non-image": b"just some text, no image",
+        "url outside the allow-list": "http://10.0.0.1/secret.png",
+        "unsupported scheme": "ftp://images.example.com/a.png",
+    }
+    for name, image in bad.items():
+        with pytest.raises(GenerateError) as e:
+            cluster.client.generate([5, PLACEHOLDER, 6], images=[image], max_tokens=4)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT, name
+        assert "image" in str(e.value), name
+    with pytest.raises(GenerateError) as e:  # more images than the per-request quota (8)
+        cluster.client.generate([5] + [PLACEHOLDER] * 9, images=[RED] * 9, max_tokens=4)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "at most 8" in str(e.value)
+    p1 = cluster.stats("prefill")
+    assert p1["embeddings_reads_done_total"] == p0["embeddings_reads_done_total"]
+    assert p1["kv_transfer_sends_done_total"] == p0["kv_transfer_sends_done_total"]  # nothing reached prefill
+    assert cluster.client.generate([5, 6, 7], max_tokens=3, ignore_eos=True)["finish_reason"] is not None
+    assert cluster.stats("vision-0")["vision_held_requests"] == 0
+
+
+def _wait_for(what: str, fn, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = fn()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_killing_the_vision_worker_fails_image_requests_cleanly_and_a_new_one_rejoins(cluster):
+    proc = cluster.processes.procs["vision-0"]
+    proc.kill()
+    proc.wait(10)
+    for _ in range(3):  # image requests fail cleanly (UNAVAILABLE), text requests keep flowing
+        with pytest.raises(GenerateError) as e:
+            cluster.client.generate([5, PLACEHOLDER, 6], images=[RED], max_tokens=2)
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE and "vision" in str(e.value)
+        assert len(cluster.client.generate([5, 6, 7], max_tokens=2, ignore_eos=True)["token_ids"]) == 2
+    cluster.start_vision("vision-1")
+    out = _wait_for("a vision instance serving again", lambda: _try_image(cluster))
+    assert len(out["token_ids"]) == 2
+
+
+def _try_image(cluster):
+    try:
+        return cluster.client.generate([5, PLACEHOLDER, 6], images=[BLUE], max_tokens=2, ignore_eos=True)
+    except GenerateError:
+        return None
