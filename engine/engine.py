@@ -360,7 +360,8 @@ class Engine:
 
     def encode_images(self, images: Sequence[ImageSpan]) -> list[ImageSpan]:
         """Blocks while encoding: `images` with `embeds` filled in (model dtype and device) by the model's
-        vision tower where they carry only an `image`; images of equal size share a forward.
+        vision tower where they carry only an `image`; images of equal size share a forward. Given
+        embeddings are copied (the engine keeps them for the request's life: recompute after preemption).
 
         Raises `InvalidRequestError` when the model has no vision tower or an image does not decode.
         """
@@ -380,8 +381,11 @@ class Engine:
         dtype, device = self.model.model.embed_tokens.weight.dtype, self.runner.device
         out = []
         for i, span in enumerate(images):
-            emb = encoded.get(i, span.embeds)
-            out.append(replace(span, embeds=emb.to(device=device, dtype=dtype)))
+            if i in encoded:
+                emb = encoded[i].to(device=device, dtype=dtype)
+            else:  # NOTE: a private copy: the caller may reuse its buffer (e.g. transfer rows) at once
+                emb = span.embeds.to(device=device, dtype=dtype, copy=True)
+            out.append(replace(span, embeds=emb))
         return out
 
     def _submit(self, seq: _Seq, num_imported_tokens: int = 0) -> list[int]:

@@ -241,9 +241,10 @@ def _write_hf(
             hf_logging.enable_progress_bar()
 
 
-def num_parameters(preset: str) -> int:
-    """Number of elements in a preset's checkpoint."""
-    spec = checkpoint_spec(ModelConfig.from_hf_dict(get_preset(preset).hf_config()))
+def num_parameters(preset: str, vision: bool = False) -> int:
+    """Number of elements in a preset's checkpoint (with a vision tower when `vision`)."""
+    hf_config = get_preset(preset).hf_config()
+    spec = checkpoint_spec(ModelConfig.from_hf_dict(with_vision(hf_config) if vision else hf_config))
     return sum(math.prod(s.shape) for s in spec.values())
 
 
@@ -266,7 +267,8 @@ def main(argv: list[str] | None = None) -> Path:
         )
     except (ValueError, FileExistsError) as e:
         parser.error(str(e))
-    print(f"wrote {args.preset} checkpoint ({num_parameters(args.preset):,} parameters, {args.dtype}) to {out}")
+    num = num_parameters(args.preset, args.vision)
+    print(f"wrote {args.preset}{' + vision' if args.vision else ''} checkpoint ({num:,} parameters, {args.dtype}) to {out}")
     return out
 
 
