@@ -22,6 +22,7 @@ import base64
 import hashlib
 import io
 import json
+import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -149,9 +150,13 @@ def image_source(descriptor: bytes) -> recipe.ImageSource:
             raise InvalidImageError(f"malformed image descriptor: {e}") from None
     if raw.startswith(b"data:"):
         return recipe.DataUrlImageSource(raw.decode(errors="replace"))
-    if raw[:12].lower().split(b":", 1)[0] in (b"http", b"https") and b"://" in raw[:12]:
+    if _URL_SCHEME.match(raw[:64]):  # any scheme: the resolver's policy refuses all but http(s)
         return _url_source(raw.decode(errors="replace"), "high")
     return recipe.BytesImageSource(raw)
+
+
+_URL_SCHEME = re.compile(rb"[A-Za-z][A-Za-z0-9+.-]{0,31}://")
+"""A descriptor starting like `scheme://` is a URL, never image bytes (no image format starts so)."""
 
 
 def _url_source(url: str, detail: str) -> recipe.ImageSource:

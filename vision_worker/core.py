@@ -150,6 +150,10 @@ class VisionCore:
         """Content hashes whose embeddings are in the buffer (oldest use first)."""
         return list(self._entries)
 
+    def pending_hashes(self) -> list[str]:
+        """Content hashes queued for encoding."""
+        return list(self._queue)
+
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[EncodeDone]:

@@ -21,6 +21,7 @@ and the NIXL counters in the trailing metadata `deepinfer-stats-json`.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import json
 import logging
 import threading
@@ -55,6 +56,12 @@ def image_hash_key(content_hash: str) -> int:
     return int.from_bytes(bytes.fromhex(content_hash[:16]), "little")
 
 
+def descriptor_key(descriptor: bytes) -> int:
+    """The balancer's key of an image source: SHA-256 of its `ImageRef.descriptor`, first 8 bytes,
+    little-endian (what the entrypoint picks with before the content hash is known)."""
+    return int.from_bytes(hashlib.sha256(bytes(descriptor)).digest()[:8], "little")
+
+
 class _Refused(Exception):
     """A request refused before it reached the core; becomes the response's in-band `Error`."""
 
@@ -87,6 +94,7 @@ class VisionWorker:
         self.loop = EngineLoop("vision_worker-loop", self._step, self._mode, on_fatal=self._on_fatal)
         self.is_draining = False
         self._num_resolving = 0  # Encode calls resolving images (handler threads), under _lock
+        self._source_keys: dict[str, set[int]] = {}  # content hash -> descriptor keys seen for it, under _lock
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._is_stopping = False
@@ -174,13 +182,16 @@ class VisionWorker:
             return LoopMode.COMPUTE
         return LoopMode.POLL if self.core.num_requests else LoopMode.IDLE
 
-    def _admit(self, request_id: str, images, lease_s: float, fut: Future) -> None:
+    def _admit(self, request_id: str, images, lease_s: float, fut: Future, source_keys: list[int]) -> None:
         try:
             self.core.submit(request_id, images, lease_s)
         except Exception as e:
             fut.set_exception(e)
             return
         self._waiters[request_id] = fut
+        with self._lock:
+            for im, key in zip(images, source_keys):
+                self._source_keys.setdefault(im.content_hash, set()).add(key)
 
     def _abort(self, request_id: str, reason: str) -> bool:
         fut = self._waiters.pop(request_id, None)
@@ -205,7 +216,14 @@ class VisionWorker:
             is_healthy=self.loop.error is None, is_draining=self.is_draining)
 
     def _load_and_hashes(self) -> tuple[loadbalancer_pb2.LoadReport, frozenset[int]]:
-        return self._load(), frozenset(map(image_hash_key, self.core.cached_hashes()))
+        """The load and the keys of the cached images: content-hash keys and the descriptor keys of the
+        sources that resolved to them (forgotten with their entries)."""
+        cached = set(self.core.cached_hashes())
+        with self._lock:
+            known = set(cached) | set(self.core.pending_hashes())
+            self._source_keys = {h: k for h, k in self._source_keys.items() if h in known}
+            source_keys = {k for h, keys in self._source_keys.items() if h in cached for k in keys}
+        return self._load(), frozenset(map(image_hash_key, cached)) | source_keys
 
     def _stats(self) -> dict:
         stats = self.core.stats()
@@ -244,11 +262,13 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
             finally:
                 with w._lock:
                     w._num_resolving -= 1
+
         except (_Refused, InvalidRequestError) as e:
             return _refusal(rid, e)
         lease_s = request.lease_ms / 1000 if request.lease_ms else w.config.lease_s
         fut: Future = Future()
-        task = w.loop.post(partial(w._admit, rid, images, lease_s, fut))
+        keys = [descriptor_key(ref.descriptor) for ref in request.images]
+        task = w.loop.post(partial(w._admit, rid, images, lease_s, fut, keys))
         task.add_done_callback(lambda t: t.exception() is None or fut.done() or fut.set_exception(t.exception()))
         timeouts = [t for t in (call_time_remaining(context), request.deadline_ms / 1000 or None) if t is not None]
         try:

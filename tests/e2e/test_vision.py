@@ -71,7 +71,8 @@ class VisionCluster:
     def start_vision(self, name: str) -> None:
         self.processes.spawn(name, ["vision_worker", "--model", self.checkpoint, "--lb-address",
                                     self.info["vision_lb"]["address"], "--instance-id", name, "--loopback-ucx",
-                                    "--embedding-rows", "4096"])
+                                    "--embedding-rows", "4096", "--max-image-pixels", "10000000",
+                                    "--max-image-bytes", "2000000"])
         self.processes.wait_ready(STARTUP_TIMEOUT_S)
 
     def close(self) -> None:
@@ -148,17 +149,20 @@ def test_image_outputs_equal_offline_engine_and_embeddings_moved_by_nixl(cluster
 
 def test_bad_images_are_refused_before_prefill_and_text_keeps_flowing(cluster):
     p0 = cluster.stats("prefill")
+    big = png((0, 255, 0), size=(4000, 3000))  # 12 M pixels, over the instance's 10 M limit
     bad = {
-        "corrupt": b"\x89PNG\r\n\x1a\n" + b"\x00" * 64,
-        "non-image": b"just some text, no image",
-        "url outside the allow-list": "http://10.0.0.1/secret.png",
-        "unsupported scheme": "ftp://images.example.com/a.png",
+        "corrupt": (b"\x89PNG\r\n\x1a\n" + b"\x00" * 64, "not a supported image"),
+        "non-image": (b"just some text, no image", "not a supported image"),
+        "over the pixel limit": (big, "pixels; at most 10000000"),
+        "over the byte limit": (big + b"\x00" * 3_000_000, "bytes; at most 2000000"),
+        "url outside the allow-list": ("http://10.0.0.1/secret.png", "not allowed"),
+        "unsupported scheme": ("ftp://images.example.com/a.png", "not allowed"),
     }
-    for name, image in bad.items():
+    for name, (image, message) in bad.items():
         with pytest.raises(GenerateError) as e:
             cluster.client.generate([5, PLACEHOLDER, 6], images=[image], max_tokens=4)
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT, name
-        assert "image" in str(e.value), name
+        assert message in str(e.value), (name, str(e.value))
     with pytest.raises(GenerateError) as e:  # more images than the per-request quota (8)
         cluster.client.generate([5] + [PLACEHOLDER] * 9, images=[RED] * 9, max_tokens=4)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "at most 8" in str(e.value)
