@@ -60,6 +60,8 @@ class CompletionBody(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    """vLLM's extension: divides positive / multiplies negative logits of tokens seen in prompt or output."""
     stop: str | list[str] | None = None
     seed: int | None = None
     n: int = 1
@@ -87,7 +89,7 @@ class CompletionBody(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         return sampling_params_proto(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                                     stop=stop or None, seed=self.seed)
+                                     repetition_penalty=self.repetition_penalty, stop=stop or None, seed=self.seed)
 
     @property
     def include_usage(self) -> bool:

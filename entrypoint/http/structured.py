@@ -1,0 +1,105 @@
+"""What the HTTP front adds to recipe's sampling: the output constraint and the sampling penalties.
+
+- `structured_output(request, encoding_name)`: recipe's `InferenceOptions.output_constraint` (JSON
+  mode, `json_schema` and `regex` response formats, tool calls) as the token API's
+  `StructuredOutput`, which every sampling stage enforces with xgrammar:
+
+  | recipe kind          | token API constraint                                                   |
+  |----------------------|------------------------------------------------------------------------|
+  | `json`, empty schema | `json_schema` `{"type": "object"}` (JSON mode, `json_object`)         |
+  | `json`, a schema     | `json_schema`                                                          |
+  | `regex`              | `regex`                                                                |
+  | `tool_call`          | `structural_tag`: text, or one DSML `tool_calls` block whose invokes   |
+  |                      | name a listed tool and whose parameters follow its schema              |
+  | `tool_call_required` | `structural_tag`: exactly a DSML `tool_calls` block (no text)          |
+
+  In thinking mode the prompt ends with `<think>`: the reasoning runs free up to `</think>` and the
+  constraint covers the answer after it (`reasoning_end`; the tool-call tags carry their own
+  reasoning part). JSON mode asks for an object, not any JSON value: recipe's output parser keeps
+  only JSON containers (a bare number or string comes back as spaces), and OpenAI's JSON mode means
+  an object. The DSML structural tags are xgrammar's built-in DeepSeek-V4 / V4.1 formats,
+  the syntax recipe renders and parses. A kind this server does not know is refused with a 400, so
+  a constraint is never silently ignored.
+- `penalties(body)`: `presence_penalty` / `frequency_penalty` of a Chat Completions body, which
+  recipe validates but does not carry over; a value outside [-2, 2] is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import deepseek_recipe as recipe
+
+from entrypoint.http.errors import invalid
+from protos import common_pb2
+
+REASONING_END = "</think>"
+"""The text that closes the reasoning block of a thinking-mode answer (V4 and V4.1)."""
+JSON_MODE_SCHEMA = '{"type":"object"}'
+"""The constraint of JSON mode (recipe's `json` constraint without a schema)."""
+PENALTY_NAMES = ("presence_penalty", "frequency_penalty")
+MAX_ABS_PENALTY = 2.0
+
+_STRUCTURAL_TAG_MODELS = {"v4": "deepseek_v4", "v4.1": "deepseek_v4_1"}
+"""Chat encoding -> xgrammar's built-in structural-tag format of the model's tool-call syntax."""
+
+
+def structured_output(request: recipe.ConversationRequest, encoding_name: str) -> common_pb2.StructuredOutput | None:
+    """The token API constraint of a converted request, or None when it asks for none; 400 if unsupported."""
+    constraint = request.inference_options.output_constraint
+    if constraint is None:
+        return None
+    thinking = request.conversation.thinking_mode
+    kind, spec = constraint.kind, constraint.schema
+    msg = common_pb2.StructuredOutput()
+    if kind == "json":
+        msg.json_schema = spec or JSON_MODE_SCHEMA
+    elif kind == "regex":
+        msg.regex = spec
+    elif kind in ("tool_call", "tool_call_required"):
+        msg.structural_tag = _tool_call_tag(spec, kind == "tool_call_required", thinking, encoding_name)
+        return msg
+    else:
+        raise invalid(f"this server cannot enforce the output constraint {kind!r} that the request asks for; "
+                      "remove it (response_format / tool_choice)", param="response_format",
+                      code="unsupported_output_constraint")
+    if thinking:
+        msg.reasoning_end = REASONING_END
+    return msg
+
+
+def _tool_call_tag(tools_json: str, is_required: bool, thinking: bool, encoding_name: str) -> str:
+    """xgrammar's DSML tool-call structural tag (JSON) for recipe's tool list."""
+    import xgrammar
+
+    tools = json.loads(tools_json)
+    for tool in tools:  # recipe marks tools the model may only call after loading them; xgrammar lists them all
+        tool.get("function", {}).pop("defer_loading", None)
+    try:
+        tag = xgrammar.get_model_structural_tag(
+            _STRUCTURAL_TAG_MODELS[encoding_name], tools=tools, tool_choice="required" if is_required else "auto",
+            reasoning="enabled" if thinking else "disabled")
+    except ValueError as e:
+        raise invalid(f"the tool definitions cannot be enforced as tool calls: {str(e)[:300]}", param="tools",
+                      code="unsupported_output_constraint") from None
+    return tag.model_dump_json()
+
+
+def penalties(body: Any) -> dict[str, float]:
+    """`presence_penalty` / `frequency_penalty` of a request body (those set and non-zero); 400 when out of range."""
+    found: dict[str, float] = {}
+    if not isinstance(body, dict):
+        return found
+    for name in PENALTY_NAMES:
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise invalid(f"{name} must be a number in [-2, 2], got {value!r}", param=name)
+        if not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
+            raise invalid(f"{name} must be in [-2, 2], got {value}", param=name)
+        if value:
+            found[name] = float(value)
+    return found
