@@ -34,6 +34,11 @@ CASES = [
         skip_special_tokens=False,
         include_stop_str_in_output=True,
     ),
+    SamplingParams(structured_output={"json_schema": '{"type": "object"}', "reasoning_end": "</think>"}),
+    SamplingParams(structured_output={"any_json": True, "disable_any_whitespace": True}),
+    SamplingParams(structured_output={"regex": "[a-z]+"}),
+    SamplingParams(structured_output={"grammar": 'root ::= "yes" | "no"'}),
+    SamplingParams(structured_output={"structural_tag": '{"type": "structural_tag", "format": {"type": "any_text"}}'}),
 ]
 
 
@@ -75,3 +80,11 @@ def test_bad_wire_values_are_refused_naming_the_field():
     with pytest.raises(InvalidRequestError) as e:
         sampling_params_from_proto(common_pb2.SamplingParams(n=0))
     assert e.value.field == "n"
+
+
+def test_structured_output_without_a_constraint_is_refused():
+    msg = common_pb2.SamplingParams()
+    msg.structured_output.SetInParent()
+    with pytest.raises(InvalidRequestError) as info:
+        sampling_params_from_proto(msg)
+    assert info.value.field == "structured_output"
