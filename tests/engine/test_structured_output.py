@@ -85,6 +85,15 @@ def test_regex_output_matches_and_leaves_other_rows_alone(llm):
     assert outs[1].outputs[0].token_ids == alone
 
 
+def test_async_scheduling_and_n_children_keep_the_constraint(llm):
+    params = SamplingParams(temperature=0.8, seed=11, max_tokens=20, n=2, structured_output={"regex": REGEX})
+    sync = llm.generate([{"prompt_token_ids": PROMPTS[2]}], params, use_tqdm=False)[0]
+    assert all(re.fullmatch(REGEX, o.text) for o in sync.outputs) and sync.outputs[0].text != sync.outputs[1].text
+    async_llm = LLM(llm.engine.config.model, max_num_seqs=8, async_scheduling=True)
+    out = async_llm.generate([{"prompt_token_ids": PROMPTS[2]}], params, use_tqdm=False)[0]
+    assert [o.token_ids for o in out.outputs] == [o.token_ids for o in sync.outputs]
+
+
 def test_constraint_ends_the_request_even_with_ignore_eos(llm):
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, structured_output={"regex": "ab"})
     completion = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0].outputs[0]
