@@ -18,7 +18,6 @@ from typing import Any
 import deepseek_recipe as recipe
 
 from engine.images import IMAGE_PLACEHOLDER_ID, ImageUrlPolicy, InvalidImageError, image_descriptor
-from entrypoint.http import structured
 from entrypoint.http.errors import ApiError, invalid, json_object
 from protos import common_pb2
 
@@ -101,10 +100,6 @@ class Prepared:
     echo: recipe.ResponsesEcho | None = None
     namespace_tool_map: dict | None = None
     created: int = field(default_factory=lambda: int(time.time()))
-    structured_output: common_pb2.StructuredOutput | None = None
-    """The output constraint recipe derived (JSON mode, json_schema / regex formats, tool calls)."""
-    penalties: dict[str, float] = field(default_factory=dict)
-    """presence_penalty / frequency_penalty from the body (recipe does not carry them)."""
 
     @property
     def is_stream(self) -> bool:
@@ -121,10 +116,6 @@ class Prepared:
             params.top_p = options.top_p
         if options.seed is not None:
             params.seed = options.seed
-        for name, value in self.penalties.items():
-            setattr(params, name, value)
-        if self.structured_output is not None:
-            params.structured_output.CopyFrom(self.structured_output)
         return params
 
     def processor(self, tokenizer: recipe.Tokenizer) -> recipe.StreamProcessor:
@@ -201,6 +192,11 @@ class RecipeFront:
         else:
             version, encoding = recipe.ModelVersion.DeepseekV4Pro, recipe.DeepseekV4Encoding()
         self.encoding = encoding.with_tokenizer(self.tokenizer)
+        self.has_vision = "vision_config" in json.loads((Path(model_dir) / "config.json").read_text())
+        if self.has_vision:
+            # NOTE: recipe's V4-Pro conversion drops image parts; V4.1-Flash's keeps them, and every chat
+            # encoding renders one <｜image｜> placeholder per image
+            version = recipe.ModelVersion.DeepseekV41Flash
         self.model_names = (served_model_name, *[n for n in RECIPE_MODEL_NAMES if n != served_model_name])
         self.options = recipe.ConversionOptions().with_model_versions_by_name({n: version for n in self.model_names})
 
@@ -218,7 +214,6 @@ class RecipeFront:
                 self.image_policy.check(url)
         except InvalidImageError as e:
             raise invalid(str(e), code=e.code) from None
-        penalties = structured.penalties(parsed)  # before recipe, whose type errors do not name the field
         try:
             request = _REQUEST_CLS[api](parsed)
         except ValueError as e:
@@ -242,6 +237,9 @@ class RecipeFront:
         except RuntimeError as e:
             raise invalid(f"the conversation cannot be encoded: {e}") from None
         images = _image_refs(converted.conversation, prompt_token_ids)
+        if not images and image_urls(parsed):
+            raise invalid("this model takes no images (its checkpoint has no vision tower); send text only",
+                          code="images_not_supported")
         try:
             max_tokens = converted.resolve_max_tokens(len(prompt_token_ids), self.max_model_len)
         except recipe.ConversionError as e:
@@ -250,8 +248,7 @@ class RecipeFront:
         # the vision stage measured them, and lowers a default max_tokens (or refuses an asked one) then.
         return Prepared(api, f"{_ID_PREFIX[api]}{uuid.uuid4().hex}", model, converted, prompt_token_ids, max_tokens,
                         images, bool(images) and converted.inference_options.max_tokens is None, echo,
-                        namespace_tool_map, structured_output=structured.structured_output(converted, self.encoding_name),
-                        penalties=penalties)
+                        namespace_tool_map)
 
 
 def _conversion_error(e: recipe.ConversionError, param: str | None = None) -> ApiError:
