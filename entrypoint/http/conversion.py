@@ -18,6 +18,7 @@ from typing import Any
 import deepseek_recipe as recipe
 
 from engine.images import IMAGE_PLACEHOLDER_ID, ImageUrlPolicy, InvalidImageError, image_descriptor
+from entrypoint.http import structured
 from entrypoint.http.errors import ApiError, invalid, json_object
 from protos import common_pb2
 
@@ -100,6 +101,10 @@ class Prepared:
     echo: recipe.ResponsesEcho | None = None
     namespace_tool_map: dict | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    structured_output: common_pb2.StructuredOutput | None = None
+    """The output constraint recipe derived (JSON mode, json_schema / regex formats, tool calls)."""
+    penalties: dict[str, float] = field(default_factory=dict)
+    """presence_penalty / frequency_penalty from the body (recipe does not carry them)."""
 
     @property
     def is_stream(self) -> bool:
@@ -116,6 +121,10 @@ class Prepared:
             params.top_p = options.top_p
         if options.seed is not None:
             params.seed = options.seed
+        for name, value in self.penalties.items():
+            setattr(params, name, value)
+        if self.structured_output is not None:
+            params.structured_output.CopyFrom(self.structured_output)
         return params
 
     def processor(self, tokenizer: recipe.Tokenizer) -> recipe.StreamProcessor:
@@ -214,6 +223,7 @@ class RecipeFront:
                 self.image_policy.check(url)
         except InvalidImageError as e:
             raise invalid(str(e), code=e.code) from None
+        penalties = structured.penalties(parsed)  # before recipe, whose type errors do not name the field
         try:
             request = _REQUEST_CLS[api](parsed)
         except ValueError as e:
@@ -248,7 +258,8 @@ class RecipeFront:
         # the vision stage measured them, and lowers a default max_tokens (or refuses an asked one) then.
         return Prepared(api, f"{_ID_PREFIX[api]}{uuid.uuid4().hex}", model, converted, prompt_token_ids, max_tokens,
                         images, bool(images) and converted.inference_options.max_tokens is None, echo,
-                        namespace_tool_map)
+                        namespace_tool_map, structured_output=structured.structured_output(converted, self.encoding_name),
+                        penalties=penalties)
 
 
 def _conversion_error(e: recipe.ConversionError, param: str | None = None) -> ApiError:
