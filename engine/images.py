@@ -167,6 +167,7 @@ def _url_source(url: str, detail: str) -> recipe.ImageSource:
 
 _RECIPE_ERROR_CODES = {
     "UnsupportedMediaType": ("invalid_image", "is not a supported image (send a valid PNG, JPEG, WEBP or GIF)"),
+    "Decode": ("invalid_image", "is not a supported image (its bytes do not decode; send a valid PNG, JPEG, WEBP or GIF)"),
     "EmptyImage": ("invalid_image", "is empty or truncated (send a valid PNG, JPEG, WEBP or GIF)"),
     "ImageTooLarge": ("image_too_large", "is larger than recipe's byte limit"),
     "ImageDimensionsTooLarge": ("image_too_large", "has dimensions over recipe's limit"),

@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 
 from deploy.processes import ProcessStartError, ServiceProcesses
-from protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, vision_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 120.0
@@ -39,12 +39,16 @@ class LocalCluster:
 
     def __init__(self, checkpoint: str | Path, logdir: str | Path, *, api_key: str | None = None,
                  http_args: tuple[str, ...] = (), worker_args: tuple[str, ...] = ("--max-num-seqs", "8",
-                                                                                   "--num-blocks", "256")) -> None:
+                                                                                   "--num-blocks", "256"),
+                 vision_args: tuple[str, ...] | None = None) -> None:
+        """`vision_args`: also start the vision stage (balancer + one `vision_worker` with these extra
+        arguments) and give the entrypoint its balancer; None = text only."""
         self.checkpoint = str(checkpoint)
         self.logdir = Path(logdir)
         self.api_key = api_key
         self.http_args = http_args
         self.worker_args = worker_args
+        self.vision_args = vision_args
         self._channels: dict[str, grpc.Channel] = {}
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         env.pop("DEEPINFER_API_KEY", None)
@@ -71,7 +75,10 @@ class LocalCluster:
         self.stop()
 
     def _start(self) -> None:
-        for stage, policy in (("prefill", "prefix_aware"), ("decode", "kv_load")):
+        stages = (("prefill", "prefix_aware"), ("decode", "kv_load"))
+        if self.vision_args is not None:
+            stages += (("vision", "image_affinity"),)
+        for stage, policy in stages:
             self._spawn(f"{stage}_lb", ["loadbalancer", "--stage", stage, "--policy", policy,
                                         "--heartbeat-timeout-s", "3"])
         self._wait_ready()
@@ -80,9 +87,15 @@ class LocalCluster:
                                 "--instance-id", "prefill-0", *common])
         self._spawn("decode", ["decode_worker", "--lb-address", self.info["decode_lb"]["address"],
                                "--instance-id", "decode-0", *common])
+        vision = []
+        if self.vision_args is not None:
+            self._spawn("vision", ["vision_worker", "--lb-address", self.info["vision_lb"]["address"],
+                                   "--instance-id", "vision-0", "--model", self.checkpoint, "--loopback-ucx",
+                                   *self.vision_args])
+            vision = ["--vision-lb-address", self.info["vision_lb"]["address"]]
         self._spawn("entrypoint", ["entrypoint", "--model", self.checkpoint, "--prefill-lb-address",
                                    self.info["prefill_lb"]["address"], "--decode-lb-address",
-                                   self.info["decode_lb"]["address"]])
+                                   self.info["decode_lb"]["address"], *vision])
         self._wait_ready()
         http = ["entrypoint.http", "--entrypoint", self.grpc_address, "--host", "127.0.0.1", "--port", "0",
                 "--model", self.checkpoint, "--prefill-lb-address", self.info["prefill_lb"]["address"],
@@ -113,10 +126,11 @@ class LocalCluster:
                 time.sleep(0.1)
 
     def worker_stats(self, name: str) -> dict:
-        """A worker's ("prefill" / "decode") Health stats (from its trailing metadata)."""
+        """A worker's ("prefill" / "decode" / "vision") Health stats (from its trailing metadata)."""
         if name not in self._channels:
             self._channels[name] = grpc.insecure_channel(self.info[name]["address"])
-        stub = {"prefill": prefill_pb2_grpc.PrefillStub, "decode": decode_pb2_grpc.DecodeStub}[name](
+        stub = {"prefill": prefill_pb2_grpc.PrefillStub, "decode": decode_pb2_grpc.DecodeStub,
+                "vision": vision_pb2_grpc.VisionStub}[name](
             self._channels[name])
         _, call = stub.Health.with_call(common_pb2.HealthRequest(), timeout=10.0)
         return json.loads(dict(call.trailing_metadata())[STATS_KEY])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytest.importorskip("nixl")
@@ -27,6 +29,8 @@ def cluster(tmp_path_factory, default_model_dir):
 
     http_args = ("--image-url-allowed-hosts", ALLOWED_IMAGE_HOST, "--max-body-bytes", str(MAX_BODY_BYTES),
                  "--max-inflight-requests", str(MAX_INFLIGHT))
+    has_vision = "vision_config" in json.loads((default_model_dir / "config.json").read_text())
+    vision_args = ("--image-url-allowed-hosts", ALLOWED_IMAGE_HOST) if has_vision else None
     with LocalCluster(default_model_dir, tmp_path_factory.mktemp("http-logs"), api_key=API_KEY,
-                      http_args=http_args) as running:
+                      http_args=http_args, vision_args=vision_args) as running:
         yield running
