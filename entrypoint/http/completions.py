@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from entrypoint.client import FINISH_REASONS, sampling_params_proto
 from entrypoint.http.errors import invalid, json_object
+from entrypoint.http.structured import response_format_constraint
 from protos import common_pb2, entrypoint_pb2
 
 
@@ -49,9 +50,10 @@ def _stop_reason(msg: entrypoint_pb2.GenerateResponse) -> int | str | None:
 
 
 class CompletionBody(BaseModel):
-    """An OpenAI completions request (the fields we serve; unknown ones are ignored, as OpenAI does)."""
+    """An OpenAI completions request (the fields we serve; unknown ones are ignored, as OpenAI does, except
+    vLLM's guided_* constraints, which are refused rather than silently dropped)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     prompt: str | list[int] | list[str]
@@ -70,6 +72,8 @@ class CompletionBody(BaseModel):
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
+    response_format: dict | None = None
+    """`json_object`, `json_schema` or `regex` (recipe's shapes): enforced by constrained decoding."""
 
     def prompt_token_ids(self, tokenizer: recipe.Tokenizer) -> list[int]:
         if self.n != 1:
@@ -89,7 +93,9 @@ class CompletionBody(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         return sampling_params_proto(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                                     repetition_penalty=self.repetition_penalty, stop=stop or None, seed=self.seed)
+                                     repetition_penalty=self.repetition_penalty, stop=stop or None, seed=self.seed,
+                                     structured_output=response_format_constraint(self.response_format,
+                                                                                  self.model_extra))
 
     @property
     def include_usage(self) -> bool:

@@ -70,6 +70,42 @@ def structured_output(request: recipe.ConversationRequest, encoding_name: str) -
     return msg
 
 
+UNSERVED_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_grammar", "guided_choice", "structured_outputs")
+"""vLLM's constraint fields; refused with a pointer to `response_format` rather than ignored."""
+
+
+def response_format_constraint(response_format: Any, extra_fields: dict | None = None) -> dict | None:
+    """The `structured_output` (token API fields) of a raw-prompt request's `response_format`; 400 if unsupported.
+
+    `{"type": "text"}` or none -> None; `json_object` -> a JSON object; `json_schema` -> its `schema`
+    (`{"json_schema": {"schema": ...}}`, as Chat Completions); `regex` -> `{"regex": ...}` (recipe's shape).
+    `extra_fields` are the body's other fields: vLLM's guided_* constraints there are refused.
+    """
+    for name in UNSERVED_GUIDED_FIELDS:
+        if (extra_fields or {}).get(name) is not None:
+            raise invalid(f"{name} is not served; use response_format (json_object, json_schema or regex)", param=name,
+                          code="unsupported_output_constraint")
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_schema": JSON_MODE_SCHEMA}
+    if kind == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, (dict, bool)):
+            raise invalid("response_format.json_schema.schema must be a JSON Schema object", param="response_format")
+        return {"json_schema": json.dumps(schema)}
+    if kind == "regex":
+        regex = response_format.get("regex")
+        if not isinstance(regex, str) or not regex:
+            raise invalid("response_format.regex must be a non-empty regular expression", param="response_format")
+        return {"regex": regex}
+    raise invalid(f"response_format {response_format!r} is not supported; use text, json_object, json_schema or regex",
+                  param="response_format", code="unsupported_output_constraint")
+
+
 def _tool_call_tag(tools_json: str, is_required: bool, thinking: bool, encoding_name: str) -> str:
     """xgrammar's DSML tool-call structural tag (JSON) for recipe's tool list."""
     import xgrammar

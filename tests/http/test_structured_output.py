@@ -116,6 +116,25 @@ def test_penalties_reach_the_sampling_params_and_bad_ones_are_refused(front):
         assert info.value.status == 400 and name in str(info.value)
 
 
+def test_completions_response_format_and_refused_guided_fields():
+    from entrypoint.http.completions import CompletionBody, parse
+
+    def params(**body):
+        return parse(CompletionBody, json.dumps({"model": "m", "prompt": "x", **body}).encode()).sampling_params()
+
+    assert not params().HasField("structured_output")
+    assert not params(response_format={"type": "text"}).HasField("structured_output")
+    assert params(response_format={"type": "json_object"}).structured_output.json_schema == '{"type":"object"}'
+    schema = params(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}})
+    assert json.loads(schema.structured_output.json_schema) == SCHEMA
+    assert params(response_format={"type": "regex", "regex": "a+"}).structured_output.regex == "a+"
+    for body in ({"response_format": {"type": "xml"}}, {"response_format": {"type": "regex"}},
+                 {"guided_json": {"type": "object"}}, {"structured_outputs": {"regex": "a"}}):
+        with pytest.raises(ApiError) as info:
+            params(**body)
+        assert info.value.status == 400
+
+
 def test_constraint_compiles_as_the_engine_would(compiler):
     _, grammar_compiler = compiler
     grammar_compiler.compile(StructuredOutputParams(any_json=True, reasoning_end="</think>"))
@@ -218,6 +237,12 @@ def test_bad_constraints_and_penalties_are_400(http, default_model_dir):
                                             "presence_penalty": 1.0, "frequency_penalty": 0.5,
                                             "repetition_penalty": 1.2})
     assert ok.status_code == 200, ok.text
+    out = http.post("/v1/completions", json={"model": default_model_dir.name, "prompt": "Reverse these words: red blue",
+                                             "max_tokens": 8, "temperature": 0,
+                                             "response_format": {"type": "regex", "regex": "(red|blue)( (red|blue))?"}})
+    assert re.fullmatch("(red|blue)( (red|blue))?", out.json()["choices"][0]["text"]), out.text
+    reply = http.post("/v1/completions", json={"model": default_model_dir.name, "prompt": "x", "guided_regex": "a"})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "guided_regex"
     out = http.post("/v1/generate", json={"token_ids": [5, 6, 7], "sampling_params": {
         "max_tokens": 8, "temperature": 0, "structured_output": {"regex": "(yes|no)"}}}).json()
     assert out["choices"][0]["text"] in ("yes", "no") and out["choices"][0]["finish_reason"] == "stop"
