@@ -1,7 +1,7 @@
 """The Ray actors the launcher places: each hosts one deepinfer process role.
 
-* `ServiceActor` runs one server in the actor's own OS process: a prefill or decode instance
-  (`serve_prefill` / `serve_decode`), a stage balancer (`loadbalancer.server.start_server`) or the
+* `ServiceActor` runs one server in the actor's own OS process: a vision, prefill or decode instance
+  (`serve_vision` / `serve_prefill` / `serve_decode`), a stage balancer (`loadbalancer.server.start_server`) or the
   token-level entrypoint (`serve_entrypoint`). Killing that process (SIGKILL, OOM) is a crash Ray
   answers by restarting the actor (`max_restarts`): the constructor runs again and the instance
   re-registers with its balancer under the same instance id (on a new port).
@@ -45,7 +45,7 @@ def _advertise_host(host: str) -> str | None:
 class ServiceActor:
     """One role's server inside this actor's process (see the module docstring).
 
-    `role`: prefill, decode, prefill_lb, decode_lb or entrypoint; `config`: that role's config as
+    `role`: vision, prefill, decode, vision_lb, prefill_lb, decode_lb or entrypoint; `config`: that role's config as
     a dict (`ClusterConfig.role_config(...).model_dump()`).
     """
 
@@ -59,11 +59,16 @@ class ServiceActor:
         advertise = _advertise_host(config.get("host", ""))
         if advertise and "advertise_host" in config:
             config = {**config, "advertise_host": advertise}
-        if role in ("prefill", "decode"):
+        if role in ("vision", "prefill", "decode"):
             import torch
 
             torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1") or 1)))
-            if role == "prefill":
+            if role == "vision":
+                from vision_worker.config import VisionWorkerConfig
+                from vision_worker.server import serve_vision
+
+                self._server = serve_vision(VisionWorkerConfig(**config))
+            elif role == "prefill":
                 from prefill_worker.config import PrefillWorkerConfig
                 from prefill_worker.server import serve_prefill
 
@@ -74,7 +79,7 @@ class ServiceActor:
 
                 self._server = serve_decode(DecodeWorkerConfig(**config))
             self.address, self.instance_id = self._server.address, self._server.instance_id
-        elif role in ("prefill_lb", "decode_lb"):
+        elif role in ("vision_lb", "prefill_lb", "decode_lb"):
             from loadbalancer.config import LoadBalancerConfig
             from loadbalancer.server import start_server
 
@@ -89,7 +94,8 @@ class ServiceActor:
             self._server = serve_entrypoint(EntrypointConfig(**config))
             self.address, self.instance_id = self._server.address, self._server.instance_id
         else:
-            raise ValueError(f"unknown role {role!r}; roles: prefill, decode, prefill_lb, decode_lb, entrypoint")
+            raise ValueError(f"unknown role {role!r}; roles: vision, prefill, decode, vision_lb, prefill_lb, decode_lb, "
+                             "entrypoint")
         logger.info("%s %s serving on %s (pid %d%s)", role, self.instance_id, self.address, os.getpid(),
                     ", restarted" if self.is_restarted else "")
 
@@ -101,7 +107,7 @@ class ServiceActor:
     def drain(self, timeout_s: float | None = None) -> int:
         """Blocks until a worker drained (in-flight requests finished, or aborted after `timeout_s`) and
         stopped; returns how many requests were unfinished when the drain began."""
-        if self.role not in ("prefill", "decode"):
+        if self.role not in ("vision", "prefill", "decode"):
             raise ValueError(f"only workers drain, this actor runs {self.role}")
         num_unfinished = self._server.drain(timeout_s)
         self._server.wait()

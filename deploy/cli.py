@@ -3,14 +3,14 @@
   demo       the main job (the README's first command): a local cluster with the built-in model
              answers chat requests end to end, then goes down; `--offline` runs the offline engine instead
   generate   generation: on the running cluster's entrypoint, or offline on a checkpoint
-  up         launch a cluster on Ray: balancers, prefill + decode instances, entrypoint (+ HTTP front)
+  up         launch a cluster on Ray: balancers, (vision +) prefill + decode instances, entrypoint (+ HTTP front)
   status     a table of the cluster's instances: state, health, load, KV cache use
-  scale      change instance counts live: `deepinfer scale prefill=2 decode=3` (`decode.GROUP=N` per group)
+  scale      change instance counts live: `deepinfer scale prefill=2 decode=3 vision=2` (`decode.GROUP=N` per group)
   down       stop the cluster
 
 `up` with no arguments starts a local Ray cluster on loopback with the built-in default model, one
-prefill and one decode instance, both balancers, the entrypoint and (when `entrypoint.http` is
-installed) the HTTP front; `--config FILE.yaml` describes other layouts (`deploy/configs/`), and
+prefill and one decode instance (plus one vision instance when the model has a vision tower), the
+stage balancers, the entrypoint and (when `entrypoint.http` is installed) the HTTP front; `--config FILE.yaml` describes other layouts (`deploy/configs/`), and
 `--address HOST:PORT|auto` joins a running Ray cluster instead. It prints one JSON line with the
 addresses and records them in `$DEEPINFER_HOME/cluster.json` for the other commands.
 
@@ -205,7 +205,7 @@ def _cmd_up(args, parser) -> int:
     except ValueError as e:
         parser.error(str(e))
     needed = sum(g.num_instances * g.num_ranks * g.resources_per_rank.get("CPU", 0)
-                 for s in ("prefill", "decode") for g in config.stage(s).groups)
+                 for s in config.active_stages() for g in config.stage(s).groups)
     num_cpus = args.num_cpus or max(os.cpu_count() or 1, 2 * int(needed + 0.999), 8)
     started_ray = connect_ray(args.address, num_cpus=num_cpus, resources=args.resources)
     controller = start_cluster(config)
@@ -251,7 +251,8 @@ def _cmd_up(args, parser) -> int:
 def _fmt_status(status: dict) -> str:
     cols = ["STAGE", "INSTANCE", "DC", "STATE", "HEALTHY", "RUNNING", "WAITING", "KV BLOCKS", "CACHE", "HB MS", "PID"]
     rows = []
-    for r in sorted(status["instances"], key=lambda r: (r["stage"] != "prefill", r["instance_id"])):
+    order = {"vision": 0, "prefill": 1, "decode": 2}
+    for r in sorted(status["instances"], key=lambda r: (order.get(r["stage"], 3), r["instance_id"])):
         total = r.get("num_kv_blocks_total", 0)
         used = r.get("num_kv_blocks_used", 0)
         rows.append([r["stage"], r["instance_id"], r.get("datacenter") or "-", r["state"],

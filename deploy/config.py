@@ -3,6 +3,10 @@
 ```yaml
 model: /ckpt/DeepSeek-V4-Flash        # omitted = the built-in default model
 host: 127.0.0.1                       # 0.0.0.0 = every interface, advertised as the node's IP
+vision:                               # started only when the model has a vision tower (config.json vision_config)
+  balancer: {policy: image_affinity}
+  worker: {max_batch_images: 8, image_url_allowed_hosts: "images.example.com"}
+  groups: [{num_instances: 1}]
 prefill:
   balancer: {policy: prefix_aware}
   worker: {max_num_seqs: 16}          # any PrefillWorkerConfig field the launcher does not set itself
@@ -24,6 +28,7 @@ Each instance of a group is one Ray placement group of `num_ranks` bundles of `r
 from __future__ import annotations
 
 import ipaddress
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,13 +39,15 @@ from decode_worker.config import DecodeWorkerConfig
 from entrypoint.config import EntrypointConfig
 from loadbalancer.config import LoadBalancerConfig
 from prefill_worker.config import PrefillWorkerConfig
+from vision_worker.config import VisionWorkerConfig
 
-STAGES = ("prefill", "decode")
-"""The stages the launcher runs (vision joins with its worker)."""
+STAGES = ("vision", "prefill", "decode")
+"""The stages the launcher runs, front to back; vision only for models with a vision tower
+(`ClusterConfig.active_stages`)."""
 
 LAUNCHER_SET_FIELDS = frozenset({"model", "dtype", "device", "host", "port", "advertise_host", "lb_address",
                                  "instance_id", "agent_name", "datacenter", "loopback_ucx",
-                                 "prefill_lb_address", "decode_lb_address", "stage"})
+                                 "prefill_lb_address", "decode_lb_address", "vision_lb_address", "stage"})
 """Role-config fields the launcher fills in itself; a YAML file must not set them per role."""
 
 DATACENTER_RESOURCE_PREFIX = "datacenter_"
@@ -174,6 +181,23 @@ def _default_decode() -> StageConfig:
     return StageConfig(balancer=BalancerSettings(policy="kv_load"))
 
 
+def _default_vision() -> StageConfig:
+    return StageConfig(balancer=BalancerSettings(policy="image_affinity"))
+
+
+def model_has_vision(model: str | None) -> bool:
+    """Whether a checkpoint (None = the built-in default model) has a vision tower: a `vision_config`
+    in its config.json. Reads only that file."""
+    if model is None:
+        from engine.engine import default_model_path
+
+        model = str(default_model_path())
+    try:
+        return "vision_config" in json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False  # not readable here (e.g. a path on other nodes): the workers will say
+
+
 class ClusterConfig(_Frozen):
     """A whole deployment: model, addresses, both stages, the entrypoint and the HTTP front."""
 
@@ -189,6 +213,8 @@ class ClusterConfig(_Frozen):
     """Interface every server binds; 0.0.0.0 = all, advertised as the node's IP."""
     loopback_ucx: bool | None = None
     """Keep NIXL's UCX on loopback; None = true exactly when `host` is a loopback address."""
+    vision: StageConfig = Field(default_factory=_default_vision)
+    """The vision stage (started only when the model has a vision tower)."""
     prefill: StageConfig = Field(default_factory=_default_prefill)
     """The prefill stage."""
     decode: StageConfig = Field(default_factory=_default_decode)
@@ -209,7 +235,7 @@ class ClusterConfig(_Frozen):
     @model_validator(mode="after")
     def _role_configs_validate(self) -> ClusterConfig:
         # NOTE: builds every role's config once so that a bad value fails at load time, naming the role
-        for role in ("prefill", "decode", "prefill_lb", "decode_lb", "entrypoint"):
+        for role in ("vision", "prefill", "decode", "vision_lb", "prefill_lb", "decode_lb", "entrypoint"):
             try:
                 self.role_config(role, instance_id=f"{role}-check", lb_address="127.0.0.1:1",
                                  lb_addresses=("127.0.0.1:1", "127.0.0.1:2"))
@@ -229,13 +255,18 @@ class ClusterConfig(_Frozen):
             raise KeyError(f"unknown stage {stage!r}; stages: {list(STAGES)}")
         return getattr(self, stage)
 
+    def active_stages(self) -> tuple[str, ...]:
+        """The stages this deployment runs: vision only when the model has a vision tower."""
+        return STAGES if model_has_vision(self.model) else tuple(s for s in STAGES if s != "vision")
+
     def role_config(self, role: str, *, instance_id: str = "", lb_address: str = "", datacenter: str = "",
-                    lb_addresses: tuple[str, str] = ("", ""), advertise_host: str | None = None):
-        """The validated config of one process: a prefill/decode worker, a balancer or the entrypoint."""
+                    lb_addresses: tuple[str, str] = ("", ""), advertise_host: str | None = None,
+                    vision_lb_address: str = ""):
+        """The validated config of one process: a vision/prefill/decode worker, a balancer or the entrypoint."""
         loopback = self.is_loopback if self.loopback_ucx is None else self.loopback_ucx
         common = dict(host=self.host, port=0, advertise_host=advertise_host)
         if role in STAGES:
-            cls = PrefillWorkerConfig if role == "prefill" else DecodeWorkerConfig
+            cls = {"vision": VisionWorkerConfig, "prefill": PrefillWorkerConfig, "decode": DecodeWorkerConfig}[role]
             return cls(**self.stage(role).worker, **common, model=self.model, dtype=self.dtype, device=self.device,
                        lb_address=lb_address, instance_id=instance_id, agent_name=instance_id, datacenter=datacenter,
                        loopback_ucx=loopback)
@@ -246,12 +277,13 @@ class ClusterConfig(_Frozen):
                                       advertise_host=advertise_host, heartbeat_timeout_s=b.heartbeat_timeout_s)
         if role == "entrypoint":
             return EntrypointConfig(**{**common, **self.entrypoint}, model=self.model, instance_id=instance_id,
-                                    prefill_lb_address=lb_addresses[0], decode_lb_address=lb_addresses[1])
+                                    prefill_lb_address=lb_addresses[0], decode_lb_address=lb_addresses[1],
+                                    vision_lb_address=vision_lb_address)
         raise KeyError(f"unknown role {role!r}")
 
     def num_instances(self) -> dict[str, int]:
-        """Instances per stage as configured."""
-        return {s: sum(g.num_instances for g in self.stage(s).groups) for s in STAGES}
+        """Instances per active stage as configured."""
+        return {s: sum(g.num_instances for g in self.stage(s).groups) for s in self.active_stages()}
 
     @classmethod
     def load(cls, path: str | Path) -> ClusterConfig:

@@ -3,9 +3,10 @@
 Separate `deepinfer` invocations find it by name (`<cluster name>-controller` in Ray namespace
 `deepinfer`). It owns every role actor (`deploy.actors`), so killing it takes them all down.
 
-* `up()`: the two balancers, then every configured instance (each in its own placement group of
+* `up()`: the stage balancers, then every configured instance (each in its own placement group of
   one bundle per rank), the entrypoint, and the HTTP front when `entrypoint.http` exists.
-* `scale({"decode": 3, "prefill.dc-a": 1})`: new instances register with their balancer; removed
+  The vision stage (balancer + instances) runs only when the model has a vision tower.
+* `scale({"decode": 3, "prefill.dc-a": 1, "vision": 2})`: new instances register with their balancer; removed
   ones (newest first) drain — they refuse new work (retryably), finish what they hold, deregister
   and exit — before their actor and placement group go. No accepted request fails.
 * `status()`: per instance its balancer view (health, load, cache use) and its `Health` stats.
@@ -33,7 +34,14 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from deploy.actors import ProcessActor, ServiceActor
 from deploy.config import STAGES, ClusterConfig, InstanceGroup
-from protos import common_pb2, decode_pb2_grpc, loadbalancer_pb2, loadbalancer_pb2_grpc, prefill_pb2_grpc
+from protos import (
+    common_pb2,
+    decode_pb2_grpc,
+    loadbalancer_pb2,
+    loadbalancer_pb2_grpc,
+    prefill_pb2_grpc,
+    vision_pb2_grpc,
+)
 
 logger = logging.getLogger("deploy")
 
@@ -95,13 +103,16 @@ class ClusterController:
 
                 self.config = self.config.model_copy(update={"model": str(default_model_path())})
             c = self.config
-            for role in ("prefill_lb", "decode_lb"):
+            stages = c.active_stages()
+            balancers = [f"{s}_lb" for s in stages]
+            for role in balancers:
                 self._start_front_role(role, c.role_config(role))
-            infos = self._wait_roles(["prefill_lb", "decode_lb"])
+            infos = self._wait_roles(balancers)
             self.addresses.update({role: info["address"] for role, info in infos.items()})
-            self._start_instances([(s, g) for s in STAGES for g in c.stage(s).groups for _ in range(g.num_instances)])
+            self._start_instances([(s, g) for s in stages for g in c.stage(s).groups for _ in range(g.num_instances)])
             self._start_front_role("entrypoint", c.role_config(
-                "entrypoint", lb_addresses=(self.addresses["prefill_lb"], self.addresses["decode_lb"])))
+                "entrypoint", lb_addresses=(self.addresses["prefill_lb"], self.addresses["decode_lb"]),
+                vision_lb_address=self.addresses.get("vision_lb", "")))
             self.addresses["entrypoint"] = self._wait_roles(["entrypoint"])["entrypoint"]["address"]
             if c.http.enabled and _has_module("entrypoint.http.__main__"):
                 args = ["--entrypoint", self.addresses["entrypoint"], "--host", c.http.host, "--port", str(c.http.port),
@@ -127,7 +138,7 @@ class ClusterController:
             with self._lock:
                 instances, self._instances = list(self._instances.values()), {}
             front = [self._roles.pop(r) for r in ("http", "entrypoint") if r in self._roles]
-            balancers = [self._roles.pop(r) for r in ("prefill_lb", "decode_lb") if r in self._roles]
+            balancers = [self._roles.pop(r) for r in ("vision_lb", "prefill_lb", "decode_lb") if r in self._roles]
             for group in (front, [i.actor for i in instances], balancers):
                 _best_effort([a.stop.remote() for a in group], timeout_s=15.0)
                 for actor in group:
@@ -151,6 +162,9 @@ class ClusterController:
             stage_config = self.config.stage(stage) if stage in STAGES else None
             if stage_config is None:
                 raise ValueError(f"unknown stage {stage!r} in {key}={target}; stages: {list(STAGES)}")
+            if stage not in self.config.active_stages():
+                raise ValueError(f"stage {stage!r} is not deployed: the model has no vision tower (no vision_config "
+                                 "in its config.json)")
             if not group_name:
                 if len(stage_config.groups) != 1:
                     raise ValueError(f"stage {stage} has groups {[g.name for g in stage_config.groups]}; "
@@ -182,7 +196,8 @@ class ClusterController:
     def num_instances(self) -> dict[str, int]:
         """Instances per stage that are not draining."""
         with self._lock:
-            return {s: sum(i.stage == s and not i.is_draining for i in self._instances.values()) for s in STAGES}
+            return {s: sum(i.stage == s and not i.is_draining for i in self._instances.values())
+                    for s in self.config.active_stages()}
 
     # ------------------------------------------------------------------ status
 
@@ -198,7 +213,7 @@ class ClusterController:
             addresses = dict(self.addresses)
         listed: dict[str, loadbalancer_pb2.Instance] = {}
         balance: dict[str, float | None] = {}
-        for stage in STAGES:
+        for stage in self.config.active_stages():
             try:
                 with grpc.insecure_channel(addresses[f"{stage}_lb"]) as channel:
                     reply = loadbalancer_pb2_grpc.LoadBalancerStub(channel).ListInstances(
@@ -227,7 +242,8 @@ class ClusterController:
                    num_queued_prefill_tokens=load.num_queued_prefill_tokens,
                    num_kv_blocks_used=load.num_kv_blocks_used, num_kv_blocks_total=load.num_kv_blocks_total,
                    num_cached_block_hashes=seen.num_cached_block_hashes, heartbeat_age_ms=seen.heartbeat_age_ms)
-        stub_cls = prefill_pb2_grpc.PrefillStub if inst.stage == "prefill" else decode_pb2_grpc.DecodeStub
+        stub_cls = {"vision": vision_pb2_grpc.VisionStub, "prefill": prefill_pb2_grpc.PrefillStub,
+                    "decode": decode_pb2_grpc.DecodeStub}[inst.stage]
         try:
             with grpc.insecure_channel(seen.address) as channel:
                 reply, call = stub_cls(channel).Health.with_call(common_pb2.HealthRequest(), timeout=RPC_TIMEOUT_S)

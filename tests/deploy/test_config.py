@@ -60,7 +60,9 @@ def test_bad_configs_are_refused_naming_the_field(tmp_path, text, needle):
 def test_scale_targets_are_validated_before_anything_changes():
     two = ClusterConfig.load(CONFIGS / "two_datacenters.yaml")
     controller = ClusterController(two.model_dump_json())  # the plain class: validation needs no Ray
-    with pytest.raises(ValueError, match="unknown stage 'vision'"):
+    with pytest.raises(ValueError, match="unknown stage 'audio'"):
+        controller.scale({"audio": 1})
+    with pytest.raises(ValueError, match="no vision tower"):  # /models/... is not readable here: no tower known
         controller.scale({"vision": 1})
     with pytest.raises(ValueError, match=r"say which: decode.GROUP=3"):
         controller.scale({"decode": 3})
