@@ -121,6 +121,9 @@ class ClusterController:
                         "--decode-lb-address", self.addresses["decode_lb"]]
                 if c.model:
                     args += ["--model", c.model]
+                hosts = c.vision.worker.get("image_url_allowed_hosts", "") if "vision" in c.active_stages() else ""
+                if hosts:  # the HTTP front checks image URLs against the vision stage's allow-list early
+                    args += ["--image-url-allowed-hosts", hosts]
                 self._roles["http"] = ProcessActor.options(
                     num_cpus=0, max_concurrency=2, max_restarts=-1, namespace=NAMESPACE, name=f"{c.name}-http",
                     scheduling_strategy=self._this_node()).remote("http", "entrypoint.http", args, c.http.host,
