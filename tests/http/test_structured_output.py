@@ -212,6 +212,19 @@ def test_required_tool_call_comes_back_as_tool_calls(oai, default_model_dir):
     assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
 
 
+def test_frequency_penalty_changes_a_repetitive_answer(oai, default_model_dir):
+    """The built-in model copies "red red red red blue"; penalising repeats (generated tokens only) breaks the copy."""
+    def answer(**penalty) -> str:
+        return oai.chat.completions.create(
+            model=default_model_dir.name, max_tokens=20, temperature=0.0, extra_body={"thinking": {"type": "disabled"}},
+            messages=[{"role": "user", "content": "Repeat these words: red red red red blue"}],
+            **penalty).choices[0].message.content
+
+    plain, penalised = answer(), answer(frequency_penalty=2.0)
+    assert plain == "red red red red blue"
+    assert penalised != plain and penalised.count("red") < plain.count("red")
+
+
 def test_bad_constraints_and_penalties_are_400(http, default_model_dir):
     chat = {"model": default_model_dir.name, "messages": [{"role": "user", "content": "json"}], "max_tokens": 4,
             "thinking": {"type": "disabled"}}
