@@ -174,11 +174,16 @@ def image_pick_keys(images) -> list[int]:
     return keys
 
 
-def prompt_block_hashes(prompt_token_ids: list[int], block_size: int) -> list[int]:
-    """Chained prefix hashes of the prompt's full blocks (`engine.cache.block_pool`), for prefix-aware picks."""
+def prompt_block_hashes(prompt_token_ids: list[int], block_size: int, images=()) -> list[int]:
+    """Chained prefix hashes of the prompt's full blocks (`engine.cache.block_pool`), for prefix-aware picks.
+
+    `images` (ImageRefs at their expanded offsets): a block overlapping an image also hashes its content
+    hash, as the engine's scheduler does (`Request.extra_keys_for_block`)."""
     hashes: list[int] = []
     for start in range(0, len(prompt_token_ids) - block_size + 1, block_size):
-        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, prompt_token_ids[start:start + block_size]))
+        end = start + block_size
+        extra = tuple(r.content_hash for r in images if r.offset < end and r.offset + r.num_tokens > start)
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, prompt_token_ids[start:end], extra))
     return hashes
 
 
@@ -383,7 +388,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
             # tail from token ids alone, without the image embeddings
             raise _Failed(grpc.StatusCode.UNAVAILABLE, f"decode instance {req.decode[0]} rebuilds the bounded "
                           "state by replay, which cannot serve image prompts; run decode with --bounded-state send")
-        hashes = prompt_block_hashes(prompt, reserve.block_size)
+        hashes = prompt_block_hashes(prompt, reserve.block_size, images)
         excluded = []
         for attempt in range(self.config.max_attempts):
             p_inst = self._pick(req, "prefill", self.prefill_lb, loadbalancer_pb2.PickRequest(
