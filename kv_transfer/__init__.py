@@ -85,6 +85,13 @@ on one host on loopback: tcp carries wire-up and notifications (NIXL needs a tra
 failure handling, which UCX's shared-memory transports lack), cma carries the data. Clusters
 leave UCX_TLS unset so UCX picks RDMA (and GPU memory) where present.
 
+Image embeddings
+----------------
+`kv_transfer.embeddings` (`EmbeddingAgent`) moves a vision instance's image embeddings into a
+prefill instance by NIXL READ (the prefill is the initiator), with the same rules: descriptors on
+the control plane (`deepinfer.v1.ImageEmbeddings`), bytes only over NIXL; its docstring is the
+contract.
+
 Metrics
 -------
 `stats()` returns Prometheus-style names: `kv_transfer_{sent,received}_{bytes,blocks}_total`,
