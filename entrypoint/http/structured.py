@@ -46,8 +46,13 @@ _STRUCTURAL_TAG_MODELS = {"v4": "deepseek_v4", "v4.1": "deepseek_v4_1"}
 """Chat encoding -> xgrammar's built-in structural-tag format of the model's tool-call syntax."""
 
 
-def structured_output(request: recipe.ConversationRequest, encoding_name: str) -> common_pb2.StructuredOutput | None:
-    """The token API constraint of a converted request, or None when it asks for none; 400 if unsupported."""
+def structured_output(request: recipe.ConversationRequest, encoding_name: str, *,
+                      parallel_tool_calls: Any = None) -> common_pb2.StructuredOutput | None:
+    """The token API constraint of a converted request, or None when it asks for none; 400 if unsupported.
+
+    `parallel_tool_calls` is the body's field (Chat Completions, Responses): `false` allows one invoke
+    per tool-call block; unset or `true`, several.
+    """
     constraint = request.inference_options.output_constraint
     if constraint is None:
         return None
@@ -59,7 +64,11 @@ def structured_output(request: recipe.ConversationRequest, encoding_name: str) -
     elif kind == "regex":
         msg.regex = spec
     elif kind in ("tool_call", "tool_call_required"):
-        msg.structural_tag = _tool_call_tag(spec, kind == "tool_call_required", thinking, encoding_name)
+        if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+            raise invalid(f"parallel_tool_calls must be a boolean, got {parallel_tool_calls!r}",
+                          param="parallel_tool_calls")
+        msg.structural_tag = _tool_call_tag(spec, kind == "tool_call_required", thinking, encoding_name,
+                                            parallel_tool_calls is not False)
         return msg
     else:
         raise invalid(f"this server cannot enforce the output constraint {kind!r} that the request asks for; "
@@ -106,7 +115,7 @@ def response_format_constraint(response_format: Any, extra_fields: dict | None =
                   param="response_format", code="unsupported_output_constraint")
 
 
-def _tool_call_tag(tools_json: str, is_required: bool, thinking: bool, encoding_name: str) -> str:
+def _tool_call_tag(tools_json: str, is_required: bool, thinking: bool, encoding_name: str, is_parallel: bool) -> str:
     """xgrammar's DSML tool-call structural tag (JSON) for recipe's tool list."""
     import xgrammar
 
@@ -116,7 +125,7 @@ def _tool_call_tag(tools_json: str, is_required: bool, thinking: bool, encoding_
     try:
         tag = xgrammar.get_model_structural_tag(
             _STRUCTURAL_TAG_MODELS[encoding_name], tools=tools, tool_choice="required" if is_required else "auto",
-            reasoning="enabled" if thinking else "disabled")
+            reasoning="enabled" if thinking else "disabled", parallel_tool_calls=is_parallel)
     except ValueError as e:
         raise invalid(f"the tool definitions cannot be enforced as tool calls: {str(e)[:300]}", param="tools",
                       code="unsupported_output_constraint") from None

@@ -106,6 +106,21 @@ def test_tool_call_grammar_accepts_what_recipe_renders(front, compiler, tool_cho
         assert not state.advance_to(tokenizer.encode("Sunny.", add_special_tokens=False).ids)
 
 
+@pytest.mark.parametrize("parallel", [True, False])
+def test_parallel_tool_calls_false_allows_one_invoke(front, compiler, parallel):
+    tokenizer, grammar_compiler = compiler
+    prepared = _chat(front, tools=[WEATHER_TOOL], tool_choice="required", thinking={"type": "disabled"},
+                     parallel_tool_calls=parallel)
+    params = structured_output_from_proto(prepared.sampling_params().structured_output)
+    invoke = ('<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">{}</｜DSML｜parameter>'
+              '\n</｜DSML｜invoke>\n')
+    for cities in (["Paris"], ["Paris", "Rome"]):
+        text = "\n\n<｜DSML｜tool_calls>\n" + "".join(invoke.format(c) for c in cities) + "</｜DSML｜tool_calls>"
+        state = grammar_compiler.new_state(params)
+        accepted = state.advance_to(tokenizer.encode(text, add_special_tokens=False).ids + [EOS])
+        assert accepted == (len(cities) == 1 or parallel), text
+
+
 def test_penalties_reach_the_sampling_params_and_bad_ones_are_refused(front):
     params = _chat(front, presence_penalty=1.5, frequency_penalty=-0.5).sampling_params()
     assert params.presence_penalty == 1.5 and params.frequency_penalty == -0.5
