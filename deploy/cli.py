@@ -49,7 +49,8 @@ def _run(args, prompts: list) -> int:
     from engine import LLM, InvalidRequestError, SamplingParams
 
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                                structured_output=getattr(args, "structured_output", None))
         t0 = time.perf_counter()
         llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
         t1 = time.perf_counter()
@@ -139,7 +140,8 @@ def _run_remote(args, address: str, prompts: list) -> int:
         print(json.dumps({"error": "the entrypoint takes token ids: give --prompt-ids (or --offline for text)",
                           "field": "prompt"}), file=sys.stderr)
         return 2
-    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                  structured_output=args.structured_output)
     t0 = time.perf_counter()
     with Client(address, timeout_s=REMOTE_TIMEOUT_S) as client, ThreadPoolExecutor(min(32, len(prompts))) as pool:
         futures = [pool.submit(client.generate, p["prompt_token_ids"], **kwargs) for p in prompts]
@@ -298,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--prompt-ids", action="append", default=[], help="comma-separated token ids (repeatable)")
     gen.add_argument("--entrypoint", default=None, help="host:port of a cluster's entrypoint (wins over the rest)")
     gen.add_argument("--offline", action="store_true", help="run the offline engine even when a cluster is up")
+    gen.add_argument("--structured-output", type=json.loads, default=None, metavar="JSON",
+                     help='constrain the output, e.g. \'{"json_schema": "{\\"type\\": \\"object\\"}"}\' or '
+                          '\'{"regex": "[0-9]+"}\' (fields of SamplingParams.structured_output)')
     up = sub.add_parser("up", help="launch a cluster on Ray (default: local, built-in model, 1 prefill + 1 decode)")
     up.add_argument("--config", default=None, help="cluster YAML (deploy/configs/*.yaml); default: laptop layout")
     up.add_argument("--address", default=None, help="join this Ray cluster (host:port or auto) instead of a local one")

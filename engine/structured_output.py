@@ -29,6 +29,7 @@ not contain `reasoning_end`, then `reasoning_end`, then the constraint.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -107,8 +108,7 @@ class GrammarCompiler:
                 raise
             except Exception as e:  # xgrammar raises RuntimeError / ValueError subclasses on bad input
                 raise InvalidRequestError(
-                    f"structured_output {params.kind} does not compile: {str(e).strip()[:500]}",
-                    field="structured_output",
+                    f"structured_output {params.kind} does not compile: {_clean_error(e)}", field="structured_output"
                 ) from None
             self.num_compiled += 1
             self._cache[params] = compiled
@@ -136,6 +136,11 @@ class GrammarCompiler:
     def new_state(self, params: StructuredOutputParams) -> GrammarState:
         """A fresh matcher for one sequence under `params` (compiles on a cache miss)."""
         return GrammarState(self.compile(params), self.vocab_size)
+
+
+def _clean_error(e: Exception) -> str:
+    """xgrammar's message without its native log prefix (`[HH:MM:SS] /path/file.cc:LINE: `), at most 500 chars."""
+    return re.sub(r"^\[[0-9:]+\] \S+:\d+: ", "", str(e).strip())[:500]
 
 
 def _structural_tag(text: str) -> xgrammar.StructuralTag:

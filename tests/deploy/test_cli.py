@@ -32,6 +32,19 @@ def test_generate_refuses_bad_input_with_field(tmp_path):
     assert json.loads(r.stderr.splitlines()[0])["field"] == "prompt_token_ids"
 
 
+def test_generate_with_a_structured_output_constraint(tmp_path):
+    path = make_checkpoint(tmp_path / "ck", preset="tiny", seed=0)
+    r = _cli("generate", "--model", str(path), "--prompt-ids", "5,6,7", "--max-tokens", "8",
+             "--structured-output", '{"regex": "(yes|no)"}')
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.splitlines()[0])
+    assert out["text"] in ("yes", "no") and out["finish_reason"] == "stop"
+    r = _cli("generate", "--model", str(path), "--prompt-ids", "5,6,7", "--structured-output", '{"regex": "(yes"}')
+    assert r.returncode == 2
+    error = json.loads(r.stderr.splitlines()[0])
+    assert error["field"] == "structured_output" and "parenthesis" in error["error"] and ".cc" not in error["error"]
+
+
 def test_demo_runs_on_the_embedded_default(tmp_path):
     """The README's main job: a local Ray cluster (1 prefill + 1 decode process, KV over NIXL) with the
     built-in model answers chat requests through the real chat format, then goes down."""
