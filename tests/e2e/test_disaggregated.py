@@ -212,18 +212,6 @@ def test_call_without_a_deadline_is_served(cluster):
     assert len(out["token_ids"]) == 3 and out["finish_reason"] == "length"
 
 
-def test_drained_decode_stage_answers_unavailable(cluster):
-    """Last: drains the only decode instance (the process exits) and checks the UNAVAILABLE answer."""
-    reply = cluster.stub("decode").Drain(common_pb2.DrainRequest(timeout_ms=5000), timeout=RPC_TIMEOUT_S)
-    assert reply.num_unfinished_requests == 0
-    assert cluster.procs["decode"].wait(STOP_TIMEOUT_S) == 0
-    with pytest.raises(GenerateError) as e:
-        cluster.client.generate([5, 6, 7], max_tokens=2)
-    assert e.value.code == grpc.StatusCode.UNAVAILABLE
-    assert "decode" in e.value.message
-
-
-
 def test_structured_output_is_honoured_by_prefill_and_decode_like_offline(cluster):
     """The prefill samples the first token under the constraint, decode replays it into its own matcher
     and constrains the rest: outputs equal the offline engine's, and they match the constraint."""
@@ -246,3 +234,14 @@ def test_structured_output_is_honoured_by_prefill_and_decode_like_offline(cluste
         cluster.client.generate([5, 6, 7], max_tokens=4, structured_output={"regex": "(unclosed"})
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.field == "structured_output"
     _wait_for("blocks freed", lambda: _blocks_freed(cluster))
+
+
+def test_drained_decode_stage_answers_unavailable(cluster):
+    """Last: drains the only decode instance (the process exits) and checks the UNAVAILABLE answer."""
+    reply = cluster.stub("decode").Drain(common_pb2.DrainRequest(timeout_ms=5000), timeout=RPC_TIMEOUT_S)
+    assert reply.num_unfinished_requests == 0
+    assert cluster.procs["decode"].wait(STOP_TIMEOUT_S) == 0
+    with pytest.raises(GenerateError) as e:
+        cluster.client.generate([5, 6, 7], max_tokens=2)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "decode" in e.value.message
