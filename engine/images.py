@@ -221,8 +221,13 @@ class ImageResolver:
             raise InvalidImageError(f"the request's images exceed {limits.max_total_bytes} bytes in total",
                                     code="image_too_large")
         out = []
-        for info in data.images:
-            out.append(ResolvedImage(info, hashlib.sha256(info.data).hexdigest(), image_token_count(info)))
+        for i, info in enumerate(data.images):
+            try:
+                num_tokens = image_token_count(info)
+            except (recipe.CalcResizeError, ValueError) as e:
+                raise InvalidImageError(f"image {i} has a size recipe cannot fit ({info.width}x{info.height}): {e}",
+                                        code="invalid_image") from None
+            out.append(ResolvedImage(info, hashlib.sha256(info.data).hexdigest(), num_tokens))
         return out
 
 

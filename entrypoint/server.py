@@ -408,6 +408,17 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                 break
             if prefilled.error.code not in RETRYABLE_ERRORS or attempt + 1 == self.config.max_attempts:
                 raise _Failed.of_error(prefilled.error, f"prefill instance {p_inst.instance_id} failed")
+            if prefilled.error.field == "image_embeddings":
+                # the embeddings could not be read (their vision instance died or dropped the hold): nothing
+                # was computed or written to D, so encode again on another vision instance and retry
+                lost = req.vision[0] if req.vision else ""
+                logger.warning("%s: %s; encoding the images again", rid, prefilled.error.message)
+                self._release_images(req)
+                again, _, images, image_embeddings = self._encode_images(req, request, deadline, deadline_ms,
+                                                                         exclude=[lost])
+                if again != prompt:
+                    raise _Failed(grpc.StatusCode.INTERNAL, "the images encoded again gave other image token counts")
+                continue
             excluded.append(p_inst.instance_id)
 
         req.usage.cached_prompt_tokens = prefilled.num_cached_prompt_tokens
@@ -448,12 +459,12 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         raise _Failed(grpc.StatusCode.INTERNAL, f"decode instance {req.decode[0]} ended the stream of {rid!r} "
                       "without a finish_reason")
 
-    def _encode_images(self, req: _Request, request, deadline: float | None, deadline_ms):
+    def _encode_images(self, req: _Request, request, deadline: float | None, deadline_ms, exclude=()):
         """Blocks until a vision instance encoded the request's images; returns the expanded prompt, the
         (possibly lowered) sampling params, the images' refs and their embeddings' descriptors."""
         rid = req.request_id
         keys = image_pick_keys(request.images)
-        excluded: list[str] = []
+        excluded: list[str] = [e for e in exclude if e]
         for attempt in range(self.config.max_attempts):
             v_inst = self._pick(req, "vision", self.vision_lb, loadbalancer_pb2.PickRequest(
                 request_id=rid, stage=common_pb2.STAGE_VISION, prompt_block_hashes=keys,

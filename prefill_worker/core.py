@@ -82,6 +82,9 @@ class PrefillDone:
     num_kv_tokens: int = 0
     num_bytes: int = 0
     error: str | None = None
+    is_images_lost: bool = False
+    """The error is a failed READ of image embeddings (their vision instance is gone or its hold
+    ended): nothing was computed or written, so the request may be encoded again and retried."""
 
 
 @dataclass
@@ -197,7 +200,7 @@ class PrefillCore:
             if reading.is_aborted:
                 continue
             if reading.error is not None:
-                done.append(PrefillDone(rid, error=reading.error))
+                done.append(PrefillDone(rid, error=reading.error, is_images_lost=True))
                 continue
             try:
                 self._add(work, spans)

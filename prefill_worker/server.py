@@ -319,6 +319,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             return _refusal(rid, e)
         except Exception as e:
             return _refusal(rid, _Refused(common_pb2.ERROR_CODE_INTERNAL, str(e)))
+        if done.is_images_lost:  # retryable: the entrypoint encodes the images again elsewhere
+            return _refusal(rid, _Refused(common_pb2.ERROR_CODE_UNAVAILABLE, done.error, "image_embeddings"))
         if done.error:
             return _refusal(rid, _Refused(common_pb2.ERROR_CODE_INTERNAL, done.error))
         return prefill_pb2.PrefillResponse(

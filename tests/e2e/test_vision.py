@@ -202,3 +202,46 @@ def _try_image(cluster):
         return cluster.client.generate([5, PLACEHOLDER, 6], images=[BLUE], max_tokens=2, ignore_eos=True)
     except GenerateError:
         return None
+
+
+def test_vision_instance_lost_before_prefill_read_is_encoded_again(cluster):
+    """The vision instance holding a request's embeddings dies before the prefill READs them: the prefill
+    reports them lost (retryable), the entrypoint encodes the images on another vision instance and the
+    request completes with the offline output."""
+    import signal
+    import threading
+
+    cluster.start_vision("vision-2")  # with vision-1 (from the kill test): two live instances
+    names = ["vision-1", "vision-2"]
+    _wait_for("both vision instances pickable", lambda: all(cluster.stats(n) for n in names))
+    prefill = cluster.processes.procs["prefill"]
+    image = png((10, 200, 30))
+    result: dict = {}
+
+    def run():
+        try:
+            result["out"] = cluster.client.generate([5, PLACEHOLDER, 6], images=[image], temperature=0.0,
+                                                    max_tokens=3, ignore_eos=True)
+        except Exception as e:  # reported below
+            result["error"] = e
+
+    prefill.send_signal(signal.SIGSTOP)  # the prefill call waits; heartbeats pause (< the 2 s timeout)
+    try:
+        thread = threading.Thread(target=run)
+        thread.start()
+        holder = _wait_for("the images encoded and held", lambda: next(
+            (n for n in names if cluster.stats(n)["vision_held_requests"]), None), timeout_s=1.5)
+        cluster.processes.procs[holder].kill()
+        cluster.processes.procs[holder].wait(10)
+    finally:
+        prefill.send_signal(signal.SIGCONT)
+    thread.join(60)
+    assert "error" not in result, result.get("error")
+    from engine import LLM, SamplingParams
+
+    expected = LLM(model=cluster.checkpoint, num_blocks=256, max_num_seqs=8).generate(
+        [{"prompt_token_ids": [5, PLACEHOLDER, 6], "multi_modal_data": {"image": [image]}}],
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert result["out"]["token_ids"] == expected.outputs[0].token_ids
+    survivor = next(n for n in names if n != holder)
+    assert cluster.stats(survivor)["vision_images_encoded_total"] >= 1
