@@ -204,3 +204,23 @@ def test_builtin_outputs_equal_offline_llm(builtin, request):
         [{"prompt_token_ids": ids, "multi_modal_data": {"image": [RED_CIRCLE]}}],
         SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0].outputs[0]
     assert out.text.strip().lower().startswith(answer.strip()[:8])
+
+
+def test_images_through_the_responses_and_messages_apis(vision_cluster, model_name):
+    anthropic = pytest.importorskip("anthropic")
+    with openai.OpenAI(base_url=vision_cluster.http_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120) as c:
+        out = c.responses.create(model=model_name, max_output_tokens=4, temperature=0, input=[{
+            "role": "user", "content": [{"type": "input_image", "image_url": data_url(BLUE_TRIANGLE)},
+                                        {"type": "input_text", "text": "What shape?"}]}])
+        assert out.usage.input_tokens > 184
+    with anthropic.Anthropic(base_url=vision_cluster.http_url, api_key=API_KEY, max_retries=0, timeout=120) as c:
+        image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": base64.b64encode(RED_CIRCLE).decode()}}
+        msg = c.messages.create(model=model_name, max_tokens=4, messages=[
+            {"role": "user", "content": [image, {"type": "text", "text": "What colour?"}]}])
+        assert msg.usage.input_tokens > 184
+        bad = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                           "data": base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\x01" * 40).decode()}}
+        with pytest.raises(anthropic.BadRequestError) as e:
+            c.messages.create(model=model_name, max_tokens=4, messages=[{"role": "user", "content": [bad]}])
+        assert e.value.status_code == 400 and e.value.body["type"] == "error" and "image" in str(e.value)
