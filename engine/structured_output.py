@@ -19,8 +19,9 @@ Contract (who calls what, when):
 NOTE: special tokens of the tokenizer (added tokens marked special, EOS aside) are never allowed
 inside a constraint: they would not appear in the detokenized text, so the text would not match
 what the matcher accepted. Non-special added tokens (`</think>`, `｜DSML｜`, ...) count as the
-text they spell. Tokens past the tokenizer's vocabulary (a model with a padded or smaller
-vocabulary) are sized to the model's `vocab_size`.
+text they spell. The bitmask is as wide as the model's `vocab_size`: model ids the tokenizer has no
+token for (a padded vocabulary) are never allowed, tokenizer tokens past it (a smaller one) never
+exist.
 
 With `reasoning_end`, the constraint is wrapped in an xgrammar structural tag: free text that may
 not contain `reasoning_end`, then `reasoning_end`, then the constraint.
