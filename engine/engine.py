@@ -616,17 +616,19 @@ class Engine:
                 prompts.append(req.prompt_token_ids)
             sbatch = SamplingBatch.build(params, outs, prompts, device=self.runner.device,
                                          eos_token_ids=self.eos_token_ids)
-            sbatch.token_bitmask = self._grammar_bitmask(out.sampling_req_ids, outs)
+            sbatch.token_bitmask, sbatch.token_bitmask_row_ids = self._grammar_bitmask(out.sampling_req_ids, outs)
         self.num_computed_tokens_total += out.total_num_scheduled_tokens
         return _PreparedStep(batch, sbatch)
 
     def _grammar_bitmask(self, sampling_req_ids: list[str], output_token_ids: list[list[int]]):
-        """The step's structured-output bitmask `[num_reqs, ceil(vocab / 32)]`, or None without constraints.
+        """The step's structured-output bitmask `[num_reqs, ceil(vocab / 32)]` and the rows it constrains,
+        or `(None, None)` without constraints.
 
         Each constrained row's matcher first catches up with the row's outputs (`output_token_ids[i]`,
         the token still being sampled by the previous step included), then writes its allowed tokens.
         """
         bitmask = None
+        row_ids: list[int] = []
         for row, rid in enumerate(sampling_req_ids):
             seq = self._seqs.get(rid)
             if seq is None or seq.grammar is None:
@@ -637,7 +639,8 @@ class Engine:
             # a terminated or failed matcher leaves its row unconstrained: the request ends at this update
             if grammar.advance_to(output_token_ids[row]) and not grammar.is_terminated:
                 grammar.fill_bitmask(bitmask, row)
-        return bitmask
+                row_ids.append(row)
+        return (bitmask, row_ids) if row_ids else (None, None)
 
     def _advance_grammar(self, seq: _Seq, output_token_ids: list[int]) -> str | None:
         """Feed a sequence's new outputs to its matcher; the finish reason this forces, if any.

@@ -220,6 +220,11 @@ def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     return _xgrammar().allocate_token_bitmask(num_rows, vocab_size)
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Set `logits` `[num_rows, vocab]` to -inf in place wherever `bitmask` (same rows) excludes the token."""
-    _xgrammar().apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=logits.shape[-1])
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, row_ids: list[int] | None = None) -> None:
+    """Set `logits` `[num_rows, vocab]` to -inf in place wherever `bitmask` (same rows) excludes the token.
+
+    `row_ids` limits the work to those rows (the constrained ones; about 0.7 ms per row of a 129k
+    vocabulary on one CPU core); None applies every row.
+    """
+    _xgrammar().apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=logits.shape[-1],
+                                            indices=row_ids)

@@ -183,6 +183,8 @@ class SamplingBatch:
     token_bitmask: torch.Tensor | None = None
     """[num_reqs, ceil(vocab / 32)] int32 allowed-token bits from the requests' grammars (structured
     output; all ones on unconstrained rows), filled by the engine; None when no row has a constraint."""
+    token_bitmask_row_ids: list[int] | None = None
+    """The rows `token_bitmask` constrains (the others are skipped); None = every row."""
 
     @classmethod
     def build(
@@ -431,7 +433,7 @@ class Sampler:
         if batch.token_bitmask is not None:
             from engine.structured_output import apply_bitmask
 
-            apply_bitmask(logits, batch.token_bitmask)
+            apply_bitmask(logits, batch.token_bitmask, batch.token_bitmask_row_ids)
         return logits
 
     def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
