@@ -119,6 +119,8 @@ class ClusterController:
                         # the balancers let /metrics gather the stages' figures (KV blocks, transfer bytes)
                         "--prefill-lb-address", self.addresses["prefill_lb"],
                         "--decode-lb-address", self.addresses["decode_lb"]]
+                if "vision_lb" in self.addresses:
+                    args += ["--vision-lb-address", self.addresses["vision_lb"]]
                 if c.model:
                     args += ["--model", c.model]
                 hosts = c.vision.worker.get("image_url_allowed_hosts", "") if "vision" in c.active_stages() else ""

@@ -450,7 +450,8 @@ def create_app(config: HttpConfig) -> FastAPI:
     async def metrics():
         is_healthy, _, stats = await front.backend.health()
         front.metrics.set_cluster(is_healthy, stats)
-        lb_addresses = {stage: address for stage, address in (("prefill", config.prefill_lb_address),
+        lb_addresses = {stage: address for stage, address in (("vision", config.vision_lb_address),
+                                                               ("prefill", config.prefill_lb_address),
                                                                ("decode", config.decode_lb_address)) if address}
         if lb_addresses:
             front.metrics.set_stages(await front.backend.stage_stats(lb_addresses))

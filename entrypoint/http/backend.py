@@ -20,6 +20,7 @@ from protos import (
     loadbalancer_pb2,
     loadbalancer_pb2_grpc,
     prefill_pb2_grpc,
+    vision_pb2_grpc,
 )
 
 ERROR_FIELD_METADATA_KEY = "deepinfer-error-field"
@@ -100,7 +101,8 @@ class TokenBackend:
                     loadbalancer_pb2.ListInstancesRequest(), timeout=timeout_s)
             except grpc.RpcError:
                 continue
-            stub_cls = prefill_pb2_grpc.PrefillStub if stage == "prefill" else decode_pb2_grpc.DecodeStub
+            stub_cls = {"vision": vision_pb2_grpc.VisionStub, "prefill": prefill_pb2_grpc.PrefillStub,
+                        "decode": decode_pb2_grpc.DecodeStub}[stage]
             for instance in listed.instances:
                 try:
                     call = stub_cls(self._stage_channel(instance.address)).Health(common_pb2.HealthRequest(),

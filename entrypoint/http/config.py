@@ -39,6 +39,8 @@ class HttpConfig(BaseModel):
     KV transfer bytes). Empty = not gathered."""
     decode_lb_address: str = ""
     """host:port of the decode balancer; as `prefill_lb_address`."""
+    vision_lb_address: str = ""
+    """host:port of the vision balancer; as `prefill_lb_address` (images encoded, cache hits, embedding bytes)."""
     request_timeout_s: float = Field(600.0, gt=0, le=86400)
     """Deadline of each request's token call (the cluster aborts the request when it runs out)."""
     retry_after_s: int = Field(1, ge=0)

@@ -20,6 +20,12 @@ STAGE_STATS = {
     "kv_transfer_received_bytes_total": "KV bytes the instance received (NIXL), since it started",
     "kv_transfer_sends_done_total": "KV transfers the instance completed sending",
     "kv_transfer_recvs_done_total": "KV transfers the instance completed receiving",
+    "vision_images_total": "Images the vision instance was asked to encode",
+    "vision_images_encoded_total": "Images the vision instance encoded (cache misses)",
+    "vision_cache_hits_total": "Images the vision instance served from its embedding cache",
+    "vision_pending_image_tokens": "Image tokens waiting to be encoded on the vision instance",
+    "embeddings_served_bytes_total": "Image-embedding bytes prefill instances READ from the vision instance (NIXL)",
+    "embeddings_read_bytes_total": "Image-embedding bytes the prefill instance READ from vision instances (NIXL)",
 }
 """Worker Health stats exported per instance (as gauges: they are read, not counted, here)."""
 

@@ -100,6 +100,8 @@ class LocalCluster:
         http = ["entrypoint.http", "--entrypoint", self.grpc_address, "--host", "127.0.0.1", "--port", "0",
                 "--model", self.checkpoint, "--prefill-lb-address", self.info["prefill_lb"]["address"],
                 "--decode-lb-address", self.info["decode_lb"]["address"], *self.http_args]
+        if self.vision_args is not None:
+            http += ["--vision-lb-address", self.info["vision_lb"]["address"]]
         if self.api_key is not None:
             http += ["--api-key", self.api_key]
         self._spawn("http", http)

@@ -98,6 +98,12 @@ def test_image_prompt_counts_image_tokens_and_repeats_hit_the_cache(client, visi
     assert v1["vision_cache_hits_total"] - v0["vision_cache_hits_total"] == 1
     p = vision_cluster.worker_stats("prefill")
     assert p["embeddings_read_bytes_total"] > 0 and p["embeddings_reads_failed_total"] == 0
+    import httpx
+
+    metrics = httpx.get(vision_cluster.http_url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"},
+                        timeout=30).text
+    assert 'deepinfer_stage_vision_images_encoded_total{instance="vision-0",stage="vision"}' in metrics
+    assert 'deepinfer_stage_embeddings_read_bytes_total{instance="prefill-0",stage="prefill"}' in metrics
     # an unspecified max_tokens is lowered to the context left after the image tokens, not refused
     unbounded = client.chat.completions.create(model=model_name, messages=messages, temperature=0)
     assert unbounded.usage.prompt_tokens == first.usage.prompt_tokens
