@@ -408,7 +408,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                 break
             if prefilled.error.code not in RETRYABLE_ERRORS or attempt + 1 == self.config.max_attempts:
                 raise _Failed.of_error(prefilled.error, f"prefill instance {p_inst.instance_id} failed")
-            if prefilled.error.field == "image_embeddings":
+            if prefilled.error.code == common_pb2.ERROR_CODE_UNAVAILABLE and prefilled.error.field == "image_embeddings":
                 # the embeddings could not be read (their vision instance died or dropped the hold): nothing
                 # was computed or written to D, so encode again on another vision instance and retry
                 lost = req.vision[0] if req.vision else ""

@@ -25,7 +25,10 @@ Who calls what, and when
    transport error, lease). A READ never writes into V's memory, so a late or failed READ can only
    spoil P's own destination rows, which P frees only after the READ reported.
 
-Not thread-safe: one thread (the worker loop) calls an agent. Metrics: `stats()` returns
+NOTE: the holder must `poll()` while READs of its rows may come, as a KV receiver must: UCX needs
+the passive side's progress to finish wire-up and (over tcp) the transfer; measured here, a READ
+whose holder never polls stays in PROC. The vision loop polls every step (every 1 ms while it holds
+requests). Not thread-safe: one thread (the worker loop) calls an agent. Metrics: `stats()` returns
 `embeddings_read_{bytes,rows}_total`, `embeddings_reads_{done,failed}_total` (reader side) and
 `embeddings_served_{bytes,reads}_total` (holder side, from the READ notifications).
 """

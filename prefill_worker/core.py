@@ -49,6 +49,10 @@ class KVDestination:
     too (no replay on decode). None = decode rebuilds the state by bounded replay."""
 
 
+class NoRoomForEmbeddings(ValueError):
+    """The embedding buffer has no free run of rows for an image right now (retry later or elsewhere)."""
+
+
 @dataclass
 class ImageInput:
     """One image of the prompt: its span in the prompt ids and where its embeddings wait."""
@@ -140,8 +144,9 @@ class PrefillCore:
             for i, image in enumerate(work.images):
                 start = emb.allocator.alloc(image.num_tokens)
                 if start is None:
-                    raise ValueError(f"no room for {image.num_tokens} embedding rows of image {i} "
-                                     f"({emb.allocator.num_free_rows} free); retry later")
+                    raise NoRoomForEmbeddings(
+                        f"no room for {image.num_tokens} embedding rows of image {i} ({emb.allocator.num_free_rows} "
+                        f"of {emb.allocator.num_rows} free); retry later, or start prefill with more --embedding-rows")
                 reading.starts.append(start)
                 emb.connect(image.source.agent_name, image.source.agent_metadata)
                 tid = f"{rid}/{i}"
