@@ -166,6 +166,10 @@ def test_bad_images_are_refused_before_prefill_and_text_keeps_flowing(cluster):
     with pytest.raises(GenerateError) as e:  # more images than the per-request quota (8)
         cluster.client.generate([5] + [PLACEHOLDER] * 9, images=[RED] * 9, max_tokens=4)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "at most 8" in str(e.value)
+    # context checks count image tokens: 3 text tokens + 4000 fit 4096, but not with the image's 184
+    with pytest.raises(GenerateError) as e:
+        cluster.client.generate([5, PLACEHOLDER, 6], images=[RED], max_tokens=4000)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "with image tokens" in str(e.value)
     p1 = cluster.stats("prefill")
     assert p1["embeddings_reads_done_total"] == p0["embeddings_reads_done_total"]
     assert p1["kv_transfer_sends_done_total"] == p0["kv_transfer_sends_done_total"]  # nothing reached prefill
