@@ -209,7 +209,8 @@ def test_builtin_outputs_equal_offline_llm(builtin, request):
     out = LLM(model=cluster.checkpoint).generate(
         [{"prompt_token_ids": ids, "multi_modal_data": {"image": [RED_CIRCLE]}}],
         SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0].outputs[0]
-    assert out.text.strip().lower().startswith(answer.strip()[:8])
+    # the HTTP content is recipe's parse of the same greedy tokens (any reasoning split off, EOS dropped)
+    assert answer.strip() and answer.strip() in out.text.lower()
 
 
 def test_images_through_the_responses_and_messages_apis(vision_cluster, model_name):
