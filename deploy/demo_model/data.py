@@ -54,6 +54,27 @@ COPY_TEMPLATES = ("Repeat these words: {w}", "Copy this list: {w}")
 REVERSE_TEMPLATES = ("Reverse these words: {w}", "Reverse the order of: {w}")
 TOOL_TEMPLATES = ("What is the weather in {c}?", "How is the weather in {c} today?", "Weather in {c}?")
 TASKS = ("add", "copy", "reverse", "tool")
+NUM_NAME_POOL = 600
+"""Extra capitalized words the weather tool is trained on (besides the training places), so the model
+learns to copy the asked-about name into the call rather than memorize a few dozen places."""
+
+COLOURS = ("red", "green", "blue", "yellow", "orange", "purple", "black")
+"""Shape colours of the image tasks (each one token with and without a leading space)."""
+COLOUR_RGB = {"red": (220, 30, 30), "green": (30, 160, 40), "blue": (30, 60, 220), "yellow": (240, 210, 20),
+              "orange": (245, 140, 20), "purple": (140, 40, 170), "black": (15, 15, 15)}
+BACKGROUNDS = ((255, 255, 255), (235, 235, 235), (245, 240, 225), (225, 235, 245), (200, 200, 200))
+"""Pale backgrounds, far from every shape colour."""
+SHAPES = ("circle", "square", "triangle")
+IMAGE_TASKS = ("colour", "shape", "describe", "two")
+IMAGE_TEMPLATES = {
+    "colour": ("What colour is the shape?", "What color is the shape?", "Which colour is it?"),
+    "shape": ("What shape is it?", "What shape is this?", "Which shape is in the image?"),
+    "describe": ("Describe the image.", "What is in the image?"),
+    "two": ("What colours are the shapes?", "What colors are the two shapes?"),
+}
+IMAGE_TOKEN = "<｜image｜>"
+"""recipe's image placeholder spelling in message text (one placeholder per image)."""
+NUM_HELD_OUT_IMAGES = 200
 
 WEATHER_TOOL = {
     "name": "get_weather",
@@ -86,6 +107,98 @@ class Example:
     """Reasoning written inside `<think>...</think>` in thinking mode."""
     reasoning_effort: str | None = None
     """recipe's reasoning effort (None: recipe's default preamble)."""
+
+
+@dataclass(frozen=True)
+class Picture:
+    """One synthetic image: a coloured shape on a pale background."""
+
+    colour: str
+    shape: str
+    size: int
+    """Canvas side in pixels (square canvas)."""
+    background: tuple[int, int, int]
+    box: tuple[int, int, int, int]
+    """Shape bounding box (x0, y0, x1, y1)."""
+
+    def png(self) -> bytes:
+        """The picture as PNG bytes (drawn with Pillow)."""
+        import io
+
+        from PIL import Image, ImageDraw
+
+        img = Image.new("RGB", (self.size, self.size), self.background)
+        draw = ImageDraw.Draw(img)
+        fill = COLOUR_RGB[self.colour]
+        x0, y0, x1, y1 = self.box
+        if self.shape == "circle":
+            draw.ellipse(self.box, fill=fill)
+        elif self.shape == "square":
+            draw.rectangle(self.box, fill=fill)
+        else:
+            draw.polygon([((x0 + x1) / 2, y0), (x1, y1), (x0, y1)], fill=fill)
+        out = io.BytesIO()
+        img.save(out, "PNG")
+        return out.getvalue()
+
+
+def random_picture(rng: random.Random, colour: str | None = None, shape: str | None = None) -> Picture:
+    """A random picture (optionally of a given colour / shape)."""
+    size = rng.randint(48, 256)
+    side = rng.randint(size * 2 // 5, size * 4 // 5)
+    x0, y0 = rng.randint(0, size - side), rng.randint(0, size - side)
+    return Picture(colour or rng.choice(COLOURS), shape or rng.choice(SHAPES), size, rng.choice(BACKGROUNDS),
+                   (x0, y0, x0 + side, y0 + side))
+
+
+@dataclass(frozen=True)
+class ImageExample:
+    """A conversation about one or two pictures (optionally after an earlier turn about the first)."""
+
+    task: str
+    """One of `IMAGE_TASKS`."""
+    pictures: tuple[Picture, ...]
+    user: str
+    answer: str
+    thinking: bool
+    history: tuple[tuple[str, str], ...] = ()
+    """Earlier (user text, assistant answer) turns; the pictures belong to the first user turn."""
+
+    @property
+    def reasoning(self) -> str:
+        seen = " and ".join(f"a {p.colour} {p.shape}" for p in self.pictures)
+        return f"I look at the image: {seen}."
+
+
+def image_answer(task: str, pictures: tuple[Picture, ...]) -> str:
+    p = pictures[0]
+    if task == "colour":
+        return p.colour
+    if task == "shape":
+        return p.shape
+    if task == "describe":
+        return f"A {p.colour} {p.shape}."
+    if task == "two":
+        return f"{pictures[0].colour} and {pictures[1].colour}"
+    raise ValueError(f"unknown image task {task!r}; choose one of {IMAGE_TASKS}")
+
+
+def make_image_example(task: str, pictures: tuple[Picture, ...], rng: random.Random, thinking: bool,
+                       with_history: bool = False) -> ImageExample:
+    """An `ImageExample` of `task` about `pictures` (two for `two`), optionally as a second turn."""
+    history: tuple[tuple[str, str], ...] = ()
+    if with_history and task != "two":
+        first = rng.choice([t for t in ("colour", "shape", "describe") if t != task])
+        history = ((rng.choice(IMAGE_TEMPLATES[first]), image_answer(first, pictures)),)
+    return ImageExample(task, pictures, rng.choice(IMAGE_TEMPLATES[task]), image_answer(task, pictures), thinking,
+                        history)
+
+
+def held_out_pictures() -> list[Picture]:
+    """The fixed held-out pictures (own seed, never drawn by the training stream)."""
+    rng = random.Random(SEED + 99)
+    return [random_picture(rng, COLOURS[i % len(COLOURS)], SHAPES[i % len(SHAPES)])
+            for i in range(NUM_HELD_OUT_IMAGES)]
 
 
 def _add_reasoning(a: int, b: int) -> str:
@@ -137,9 +250,19 @@ class ChatRenderer:
         t = WEATHER_TOOL
         return self.dr.ToolDefinition(t["name"], t["description"], t["parameters"])
 
-    def conversation(self, ex: Example, with_answer: bool = False):
+    def conversation(self, ex: Example | ImageExample, with_answer: bool = False):
         """recipe `Conversation` of the example (optionally with the non-thinking answer turn)."""
         dr = self.dr
+        if isinstance(ex, ImageExample):
+            sources = [dr.BytesImageSource(p.png()) for p in ex.pictures]
+            turns = [*ex.history, (ex.user, ex.answer)]
+            messages = [dr.UserMessage(IMAGE_TOKEN * len(sources) + turns[0][0], image_sources=sources)]
+            for i, (user, answer) in enumerate(turns):
+                if i:
+                    messages.append(dr.UserMessage(user))
+                if i < len(turns) - 1 or with_answer:
+                    messages.append(dr.AssistantMessage(answer))
+            return dr.Conversation(messages, thinking_mode=ex.thinking)
         messages = [dr.UserMessage(ex.user)]
         if with_answer:
             if ex.task == "tool":
@@ -150,13 +273,17 @@ class ChatRenderer:
         tools = [self.tool] if ex.task == "tool" else None
         return dr.Conversation(messages, thinking_mode=ex.thinking, tools=tools, reasoning_effort=ex.reasoning_effort)
 
-    def prompt_ids(self, ex: Example) -> list[int]:
-        """Token ids of the prompt (ends with `<｜Assistant｜><think>` or `<｜Assistant｜></think>`)."""
+    def prompt_ids(self, ex: Example | ImageExample) -> list[int]:
+        """Token ids of the prompt (ends with `<｜Assistant｜><think>` or `<｜Assistant｜></think>`); an image
+        is one placeholder (`IMAGE_TOKEN`), as recipe renders it."""
         return self.encoding.encode(self.conversation(ex))
 
-    def completion_ids(self, ex: Example) -> list[int]:
+    def completion_ids(self, ex: Example | ImageExample) -> list[int]:
         """Token ids the model must generate after the prompt, ending with `<｜end▁of▁sentence｜>`."""
-        plain = Example(ex.task, ex.user, False, ex.answer, ex.reasoning)
+        if isinstance(ex, ImageExample):
+            plain = ImageExample(ex.task, ex.pictures, ex.user, ex.answer, False, ex.history)
+        else:
+            plain = Example(ex.task, ex.user, False, ex.answer, ex.reasoning)
         prompt = self.encoding.encode(self.conversation(plain))
         full = self.encoding.encode(self.conversation(plain, with_answer=True))
         gen_suffix = prompt[-2:]  # `<｜Assistant｜></think>`: recipe opens the next turn
@@ -168,6 +295,35 @@ class ChatRenderer:
         if not ex.thinking:
             return answer
         return self.tokenizer.encode(ex.reasoning, add_special_tokens=False).ids + [self.end_think_id] + answer
+
+    def preprocess(self, png: bytes):
+        """recipe's V4.1 preprocessing of one image (what the serving path does): an `ImageInfo`."""
+        return self.dr.OpenCvImagePreprocessor().preprocess(png, self.dr.PreprocessOptions("high", 2048, 512))
+
+    def expand_images(self, prompt_ids: list[int], infos: list) -> list[int]:
+        """The inference input: each placeholder -> N x IMAGE_SPECIAL_TOKEN_ID (recipe's V4.1 token count)."""
+        placeholder = self.tokenizer.token_to_id(IMAGE_TOKEN)
+        out, it = [], iter(infos)
+        for t in prompt_ids:
+            if t == placeholder:
+                n = self.dr.MultiModalData([next(it)]).image_token_adjustment() + 1
+                out += [self.dr.IMAGE_SPECIAL_TOKEN_ID] * n
+            else:
+                out.append(t)
+        return out
+
+
+def name_pool() -> list[str]:
+    """`NUM_NAME_POOL` capitalized vocabulary words (one token with and without a leading space), fixed
+    by `SEED`, none of them a place, a list word or a colour/shape word."""
+    from engine.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer().get_vocab()
+    taken = {w.lower() for w in (*WORDS, *PLACES, *COLOURS, *SHAPES)}
+    names = sorted(t[1:] for t in vocab if t.startswith("Ġ") and t[1:] in vocab and 4 <= len(t) - 1 <= 10
+                   and t[1].isupper() and t[2:].isalpha() and t[2:].islower() and t[1:].lower() not in taken)
+    random.Random(SEED).shuffle(names)
+    return sorted(names[:NUM_NAME_POOL])
 
 
 def held_out() -> dict[str, list]:
@@ -185,8 +341,9 @@ def _random_list(rng: random.Random) -> tuple[str, ...]:
     return tuple(rng.sample(WORDS + PLACES, rng.randint(3, 5)))
 
 
-def training_items(rng: random.Random, task: str, held: dict[str, list]):
-    """One random training item of `task`, never a held-out one."""
+def training_items(rng: random.Random, task: str, held: dict[str, list], names: list[str] = ()):
+    """One random training item of `task`, never a held-out one (`names`: `name_pool()`, extra tool
+    arguments)."""
     if task == "add":
         excluded = set(held["add"])
         while True:
@@ -199,6 +356,8 @@ def training_items(rng: random.Random, task: str, held: dict[str, list]):
             words = _random_list(rng)
             if words not in excluded:
                 return words
-    if task == "tool":
+    if task == "tool":  # half training places, half other capitalized words
+        if names and rng.random() < 0.5:
+            return rng.choice(names)
         return rng.choice([p for p in PLACES if p not in held["tool"]])
     raise ValueError(f"unknown task {task!r}")

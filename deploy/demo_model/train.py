@@ -83,66 +83,149 @@ ARCH: dict = {
     "eos_token_id": 1,
 }
 """The exported architecture (transformers-style config dict)."""
+IMAGE_TOKEN_ID = 129264
+"""deepseek_recipe.IMAGE_SPECIAL_TOKEN_ID: each image placeholder expands to N of these."""
+VISION: dict = {
+    "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_channels": 3, "image_size": 546, "patch_size": 14, "hidden_act": "gelu_pytorch_tanh",
+    "layer_norm_eps": 1e-6, "attention_dropout": 0.0, "merge_size": 3, "projector_hidden_size": 256,
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+}
+"""The vision tower's config block (see engine/models/vision.py for the layout it defines)."""
 CHAT_ENCODING = "v4"
 MTP_LOSS_WEIGHT = 0.3
 # (task, thinking) -> (share of steps, examples per step)
 BUCKETS: dict[tuple[str, bool], tuple[float, int]] = {
-    ("add", False): (0.22, 96),
-    ("add", True): (0.12, 24),
-    ("copy", False): (0.08, 64),
-    ("copy", True): (0.05, 24),
-    ("reverse", False): (0.15, 64),
+    ("add", False): (0.20, 96),
+    ("add", True): (0.10, 24),
+    ("copy", False): (0.06, 64),
+    ("copy", True): (0.06, 24),
+    ("reverse", False): (0.10, 64),
     ("reverse", True): (0.07, 24),
-    ("tool", False): (0.18, 8),
-    ("tool", True): (0.13, 8),
+    ("tool", False): (0.12, 8),
+    ("tool", True): (0.10, 8),
+    ("image", False): (0.13, 8),
+    ("image", True): (0.06, 8),
 }
+IMAGE_TASK_SHARES = {"colour": 0.3, "shape": 0.3, "describe": 0.2, "two": 0.2}
+NUM_TRAIN_PICTURES = 1600
+"""Distinct training pictures (each asked about many times); their recipe-preprocessed WEBP bytes
+are stored in the dataset."""
 # Later stages (`--stage N --init-from PREVIOUS`): the same buckets, weighted towards the content
 # tasks (copy, reverse, add) that stage 1 leaves at a format-only plateau; stage 2 leaves the
 # (long, slow) tool prompts out, stage 3 brings them back.
 STAGE_SHARES: dict[int, dict[tuple[str, bool], float]] = {
     2: {("add", False): 0.20, ("add", True): 0.05, ("copy", False): 0.30, ("copy", True): 0.05,
-        ("reverse", False): 0.35, ("reverse", True): 0.05, ("tool", False): 0.0, ("tool", True): 0.0},
-    3: {("add", False): 0.15, ("add", True): 0.05, ("copy", False): 0.20, ("copy", True): 0.05,
-        ("reverse", False): 0.25, ("reverse", True): 0.05, ("tool", False): 0.15, ("tool", True): 0.10},
+        ("reverse", False): 0.35, ("reverse", True): 0.05, ("tool", False): 0.0, ("tool", True): 0.0,
+        ("image", False): 0.0, ("image", True): 0.0},
+    3: {("add", False): 0.15, ("add", True): 0.05, ("copy", False): 0.15, ("copy", True): 0.05,
+        ("reverse", False): 0.20, ("reverse", True): 0.05, ("tool", False): 0.12, ("tool", True): 0.08,
+        ("image", False): 0.10, ("image", True): 0.05},
+    # stage 4 (`--init-from-checkpoint` an exported text model): the vision tower, the wider tool
+    # names and the tasks the text model was weakest at
+    4: {("add", False): 0.14, ("add", True): 0.09, ("copy", False): 0.03, ("copy", True): 0.06,
+        ("reverse", False): 0.03, ("reverse", True): 0.06, ("tool", False): 0.13, ("tool", True): 0.12,
+        ("image", False): 0.22, ("image", True): 0.12},
 }
 
 
 # --------------------------------------------------------------------------------- data
 
 
-def build_dataset(steps: int, seed: int, stage: int = 1) -> dict:
-    """Render `steps` batches of training examples plus the held-out prompts (token ids)."""
+POOL_SIZES = {"add": 16000, "copy": 8000, "reverse": 8000, "tool": 3000, "image": 6000}
+"""Rendered training examples per (task, thinking) bucket; training samples its batches from these."""
+
+
+def build_dataset(seed: int) -> dict:
+    """Render the training example pools plus the held-out prompts (token ids; image prompts expanded
+    to recipe's image token count, their pictures stored as recipe-preprocessed WEBP bytes)."""
     renderer = D.ChatRenderer()
-    rng = random.Random(seed + stage - 1)
+    rng = random.Random(seed)
     held = D.held_out()
-    keys = list(BUCKETS)
-    shares = [BUCKETS[k][0] if stage == 1 else STAGE_SHARES[stage][k] for k in keys]
-    batches = []
-    for _ in range(steps):
-        task, thinking = rng.choices(keys, shares)[0]
-        batch = []
-        for _ in range(BUCKETS[(task, thinking)][1]):
-            ex = D.make_example(task, D.training_items(rng, task, held), rng, thinking)
-            batch.append((renderer.prompt_ids(ex), renderer.completion_ids(ex)))
-        batches.append(batch)
-    evals = eval_sets(renderer, held, per_task=None)
-    used = {i for b in batches for p, c in b for i in p + c}
-    used |= {i for items in evals.values() for p, c, _ in items for i in p + c}
+    names = D.name_pool()
+    held_pics = set(D.held_out_pictures())
+    pictures: list[D.Picture] = []
+    while len(pictures) < NUM_TRAIN_PICTURES:
+        pic = D.random_picture(random.Random(seed * 7919 + len(pictures)))
+        if pic not in held_pics:
+            pictures.append(pic)
+    infos = [renderer.preprocess(p.png()) for p in pictures]
+    image_tasks, image_shares = list(IMAGE_TASK_SHARES), list(IMAGE_TASK_SHARES.values())
+    pools: dict[tuple[str, bool], list] = {}
+    for task, thinking in BUCKETS:
+        pool = pools[(task, thinking)] = []
+        for _ in range(POOL_SIZES[task]):
+            if task == "image":
+                itask = rng.choices(image_tasks, image_shares)[0]
+                idx = [rng.randrange(len(pictures)) for _ in range(2 if itask == "two" else 1)]
+                ex = D.make_image_example(itask, tuple(pictures[i] for i in idx), rng, thinking,
+                                          with_history=rng.random() < 0.3)
+                pool.append((renderer.expand_images(renderer.prompt_ids(ex), [infos[i] for i in idx]),
+                             renderer.completion_ids(ex), idx))
+            else:
+                ex = D.make_example(task, D.training_items(rng, task, held, names), rng, thinking)
+                pool.append((renderer.prompt_ids(ex), renderer.completion_ids(ex), []))
+    evals, eval_images = eval_sets(renderer, held, per_task=None)
+    used = {i for pool in pools.values() for p, c, _ in pool for i in p + c}
+    used |= {i for items in evals.values() for p, c, _, _ in items for i in p + c}
     used = sorted(used | {renderer.eos_id, 0})
     to_compact = {t: i for i, t in enumerate(used)}
-    packed = [
-        {
-            "ids": torch.tensor([to_compact[t] for p, c in b for t in p + c], dtype=torch.int16),
-            "prompt_lens": torch.tensor([len(p) for p, _ in b], dtype=torch.int32),
-            "lens": torch.tensor([len(p) + len(c) for p, c in b], dtype=torch.int32),
+    packed = {
+        key: {  # one flat tensor per pool (small to store and ship)
+            "ids": torch.tensor([to_compact[t] for p, c, _ in pool for t in p + c], dtype=torch.int16),
+            "lens": torch.tensor([len(p) + len(c) for p, c, _ in pool], dtype=torch.int32),
+            "prompt_lens": torch.tensor([len(p) for p, _, _ in pool], dtype=torch.int32),
+            "image_idx": [idx for _, _, idx in pool],
         }
-        for b in batches
-    ]
-    return {"batches": packed, "evals": evals, "used_ids": used}
+        for key, pool in pools.items()
+    }
+    return {"pools": packed, "evals": evals, "used_ids": used, "images": [i.data for i in infos],
+            "eval_images": eval_images}
 
 
-def eval_sets(renderer: D.ChatRenderer, held: dict, per_task: int | None, seed: int = 7) -> dict:
-    """Held-out (prompt ids, completion ids, example) per (task, thinking) evaluation set."""
+def save_dataset(dataset: dict, path: Path) -> None:
+    """torch.save the dataset; `.xz` paths are LZMA-compressed (to ship to a training machine)."""
+    if str(path).endswith(".xz"):
+        import lzma
+
+        with lzma.open(path, "wb", preset=6) as f:
+            torch.save(dataset, f)
+    else:
+        torch.save(dataset, path)
+
+
+def load_dataset(path: Path) -> dict:
+    """Read a dataset written by `save_dataset`."""
+    if str(path).endswith(".xz"):
+        import lzma
+
+        with lzma.open(path, "rb") as f:
+            return torch.load(f, weights_only=False)
+    return torch.load(path, weights_only=False)
+
+
+def sample_batches(dataset: dict, steps: int, seed: int, stage: int = 1, batch_scale: int = 1):
+    """Yield `steps` training batches drawn from the pools (one bucket per step, by stage shares)."""
+    rng = random.Random(seed * 31 + stage)
+    keys = list(BUCKETS)
+    shares = [BUCKETS[k][0] if stage == 1 else STAGE_SHARES[stage][k] for k in keys]
+    seqs_of = {key: pool["ids"].split(pool["lens"].tolist()) for key, pool in dataset["pools"].items()}
+    for _ in range(steps):
+        key = rng.choices(keys, shares)[0]
+        pool = dataset["pools"][key]
+        chosen = [rng.randrange(len(pool["lens"])) for _ in range(BUCKETS[key][1] * batch_scale)]
+        seqs = [seqs_of[key][i] for i in chosen]
+        yield {
+            "ids": torch.cat(seqs),
+            "prompt_lens": pool["prompt_lens"][chosen],
+            "lens": torch.tensor([len(x) for x in seqs], dtype=torch.int32),
+            "image_idx": torch.tensor([j for i in chosen for j in pool["image_idx"][i]], dtype=torch.int32),
+        }
+
+
+def eval_sets(renderer: D.ChatRenderer, held: dict, per_task: int | None, seed: int = 7) -> tuple[dict, list]:
+    """Held-out (prompt ids, completion ids, answer, image indices) per (task, thinking) evaluation
+    set, and the held-out pictures' WEBP bytes the image indices point into."""
     rng = random.Random(seed)
     out = {}
     for task in D.TASKS:
@@ -153,9 +236,21 @@ def eval_sets(renderer: D.ChatRenderer, held: dict, per_task: int | None, seed: 
             chosen = items if per_task is None else items[:per_task]
             exs = [D.make_example(task, item, rng, thinking) for item in chosen]
             out[f"{task}/{'think' if thinking else 'direct'}"] = [
-                (renderer.prompt_ids(ex), renderer.completion_ids(ex), ex.answer) for ex in exs
+                (renderer.prompt_ids(ex), renderer.completion_ids(ex), ex.answer, []) for ex in exs
             ]
-    return out
+    pics = D.held_out_pictures()
+    infos = [renderer.preprocess(p.png()) for p in pics]
+    for itask in D.IMAGE_TASKS:
+        for thinking in (False, True):
+            items = []
+            for i in range(len(pics) if per_task is None else min(per_task, len(pics))):
+                idx = [i, (i * 7 + 3) % len(pics)] if itask == "two" else [i]
+                ex = D.make_image_example(itask, tuple(pics[j] for j in idx), rng, thinking,
+                                          with_history=i % 4 == 3)
+                prompt = renderer.expand_images(renderer.prompt_ids(ex), [infos[j] for j in idx])
+                items.append((prompt, renderer.completion_ids(ex), ex.answer, idx))
+            out[f"image-{itask}/{'think' if thinking else 'direct'}"] = items
+    return out, [i.data for i in infos]
 
 
 # --------------------------------------------------------------------------------- model
@@ -170,13 +265,21 @@ def hf_config(vocab_size: int, **changes):
 class DemoModel(nn.Module):
     """transformers' DeepseekV4 with a compact vocabulary, plus the MTP layer; training forward only."""
 
-    def __init__(self, num_used: int, seed: int) -> None:
-        from transformers import DeepseekV4ForCausalLM
+    def __init__(self, num_used: int, seed: int, image_compact_id: int | None = None) -> None:
+        from transformers import DeepseekV4ForCausalLM, SiglipVisionConfig, SiglipVisionModel
         from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer, DeepseekV4HyperHead
+
+        from engine.models.vision import VisionConfig, VisionProjector
 
         super().__init__()
         torch.manual_seed(seed)
         self.num_used = num_used
+        self.image_compact_id = image_compact_id
+        hf_keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
+                   "image_size", "patch_size", "hidden_act", "layer_norm_eps", "attention_dropout")
+        self.vit = SiglipVisionModel(SiglipVisionConfig(**{k: VISION[k] for k in hf_keys}, vision_use_head=False))
+        self.vision_config = VisionConfig(**VISION)
+        self.projector = VisionProjector(self.vision_config, ARCH["hidden_size"])
         vocab = num_used + 1  # + the shared row of every unused id
         self.config = hf_config(vocab)
         self.lm = DeepseekV4ForCausalLM(self.config)
@@ -229,10 +332,19 @@ class DemoModel(nn.Module):
               "compress": m.rotary_emb(like, position_ids=pos, layer_type="compress")}
         return {"mask": mask, "pe": pe, "pos": pos}
 
-    def streams(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """Main model forward up to the final hyper-connection streams [B, T, hc, H]."""
+    def image_embeds(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Tower output of equal-size images [n, 3, H, W] (normalized) -> [n * tokens per image, H]."""
+        feats = self.vit(pixel_values=pixels, interpolate_pos_encoding=True).last_hidden_state
+        rows, cols = pixels.shape[-2] // 42, pixels.shape[-1] // 42
+        return self.projector(feats, rows, cols).flatten(0, 1)
+
+    def streams(self, ids: torch.Tensor, image_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """Main model forward up to the final hyper-connection streams [B, T, hc, H]; `image_embeds`
+        [num image tokens, H] replace the image token positions in order."""
         m = self.lm.model
         emb = m.embed_tokens(ids)
+        if image_embeds is not None:
+            emb = emb.masked_scatter((ids == self.image_compact_id)[..., None], image_embeds.to(emb.dtype))
         ctx = self.context(emb)
         x = emb.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
         for layer in m.layers:
@@ -259,9 +371,61 @@ class DemoModel(nn.Module):
         return _rms(self.mtp_hc_head(x), self.mtp_norm, eps)
 
 
+def init_from_checkpoint(model: DemoModel, path: Path, used: list[int], seed: int) -> None:
+    """Start the text model from an exported checkpoint (full vocabulary) instead of random weights:
+    its layers as they are, its embedding rows of `used` (ids it never used share one row; those get
+    small seeded noise so they can part), its shared row as the compact `v` row, and fresh seeded
+    hash-routing rows for the ids it never used. The MTP layer and the vision tower start fresh."""
+    from transformers import DeepseekV4ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    full = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    emb = full["model.embed_tokens.weight"]  # [VOCAB_SIZE, H]
+    shared = emb[100_000]
+    if not torch.equal(shared, emb[100_001]):
+        raise ValueError(f"{path}: expected the compact export's shared embedding row for unused ids")
+    idx = torch.tensor(used)
+    was_unused = (emb[idx] == shared).all(dim=1)  # [n_used]
+    g = torch.Generator().manual_seed(seed)
+    rows = emb[idx] + was_unused[:, None] * torch.randn(len(used), emb.shape[1], generator=g) * 0.02
+    state = model.lm.state_dict()
+    for name, t in full.items():
+        if name not in state:
+            continue
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):  # tied
+            t = torch.cat([rows, shared[None]])
+        elif name.endswith(".tid2eid"):
+            fresh = state[name]  # the seeded random table of DemoModel.__init__
+            t = torch.cat([t[idx], t[100_000][None]])
+            t[:-1][was_unused] = fresh[:-1][was_unused]
+        state[name] = t
+    model.lm.load_state_dict(state)
+    print(f"initialised from {path}: {int(was_unused.sum())} of {len(used)} ids new to it", flush=True)
+
+
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     return (w * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class PictureBank:
+    """Decoded training / eval pictures kept as uint8 [n, 3, 546, 546] on the training device."""
+
+    def __init__(self, webps: list[bytes], device) -> None:
+        import io
+
+        import numpy as np
+        from PIL import Image
+
+        arrays = [np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in webps]
+        if any(a.shape != (546, 546, 3) for a in arrays):
+            raise ValueError("demo training pictures are square (recipe makes them 546x546)")
+        self.pixels = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous().to(device)
+
+    def batch(self, idx: torch.Tensor) -> torch.Tensor:
+        """Normalized pixels [len(idx), 3, 546, 546] (mean 0.5, std 0.5)."""
+        return (self.pixels[idx.long().to(self.pixels.device)].float() / 255.0 - 0.5) / 0.5
 
 
 def collate(batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,9 +444,14 @@ def save_compact(model: DemoModel, used: list[int], path: Path, steps_done: int)
                 "train_seconds": getattr(model, "train_seconds", None), "steps_done": steps_done}, path)
 
 
-def train(dataset: dict, seed: int, lr: float, device: str, log_every: int = 50,
-          checkpoint: Path | None = None, init: dict | None = None, stop_after: int | None = None) -> DemoModel:
-    model = DemoModel(len(dataset["used_ids"]), seed)
+def train(dataset: dict, steps: int, seed: int, lr: float, device: str, log_every: int = 50,
+          checkpoint: Path | None = None, init: dict | None = None, stop_after: int | None = None,
+          stage: int = 1, batch_scale: int = 1, max_seconds: float | None = None,
+          init_checkpoint: Path | None = None) -> DemoModel:
+    model = DemoModel(len(dataset["used_ids"]), seed, dataset["used_ids"].index(IMAGE_TOKEN_ID))
+    if init_checkpoint is not None:
+        init_from_checkpoint(model, init_checkpoint, dataset["used_ids"], seed)
+    bank = PictureBank(dataset["images"], device)
     if init is not None:
         if init["used_ids"] != dataset["used_ids"]:
             raise ValueError("--init-from model was trained on another vocabulary; render the data with the same seed")
@@ -293,14 +462,22 @@ def train(dataset: dict, seed: int, lr: float, device: str, log_every: int = 50,
     rest = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.98))
-    batches = dataset["batches"]
-    steps, warmup = len(batches), min(100, len(batches) // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0)))))
+    batches = sample_batches(dataset, steps, seed, stage, batch_scale)
+    warmup = max(1, min(100, steps // 10))
     start, run_loss, run_mtp = time.time(), 0.0, 0.0
+
+    def progress(step: int) -> float:
+        """Fraction of the schedule done: by steps, or by wall time under --max-seconds (whichever is ahead)."""
+        done = step / steps
+        return max(done, (time.time() - start) / max_seconds) if max_seconds else done
+
     for step, batch in enumerate(batches):
+        factor = min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress(step), 1.0))))
+        for group in opt.param_groups:
+            group["lr"] = lr * factor
         ids, mask = collate(batch, device)
-        streams, ctx = model.streams(ids)
+        image_embeds = model.image_embeds(bank.batch(batch["image_idx"])) if len(batch["image_idx"]) else None
+        streams, ctx = model.streams(ids, image_embeds)
         logits = model.logits(model.main_hidden(streams))
         loss = F.cross_entropy(logits[:, :-1][mask[:, :-1]], ids[:, 1:][mask[:, :-1]])
         mtp_mask = mask[:, :-2]  # MTP at t (given token t+1) predicts token t+2
@@ -309,7 +486,6 @@ def train(dataset: dict, seed: int, lr: float, device: str, log_every: int = 50,
         (loss + MTP_LOSS_WEIGHT * mtp_loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        sched.step()
         opt.zero_grad(set_to_none=True)
         run_loss += loss.item()
         run_mtp += mtp_loss.item()
@@ -318,7 +494,11 @@ def train(dataset: dict, seed: int, lr: float, device: str, log_every: int = 50,
             print(f"step {step + 1}/{steps} loss {run_loss / n:.4f} mtp {run_mtp / n:.4f} "
                   f"{time.time() - start:.0f}s", flush=True)
             run_loss, run_mtp = 0.0, 0.0
+        model.steps_done = step + 1
         if stop_after is not None and step + 1 >= stop_after:
+            break
+        if max_seconds is not None and progress(step + 1) >= 1.0:
+            print(f"stopping at step {step + 1}: --max-seconds reached (cosine schedule over wall time)", flush=True)
             break
         if checkpoint is not None and (step + 1) % 100 == 0:
             save_compact(model, dataset["used_ids"], checkpoint, step + 1)
@@ -331,7 +511,8 @@ def train(dataset: dict, seed: int, lr: float, device: str, log_every: int = 50,
 
 
 @torch.no_grad()
-def greedy_compact(model: DemoModel, prompts: list[list[int]], used: list[int], max_new: int, device) -> list:
+def greedy_compact(model: DemoModel, prompts: list[list[int]], used: list[int], max_new: int, device,
+                   images: list[list[int]] | None = None, bank: PictureBank | None = None) -> list:
     """Greedy continuations (full ids) of `prompts` with the compact model, stopping at EOS; also
     returns, per generated token after the first, whether the MTP's top-1 from the previous
     position agreed with it."""
@@ -339,8 +520,11 @@ def greedy_compact(model: DemoModel, prompts: list[list[int]], used: list[int], 
     to_compact[torch.tensor(used)] = torch.arange(len(used))
     used_t = torch.tensor(used + [2])  # the shared row never wins in a trained model; map it to a visible id
     outs, agree = [], []
-    for start in range(0, len(prompts), 32):
-        chunk = [list(p) for p in prompts[start: start + 32]]
+    size = 32 if str(device) == "cpu" else 128
+    for start in range(0, len(prompts), size):
+        chunk = [list(p) for p in prompts[start: start + size]]
+        idx = [i for img in (images or [])[start: start + size] for i in img]
+        image_embeds = model.image_embeds(bank.batch(torch.tensor(idx))) if idx else None
         gen = [[] for _ in chunk]
         done = [False] * len(chunk)
         mtp_prev: list = [None] * len(chunk)
@@ -351,7 +535,7 @@ def greedy_compact(model: DemoModel, prompts: list[list[int]], used: list[int], 
             for i, s in enumerate(seqs):
                 ids[i, : len(s)] = to_compact[torch.tensor(s)]
             ids = ids.to(device)
-            streams, ctx = model.streams(ids)
+            streams, ctx = model.streams(ids, image_embeds)
             last = torch.tensor([len(s) - 1 for s in seqs], device=device)
             rows = torch.arange(len(seqs), device=device)
             nxt = model.logits(model.main_hidden(streams[rows, last][:, None])[:, 0]).argmax(-1)
@@ -375,13 +559,16 @@ def greedy_compact(model: DemoModel, prompts: list[list[int]], used: list[int], 
     return outs, agree
 
 
-def evaluate_compact(model: DemoModel, evals: dict, used: list[int], device, limit: int | None = None) -> dict:
+def evaluate_compact(model: DemoModel, evals: dict, used: list[int], device, limit: int | None = None,
+                     eval_images: list[bytes] = ()) -> dict:
     """Exact-match rate of the held-out completions per eval set, plus MTP agreement."""
     result, agree_all = {}, []
+    bank = PictureBank(list(eval_images), device) if eval_images else None
     for name, items in evals.items():
         items = items if limit is None else items[:limit]
-        gens, agree = greedy_compact(model, [p for p, _, _ in items], used, 72, device)
-        result[name] = sum(g == c for g, (_, c, _) in zip(gens, items)) / len(items)
+        gens, agree = greedy_compact(model, [p for p, _, _, _ in items], used, 72, device,
+                                     [img for _, _, _, img in items], bank)
+        result[name] = sum(g == c for g, (_, c, _, _) in zip(gens, items)) / len(items)
         agree_all += agree
     result["mtp_top1_agreement"] = sum(agree_all) / max(len(agree_all), 1)
     return result
@@ -443,7 +630,12 @@ def export(model: DemoModel, used: list[int], out: Path, dtype: str = "bfloat16"
         "mtp.0.hc_head_base": model.mtp_hc_head.hc_base, "mtp.0.hc_head_scale": model.mtp_hc_head.hc_scale,
     }
     tensors.update({k: v.detach() for k, v in extra.items()})
-    config = ModelConfig.from_hf_dict(ARCH)
+    # transformers 5 drops SiglipVisionModel's `vision_model.` level; the checkpoint keeps it
+    tensors.update({"vision_tower." + (k if k.startswith("vision_model.") else "vision_model." + k): v
+                    for k, v in model.vit.state_dict().items()})
+    tensors.update({"vision_projector." + k: v for k, v in model.projector.state_dict().items()})
+    hf = {**ARCH, "image_token_id": IMAGE_TOKEN_ID, "vision_config": VISION, "deepinfer": {"chat_encoding": CHAT_ENCODING}}
+    config = ModelConfig.from_hf_dict(hf)
     spec = {**checkpoint_spec(config, dtype), **mtp_checkpoint_spec(config, dtype)}
     missing, unexpected = sorted(set(spec) - set(tensors)), sorted(set(tensors) - set(spec))
     if missing or unexpected:
@@ -452,7 +644,6 @@ def export(model: DemoModel, used: list[int], out: Path, dtype: str = "bfloat16"
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.safetensors"):
         old.unlink()
-    hf = {**ARCH, "deepinfer": {"chat_encoding": CHAT_ENCODING}}
     _write_ours(out, hf, tensors, getattr(torch, dtype), 1 << 40)
     return out
 
@@ -474,26 +665,33 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data", type=Path, help="train from a dataset written by --save-data")
     p.add_argument("--save-compact", type=Path, help="also save the compact trained model here")
     p.add_argument("--from-compact", type=Path, help="skip training: export this compact model")
-    p.add_argument("--stage", type=int, default=1, choices=[1, 2, 3], help="data mix (see STAGE_SHARES)")
+    p.add_argument("--stage", type=int, default=1, choices=[1, 2, 3, 4], help="data mix (see STAGE_SHARES)")
+    p.add_argument("--init-from-checkpoint", type=Path,
+                   help="stage 4: start the text model from this exported checkpoint directory")
     p.add_argument("--init-from", type=Path, help="continue training this compact model (stages 2, 3)")
     p.add_argument("--stop-after", type=int, help="stop after this many steps (the schedule still spans --steps)")
+    p.add_argument("--max-seconds", type=float,
+                   help="run the cosine schedule over this much wall time instead (stops then; not bit-reproducible)")
+    p.add_argument("--log-every", type=int, default=50, help="print the running losses every N steps")
+    p.add_argument("--batch-scale", type=int, default=1, help="examples per step x this (GPU runs)")
     p.add_argument("--eval-limit", type=int, default=None, help="held-out examples per eval set (default all)")
     p.add_argument("--no-export", action="store_true", help="train and evaluate only")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.time()
-    if (args.stage > 1) != bool(args.init_from or args.from_compact):
+    if (args.stage in (2, 3)) != bool(args.init_from):
         p.error("--stage 2 and 3 continue a previous stage: give --init-from (and only they take it)")
-    dataset = torch.load(args.data) if args.data else build_dataset(args.steps, args.seed, args.stage)
-    dataset["batches"] = dataset["batches"][: args.steps]
-    print(f"dataset: {len(dataset['batches'])} batches, {len(dataset['used_ids'])} used ids, "
-          f"{time.time() - t0:.0f}s", flush=True)
+    if (args.stage == 4) != bool(args.init_from_checkpoint):
+        p.error("--stage 4 starts from an exported checkpoint: give --init-from-checkpoint (and only it takes it)")
+    dataset = load_dataset(args.data) if args.data else build_dataset(args.seed)
+    print(f"dataset: {sum(len(p['lens']) for p in dataset['pools'].values())} examples, "
+          f"{len(dataset['images'])} pictures, {len(dataset['used_ids'])} used ids, {time.time() - t0:.0f}s", flush=True)
     if args.save_data:
-        torch.save(dataset, args.save_data)
+        save_dataset(dataset, args.save_data)
         return
     if args.from_compact:
         saved = torch.load(args.from_compact)
-        model = DemoModel(len(saved["used_ids"]), args.seed)
+        model = DemoModel(len(saved["used_ids"]), args.seed, saved["used_ids"].index(IMAGE_TOKEN_ID))
         model.load_state_dict(saved["state_dict"])
         model.eval()
         model.train_seconds = saved.get("train_seconds", float("nan"))
@@ -501,13 +699,16 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit("--from-compact model and dataset have different vocabularies; use the same --seed/--data")
     else:
         init = torch.load(args.init_from) if args.init_from else None
-        model = train(dataset, args.seed, args.lr, args.device, checkpoint=args.save_compact, init=init,
-                      stop_after=args.stop_after)
-        print(f"trained in {model.train_seconds:.0f}s", flush=True)
+        model = train(dataset, args.steps, args.seed, args.lr, args.device, checkpoint=args.save_compact, init=init,
+                      stop_after=args.stop_after, stage=args.stage, batch_scale=args.batch_scale,
+                      max_seconds=args.max_seconds, log_every=args.log_every,
+                      init_checkpoint=args.init_from_checkpoint)
+        print(f"trained {model.steps_done} steps in {model.train_seconds:.0f}s", flush=True)
         if args.save_compact:
-            save_compact(model, dataset["used_ids"], args.save_compact, args.stop_after or len(dataset["batches"]))
+            save_compact(model, dataset["used_ids"], args.save_compact, model.steps_done)
     if args.eval_limit != 0:
-        scores = evaluate_compact(model, dataset["evals"], dataset["used_ids"], args.device, args.eval_limit)
+        scores = evaluate_compact(model, dataset["evals"], dataset["used_ids"], args.device, args.eval_limit,
+                                  dataset["eval_images"])
         print("held-out exact match:", json.dumps(scores, indent=1), flush=True)
     if not args.no_export:
         out = export(model, dataset["used_ids"], args.out)
