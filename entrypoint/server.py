@@ -147,17 +147,18 @@ def validate_request(request: entrypoint_pb2.GenerateRequest, vocab_size: int, m
     return params
 
 
-def expand_image_placeholders(prompt_token_ids: list[int], images, num_tokens: list[int],
-                              content_hashes: list[str]) -> tuple[list[int], list[common_pb2.ImageRef]]:
-    """The prompt with each image's placeholder span replaced by `num_tokens[i]` x IMAGE_TOKEN_ID, and
-    the images' refs at their new offsets (content hash and token count filled in)."""
+def expand_image_placeholders(prompt_token_ids: list[int], images, num_tokens: list[int], content_hashes: list[str],
+                              image_token_id: int = IMAGE_TOKEN_ID) -> tuple[list[int], list[common_pb2.ImageRef]]:
+    """The prompt with each image's placeholder span replaced by `num_tokens[i]` x `image_token_id`
+    (the model's, 129264 by default), and the images' refs at their new offsets (content hash and
+    token count filled in)."""
     out: list[int] = []
     refs: list[common_pb2.ImageRef] = []
     pos = 0
     for ref, n, content_hash in zip(images, num_tokens, content_hashes):
         out.extend(prompt_token_ids[pos:ref.offset])
         refs.append(common_pb2.ImageRef(content_hash=content_hash, offset=len(out), num_tokens=n))
-        out.extend([IMAGE_TOKEN_ID] * n)
+        out.extend([image_token_id] * n)
         pos = ref.offset + ref.num_tokens
     out.extend(prompt_token_ids[pos:])
     return out, refs
@@ -272,6 +273,8 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         self.instance_id = instance_id
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.image_token_id = IMAGE_TOKEN_ID
+        """The model's image position id (config.json `image_token_id`)."""
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self._inflight: dict[str, _Request] = {}
@@ -497,7 +500,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         embeddings = list(encoded.embeddings)
         prompt, refs = expand_image_placeholders(list(request.prompt_token_ids), request.images,
                                                  [e.num_tokens for e in embeddings],
-                                                 [e.content_hash for e in embeddings])
+                                                 [e.content_hash for e in embeddings], self.image_token_id)
         sampling = request.sampling_params
         if len(prompt) >= self.max_model_len:
             raise _Failed(grpc.StatusCode.INVALID_ARGUMENT, f"the prompt has {len(prompt)} tokens with its images' "
@@ -623,6 +626,8 @@ class EntrypointServer:
         self.instance_id = config.instance_id or f"entrypoint-{uuid.uuid4().hex[:8]}"
         max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 8192)
         self.servicer = EntrypointServicer(config, self.instance_id, model_config.vocab_size, max_model_len)
+        if model_config.image_token_id is not None:
+            self.servicer.image_token_id = model_config.image_token_id
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(
             max_workers=config.max_rpc_threads, thread_name_prefix="entrypoint-rpc"))
         entrypoint_pb2_grpc.add_EntrypointServicer_to_server(self.servicer, self.server)
