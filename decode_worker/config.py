@@ -48,6 +48,8 @@ class DecodeWorkerConfig(BaseModel):
     replay of the prompt's tail. Outputs are identical; BENCHMARKS.md compares the two."""
     loopback_ucx: bool = False
     """Keep UCX on loopback (`kv_transfer.LOOPBACK_UCX_ENV`): every process on one host (tests)."""
+    embedding_rows: int = Field(8192, gt=0)
+    """Rows of the buffer image embeddings are READ into during Reserve (models with a vision tower)."""
     kv_lease_s: float = Field(30.0, gt=0)
     """How long a reservation waits for its KV when Reserve leaves lease_ms at 0."""
     start_grace_s: float = Field(10.0, ge=0)

@@ -59,12 +59,15 @@ class DecodeCore:
         self._quarantine: dict[str, float] = {}  # hold key -> time.monotonic() it may be released
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                lease_s: float = 60.0) -> Reservation:
-        """Reserve blocks for the prompt's KV; raises InvalidRequestError on bad input."""
+                lease_s: float = 60.0, images=None) -> Reservation:
+        """Reserve blocks for the prompt's KV; raises InvalidRequestError on bad input.
+
+        `images`: the prompt's `engine.multimodal.ImageSpan`s with embeddings, so this instance can
+        compute image positions (bounded replay, recompute after preemption)."""
         transfer_id = f"{request_id}/{self.agent_name}"
         with_state = self.agent.send_state
         self.engine.reserve_kv(request_id, prompt_token_ids, params, num_kv_tokens=len(prompt_token_ids),
-                               with_state=with_state)
+                               with_state=with_state, **({"images": images} if images else {}))
         block_ids = self.engine.kv_block_ids(request_id)
         slot = self.engine.kv_state_slot(request_id) if with_state else None
         self.agent.expect(transfer_id, block_ids, lease_s, dst_slot=slot)

@@ -47,6 +47,7 @@ from engine.engine import Engine, RequestOutput
 from engine.errors import InvalidRequestError
 from engine.worker_shell import STATS_METADATA_KEY, EngineLoop, LoadReporter, LoopMode
 from kv_transfer import LOOPBACK_UCX_ENV, KVTransferAgent
+from kv_transfer.embeddings import EmbeddingAgent, EmbeddingSource
 from protos import common_pb2, decode_pb2, decode_pb2_grpc, loadbalancer_pb2
 from protos.convert import sampling_params_from_proto
 
@@ -62,6 +63,10 @@ FINISH_REASONS = {
     "error": common_pb2.FINISH_REASON_ERROR,
 }
 """Engine finish reasons -> wire."""
+
+
+EMBEDDING_READ_TIMEOUT_S = 3.0
+"""Longest a Reserve waits for the READ of its images' embeddings (under the loop-call timeout)."""
 
 
 @dataclasses.dataclass
@@ -118,6 +123,13 @@ class DecodeWorker:
         self.agent_metadata = self.agent.metadata()
         self.agent_layout = json.dumps(self.agent.pool_layout(), sort_keys=True).encode()
         self.core = DecodeCore(self.engine, self.agent, self.agent_name)
+        # image prompts: the embeddings are READ (during Reserve) from the vision instance holding them
+        self.emb_agent = None
+        if self.engine.model_config.vision is not None:
+            self.emb_agent = EmbeddingAgent(f"{self.agent_name}-emb", config.embedding_rows,
+                                            self.engine.model_config.hidden_size,
+                                            self.engine.model.model.embed_tokens.weight.dtype, config.device,
+                                            ucx_env=LOOPBACK_UCX_ENV if config.loopback_ucx else None)
         self.block_size = self.engine.kv_manager.block_pool.block_size
         self._streams: dict[str, _Stream] = {}  # loop-thread state
         self.loop = EngineLoop("decode_worker-loop", self._step, self._mode, on_fatal=self._on_fatal)
@@ -183,6 +195,8 @@ class DecodeWorker:
         self.server.stop(grace_s).wait()
         self.loop.stop()
         self.agent.close()
+        if self.emb_agent is not None:
+            self.emb_agent.close()
         logger.info("decode instance %s stopped", self.instance_id)
         self._stopped.set()
 
@@ -207,7 +221,7 @@ class DecodeWorker:
         return sum(not st.is_finished for st in self._streams.values())
 
     def _reserve(self, request_id: str, prompt_token_ids: list[int], params, lease_s: float,
-                 deadline: float | None):
+                 deadline: float | None, images=()):
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} already holds a reservation here",
                                       field="request_id")
@@ -217,8 +231,25 @@ class DecodeWorker:
             raise _Refused(common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED,
                            f"decode instance {self.instance_id} has {manager.num_free_blocks} free KV blocks, the "
                            f"prompt needs {num_needed}; retry later or on another instance")
+        spans = None
+        if images:
+            from engine.multimodal import ImageSpan
+
+            if self.emb_agent is None:
+                raise InvalidRequestError("this decode instance's model has no vision tower; it cannot take images",
+                                          field="images")
+            try:  # NOTE: blocks the loop for the READs (a few ms; bounded by EMBEDDING_READ_TIMEOUT_S)
+                embeds = self.emb_agent.read_now(request_id, [src for _, src in images], EMBEDDING_READ_TIMEOUT_S)
+            except RuntimeError as e:  # the holder is gone or too slow: the entrypoint encodes again
+                raise _Refused(common_pb2.ERROR_CODE_UNAVAILABLE, f"decode instance {self.instance_id}: {e}",
+                               "image_embeddings") from None
+            except ValueError as e:
+                raise _Refused(common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, f"decode instance {self.instance_id}: {e}") \
+                    from None
+            spans = [ImageSpan(ref.offset, ref.num_tokens, ref.content_hash, embeds=emb)
+                     for (ref, _), emb in zip(images, embeds)]
         try:
-            reservation = self.core.reserve(request_id, prompt_token_ids, params, lease_s=lease_s)
+            reservation = self.core.reserve(request_id, prompt_token_ids, params, lease_s=lease_s, images=spans)
         except (NoFreeBlocksError, NoFreeSlotsError) as e:
             self.engine.abort_request(request_id)
             raise _Refused(common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, str(e)) from None
@@ -340,6 +371,8 @@ class DecodeWorker:
     def _stats(self) -> dict:
         load = self._load()
         stats = {k: v for k, v in self.agent.stats().items() if not isinstance(v, list)}
+        if self.emb_agent is not None:
+            stats.update(self.emb_agent.stats())
         stats.update(num_streams=len(self._streams), num_unfinished_requests=self._num_unfinished(),
                      num_kv_blocks_used=load.num_kv_blocks_used, num_kv_blocks_total=load.num_kv_blocks_total,
                      num_running_requests=load.num_running_requests)
@@ -370,8 +403,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                f"decode instance {w.instance_id} is unhealthy: {w.loop.error or 'stopped'}")
             if not rid:
                 raise InvalidRequestError("request_id must be set", field="request_id")
-            if request.images:
-                raise InvalidRequestError("images are not supported by this decode instance yet", field="images")
+            if len(request.image_embeddings) != len(request.images):
+                raise InvalidRequestError(f"{len(request.images)} images but {len(request.image_embeddings)} "
+                                          "image_embeddings; encode every image on the vision stage first",
+                                          field="image_embeddings")
+            images = [(ref, EmbeddingSource.from_proto(emb))
+                      for ref, emb in zip(request.images, request.image_embeddings)]
             if request.num_kv_tokens and request.num_kv_tokens != len(request.prompt_token_ids):
                 raise InvalidRequestError("num_kv_tokens must equal the prompt length", field="num_kv_tokens")
             params = sampling_params_from_proto(request.sampling_params)
@@ -379,7 +416,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             deadline = time.monotonic() + request.deadline_ms / 1000 if request.deadline_ms else None
             now_unix = time.time()
             reservation = w.loop.call(partial(w._reserve, rid, list(request.prompt_token_ids), params, lease_s,
-                                              deadline), LOOP_CALL_TIMEOUT_S)
+                                              deadline, images), LOOP_CALL_TIMEOUT_S)
         except Exception as e:
             return decode_pb2.ReserveResponse(request_id=rid, error=_Refused.of(e).to_proto())
         return decode_pb2.ReserveResponse(

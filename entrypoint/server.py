@@ -12,8 +12,11 @@ One `Generate` call (DESIGN.md §1):
    Images: vision balancer `Pick` (image-hash affinity) -> `Vision.Encode`: a bad image is refused
    (INVALID_ARGUMENT) before any other stage works; otherwise each image's placeholder is replaced
    by its image tokens (`expand_image_placeholders`), the context length checked again, and the
-   embeddings' descriptors ride with the prefill request (P READs them over NIXL); the vision hold
-   is released once the prefill answered. Text-only requests skip the stage.
+   embeddings' descriptors ride with the decode reservation and the prefill request (D and P each
+   READ them over NIXL: P to prefill, D to recompute image positions itself, in bounded replay or
+   after a preemption); the vision hold is released once the prefill answered. A prefill that
+   reports the embeddings lost (their vision instance died) has them encoded again elsewhere and
+   is retried. Text-only requests skip the stage.
 2. Decode balancer `Pick` -> `Decode.Reserve` on D: blocks for the prompt's KV, the transfer id,
    D's agent name, metadata and layout, and the lease deadline.
 3. Prefill balancer `Pick` (prefix-aware: the prompt's chained block hashes) -> `Prefill.Prefill` on
@@ -361,7 +364,8 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
             try:
                 reserve = self._unary(req, d_stub.Reserve, decode_pb2.ReserveRequest(
                     request_id=rid, prompt_token_ids=prompt, sampling_params=sampling, num_kv_tokens=len(prompt),
-                    priority=request.priority, deadline_ms=deadline_ms(), lease_ms=self.config.kv_lease_ms),
+                    priority=request.priority, deadline_ms=deadline_ms(), lease_ms=self.config.kv_lease_ms,
+                    images=images, image_embeddings=image_embeddings),
                     deadline, f"reserving KV on decode instance {d_inst.instance_id}")
             except _Failed as e:
                 # NOTE: an unreachable instance (e.g. dead, not yet expired at its balancer) is skipped
@@ -378,6 +382,10 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                 req.decode = None
             if reserve.error.code not in RETRYABLE_ERRORS or is_last:
                 raise _Failed.of_error(reserve.error, f"decode instance {d_inst.instance_id} refused the reservation")
+            if _is_images_lost(reserve.error):
+                prompt, images, image_embeddings = self._encode_again(req, request, prompt, deadline, deadline_ms,
+                                                                      reserve.error)
+                continue
             excluded.append(d_inst.instance_id)
 
         destination = prefill_pb2.KVDestination(
@@ -386,11 +394,6 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
             transfer_id=reserve.transfer_id, lease_deadline_unix_ms=reserve.lease_deadline_unix_ms)
         if reserve.HasField("state_slot"):
             destination.state_slot = reserve.state_slot
-        elif images:
-            # NOTE: a decode instance that rebuilds the bounded state by replay would recompute the prompt's
-            # tail from token ids alone, without the image embeddings
-            raise _Failed(grpc.StatusCode.UNAVAILABLE, f"decode instance {req.decode[0]} rebuilds the bounded "
-                          "state by replay, which cannot serve image prompts; run decode with --bounded-state send")
         hashes = prompt_block_hashes(prompt, reserve.block_size, images)
         excluded = []
         for attempt in range(self.config.max_attempts):
@@ -411,16 +414,10 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                 break
             if prefilled.error.code not in RETRYABLE_ERRORS or attempt + 1 == self.config.max_attempts:
                 raise _Failed.of_error(prefilled.error, f"prefill instance {p_inst.instance_id} failed")
-            if prefilled.error.code == common_pb2.ERROR_CODE_UNAVAILABLE and prefilled.error.field == "image_embeddings":
-                # the embeddings could not be read (their vision instance died or dropped the hold): nothing
-                # was computed or written to D, so encode again on another vision instance and retry
-                lost = req.vision[0] if req.vision else ""
-                logger.warning("%s: %s; encoding the images again", rid, prefilled.error.message)
-                self._release_images(req)
-                again, _, images, image_embeddings = self._encode_images(req, request, deadline, deadline_ms,
-                                                                         exclude=[lost])
-                if again != prompt:
-                    raise _Failed(grpc.StatusCode.INTERNAL, "the images encoded again gave other image token counts")
+            if _is_images_lost(prefilled.error):
+                # nothing was computed or written to D: encode again on another vision instance and retry
+                prompt, images, image_embeddings = self._encode_again(req, request, prompt, deadline, deadline_ms,
+                                                                      prefilled.error)
                 continue
             excluded.append(p_inst.instance_id)
 
@@ -517,6 +514,18 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
             sampling = lowered
         return prompt, sampling, refs, embeddings
 
+    def _encode_again(self, req: _Request, request, prompt: list[int], deadline: float | None, deadline_ms,
+                      error: common_pb2.Error):
+        """Blocks while the images are encoded again, on another vision instance than the one that lost
+        them (it died or dropped the hold); returns the prompt, image refs and embeddings to retry with."""
+        lost = req.vision[0] if req.vision else ""
+        logger.warning("%s: %s; encoding the images again", req.request_id, error.message)
+        self._release_images(req)
+        again, _, images, image_embeddings = self._encode_images(req, request, deadline, deadline_ms, exclude=[lost])
+        if again != prompt:
+            raise _Failed(grpc.StatusCode.INTERNAL, "the images encoded again gave other image token counts")
+        return again, images, image_embeddings
+
     def _release_images(self, req: _Request) -> None:
         """Drop the vision instance's hold on the request's embeddings (in a daemon thread, best effort)."""
         with req.lock:
@@ -597,6 +606,11 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         context.set_trailing_metadata(((STATS_METADATA_KEY, json.dumps(stats)),))
         return common_pb2.HealthResponse(is_healthy=not problems, instance_id=self.instance_id,
                                          message="; ".join(problems))
+
+
+def _is_images_lost(error: common_pb2.Error) -> bool:
+    """A stage could not read the image embeddings (in-band UNAVAILABLE on field image_embeddings)."""
+    return error.code == common_pb2.ERROR_CODE_UNAVAILABLE and error.field == "image_embeddings"
 
 
 def _abort_call(context, e: _Failed) -> None:

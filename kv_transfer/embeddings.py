@@ -53,6 +53,10 @@ READ_NOTIF_PAYLOAD = b"read"
 """Payload of the notification a READ leaves at the holder (the transfer id rides with it)."""
 
 
+class HolderUnreachable(RuntimeError):
+    """NIXL cannot connect to the agent holding the embeddings (its process is gone): they are lost."""
+
+
 class RowAllocator:
     """First-fit allocator of contiguous row ranges in `[0, num_rows)` (free ranges kept sorted, merged)."""
 
@@ -122,6 +126,12 @@ class EmbeddingSource:
     """"DRAM" or "VRAM"."""
     dev_id: int = 0
     """CUDA device index for VRAM, 0 for DRAM."""
+
+    @classmethod
+    def from_proto(cls, msg) -> EmbeddingSource:
+        """The source a `deepinfer.v1.ImageEmbeddings` message describes."""
+        return cls(msg.agent_name, bytes(msg.agent_metadata), msg.addr, msg.num_bytes, msg.num_tokens,
+                   msg.hidden_size, msg.dtype, msg.mem_type or "DRAM", msg.dev_id)
 
 
 @dataclass
@@ -223,20 +233,26 @@ class EmbeddingAgent:
             self.hidden_size, str(self.buffer.dtype).removeprefix("torch."), self.mem_type, self.dev_id)
 
     def expect_read(self, transfer_id: str, num_bytes: int) -> None:
-        """Count `num_bytes` as served when the READ tagged `transfer_id` reports its notification."""
+        """Count `num_bytes` as served whenever a READ tagged `transfer_id` reports its notification
+        (until `forget_expected_read`)."""
         self._served_bytes[transfer_id] = num_bytes
 
     # ------------------------------------------------------------------ reader side
 
     def connect(self, name: str, metadata: bytes) -> None:
-        """Load a holder's metadata (once per name and metadata: a restarted holder is re-added)."""
+        """Load a holder's metadata (once per name and metadata: a restarted holder is re-added).
+
+        Raises `HolderUnreachable` when NIXL cannot load it (the holder is gone)."""
         digest = hashlib.sha256(metadata).digest()
         if self._peers.get(name) == digest:
             return
         if name in self._peers:
             self._nixl.remove_remote_agent(name)
             del self._peers[name]
-        loaded = self._nixl.add_remote_agent(metadata)
+        try:
+            loaded = self._nixl.add_remote_agent(metadata)
+        except Exception as e:  # e.g. nixlBackendError when the holder's process is gone
+            raise HolderUnreachable(f"cannot connect to embedding holder {name!r}: {e}") from None
         loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
         if loaded != name:
             self._nixl.remove_remote_agent(loaded)
@@ -280,6 +296,43 @@ class EmbeddingAgent:
             entry.failed = True
         return source.num_bytes
 
+    def read_now(self, transfer_id_prefix: str, sources: list[EmbeddingSource], timeout_s: float = 3.0) -> list[torch.Tensor]:
+        """Blocks until every source is READ (transfer ids `{prefix}/{i}`): copies of the embeddings, one
+        `[num_rows, hidden]` tensor per source. Raises RuntimeError when a READ fails or outlives
+        `timeout_s` (its rows stay taken until then), ValueError for a bad source or no room.
+
+        NOTE: polls this agent itself: use it on an agent that has no `read()`s of its own in flight
+        (their events would be consumed here).
+        """
+        if self._reads:
+            raise ValueError("read_now needs an agent without reads in flight")
+        starts: list[int] = []
+        try:
+            for source in sources:
+                start = self.allocator.alloc(source.num_rows)
+                if start is None:
+                    raise ValueError(f"no room for {source.num_rows} embedding rows ({self.allocator.num_free_rows} "
+                                     f"of {self.allocator.num_rows} free)")
+                starts.append(start)
+            for source in sources:  # every connection first: nothing is in flight when one fails
+                self.connect(source.agent_name, source.agent_metadata)
+            for i, (source, start) in enumerate(zip(sources, starts)):
+                self.read(f"{transfer_id_prefix}/{i}", source, start, lease_s=timeout_s)
+            pending = {f"{transfer_id_prefix}/{i}" for i in range(len(sources))}
+            failed = []
+            while pending:
+                ev = self.poll()
+                pending -= set(ev.done_ids) | set(ev.failed_ids)
+                failed += ev.failed_ids
+                if pending:
+                    time.sleep(0.0002)
+            if failed:
+                raise RuntimeError(f"reading image embeddings failed ({sorted(failed)})")
+            return [self.rows(start, s.num_rows).clone() for s, start in zip(sources, starts)]
+        finally:
+            for source, start in zip(sources, starts):
+                self.allocator.free(start, source.num_rows)
+
     # ------------------------------------------------------------------ progress
 
     def poll(self) -> EmbeddingEvents:
@@ -311,7 +364,8 @@ class EmbeddingAgent:
                 decoded = decode_notif(msg)
                 if decoded is not None and decoded[1] == READ_NOTIF_PAYLOAD:
                     c["embeddings_served_reads_total"] += 1
-                    c["embeddings_served_bytes_total"] += self._served_bytes.pop(decoded[0], 0)
+                    # NOTE: not popped: a request's rows may be read by several stages (prefill and decode)
+                    c["embeddings_served_bytes_total"] += self._served_bytes.get(decoded[0], 0)
                     ev.read_by_peer_ids.append(decoded[0])
         return ev
 

@@ -44,7 +44,7 @@ from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.worker_shell import STATS_METADATA_KEY, Aborted, EngineLoop, LoadReporter, LoopMode, call_time_remaining
 from kv_transfer import LOOPBACK_UCX_ENV, KVTransferAgent
-from kv_transfer.embeddings import EmbeddingAgent, EmbeddingSource
+from kv_transfer.embeddings import EmbeddingAgent, EmbeddingSource, HolderUnreachable
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.core import ImageInput, KVDestination, NoRoomForEmbeddings, PrefillCore, PrefillDone, PrefillWork
 from protos import common_pb2, loadbalancer_pb2, prefill_pb2, prefill_pb2_grpc
@@ -317,6 +317,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             return _refusal(rid, _Refused(common_pb2.ERROR_CODE_ABORTED, f"request {rid!r} was aborted: {e}"))
         except (_Refused, InvalidRequestError) as e:
             return _refusal(rid, e)
+        except HolderUnreachable as e:  # retryable: the entrypoint encodes the images again elsewhere
+            return _refusal(rid, _Refused(common_pb2.ERROR_CODE_UNAVAILABLE, str(e), "image_embeddings"))
         except NoRoomForEmbeddings as e:
             return _refusal(rid, _Refused(common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, str(e)))
         except Exception as e:

@@ -21,7 +21,7 @@ import pytest
 
 from deploy.processes import ServiceProcesses
 from entrypoint.client import Client, GenerateError
-from protos import common_pb2, prefill_pb2_grpc, vision_pb2_grpc
+from protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, vision_pb2_grpc
 
 pytest.importorskip("nixl")
 pytest.importorskip("PIL")
@@ -62,7 +62,8 @@ class VisionCluster:
         address = self.info[name]["address"]
         if address not in self._channels:
             self._channels[address] = grpc.insecure_channel(address)
-        stub = {"vision": vision_pb2_grpc.VisionStub, "prefill": prefill_pb2_grpc.PrefillStub}[name.split("-")[0]](
+        stub = {"vision": vision_pb2_grpc.VisionStub, "prefill": prefill_pb2_grpc.PrefillStub,
+                "decode": decode_pb2_grpc.DecodeStub}[name.split("-")[0]](
             self._channels[address])
         reply, call = stub.Health.with_call(common_pb2.HealthRequest(), timeout=RPC_TIMEOUT_S)
         assert reply.is_healthy, reply.message
@@ -123,7 +124,7 @@ def test_image_outputs_equal_offline_engine_and_embeddings_moved_by_nixl(cluster
         ([9, PLACEHOLDER, 10, 11, PLACEHOLDER, 12], [RED, BLUE]),
         ([13, 14, 15], []),
     ]
-    v0, p0 = cluster.stats("vision-0"), cluster.stats("prefill")
+    v0, p0, d0 = cluster.stats("vision-0"), cluster.stats("prefill"), cluster.stats("decode")
     outs = [cluster.client.generate(ids, images=[data_url(i) for i in imgs] or None, temperature=0.0,
                                     max_tokens=8, ignore_eos=True) for ids, imgs in cases]
     llm = LLM(model=cluster.checkpoint, num_blocks=256, max_num_seqs=8)
@@ -135,14 +136,16 @@ def test_image_outputs_equal_offline_engine_and_embeddings_moved_by_nixl(cluster
         assert out["usage"]["prompt_tokens"] == len(ids) + 183 * len(imgs)  # each placeholder -> 184 image tokens
     assert outs[1]["token_ids"] != outs[2]["token_ids"]  # same ids, images swapped: the embeddings matter
     # two distinct images, five image uses: encoded twice, the rest were cache hits
-    v1, p1 = cluster.stats("vision-0"), cluster.stats("prefill")
+    v1, p1, d1 = cluster.stats("vision-0"), cluster.stats("prefill"), cluster.stats("decode")
     assert v1["vision_images_encoded_total"] - v0["vision_images_encoded_total"] == 2
     assert v1["vision_cache_hits_total"] - v0["vision_cache_hits_total"] == 3
     row_bytes = 4 * json.loads(open(os.path.join(cluster.checkpoint, "config.json")).read())["hidden_size"]
     assert p1["embeddings_read_bytes_total"] - p0["embeddings_read_bytes_total"] == 5 * 184 * row_bytes
     assert p1["embeddings_reads_done_total"] - p0["embeddings_reads_done_total"] == 5
-    assert v1["embeddings_served_bytes_total"] - v0["embeddings_served_bytes_total"] == \
-        p1["embeddings_read_bytes_total"] - p0["embeddings_read_bytes_total"]
+    # the decode reservation READs them too (to compute image positions itself: replay, preemption)
+    assert d1["embeddings_read_bytes_total"] - d0["embeddings_read_bytes_total"] == 5 * 184 * row_bytes
+    assert v1["embeddings_served_bytes_total"] - v0["embeddings_served_bytes_total"] == 2 * (
+        p1["embeddings_read_bytes_total"] - p0["embeddings_read_bytes_total"])
     # the holds were released once the prefill answered
     assert _wait_for("holds released", lambda: cluster.stats("vision-0")["vision_held_requests"] == 0)
 
@@ -229,12 +232,15 @@ def test_vision_instance_lost_before_prefill_read_is_encoded_again(cluster):
         except Exception as e:  # reported below
             result["error"] = e
 
+    reads0 = cluster.stats("decode")["embeddings_reads_done_total"]
     prefill.send_signal(signal.SIGSTOP)  # the prefill call waits; heartbeats pause (< the 2 s timeout)
     try:
         thread = threading.Thread(target=run)
         thread.start()
-        holder = _wait_for("the images encoded and held", lambda: next(
-            (n for n in names if cluster.stats(n)["vision_held_requests"]), None), timeout_s=1.5)
+        # encoded, held, and read by the decode reservation: the prefill's READ is the one that fails
+        _wait_for("the decode read the embeddings", lambda: cluster.stats("decode")["embeddings_reads_done_total"]
+                  > reads0, timeout_s=1.5)
+        holder = next(n for n in names if cluster.stats(n)["vision_held_requests"])
         cluster.processes.procs[holder].kill()
         cluster.processes.procs[holder].wait(10)
     finally:
@@ -249,3 +255,43 @@ def test_vision_instance_lost_before_prefill_read_is_encoded_again(cluster):
     assert result["out"]["token_ids"] == expected.outputs[0].token_ids
     survivor = next(n for n in names if n != holder)
     assert cluster.stats(survivor)["vision_images_encoded_total"] >= 1
+
+
+def test_vision_instance_lost_before_the_decode_read_is_encoded_again(cluster):
+    """As above, but the vision instance dies before the decode reservation READs the embeddings."""
+    import signal
+    import threading
+
+    live = [n for n in cluster.processes.procs if n.startswith("vision-")
+            and cluster.processes.procs[n].poll() is None]
+    cluster.start_vision("vision-3")
+    names = [*live, "vision-3"]
+    decode = cluster.processes.procs["decode"]
+    image = png((200, 200, 30))
+    result: dict = {}
+
+    def run():
+        try:
+            result["out"] = cluster.client.generate([7, PLACEHOLDER, 8], images=[image], temperature=0.0,
+                                                    max_tokens=3, ignore_eos=True)
+        except Exception as e:  # reported below
+            result["error"] = e
+
+    decode.send_signal(signal.SIGSTOP)  # Reserve waits; heartbeats pause (< the 2 s timeout)
+    try:
+        thread = threading.Thread(target=run)
+        thread.start()
+        holder = _wait_for("the images encoded and held", lambda: next(
+            (n for n in names if cluster.stats(n)["vision_held_requests"]), None), timeout_s=1.5)
+        cluster.processes.procs[holder].kill()
+        cluster.processes.procs[holder].wait(10)
+    finally:
+        decode.send_signal(signal.SIGCONT)
+    thread.join(60)
+    assert "error" not in result, result.get("error")
+    from engine import LLM, SamplingParams
+
+    expected = LLM(model=cluster.checkpoint, num_blocks=256, max_num_seqs=8).generate(
+        [{"prompt_token_ids": [7, PLACEHOLDER, 8], "multi_modal_data": {"image": [image]}}],
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert result["out"]["token_ids"] == expected.outputs[0].token_ids

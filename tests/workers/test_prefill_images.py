@@ -131,3 +131,45 @@ def test_failed_read_reports_lost_images_and_full_buffer_refuses(stack):
     _wait(lambda: not vision.step() and not prefill.step() and prefill.num_reading == 0)
     assert prefill.emb_agent.allocator.num_free_rows == 400
 
+
+
+def test_replay_decode_with_image_spans_equals_offline(stack):
+    """A decode instance that rebuilds the bounded state by replay recomputes image positions from the
+    spans it was given at Reserve (the image sits in the replayed tail of the prompt)."""
+    from engine.multimodal import ImageSpan
+
+    path, prefill, _, vision, (red, _) = stack
+    d_eng = Engine(EngineConfig(model=path, max_num_seqs=8))
+    d_agent = KVTransferAgent("pi-decode-replay", d_eng.cache, ucx_env=LOOPBACK_UCX_ENV, send_state=False)
+    prefill.agent.add_peer("pi-decode-replay", d_agent.metadata(), d_agent.pool_layout())
+    try:
+        decode = DecodeCore(d_eng, d_agent, "pi-decode-replay")
+        (src,) = _encode(vision, "p4", [red])
+        start = (src.addr - vision.agent.buffer.data_ptr()) // (src.num_bytes // src.num_rows)
+        embeds = vision.agent.rows(start, src.num_rows).clone()
+        prompt = [5, 6, 7] + [IMAGE_TOKEN_ID] * red.num_tokens + [8, 9]
+        params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+        res = decode.reserve("p4", prompt, params, lease_s=60.0,
+                             images=[ImageSpan(3, red.num_tokens, red.content_hash, embeds=embeds)])
+        assert res.state_slot is None  # replay mode
+        dest = KVDestination(res.peer, res.block_ids, res.transfer_id, 30.0)
+        prefill.submit(PrefillWork("p4", prompt, params, dest,
+                                   [ImageInput(3, red.num_tokens, red.content_hash, src)]))
+        out = None
+        deadline = time.monotonic() + 60
+        while out is None:
+            assert time.monotonic() < deadline
+            vision.step()
+            for done in prefill.step():
+                assert not done.error, done.error
+            for ev in decode.step():
+                assert not isinstance(ev, DecodeFailed), ev
+                if ev.finished:
+                    out = ev
+        ref = LLM(path).generate([{"prompt_token_ids": [5, 6, 7, IMAGE_PLACEHOLDER_ID, 8, 9],
+                                   "multi_modal_data": {"image": [red.info]}}], params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        vision.release("p4")
+    finally:
+        prefill.agent.remove_peer("pi-decode-replay")
+        d_agent.close()
