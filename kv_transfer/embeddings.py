@@ -17,10 +17,12 @@ Who calls what, and when
 ------------------------
 1. Vision V: encodes an image into rows it holds for the request (its own lease), answers Encode
    with one `EmbeddingSource` (as `ImageEmbeddings`) per image.
-2. Prefill P: `connect(peer, metadata)` (cached by metadata digest), `read(...)` per image; the READ
-   carries a notification (`encode_notif`, transfer id + b"read") that V's `poll()` reports in
-   `read_by_peer_ids`: V only counts it (`embeddings_served_*`): the hold itself ends by the
-   control plane (Vision.Release after the prefill answered) or V's lease.
+2. Decode D (during Reserve, `read_now`: blocking, a few ms) and prefill P (`read(...)` per image,
+   polled by its loop): `connect(peer, metadata)` (cached by metadata digest), then READs with the
+   transfer ids `{request_id}/{i}`; each READ carries a notification (`encode_notif`, transfer id +
+   b"read") that V's `poll()` reports in `read_by_peer_ids`: V only counts it
+   (`embeddings_served_*`): the hold itself ends by the control plane (Vision.Release after the
+   prefill answered) or V's lease. A holder NIXL cannot reach raises `HolderUnreachable`.
 3. P: `poll()` -> `EmbeddingEvents.done_ids` (bytes are in P's rows) or `failed_ids` (peer gone,
    transport error, lease). A READ never writes into V's memory, so a late or failed READ can only
    spoil P's own destination rows, which P frees only after the READ reported.
