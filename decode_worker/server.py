@@ -13,6 +13,10 @@ handlers post work to it; a heartbeat thread reports the load to the decode bala
    transfer; the answer carries the block ids, the transfer id, the lease deadline, and what a
    prefill needs to connect: the agent name, `agent_metadata` and `agent_layout` (JSON of
    `KVTransferAgent.pool_layout()`). Refusals (bad params, no room, draining) are in-band `Error`s.
+   An image prompt's embeddings are READ first (`EmbeddingAgent.read_now`, blocking the loop a few
+   ms) from the vision instance holding them, and go to the engine as `ImageSpan`s, so bounded
+   replay and recompute after preemption see the images; embeddings that cannot be read are an
+   in-band UNAVAILABLE on field `image_embeddings` (the entrypoint encodes them again).
 2. The prefill's WRITE lands; its notification (with the first token) commits the request and the
    loop decodes it. Its outputs go, as `TokenChunk` deltas, into the request's buffer, which exists
    from Reserve on, so nothing is lost when decoding starts before `Start` arrives.

@@ -13,7 +13,8 @@ the prefill balancer. A `Prefill` call:
 1. validates the request (bad sampling params, block size, destination -> an in-band `Error`);
 2. on the loop thread: connects to the decode agent if it is new (`add_peer` with the destination's
    `agent_metadata` + JSON `agent_layout`; peers are cached by name and metadata digest), then
-   `core.submit`;
+   `core.submit` (an image prompt first READs its embeddings from the vision instance holding them,
+   `PrefillCore` step 0; lost embeddings are an in-band UNAVAILABLE on field `image_embeddings`);
 3. the loop's `core.step()` prefills, samples the first token and WRITEs the KV into the decode
    instance's reserved blocks; once NIXL reports the WRITE done the future resolves and the call
    answers with the first token.
