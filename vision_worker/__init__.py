@@ -1,2 +1,9 @@
-"""vision_worker: image preprocessing, vision tower and projector; ships image embeddings to prefill
-through kv_transfer. Filled by the vision-stage issue."""
+"""vision_worker: the vision stage instance that resolves a request's images the V4.1 way (recipe's
+allow-listed fetcher, `OpenCvImagePreprocessor`, limits: `engine.images`), encodes them with the
+vision tower + projector in batches across requests, and holds the embeddings in NIXL-registered
+rows (a content-hash LRU cache) from where the decode and prefill instances READ them
+(`kv_transfer.embeddings`).
+
+`core.VisionCore` is the pure core (`submit` / `step` / `release`, no sockets); `server.serve_vision`
+is the process shell (the `deepinfer.v1.Vision` gRPC service, encode-loop thread, balancer
+membership); `python -m vision_worker` runs it as a process."""
