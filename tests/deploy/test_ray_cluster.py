@@ -256,7 +256,7 @@ def test_cli_finds_the_cluster(cluster, tmp_path):
     assert err["code"] == "INVALID_ARGUMENT" and err["field"] == "prompt_token_ids"
 
     r = cli("scale", "--address", cluster.gcs_address, "--name", CLUSTER_NAME, "vision=1")
-    assert r.returncode == 2 and "no vision tower" in r.stderr  # the built-in model is text-only
+    assert r.returncode == 2 and "no vision tower" in r.stderr  # this test checkpoint is text-only
 
 
 def test_cli_up_detached_then_down(cluster, tmp_path):
