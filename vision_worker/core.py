@@ -171,6 +171,15 @@ class VisionCore:
             if self._is_ready(req):
                 del self._waiting[rid]
                 done.append(self._answer(req))
+        if self._queue and not batch and not self._held:
+            # NOTE: the queue head does not fit and no hold will end: the waiting requests pin the buffer
+            # (their cached images) among themselves; fail the ones waiting for the head so others can run
+            head = next(iter(self._queue))
+            for rid, req in list(self._waiting.items()):
+                if head in req.hashes:
+                    self.release(rid)
+                    done.append(EncodeDone(rid, error="the embedding buffer cannot hold this request's images "
+                                           "with those of the requests in flight; retry later"))
         now = self._clock()
         for rid, req in list(self._held.items()):
             if req.deadline is not None and now >= req.deadline:

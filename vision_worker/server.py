@@ -283,6 +283,8 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
             return _refusal(rid, _Refused(common_pb2.ERROR_CODE_INVALID_REQUEST, str(e), "images"))
         except Exception as e:
             return _refusal(rid, _Refused(common_pb2.ERROR_CODE_INTERNAL, str(e)))
+        if done.error:
+            return _refusal(rid, _Refused(common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, done.error))
         if not context.is_active():  # the caller is gone: nobody will release the hold
             w.loop.post(partial(w._abort, rid, "encode call ended"))
         reply = vision_pb2.EncodeResponse(

@@ -141,3 +141,16 @@ def test_bad_images_are_refused_with_clear_messages():
     assert e.value.code == "image_url_not_allowed" and e.value.status == 400
     with pytest.raises(InvalidImageError, match="not allowed"):
         resolver.resolve([recipe.UrlImageSource("ftp://images.example.com/a.png")])
+
+
+def test_requests_pinning_the_buffer_among_themselves_fail_instead_of_waiting_forever(core_factory):
+    core = core_factory(num_rows=400)  # two 184-token images fit
+    x, z, y, w = resolve(png((255, 0, 0)), png((0, 255, 0)), png((0, 0, 255)), png((9, 9, 9)))
+    core.submit("warm", [x, z], lease_s=5)
+    assert len(core.step()) == 1
+    core.release("warm")  # x and z stay cached
+    core.submit("r1", [x, y], lease_s=5)  # each pins one cached entry and needs room for another
+    core.submit("r2", [z, w], lease_s=5)
+    done = core.step()
+    assert [(d.request_id, bool(d.error)) for d in done] == [("r1", True)] and "retry" in done[0].error
+    assert [d.request_id for d in core.step()] == ["r2"]  # x was unpinned, evicted, w encoded
