@@ -74,6 +74,8 @@ IMAGE_TEMPLATES = {
 }
 IMAGE_TOKEN = "<｜image｜>"
 """recipe's image placeholder spelling in message text (one placeholder per image)."""
+IMAGE_SEPARATOR = "\n\n"
+"""What recipe's API conversions put between a message's content parts (after each image)."""
 NUM_HELD_OUT_IMAGES = 200
 
 WEATHER_TOOL = {
@@ -256,7 +258,9 @@ class ChatRenderer:
         if isinstance(ex, ImageExample):
             sources = [dr.BytesImageSource(p.png()) for p in ex.pictures]
             turns = [*ex.history, (ex.user, ex.answer)]
-            messages = [dr.UserMessage(IMAGE_TOKEN * len(sources) + turns[0][0], image_sources=sources)]
+            # as recipe renders an API message of image parts then a text part: each image, then a blank line
+            messages = [dr.UserMessage("".join(IMAGE_TOKEN + IMAGE_SEPARATOR for _ in sources) + turns[0][0],
+                                       image_sources=sources)]
             for i, (user, answer) in enumerate(turns):
                 if i:
                     messages.append(dr.UserMessage(user))

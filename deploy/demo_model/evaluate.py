@@ -4,7 +4,8 @@
 
 Exact match of the whole completion (reasoning, `</think>`, answer and `<｜end▁of▁sentence｜>` for
 thinking mode) against the rendered target, per task and mode, on the fixed held-out items of
-`deploy/demo_model/data.py` (the tool set: every held-out place with every phrasing). Also reports
+`deploy/demo_model/data.py` (the tool set: every held-out place with every phrasing; the image tasks:
+the first `--num` held-out pictures, through the model's own vision tower). Also reports
 how often an answer contains the right sum / city, and whether every output ended with EOS.
 """
 
@@ -43,6 +44,27 @@ def evaluate(model: str | None, num: int) -> dict:
                 answer = out.outputs[0].text.split("</think>")[-1]
                 contains += (f'"true">{ex.answer}<' in answer) if task == "tool" else (ex.answer in answer)
             name = f"{task}/{'thinking' if thinking else 'direct'}"
+            results[name] = {"n": len(exs), "exact": exact / len(exs), "answer_contains": contains / len(exs),
+                             "ends_with_eos": eos / len(exs), "seconds": round(time.time() - start, 1)}
+            print(name, json.dumps(results[name]), flush=True)
+    pics = D.held_out_pictures()[:num]
+    for task in D.IMAGE_TASKS:
+        for thinking in (False, True):
+            rng = random.Random(11)
+            groups = [(pic, pics[(i * 7 + 3) % len(pics)]) if task == "two" else (pic,) for i, pic in enumerate(pics)]
+            exs = [D.make_image_example(task, group, rng, thinking, with_history=i % 4 == 3)
+                   for i, group in enumerate(groups)]
+            start = time.time()
+            outs = llm.generate([{"prompt_token_ids": renderer.prompt_ids(ex),
+                                  "multi_modal_data": {"image": [p.png() for p in ex.pictures]}} for ex in exs],
+                                SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)
+            exact = contains = eos = 0
+            for ex, out in zip(exs, outs):
+                ids = list(out.outputs[0].token_ids)
+                exact += ids == renderer.completion_ids(ex)
+                eos += bool(ids) and ids[-1] == renderer.eos_id
+                contains += ex.answer in out.outputs[0].text.split("</think>")[-1]
+            name = f"image-{task}/{'thinking' if thinking else 'direct'}"
             results[name] = {"n": len(exs), "exact": exact / len(exs), "answer_contains": contains / len(exs),
                              "ends_with_eos": eos / len(exs), "seconds": round(time.time() - start, 1)}
             print(name, json.dumps(results[name]), flush=True)

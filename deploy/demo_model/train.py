@@ -94,6 +94,8 @@ VISION: dict = {
 """The vision tower's config block (see engine/models/vision.py for the layout it defines)."""
 CHAT_ENCODING = "v4"
 MTP_LOSS_WEIGHT = 0.3
+PRETRAINED_LR_SCALE = 0.3
+"""Learning-rate scale of a warm-started text model's weights (stage 4)."""
 # (task, thinking) -> (share of steps, examples per step)
 BUCKETS: dict[tuple[str, bool], tuple[float, int]] = {
     ("add", False): (0.20, 96),
@@ -107,7 +109,7 @@ BUCKETS: dict[tuple[str, bool], tuple[float, int]] = {
     ("image", False): (0.13, 8),
     ("image", True): (0.06, 8),
 }
-IMAGE_TASK_SHARES = {"colour": 0.3, "shape": 0.3, "describe": 0.2, "two": 0.2}
+IMAGE_TASK_SHARES = {"colour": 0.25, "shape": 0.35, "describe": 0.2, "two": 0.2}
 NUM_TRAIN_PICTURES = 1600
 """Distinct training pictures (each asked about many times); their recipe-preprocessed WEBP bytes
 are stored in the dataset."""
@@ -126,6 +128,10 @@ STAGE_SHARES: dict[int, dict[tuple[str, bool], float]] = {
     4: {("add", False): 0.14, ("add", True): 0.09, ("copy", False): 0.03, ("copy", True): 0.06,
         ("reverse", False): 0.03, ("reverse", True): 0.06, ("tool", False): 0.13, ("tool", True): 0.12,
         ("image", False): 0.22, ("image", True): 0.12},
+    # stage 5 (`--init-from` a stage-4 model): pictures asked the way the API renders them, shapes
+    5: {("add", False): 0.12, ("add", True): 0.08, ("copy", False): 0.03, ("copy", True): 0.06,
+        ("reverse", False): 0.03, ("reverse", True): 0.06, ("tool", False): 0.06, ("tool", True): 0.06,
+        ("image", False): 0.35, ("image", True): 0.15},
 }
 
 
@@ -216,6 +222,7 @@ def sample_batches(dataset: dict, steps: int, seed: int, stage: int = 1, batch_s
         chosen = [rng.randrange(len(pool["lens"])) for _ in range(BUCKETS[key][1] * batch_scale)]
         seqs = [seqs_of[key][i] for i in chosen]
         yield {
+            "bucket": f"{key[0]}/{'think' if key[1] else 'direct'}",
             "ids": torch.cat(seqs),
             "prompt_lens": pool["prompt_lens"][chosen],
             "lens": torch.tensor([len(x) for x in seqs], dtype=torch.int32),
@@ -458,13 +465,22 @@ def train(dataset: dict, steps: int, seed: int, lr: float, device: str, log_ever
         model.load_state_dict(init["state_dict"])
     model = model.to(device)
     model.train()
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    rest = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.98))
+    # NOTE: a warm-started text model (stage 4) learns at PRETRAINED_LR_SCALE x lr and feeds the fresh
+    # MTP layer detached streams, so the new parts' large early gradients cannot undo what it knows.
+    warm = init_checkpoint is not None
+    groups = []
+    for is_pretrained in (False, True):
+        for is_matrix in (True, False):
+            params = [p for n, p in model.named_parameters()
+                      if (p.dim() >= 2) == is_matrix and (warm and n.startswith("lm.")) == is_pretrained]
+            if params:
+                groups.append({"params": params, "weight_decay": 0.01 if is_matrix else 0.0,
+                               "lr_scale": PRETRAINED_LR_SCALE if is_pretrained else 1.0})
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98))
     batches = sample_batches(dataset, steps, seed, stage, batch_scale)
     warmup = max(1, min(100, steps // 10))
     start, run_loss, run_mtp = time.time(), 0.0, 0.0
+    by_bucket: dict[str, list[float]] = {}
 
     def progress(step: int) -> float:
         """Fraction of the schedule done: by steps, or by wall time under --max-seconds (whichever is ahead)."""
@@ -474,14 +490,15 @@ def train(dataset: dict, steps: int, seed: int, lr: float, device: str, log_ever
     for step, batch in enumerate(batches):
         factor = min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress(step), 1.0))))
         for group in opt.param_groups:
-            group["lr"] = lr * factor
+            group["lr"] = lr * factor * group["lr_scale"]
         ids, mask = collate(batch, device)
         image_embeds = model.image_embeds(bank.batch(batch["image_idx"])) if len(batch["image_idx"]) else None
         streams, ctx = model.streams(ids, image_embeds)
         logits = model.logits(model.main_hidden(streams))
         loss = F.cross_entropy(logits[:, :-1][mask[:, :-1]], ids[:, 1:][mask[:, :-1]])
         mtp_mask = mask[:, :-2]  # MTP at t (given token t+1) predicts token t+2
-        mtp_logits = model.logits(model.mtp_hidden(streams[:, :-2], ids[:, 1:-1], ctx))
+        mtp_in = streams[:, :-2].detach() if warm else streams[:, :-2]
+        mtp_logits = model.logits(model.mtp_hidden(mtp_in, ids[:, 1:-1], ctx))
         mtp_loss = F.cross_entropy(mtp_logits[mtp_mask], ids[:, 2:][mtp_mask])
         (loss + MTP_LOSS_WEIGHT * mtp_loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -489,11 +506,13 @@ def train(dataset: dict, steps: int, seed: int, lr: float, device: str, log_ever
         opt.zero_grad(set_to_none=True)
         run_loss += loss.item()
         run_mtp += mtp_loss.item()
+        by_bucket.setdefault(batch["bucket"], []).append(loss.item())
         if (step + 1) % log_every == 0 or step + 1 == steps:
             n = (step % log_every) + 1
+            buckets = " ".join(f"{k}={sum(v) / len(v):.3f}" for k, v in sorted(by_bucket.items()))
             print(f"step {step + 1}/{steps} loss {run_loss / n:.4f} mtp {run_mtp / n:.4f} "
-                  f"{time.time() - start:.0f}s", flush=True)
-            run_loss, run_mtp = 0.0, 0.0
+                  f"{time.time() - start:.0f}s | {buckets}", flush=True)
+            run_loss, run_mtp, by_bucket = 0.0, 0.0, {}
         model.steps_done = step + 1
         if stop_after is not None and step + 1 >= stop_after:
             break
@@ -665,7 +684,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data", type=Path, help="train from a dataset written by --save-data")
     p.add_argument("--save-compact", type=Path, help="also save the compact trained model here")
     p.add_argument("--from-compact", type=Path, help="skip training: export this compact model")
-    p.add_argument("--stage", type=int, default=1, choices=[1, 2, 3, 4], help="data mix (see STAGE_SHARES)")
+    p.add_argument("--stage", type=int, default=1, choices=[1, 2, 3, 4, 5], help="data mix (see STAGE_SHARES)")
     p.add_argument("--init-from-checkpoint", type=Path,
                    help="stage 4: start the text model from this exported checkpoint directory")
     p.add_argument("--init-from", type=Path, help="continue training this compact model (stages 2, 3)")
@@ -679,8 +698,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.time()
-    if (args.stage in (2, 3)) != bool(args.init_from):
-        p.error("--stage 2 and 3 continue a previous stage: give --init-from (and only they take it)")
+    if (args.stage in (2, 3, 5)) != bool(args.init_from):
+        p.error("--stage 2, 3 and 5 continue a previous stage: give --init-from (and only they take it)")
     if (args.stage == 4) != bool(args.init_from_checkpoint):
         p.error("--stage 4 starts from an exported checkpoint: give --init-from-checkpoint (and only it takes it)")
     dataset = load_dataset(args.data) if args.data else build_dataset(args.seed)

@@ -26,13 +26,15 @@ pytestmark = [
     pytest.mark.skipif(not _is_trained_demo_model(), reason=(
         "the default model is not the trained built-in demo model (no `deepinfer` section in its config.json): "
         "content checks need it; the protocol checks of test_http_api.py run on any weights")),
-    # NOTE: strict, so these fail loudly once a retrained demo model meets issue 4's targets and the
-    # marker must go. Measured 2026-12-03 through this API: 37 + 48 -> "86"/"89"/"103" by route, the
-    # weather tool is called with a wrong city, Responses with thinking reasons about another sum;
-    # the model card (engine/testing/demo_model/README.md) has the held-out accuracies.
-    pytest.mark.xfail(strict=True, reason=(
-        "the committed demo model misses issue 4's accuracy targets (held-out addition 36%, tool city 0%)")),
 ]
+
+# NOTE: strict, so these fail loudly once a retrained demo model meets issue 4's targets and the
+# marker must go. Measured 2026-12-03 08:40 UTC through this API: the weather tool is called with a
+# wrong city; thinking-mode answers (reasoning about another sum) are wrong; the model card
+# (engine/testing/demo_model/README.md) has the held-out accuracies.
+NOT_MET = pytest.mark.xfail(strict=True, reason=(
+    "the committed demo model misses issue 4's accuracy targets (held-out addition 52%, thinking-mode "
+    "answers ~0%, tool city 0%)"))
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city.",
@@ -73,6 +75,7 @@ def test_addition_non_streaming_and_streaming(oai, model_name):
     assert "85" in "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
+@NOT_MET
 def test_thinking_returns_reasoning_apart_from_content(oai, model_name):
     out = oai.chat.completions.create(model=model_name, messages=ADD, max_tokens=200, seed=0,
                                       extra_body={"thinking": {"type": "enabled"}})
@@ -92,6 +95,7 @@ def _streamed_tool_calls(chunks) -> list[dict]:
     return [calls[i] for i in sorted(calls)]
 
 
+@NOT_MET
 def test_weather_tool_call_streaming_and_not(oai, model_name):
     kwargs = dict(model=model_name, messages=WEATHER, tools=[WEATHER_TOOL], max_tokens=64, temperature=0,
                   extra_body=NO_THINKING)
@@ -103,6 +107,7 @@ def test_weather_tool_call_streaming_and_not(oai, model_name):
     assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == [("get_weather", {"city": "Paris"})]
 
 
+@NOT_MET
 def test_responses_text_ends_completed(oai, model_name):
     out = oai.responses.create(model=model_name, input="What is 37 + 48?", max_output_tokens=200,
                                extra_body=NO_THINKING)
@@ -112,6 +117,7 @@ def test_responses_text_ends_completed(oai, model_name):
     assert events[-1].type == "response.completed" and "85" in events[-1].response.output_text
 
 
+@NOT_MET
 def test_anthropic_messages_text_and_tool_use(claude, model_name):
     out = claude.messages.create(model=model_name, max_tokens=200, messages=ADD, thinking={"type": "disabled"})
     assert out.stop_reason == "end_turn" and "85" in "".join(b.text for b in out.content if b.type == "text")
