@@ -174,6 +174,8 @@ class Engine:
         config = config or EngineConfig(**kwargs)
         self.config = config
         path = Path(config.model) if config.model else default_model_path()
+        self.model_path = path
+        """The checkpoint directory this engine serves (the built-in demo model's when none was given)."""
         self.model, self.model_config = load_checkpoint(path, dtype=config.dtype, device=config.device)
         mc = self.model_config
         self.tokenizer = load_tokenizer(path)

@@ -73,6 +73,51 @@ class LLM:
         bar.close()
         return [results[r] for r in ids]
 
+    def chat(
+        self,
+        conversations: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Blocks until done; generates for one or more deepseek-recipe `Conversation`s (images
+        included), rendered with the checkpoint's own chat encoding (`config.json`'s
+        `deepinfer.chat_encoding`) exactly as the HTTP front renders them.
+
+        Images come from the conversation's image sources (`DataUrlImageSource`,
+        `BytesImageSource`), preprocessed by recipe as served images are. External image URLs are
+        refused (`InvalidImageError`): this offline API fetches nothing; pass the bytes instead.
+        """
+        import deepseek_recipe as recipe
+
+        from engine.images import InvalidImageError
+        from engine.tokenizer import load_chat_encoding
+
+        if isinstance(conversations, recipe.Conversation):
+            conversations = [conversations]
+        encoding = load_chat_encoding(self.engine.model_path)
+        prompts = []
+        for conv in conversations:
+            if not isinstance(conv, recipe.Conversation):
+                raise InvalidRequestError(f"chat() takes deepseek_recipe.Conversation objects, got {type(conv).__name__}",
+                                          field="conversation")
+            sources = [s for m in conv.messages for s in m.image_sources]
+            if any(s.kind == "url" for s in sources):
+                raise InvalidImageError("the offline chat() fetches no image URLs; give the image bytes "
+                                        "(BytesImageSource) or a data: URL", field="image")
+            prompt: dict = {"prompt_token_ids": encoding.encode(conv)}
+            if sources:
+                resolver = recipe.ImageResolver(
+                    recipe.ReqwestImageFetcher().with_destination_filter(lambda host, address: False),
+                    recipe.OpenCvImagePreprocessor())
+                try:
+                    infos = resolver.resolve(sources, recipe.ImageQuota()).images
+                except recipe.ImageError as e:
+                    raise InvalidImageError(f"a conversation image cannot be used ({e.kind}): {e}",
+                                            field="image") from None
+                prompt["multi_modal_data"] = {"image": infos}
+            prompts.append(prompt)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def stream(self, prompt: str | dict | list[int], sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield incremental outputs (`new_token_ids` / `new_text` deltas) of one request as they come."""
         prompt, spans = self._with_images(prompt)

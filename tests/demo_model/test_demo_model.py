@@ -212,3 +212,34 @@ def test_vision_answers_about_held_out_pictures(llm, renderer, task):
     answers = [o.outputs[0].text.strip() for o in outs]
     correct = [a == ex.answer for a, ex in zip(answers, exs)]
     assert sum(correct) / len(correct) >= 0.95, list(zip([ex.answer for ex in exs], answers))
+
+
+def test_offline_chat_takes_recipe_conversations_with_images(llm):
+    """`LLM.chat`: a recipe conversation with an image (bytes or data URL), rendered with the model's
+    encoding, equals the token-ids-plus-images form; image URLs are refused offline."""
+    import base64
+    import random
+
+    import deepseek_recipe as recipe
+
+    from engine import SamplingParams
+    from engine.images import InvalidImageError
+
+    pic = D.held_out_pictures()[1]
+    png = pic.png()
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    data_url = "data:image/png;base64," + base64.b64encode(png).decode()
+    convs = [recipe.Conversation([recipe.UserMessage(D.IMAGE_TOKEN + D.IMAGE_SEPARATOR + "What colour is the shape?",
+                                                     image_sources=[source])], thinking_mode=False)
+             for source in (recipe.BytesImageSource(png), recipe.DataUrlImageSource(data_url))]
+    outs = llm.chat(convs, greedy, use_tqdm=False)
+    ex = D.make_image_example("colour", (pic,), random.Random(0), False)
+    ex = D.ImageExample(ex.task, ex.pictures, "What colour is the shape?", ex.answer, False)
+    ref = llm.generate({"prompt_token_ids": D.ChatRenderer().prompt_ids(ex), "multi_modal_data": {"image": [png]}},
+                       greedy, use_tqdm=False)[0]
+    assert [o.outputs[0].token_ids for o in outs] == [ref.outputs[0].token_ids] * 2
+    assert outs[0].outputs[0].text.strip() == pic.colour
+    url_conv = recipe.Conversation([recipe.UserMessage(D.IMAGE_TOKEN + "What colour is the shape?", image_sources=[
+        recipe.UrlImageSource("http://127.0.0.1:9/x.png")])], thinking_mode=False)
+    with pytest.raises(InvalidImageError, match="fetches no image URLs"):
+        llm.chat(url_conv, greedy, use_tqdm=False)
