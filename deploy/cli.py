@@ -76,6 +76,21 @@ def _run(args, prompts: list) -> int:
 
 DEMO_QUESTIONS = ("Reverse these words: red green blue", "Repeat these words: cat river song")
 """Chat requests the demo sends (tasks the built-in model learned well; see its model card)."""
+DEMO_PICTURE_QUESTION = "What colour is the shape?"
+"""Asked about a drawn blue circle when the model has a vision tower (through the vision stage)."""
+
+
+def _demo_picture() -> bytes:
+    """A blue circle on white, as PNG bytes."""
+    import io
+
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (96, 96), (255, 255, 255))
+    ImageDraw.Draw(img).ellipse((16, 16, 80, 80), fill=(30, 60, 220))
+    out = io.BytesIO()
+    img.save(out, "PNG")
+    return out.getvalue()
 
 
 def _cmd_demo(args) -> int:
@@ -101,15 +116,22 @@ def _cmd_demo(args) -> int:
     try:
         addresses = ray.get(controller.up.remote())
         t1 = time.perf_counter()
-        print(f"# local cluster up in {t1 - t0:.1f}s: entrypoint {addresses['entrypoint']}, 1 prefill + 1 decode "
-              "instance (separate processes, KV over NIXL)", file=sys.stderr, flush=True)
+        has_vision = "vision" in config.active_stages()
+        print(f"# local cluster up in {t1 - t0:.1f}s: entrypoint {addresses['entrypoint']}, "
+              f"{'1 vision + ' if has_vision else ''}1 prefill + 1 decode instance (separate processes, "
+              f"{'image embeddings and ' if has_vision else ''}KV over NIXL)", file=sys.stderr, flush=True)
+        asks = [(q, []) for q in DEMO_QUESTIONS]
+        if has_vision:  # the picture part then the question, as recipe renders an API message of both
+            asks.append((recipe.SpecialToken.Image.default_str() + "\n\n" + DEMO_PICTURE_QUESTION, [_demo_picture()]))
         with Client(addresses["entrypoint"], timeout_s=REMOTE_TIMEOUT_S) as client:
-            for question in DEMO_QUESTIONS:
-                conversation = recipe.Conversation([recipe.UserMessage(question)], thinking_mode=False)
-                prompt = encoding.encode(conversation)
-                out = client.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+            for question, images in asks:
+                message = recipe.UserMessage(question, image_sources=[recipe.BytesImageSource(b) for b in images])
+                prompt = encoding.encode(recipe.Conversation([message], thinking_mode=False))
+                out = client.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                                      **({"images": images} if images else {}))
                 answer = tokenizer.decode(out["token_ids"], skip_special_tokens=True)
-                print(json.dumps({"question": question, "answer": answer, "token_ids": out["token_ids"],
+                print(json.dumps({"question": question.replace(recipe.SpecialToken.Image.default_str() + "\n\n",
+                                                               "[picture of a blue circle] "), "answer": answer, "token_ids": out["token_ids"],
                                   "finish_reason": out["finish_reason"], "usage": out["usage"]}, ensure_ascii=False),
                       flush=True)
     except Exception as e:

@@ -46,14 +46,16 @@ def test_generate_with_a_structured_output_constraint(tmp_path):
 
 
 def test_demo_runs_on_the_embedded_default(tmp_path):
-    """The README's main job: a local Ray cluster (1 prefill + 1 decode process, KV over NIXL) with the
-    built-in model answers chat requests through the real chat format, then goes down."""
+    """The README's main job: a local Ray cluster (1 vision + 1 prefill + 1 decode process, embeddings and
+    KV over NIXL) with the built-in model answers chat requests (one about a picture) through the real
+    chat format, then goes down."""
     r = _cli("demo", "--max-tokens", "16", env={"DEEPINFER_HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     lines = [json.loads(x) for x in r.stdout.splitlines()]
     assert [(x["question"], x["answer"], x["finish_reason"]) for x in lines] == [
         ("Reverse these words: red green blue", "blue green red", "stop"),
-        ("Repeat these words: cat river song", "cat river song", "stop")]
+        ("Repeat these words: cat river song", "cat river song", "stop"),
+        ("[picture of a blue circle] What colour is the shape?", "blue", "stop")]
     assert not list(tmp_path.iterdir())  # the packaged demo checkpoint: nothing is written on first use
 
 

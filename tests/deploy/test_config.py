@@ -18,7 +18,8 @@ CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
 
 def test_example_configs_load():
     laptop = ClusterConfig.load(CONFIGS / "laptop.yaml")
-    assert laptop.num_instances() == {"prefill": 1, "decode": 1} == ClusterConfig().num_instances()
+    # the built-in model (the default) has a vision tower: one vision instance by default
+    assert laptop.num_instances() == {"vision": 1, "prefill": 1, "decode": 1} == ClusterConfig().num_instances()
     assert laptop.prefill.groups[0].bundles() == [{"CPU": 1.0}]
     assert laptop.role_config("decode", instance_id="decode-0", lb_address="127.0.0.1:9").loopback_ucx
 
