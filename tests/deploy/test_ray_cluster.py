@@ -214,7 +214,18 @@ def test_prefix_aware_routing_lands_on_the_instance_with_the_cache(cluster):
     # the owner's heartbeats bring the prefix's 6 block hashes to the balancer
     _wait_for("the prefix's block hashes at the balancer",
               lambda: cluster.listed("prefill")[owner].num_cached_block_hashes >= hashes_before + 6, timeout_s=20)
-    outs = [cluster.client.generate(p, max_tokens=2, temperature=0.0, ignore_eos=True) for p in prompts[1:]]
+
+    def idle() -> bool:
+        return all(i.load.num_queued_prefill_tokens == 0 and i.load.num_running_requests == 0
+                   and i.load.num_waiting_requests == 0 for i in cluster.listed("prefill").values())
+
+    # NOTE: each follow-up waits for idle load reports: a heartbeat taken while the owner was still
+    # prefilling the previous request reports its queued tokens, which (until the next heartbeat)
+    # outweigh the prefix hit and route the request to the idle instance (seen once under CI load)
+    outs = []
+    for p in prompts[1:]:
+        _wait_for("idle load reports from every prefill instance", idle, timeout_s=20)
+        outs.append(cluster.client.generate(p, max_tokens=2, temperature=0.0, ignore_eos=True))
     after = cluster.all_stats("prefill")
     # every follow-up ran on the owner (a coin flip per request otherwise) and hit its cache
     assert {k: after[k]["kv_transfer_sends_done_total"] - after_first[k]["kv_transfer_sends_done_total"]
