@@ -7,43 +7,20 @@ stderr. SIGTERM / SIGINT stop it (deregistering first); a `Drain` RPC makes it e
 
 from __future__ import annotations
 
-import json
-import logging
-import signal
 import sys
-import threading
 
 from decode_worker.config import DecodeWorkerConfig
-from engine.config_cli import config_from_args, make_parser
+from engine.worker_shell import run_worker_process
 
 
-def _log_to_stderr() -> None:
-    """Every log line goes to stderr; stdout carries only the address line.
+def _serve(config: DecodeWorkerConfig):
+    from decode_worker.server import serve_decode
 
-    NOTE: importing NIXL installs a handler that writes NIXL's logs to stdout; it is moved to stderr.
-    """
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    import nixl._api  # noqa: F401
-
-    for handler in logging.getLogger("nixl").handlers:
-        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
-            handler.setStream(sys.stderr)
+    return serve_decode(config)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = make_parser(DecodeWorkerConfig, "python -m decode_worker", __doc__.splitlines()[0])
-    config = config_from_args(DecodeWorkerConfig, parser, argv)
-    _log_to_stderr()
-    from decode_worker.server import serve_decode
-
-    worker = serve_decode(config)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: threading.Thread(target=worker.stop, name="decode_worker-stop").start())
-    print(json.dumps({"address": worker.address, "instance_id": worker.instance_id, "agent": worker.agent_name}),
-          flush=True)
-    while not worker.wait(0.5):
-        pass
-    return 0
+    return run_worker_process(DecodeWorkerConfig, "python -m decode_worker", __doc__, argv, _serve)
 
 
 if __name__ == "__main__":

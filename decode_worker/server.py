@@ -49,7 +49,7 @@ from decode_worker.core import DecodeCore, DecodeFailed
 from engine.cache.block_pool import NoFreeBlocksError, NoFreeSlotsError
 from engine.engine import Engine, RequestOutput
 from engine.errors import InvalidRequestError
-from engine.worker_shell import STATS_METADATA_KEY, EngineLoop, LoadReporter, LoopMode
+from engine.worker_shell import EngineLoop, LoadReporter, LoopMode, health_response
 from kv_transfer import LOOPBACK_UCX_ENV, KVTransferAgent
 from kv_transfer.embeddings import EmbeddingAgent, EmbeddingSource
 from protos import common_pb2, decode_pb2, decode_pb2_grpc, loadbalancer_pb2
@@ -465,17 +465,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return common_pb2.AbortResponse(was_found=was_found)
 
     def Health(self, request, context):
-        w = self.worker
-        message = ""
-        try:
-            stats = w.loop.call(w._stats, LOOP_CALL_TIMEOUT_S)
-            context.set_trailing_metadata(((STATS_METADATA_KEY, json.dumps(stats)),))
-        except concurrent.futures.TimeoutError:
-            message = f"the engine loop did not answer within {LOOP_CALL_TIMEOUT_S} s"
-        except Exception as e:
-            message = f"the engine loop is not running: {w.loop.error or e}"
-        return common_pb2.HealthResponse(is_healthy=not message, is_draining=w.is_draining,
-                                         instance_id=w.instance_id, stage=common_pb2.STAGE_DECODE, message=message)
+        return health_response(self.worker, context, common_pb2.STAGE_DECODE, "engine loop", LOOP_CALL_TIMEOUT_S)
 
     def Drain(self, request, context):
         num_unfinished = self.worker.drain(request.timeout_ms / 1000 if request.timeout_ms else None)

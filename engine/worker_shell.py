@@ -284,3 +284,62 @@ class LoadReporter:
                 self._num_failures += 1
             except Exception:  # keep heartbeating; collect() may time out while the loop is busy
                 self._logger.exception("collecting the load report failed")
+
+
+def run_worker_process(config_cls: type, prog: str, doc: str, argv: list[str] | None, serve: Callable) -> int:
+    """Blocks for a worker process's life (the `python -m <stage>_worker` entry of every stage).
+
+    Parses `config_cls` from `argv` (CLI generated from the config), sends every log line to stderr,
+    starts `serve(config)` (imported lazily by the caller's `serve`), makes SIGTERM / SIGINT stop it,
+    prints one JSON line `{"address", "instance_id", "agent"}` on stdout once it serves, and returns 0
+    when it stopped (a signal or a drain).
+    """
+    import json
+    import signal
+    import sys
+
+    from engine.config_cli import config_from_args, make_parser
+
+    config = config_from_args(config_cls, make_parser(config_cls, prog, doc.splitlines()[0]), argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import nixl._api  # noqa: F401
+
+    # NOTE: importing NIXL installs a handler that writes NIXL's logs to stdout; stdout carries only
+    # the address line, so it is moved to stderr
+    for handler in logging.getLogger("nixl").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+    worker = serve(config)
+    name = prog.split()[-1]
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: threading.Thread(target=worker.stop, name=f"{name}-stop").start())
+    print(json.dumps({"address": worker.address, "instance_id": worker.instance_id, "agent": worker.agent_name}),
+          flush=True)
+    while not worker.wait(0.5):
+        pass
+    return 0
+
+
+def health_response(worker: Any, context: grpc.ServicerContext, stage: int, loop_name: str,
+                    timeout_s: float) -> Any:
+    """A worker's `HealthResponse` (common.proto): healthy when its loop answers a stats call within
+    `timeout_s`; the stats JSON travels as trailing metadata (`STATS_METADATA_KEY`).
+
+    `worker` has `loop` (an `EngineLoop`), `_stats`, `is_draining` and `instance_id`; `stage` is a
+    `common_pb2.Stage` value; `loop_name` names the loop in messages ("engine loop", "encode loop").
+    """
+    import concurrent.futures
+    import json
+
+    from protos import common_pb2
+
+    message = ""
+    try:
+        stats = worker.loop.call(worker._stats, timeout_s)
+        context.set_trailing_metadata(((STATS_METADATA_KEY, json.dumps(stats)),))
+    except concurrent.futures.TimeoutError:
+        message = f"the {loop_name} did not answer within {timeout_s} s"
+    except Exception as e:
+        message = f"the {loop_name} is not running: {worker.loop.error or e}"
+    return common_pb2.HealthResponse(is_healthy=not message, is_draining=worker.is_draining,
+                                     instance_id=worker.instance_id, stage=stage, message=message)

@@ -7,43 +7,20 @@ stderr. SIGTERM / SIGINT stop it (deregistering first); a `Drain` RPC makes it e
 
 from __future__ import annotations
 
-import json
-import logging
-import signal
 import sys
-import threading
 
-from engine.config_cli import config_from_args, make_parser
+from engine.worker_shell import run_worker_process
 from vision_worker.config import VisionWorkerConfig
 
 
-def _log_to_stderr() -> None:
-    """Every log line goes to stderr; stdout carries only the address line.
+def _serve(config: VisionWorkerConfig):
+    from vision_worker.server import serve_vision
 
-    NOTE: importing NIXL installs a handler that writes NIXL's logs to stdout; it is moved to stderr.
-    """
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    import nixl._api  # noqa: F401
-
-    for handler in logging.getLogger("nixl").handlers:
-        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
-            handler.setStream(sys.stderr)
+    return serve_vision(config)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = make_parser(VisionWorkerConfig, "python -m vision_worker", __doc__.splitlines()[0])
-    config = config_from_args(VisionWorkerConfig, parser, argv)
-    _log_to_stderr()
-    from vision_worker.server import serve_vision
-
-    worker = serve_vision(config)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: threading.Thread(target=worker.stop, name="vision_worker-stop").start())
-    print(json.dumps({"address": worker.address, "instance_id": worker.instance_id, "agent": worker.agent_name}),
-          flush=True)
-    while not worker.wait(0.5):
-        pass
-    return 0
+    return run_worker_process(VisionWorkerConfig, "python -m vision_worker", __doc__, argv, _serve)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-import json
 import logging
 import threading
 import time
@@ -34,7 +33,14 @@ import grpc
 
 from engine.errors import InvalidRequestError
 from engine.images import ImageResolver, ImageUrlPolicy, image_source
-from engine.worker_shell import STATS_METADATA_KEY, Aborted, EngineLoop, LoadReporter, LoopMode, call_time_remaining
+from engine.worker_shell import (
+    Aborted,
+    EngineLoop,
+    LoadReporter,
+    LoopMode,
+    call_time_remaining,
+    health_response,
+)
 from kv_transfer import LOOPBACK_UCX_ENV
 from kv_transfer.embeddings import EmbeddingAgent
 from protos import common_pb2, loadbalancer_pb2, vision_pb2, vision_pb2_grpc
@@ -313,17 +319,7 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
         return common_pb2.AbortResponse(was_found=was_found)
 
     def Health(self, request, context):
-        w = self.worker
-        message = ""
-        try:
-            stats = w.loop.call(w._stats, LOOP_CALL_TIMEOUT_S)
-            context.set_trailing_metadata(((STATS_METADATA_KEY, json.dumps(stats)),))
-        except concurrent.futures.TimeoutError:
-            message = f"the encode loop did not answer within {LOOP_CALL_TIMEOUT_S} s"
-        except Exception as e:
-            message = f"the encode loop is not running: {w.loop.error or e}"
-        return common_pb2.HealthResponse(is_healthy=not message, is_draining=w.is_draining,
-                                         instance_id=w.instance_id, stage=common_pb2.STAGE_VISION, message=message)
+        return health_response(self.worker, context, common_pb2.STAGE_VISION, "encode loop", LOOP_CALL_TIMEOUT_S)
 
     def Drain(self, request, context):
         num_unfinished = self.worker.drain(request.timeout_ms / 1000 if request.timeout_ms else None)
