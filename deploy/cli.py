@@ -120,18 +120,18 @@ def _cmd_demo(args) -> int:
         print(f"# local cluster up in {t1 - t0:.1f}s: entrypoint {addresses['entrypoint']}, "
               f"{'1 vision + ' if has_vision else ''}1 prefill + 1 decode instance (separate processes, "
               f"{'image embeddings and ' if has_vision else ''}KV over NIXL)", file=sys.stderr, flush=True)
-        asks = [(q, []) for q in DEMO_QUESTIONS]
+        asks = [(q, q, []) for q in DEMO_QUESTIONS]  # (shown, message text, images)
         if has_vision:  # the picture part then the question, as recipe renders an API message of both
-            asks.append((recipe.SpecialToken.Image.default_str() + "\n\n" + DEMO_PICTURE_QUESTION, [_demo_picture()]))
+            asks.append((f"[picture of a blue circle] {DEMO_PICTURE_QUESTION}",
+                         recipe.SpecialToken.Image.default_str() + "\n\n" + DEMO_PICTURE_QUESTION, [_demo_picture()]))
         with Client(addresses["entrypoint"], timeout_s=REMOTE_TIMEOUT_S) as client:
-            for question, images in asks:
-                message = recipe.UserMessage(question, image_sources=[recipe.BytesImageSource(b) for b in images])
+            for shown, text, images in asks:
+                message = recipe.UserMessage(text, image_sources=[recipe.BytesImageSource(b) for b in images])
                 prompt = encoding.encode(recipe.Conversation([message], thinking_mode=False))
                 out = client.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-                                      **({"images": images} if images else {}))
+                                      images=images or None)
                 answer = tokenizer.decode(out["token_ids"], skip_special_tokens=True)
-                print(json.dumps({"question": question.replace(recipe.SpecialToken.Image.default_str() + "\n\n",
-                                                               "[picture of a blue circle] "), "answer": answer, "token_ids": out["token_ids"],
+                print(json.dumps({"question": shown, "answer": answer, "token_ids": out["token_ids"],
                                   "finish_reason": out["finish_reason"], "usage": out["usage"]}, ensure_ascii=False),
                       flush=True)
     except Exception as e:

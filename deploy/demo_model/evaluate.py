@@ -20,53 +20,50 @@ from pathlib import Path
 from deploy.demo_model import data as D
 
 
+def _score(llm, renderer: D.ChatRenderer, exs: list, prompts: list[dict], max_tokens: int) -> dict:
+    """Greedy outputs of `prompts` scored against `exs`' rendered completions."""
+    from engine import SamplingParams
+
+    start = time.time()
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    exact = contains = eos = 0
+    for ex, out in zip(exs, outs):
+        ids = list(out.outputs[0].token_ids)
+        exact += ids == renderer.completion_ids(ex)
+        eos += bool(ids) and ids[-1] == renderer.eos_id
+        answer = out.outputs[0].text.split("</think>")[-1]
+        contains += (f'"true">{ex.answer}<' in answer) if ex.task == "tool" else (ex.answer in answer)
+    n = len(exs)
+    return {"n": n, "exact": exact / n, "answer_contains": contains / n, "ends_with_eos": eos / n,
+            "seconds": round(time.time() - start, 1)}
+
+
 def evaluate(model: str | None, num: int) -> dict:
     """Blocks while generating; returns {set name: metrics}."""
-    from engine import LLM, SamplingParams
+    from engine import LLM
 
     llm = LLM(model=model)
     renderer = D.ChatRenderer()
     held = D.held_out()
-    results = {}
-    for task in D.TASKS:
-        items = [p for p in held["tool"] for _ in D.TOOL_TEMPLATES] if task == "tool" else held[task][:num]
-        for thinking in (False, True):
-            rng = random.Random(11)
-            exs = [D.make_example(task, item, rng, thinking) for item in items]
-            start = time.time()
-            outs = llm.generate([{"prompt_token_ids": renderer.prompt_ids(ex)} for ex in exs],
-                                SamplingParams(temperature=0.0, max_tokens=96), use_tqdm=False)
-            exact = contains = eos = 0
-            for ex, out in zip(exs, outs):
-                ids = list(out.outputs[0].token_ids)
-                exact += ids == renderer.completion_ids(ex)
-                eos += bool(ids) and ids[-1] == renderer.eos_id
-                answer = out.outputs[0].text.split("</think>")[-1]
-                contains += (f'"true">{ex.answer}<' in answer) if task == "tool" else (ex.answer in answer)
-            name = f"{task}/{'thinking' if thinking else 'direct'}"
-            results[name] = {"n": len(exs), "exact": exact / len(exs), "answer_contains": contains / len(exs),
-                             "ends_with_eos": eos / len(exs), "seconds": round(time.time() - start, 1)}
-            print(name, json.dumps(results[name]), flush=True)
     pics = D.held_out_pictures()[:num]
-    for task in D.IMAGE_TASKS:
+    results = {}
+    for task in (*D.TASKS, *D.IMAGE_TASKS):
         for thinking in (False, True):
             rng = random.Random(11)
-            groups = [(pic, pics[(i * 7 + 3) % len(pics)]) if task == "two" else (pic,) for i, pic in enumerate(pics)]
-            exs = [D.make_image_example(task, group, rng, thinking, with_history=i % 4 == 3)
-                   for i, group in enumerate(groups)]
-            start = time.time()
-            outs = llm.generate([{"prompt_token_ids": renderer.prompt_ids(ex),
-                                  "multi_modal_data": {"image": [p.png() for p in ex.pictures]}} for ex in exs],
-                                SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)
-            exact = contains = eos = 0
-            for ex, out in zip(exs, outs):
-                ids = list(out.outputs[0].token_ids)
-                exact += ids == renderer.completion_ids(ex)
-                eos += bool(ids) and ids[-1] == renderer.eos_id
-                contains += ex.answer in out.outputs[0].text.split("</think>")[-1]
-            name = f"image-{task}/{'thinking' if thinking else 'direct'}"
-            results[name] = {"n": len(exs), "exact": exact / len(exs), "answer_contains": contains / len(exs),
-                             "ends_with_eos": eos / len(exs), "seconds": round(time.time() - start, 1)}
+            if task in D.TASKS:
+                items = [p for p in held["tool"] for _ in D.TOOL_TEMPLATES] if task == "tool" else held[task][:num]
+                exs = [D.make_example(task, item, rng, thinking) for item in items]
+                prompts = [{"prompt_token_ids": renderer.prompt_ids(ex)} for ex in exs]
+                name = f"{task}/{'thinking' if thinking else 'direct'}"
+            else:
+                groups = [(pic, pics[(i * 7 + 3) % len(pics)]) if task == "two" else (pic,)
+                          for i, pic in enumerate(pics)]
+                exs = [D.make_image_example(task, group, rng, thinking, with_history=i % 4 == 3)
+                       for i, group in enumerate(groups)]
+                prompts = [{"prompt_token_ids": renderer.prompt_ids(ex),
+                            "multi_modal_data": {"image": [p.png() for p in ex.pictures]}} for ex in exs]
+                name = f"image-{task}/{'thinking' if thinking else 'direct'}"
+            results[name] = _score(llm, renderer, exs, prompts, 96 if task in D.TASKS else 48)
             print(name, json.dumps(results[name]), flush=True)
     return results
 
