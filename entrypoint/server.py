@@ -590,22 +590,28 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         return common_pb2.AbortResponse(was_found=was_found)
 
     def Health(self, request, context):
-        counts, problems = {}, []
+        """Healthy when prefill and decode can serve. The vision stage only serves image requests: with
+        none of it healthy the entrypoint stays healthy (text flows) and says so as `degraded` (the
+        message and the stats' `degraded` list) rather than taking every request off this entrypoint."""
+        counts, problems, degraded = {}, [], []
         lbs = (("vision", self.vision_lb),) if self.vision_lb is not None else ()
         for stage, stub in (*lbs, ("prefill", self.prefill_lb), ("decode", self.decode_lb)):
+            found = problems if stage != "vision" else degraded
             try:
                 listed = stub.ListInstances(loadbalancer_pb2.ListInstancesRequest(), timeout=self.config.rpc_timeout_s)
                 counts[stage] = sum(i.load.is_healthy and not i.load.is_draining for i in listed.instances)
                 if not counts[stage]:
-                    problems.append(f"no healthy {stage} instance")
+                    found.append(f"no healthy {stage} instance")
             except grpc.RpcError as e:
-                problems.append(f"{stage} balancer unreachable: {e.code().name}")
+                found.append(f"{stage} balancer unreachable: {e.code().name}")
         with self._lock:
             num_inflight = len(self._inflight)
         stats = {"num_inflight_requests": num_inflight, **{f"num_{s}_instances": n for s, n in counts.items()}}
+        if degraded:
+            stats["degraded"] = [f"{d} (image requests fail until one serves)" for d in degraded]
         context.set_trailing_metadata(((STATS_METADATA_KEY, json.dumps(stats)),))
-        return common_pb2.HealthResponse(is_healthy=not problems, instance_id=self.instance_id,
-                                         message="; ".join(problems))
+        message = "; ".join(problems + [f"degraded: {d}" for d in stats.get("degraded", ())])
+        return common_pb2.HealthResponse(is_healthy=not problems, instance_id=self.instance_id, message=message)
 
 
 def _is_images_lost(error: common_pb2.Error) -> bool:

@@ -347,7 +347,9 @@ def _random_list(rng: random.Random) -> tuple[str, ...]:
 
 def training_items(rng: random.Random, task: str, held: dict[str, list], names: list[str] = ()):
     """One random training item of `task`, never a held-out one (`names`: `name_pool()`, extra tool
-    arguments)."""
+    arguments). Half of the copy / reverse lists carry one or two of those names (held-out lists never
+    do): the tool call writes the asked-about name without its leading space, and a list's first
+    answer word is where that mapping is practised for every name, not only for the places."""
     if task == "add":
         excluded = set(held["add"])
         while True:
@@ -357,8 +359,12 @@ def training_items(rng: random.Random, task: str, held: dict[str, list], names: 
     if task in ("copy", "reverse"):
         excluded = set(held[task])
         while True:
-            words = _random_list(rng)
-            if words not in excluded:
+            words = list(_random_list(rng))
+            if names and rng.random() < 0.5:  # see the docstring
+                for i in rng.sample(range(len(words)), rng.randint(1, min(2, len(words)))):
+                    words[i] = rng.choice(names)
+            words = tuple(words)
+            if words not in excluded and len(set(words)) == len(words):
                 return words
     if task == "tool":  # half training places, half other capitalized words
         if names and rng.random() < 0.5:

@@ -110,7 +110,7 @@ BUCKETS: dict[tuple[str, bool], tuple[float, int]] = {
     ("image", True): (0.06, 8),
 }
 IMAGE_TASK_SHARES = {"colour": 0.25, "shape": 0.35, "describe": 0.2, "two": 0.2}
-NUM_TRAIN_PICTURES = 1600
+NUM_TRAIN_PICTURES = 4000
 """Distinct training pictures (each asked about many times); their recipe-preprocessed WEBP bytes
 are stored in the dataset."""
 # Later stages (`--stage N --init-from PREVIOUS`): the same buckets, weighted towards the content
@@ -132,13 +132,18 @@ STAGE_SHARES: dict[int, dict[tuple[str, bool], float]] = {
     5: {("add", False): 0.12, ("add", True): 0.08, ("copy", False): 0.03, ("copy", True): 0.06,
         ("reverse", False): 0.03, ("reverse", True): 0.06, ("tool", False): 0.06, ("tool", True): 0.06,
         ("image", False): 0.35, ("image", True): 0.15},
+    # stage 6 (`--init-from-checkpoint` a stage-5 export, everything loaded; usually after
+    # `--tower-steps`): names in the copy lists, the tool task, thinking mode, addition, shapes
+    6: {("add", False): 0.14, ("add", True): 0.10, ("copy", False): 0.04, ("copy", True): 0.08,
+        ("reverse", False): 0.04, ("reverse", True): 0.08, ("tool", False): 0.14, ("tool", True): 0.12,
+        ("image", False): 0.16, ("image", True): 0.10},
 }
 
 
 # --------------------------------------------------------------------------------- data
 
 
-POOL_SIZES = {"add": 16000, "copy": 8000, "reverse": 8000, "tool": 3000, "image": 6000}
+POOL_SIZES = {"add": 16000, "copy": 8000, "reverse": 8000, "tool": 6000, "image": 8000}
 """Rendered training examples per (task, thinking) bucket; training samples its batches from these."""
 
 
@@ -186,7 +191,12 @@ def build_dataset(seed: int) -> dict:
         for key, pool in pools.items()
     }
     return {"pools": packed, "evals": evals, "used_ids": used, "images": [i.data for i in infos],
-            "eval_images": eval_images}
+            "eval_images": eval_images, "image_labels": _labels(pictures), "eval_image_labels": _labels(D.held_out_pictures())}
+
+
+def _labels(pictures: list[D.Picture]) -> list[tuple[int, int]]:
+    """(colour index, shape index) of each picture, for the tower warm-up."""
+    return [(D.COLOURS.index(p.colour), D.SHAPES.index(p.shape)) for p in pictures]
 
 
 def save_dataset(dataset: dict, path: Path) -> None:
@@ -378,11 +388,12 @@ class DemoModel(nn.Module):
         return _rms(self.mtp_hc_head(x), self.mtp_norm, eps)
 
 
-def init_from_checkpoint(model: DemoModel, path: Path, used: list[int], seed: int) -> None:
+def init_from_checkpoint(model: DemoModel, path: Path, used: list[int], seed: int, everything: bool = False) -> None:
     """Start the text model from an exported checkpoint (full vocabulary) instead of random weights:
     its layers as they are, its embedding rows of `used` (ids it never used share one row; those get
     small seeded noise so they can part), its shared row as the compact `v` row, and fresh seeded
-    hash-routing rows for the ids it never used. The MTP layer and the vision tower start fresh."""
+    hash-routing rows for the ids it never used. The MTP layer and the vision tower start fresh
+    unless `everything` (then they are loaded too)."""
     from transformers import DeepseekV4ForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -408,7 +419,49 @@ def init_from_checkpoint(model: DemoModel, path: Path, used: list[int], seed: in
             t[:-1][was_unused] = fresh[:-1][was_unused]
         state[name] = t
     model.lm.load_state_dict(state)
-    print(f"initialised from {path}: {int(was_unused.sum())} of {len(used)} ids new to it", flush=True)
+    if everything:
+        _load_tower_and_mtp(model, path)
+    print(f"initialised from {path}{' (everything)' if everything else ''}: {int(was_unused.sum())} of "
+          f"{len(used)} ids new to it", flush=True)
+
+
+def _load_tower_and_mtp(model: DemoModel, path: Path) -> None:
+    """Load an exported checkpoint's vision tower, projector and MTP layer into `model`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV4ForCausalLM
+
+    tensors = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        tensors.update({k: v.float() for k, v in load_file(f).items()})
+    vit = {k.removeprefix("vision_tower."): v for k, v in tensors.items() if k.startswith("vision_tower.")}
+    if not any(k in model.vit.state_dict() for k in vit):  # transformers 5 drops the `vision_model.` level
+        vit = {k.removeprefix("vision_model."): v for k, v in vit.items()}
+    model.vit.load_state_dict(vit)
+    model.projector.load_state_dict({k.removeprefix("vision_projector."): v for k, v in tensors.items()
+                                     if k.startswith("vision_projector.")})
+    extra = {"e_proj.weight": model.mtp_e_proj.weight, "h_proj.weight": model.mtp_h_proj.weight,
+             "enorm.weight": model.mtp_enorm, "hnorm.weight": model.mtp_hnorm, "norm.weight": model.mtp_norm,
+             "hc_head_fn": model.mtp_hc_head.hc_fn, "hc_head_base": model.mtp_hc_head.hc_base,
+             "hc_head_scale": model.mtp_hc_head.hc_scale}
+    with torch.no_grad():
+        for name, param in extra.items():
+            param.copy_(tensors["mtp.0." + name])
+    # the MTP decoder layer: through transformers' loader as layer 0 of a one-layer model (it knows
+    # the checkpoint's names), with the main model's embedding / head tensors to complete it
+    layer = {"model.layers.0." + k.removeprefix("mtp.0."): v for k, v in tensors.items()
+             if k.startswith("mtp.0.") and k.removeprefix("mtp.0.") not in extra}
+    rest = {k: v for k, v in tensors.items() if k.startswith("model.") and not k.startswith("model.layers.")}
+    tmp = Path(tempfile.mkdtemp())
+    try:
+        hf_config(VOCAB_SIZE, num_hidden_layers=1, layer_types=[SLIDING], mlp_layer_types=["moe"],
+                  num_nextn_predict_layers=0).save_pretrained(tmp)
+        save_file({**layer, **rest}, str(tmp / "model.safetensors"))
+        one = DeepseekV4ForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+        model.mtp_layer.load_state_dict(one.model.layers[0].state_dict())
+    finally:
+        shutil.rmtree(tmp)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -451,13 +504,57 @@ def save_compact(model: DemoModel, used: list[int], path: Path, steps_done: int)
                 "train_seconds": getattr(model, "train_seconds", None), "steps_done": steps_done}, path)
 
 
+def warm_up_tower(model: DemoModel, bank: PictureBank, labels: list, steps: int, lr: float, seed: int,
+                  eval_bank: PictureBank | None = None, eval_labels: list = (), batch: int = 64) -> None:
+    """Train the vision tower + projector alone to name each picture's colour and shape (linear heads
+    on the mean of its image tokens; pictures flipped left-right at random), so the LM stage starts
+    from image tokens that carry both. The heads are thrown away."""
+    device = bank.pixels.device
+    n_colours = len(D.COLOURS)
+    head = nn.Linear(ARCH["hidden_size"], n_colours + len(D.SHAPES)).to(device)
+    params = [*model.vit.parameters(), *model.projector.parameters(), *head.parameters()]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    g = torch.Generator().manual_seed(seed)
+    y = torch.tensor(labels, device=device)
+
+    def predict(b: PictureBank, idx: torch.Tensor, flip: torch.Tensor | None = None) -> torch.Tensor:
+        pixels = b.batch(idx)
+        if flip is not None:
+            pixels = torch.where(flip.to(device)[:, None, None, None], pixels.flip(-1), pixels)
+        emb = model.image_embeds(pixels).view(len(idx), -1, ARCH["hidden_size"]).mean(1)
+        return head(emb)
+
+    start = time.time()
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        idx = torch.randint(len(labels), (batch,), generator=g)
+        out = predict(bank, idx, torch.rand(batch, generator=g) < 0.5)
+        yi = y[idx.to(device)]
+        loss = F.cross_entropy(out[:, :n_colours], yi[:, 0]) + F.cross_entropy(out[:, n_colours:], yi[:, 1])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if (step + 1) % 100 == 0 or step + 1 == steps:
+            msg = f"tower step {step + 1}/{steps} loss {loss.item():.4f} {time.time() - start:.0f}s"
+            if eval_bank is not None:
+                with torch.no_grad():
+                    ey = torch.tensor(list(eval_labels), device=device)
+                    pred = torch.cat([predict(eval_bank, i) for i in torch.arange(len(ey)).split(batch)])
+                    colour = (pred[:, :n_colours].argmax(-1) == ey[:, 0]).float().mean().item()
+                    shape = (pred[:, n_colours:].argmax(-1) == ey[:, 1]).float().mean().item()
+                msg += f" | held-out colour {colour:.3f} shape {shape:.3f}"
+            print(msg, flush=True)
+
+
 def train(dataset: dict, steps: int, seed: int, lr: float, device: str, log_every: int = 50,
           checkpoint: Path | None = None, init: dict | None = None, stop_after: int | None = None,
           stage: int = 1, batch_scale: int = 1, max_seconds: float | None = None,
-          init_checkpoint: Path | None = None) -> DemoModel:
+          init_checkpoint: Path | None = None, tower_steps: int = 0, tower_lr: float = 1e-3) -> DemoModel:
     model = DemoModel(len(dataset["used_ids"]), seed, dataset["used_ids"].index(IMAGE_TOKEN_ID))
     if init_checkpoint is not None:
-        init_from_checkpoint(model, init_checkpoint, dataset["used_ids"], seed)
+        init_from_checkpoint(model, init_checkpoint, dataset["used_ids"], seed, everything=stage == 6)
     bank = PictureBank(dataset["images"], device)
     if init is not None:
         if init["used_ids"] != dataset["used_ids"]:
@@ -465,9 +562,14 @@ def train(dataset: dict, steps: int, seed: int, lr: float, device: str, log_ever
         model.load_state_dict(init["state_dict"])
     model = model.to(device)
     model.train()
+    if tower_steps:
+        eval_bank = PictureBank(dataset["eval_images"], device)
+        warm_up_tower(model, bank, dataset["image_labels"], tower_steps, tower_lr, seed, eval_bank,
+                      dataset["eval_image_labels"])
+        del eval_bank
     # NOTE: a warm-started text model (stage 4) learns at PRETRAINED_LR_SCALE x lr and feeds the fresh
     # MTP layer detached streams, so the new parts' large early gradients cannot undo what it knows.
-    warm = init_checkpoint is not None
+    warm = init_checkpoint is not None and stage == 4
     groups = []
     for is_pretrained in (False, True):
         for is_matrix in (True, False):
@@ -684,9 +786,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data", type=Path, help="train from a dataset written by --save-data")
     p.add_argument("--save-compact", type=Path, help="also save the compact trained model here")
     p.add_argument("--from-compact", type=Path, help="skip training: export this compact model")
-    p.add_argument("--stage", type=int, default=1, choices=[1, 2, 3, 4, 5], help="data mix (see STAGE_SHARES)")
+    p.add_argument("--stage", type=int, default=1, choices=[1, 2, 3, 4, 5, 6], help="data mix (see STAGE_SHARES)")
     p.add_argument("--init-from-checkpoint", type=Path,
-                   help="stage 4: start the text model from this exported checkpoint directory")
+                   help="stage 4: start the text model from this exported checkpoint directory; "
+                        "stage 6: start everything (text, MTP, vision) from it")
+    p.add_argument("--tower-steps", type=int, default=0,
+                   help="first train the vision tower alone on colour / shape labels for this many steps")
+    p.add_argument("--tower-lr", type=float, default=1e-3, help="peak learning rate of the tower warm-up")
     p.add_argument("--init-from", type=Path, help="continue training this compact model (stages 2, 3)")
     p.add_argument("--stop-after", type=int, help="stop after this many steps (the schedule still spans --steps)")
     p.add_argument("--max-seconds", type=float,
@@ -698,9 +804,13 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.time()
-    if (args.stage in (2, 3, 5)) != bool(args.init_from):
+    if args.stage == 6:
+        if bool(args.init_from) == bool(args.init_from_checkpoint):
+            p.error("--stage 6 continues an exported checkpoint (--init-from-checkpoint) or a compact model "
+                    "(--init-from): give one of them")
+    elif (args.stage in (2, 3, 5)) != bool(args.init_from):
         p.error("--stage 2, 3 and 5 continue a previous stage: give --init-from (and only they take it)")
-    if (args.stage == 4) != bool(args.init_from_checkpoint):
+    elif (args.stage == 4) != bool(args.init_from_checkpoint):
         p.error("--stage 4 starts from an exported checkpoint: give --init-from-checkpoint (and only it takes it)")
     dataset = load_dataset(args.data) if args.data else build_dataset(args.seed)
     print(f"dataset: {sum(len(p['lens']) for p in dataset['pools'].values())} examples, "
@@ -721,7 +831,8 @@ def main(argv: list[str] | None = None) -> None:
         model = train(dataset, args.steps, args.seed, args.lr, args.device, checkpoint=args.save_compact, init=init,
                       stop_after=args.stop_after, stage=args.stage, batch_scale=args.batch_scale,
                       max_seconds=args.max_seconds, log_every=args.log_every,
-                      init_checkpoint=args.init_from_checkpoint)
+                      init_checkpoint=args.init_from_checkpoint, tower_steps=args.tower_steps,
+                      tower_lr=args.tower_lr)
         print(f"trained {model.steps_done} steps in {model.train_seconds:.0f}s", flush=True)
         if args.save_compact:
             save_compact(model, dataset["used_ids"], args.save_compact, model.steps_done)

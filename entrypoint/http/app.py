@@ -441,9 +441,11 @@ def create_app(config: HttpConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        is_healthy, message, _ = await front.backend.health()
+        is_healthy, message, stats = await front.backend.health()
         if not is_healthy:
             return JSONResponse({"status": "unhealthy", "message": message}, status_code=503)
+        if stats.get("degraded"):  # serving text; image requests fail until a vision instance serves
+            return {"status": "degraded", "message": message}
         return {"status": "ok"}
 
     @app.get("/metrics")

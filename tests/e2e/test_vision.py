@@ -199,6 +199,10 @@ def test_killing_the_vision_worker_fails_image_requests_cleanly_and_a_new_one_re
             cluster.client.generate([5, PLACEHOLDER, 6], images=[RED], max_tokens=2)
         assert e.value.code == grpc.StatusCode.UNAVAILABLE and "vision" in str(e.value)
         assert len(cluster.client.generate([5, 6, 7], max_tokens=2, ignore_eos=True)["token_ids"]) == 2
+    # the entrypoint stays healthy (text serves) and says the vision stage is missing
+    health = _wait_for("the balancer to drop vision-0",
+                       lambda: (h := cluster.client.health())["message"] and h)
+    assert health["is_healthy"] and "degraded: no healthy vision instance" in health["message"], health
     cluster.start_vision("vision-1")
     out = _wait_for("a vision instance serving again", lambda: _try_image(cluster))
     assert len(out["token_ids"]) == 2
