@@ -137,6 +137,10 @@ STAGE_SHARES: dict[int, dict[tuple[str, bool], float]] = {
     6: {("add", False): 0.14, ("add", True): 0.10, ("copy", False): 0.04, ("copy", True): 0.08,
         ("reverse", False): 0.04, ("reverse", True): 0.08, ("tool", False): 0.14, ("tool", True): 0.12,
         ("image", False): 0.16, ("image", True): 0.10},
+    # stage 7 (like 6, from a stage-6 export): mostly addition
+    7: {("add", False): 0.35, ("add", True): 0.10, ("copy", False): 0.04, ("copy", True): 0.05,
+        ("reverse", False): 0.04, ("reverse", True): 0.05, ("tool", False): 0.08, ("tool", True): 0.05,
+        ("image", False): 0.16, ("image", True): 0.08},
 }
 
 
@@ -548,13 +552,31 @@ def warm_up_tower(model: DemoModel, bank: PictureBank, labels: list, steps: int,
             print(msg, flush=True)
 
 
+def content_positions(ids: torch.Tensor, mask: torch.Tensor, prompt_lens: torch.Tensor) -> torch.Tensor:
+    """[B, T-1] bool: completion positions whose target token differs from the batch's most common
+    target at the same offset into the completion (the answer's content: the city of a tool call, the
+    digits of a sum, the words of a list), as opposed to the template every example of a bucket shares."""
+    B, T = ids.shape
+    offset = torch.arange(T - 1, device=ids.device)[None] - (prompt_lens.to(ids.device)[:, None] - 1)  # [B, T-1]
+    target = torch.where(mask[:, :-1], ids[:, 1:], torch.full_like(ids[:, 1:], -1))
+    width = int(offset.clamp(min=0).max()) + 1
+    aligned = torch.full((B, width), -1, dtype=ids.dtype, device=ids.device)  # [B, completion offset]
+    rows, cols = mask[:, :-1].nonzero(as_tuple=True)
+    aligned[rows, offset[rows, cols]] = target[rows, cols]
+    common = aligned.mode(dim=0).values  # [width]
+    out = torch.zeros_like(mask[:, :-1])
+    out[rows, cols] = aligned[rows, offset[rows, cols]] != common[offset[rows, cols]]
+    return out
+
+
 def train(dataset: dict, steps: int, seed: int, lr: float, device: str, log_every: int = 50,
           checkpoint: Path | None = None, init: dict | None = None, stop_after: int | None = None,
           stage: int = 1, batch_scale: int = 1, max_seconds: float | None = None,
-          init_checkpoint: Path | None = None, tower_steps: int = 0, tower_lr: float = 1e-3) -> DemoModel:
+          init_checkpoint: Path | None = None, tower_steps: int = 0, tower_lr: float = 1e-3,
+          content_weight: float = 0.0) -> DemoModel:
     model = DemoModel(len(dataset["used_ids"]), seed, dataset["used_ids"].index(IMAGE_TOKEN_ID))
     if init_checkpoint is not None:
-        init_from_checkpoint(model, init_checkpoint, dataset["used_ids"], seed, everything=stage == 6)
+        init_from_checkpoint(model, init_checkpoint, dataset["used_ids"], seed, everything=stage >= 6)
     bank = PictureBank(dataset["images"], device)
     if init is not None:
         if init["used_ids"] != dataset["used_ids"]:
@@ -597,7 +619,12 @@ def train(dataset: dict, steps: int, seed: int, lr: float, device: str, log_ever
         image_embeds = model.image_embeds(bank.batch(batch["image_idx"])) if len(batch["image_idx"]) else None
         streams, ctx = model.streams(ids, image_embeds)
         logits = model.logits(model.main_hidden(streams))
-        loss = F.cross_entropy(logits[:, :-1][mask[:, :-1]], ids[:, 1:][mask[:, :-1]])
+        per_token = F.cross_entropy(logits[:, :-1][mask[:, :-1]], ids[:, 1:][mask[:, :-1]], reduction="none")
+        if content_weight:
+            w = 1.0 + content_weight * content_positions(ids, mask, batch["prompt_lens"])[mask[:, :-1]]
+            loss = (w * per_token).sum() / w.sum()
+        else:
+            loss = per_token.mean()
         mtp_mask = mask[:, :-2]  # MTP at t (given token t+1) predicts token t+2
         mtp_in = streams[:, :-2].detach() if warm else streams[:, :-2]
         mtp_logits = model.logits(model.mtp_hidden(mtp_in, ids[:, 1:-1], ctx))
@@ -786,13 +813,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data", type=Path, help="train from a dataset written by --save-data")
     p.add_argument("--save-compact", type=Path, help="also save the compact trained model here")
     p.add_argument("--from-compact", type=Path, help="skip training: export this compact model")
-    p.add_argument("--stage", type=int, default=1, choices=[1, 2, 3, 4, 5, 6], help="data mix (see STAGE_SHARES)")
+    p.add_argument("--stage", type=int, default=1, choices=[1, 2, 3, 4, 5, 6, 7], help="data mix (see STAGE_SHARES)")
     p.add_argument("--init-from-checkpoint", type=Path,
                    help="stage 4: start the text model from this exported checkpoint directory; "
                         "stage 6: start everything (text, MTP, vision) from it")
     p.add_argument("--tower-steps", type=int, default=0,
                    help="first train the vision tower alone on colour / shape labels for this many steps")
     p.add_argument("--tower-lr", type=float, default=1e-3, help="peak learning rate of the tower warm-up")
+    p.add_argument("--content-weight", type=float, default=0.0,
+                   help="extra loss weight of answer-content tokens (see content_positions); 0: plain mean")
     p.add_argument("--init-from", type=Path, help="continue training this compact model (stages 2, 3)")
     p.add_argument("--stop-after", type=int, help="stop after this many steps (the schedule still spans --steps)")
     p.add_argument("--max-seconds", type=float,
@@ -804,9 +833,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.time()
-    if args.stage == 6:
+    if args.stage >= 6:
         if bool(args.init_from) == bool(args.init_from_checkpoint):
-            p.error("--stage 6 continues an exported checkpoint (--init-from-checkpoint) or a compact model "
+            p.error("--stage 6 and 7 continue an exported checkpoint (--init-from-checkpoint) or a compact model "
                     "(--init-from): give one of them")
     elif (args.stage in (2, 3, 5)) != bool(args.init_from):
         p.error("--stage 2, 3 and 5 continue a previous stage: give --init-from (and only they take it)")
@@ -832,7 +861,7 @@ def main(argv: list[str] | None = None) -> None:
                       stop_after=args.stop_after, stage=args.stage, batch_scale=args.batch_scale,
                       max_seconds=args.max_seconds, log_every=args.log_every,
                       init_checkpoint=args.init_from_checkpoint, tower_steps=args.tower_steps,
-                      tower_lr=args.tower_lr)
+                      tower_lr=args.tower_lr, content_weight=args.content_weight)
         print(f"trained {model.steps_done} steps in {model.train_seconds:.0f}s", flush=True)
         if args.save_compact:
             save_compact(model, dataset["used_ids"], args.save_compact, model.steps_done)

@@ -6,9 +6,8 @@ a repeated image is encoded once, and bad images (corrupt bytes, a non-image, ov
 limits, more images than the quota, a URL outside the allow-list, an unsupported scheme) get 400 with
 a clear message, reach no prefill, and leave the server healthy.
 
-Content checks (red circle -> red, blue triangle -> blue / triangle, two images, an image in an
-earlier turn) run against the built-in demo model, asked in its trained phrasings; what it has not
-learned (the shape of a picture) is a strict xfail with the measured figure.
+Content checks (red circle -> red / circle, blue triangle -> blue / triangle, two images, an image in
+an earlier turn) run against the built-in demo model, asked in its trained phrasings.
 """
 
 from __future__ import annotations
@@ -153,18 +152,6 @@ def builtin(request):
     return request.getfixturevalue("cluster")
 
 
-def _demo_picture(colour: str, shape: str) -> bytes:
-    """A held-out picture of the demo model's image tasks (deploy/demo_model/data.py)."""
-    from deploy.demo_model import data as D
-
-    return next(p for p in D.held_out_pictures() if p.colour == colour and p.shape == shape).png()
-
-
-SHAPE_XFAIL = pytest.mark.xfail(strict=True, reason=(
-    "the built-in demo model names the colour of held-out pictures (100%) but not their shape (33% on 100 "
-    "held-out, about chance; its model card)"))
-
-
 def _ask(cluster, messages) -> str:
     from tests.http.conftest import API_KEY as SHARED_KEY
 
@@ -187,10 +174,9 @@ def test_blue_triangle_is_blue(builtin):
     assert _ask(builtin, [image_message("What colour is the shape?", data_url(BLUE_TRIANGLE))]) == "blue"
 
 
-@SHAPE_XFAIL
 def test_blue_triangle_is_a_triangle(builtin):
-    picture = data_url(_demo_picture("blue", "triangle"))
-    assert _ask(builtin, [image_message("What shape is it?", picture)]) == "triangle"
+    assert _ask(builtin, [image_message("What shape is it?", data_url(BLUE_TRIANGLE))]) == "triangle"
+    assert _ask(builtin, [image_message("What shape is it?", data_url(RED_CIRCLE))]) == "circle"
 
 
 def test_two_images_in_one_message(builtin):
