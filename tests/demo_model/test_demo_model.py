@@ -17,6 +17,7 @@ from deploy.demo_model import data as D
 from engine.testing.default_model import DEMO_MODEL_DIR, ensure_default_model
 
 NUM_PER_SET = 12  # held-out questions per task in CI (the model card reports 100 per set)
+NUM_PICTURES = 40  # held-out pictures per vision task (>= 95% then allows 2 misses; 12 would allow none)
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +175,7 @@ def test_tool_call_round_trip_through_recipe(llm, thinking):
 
 
 @pytest.mark.parametrize("task", [
-    pytest.param("add", marks=pytest.mark.xfail(strict=True, reason=f"{NOT_REACHED}: 47% exact on 100 held-out")),
+    pytest.param("add", marks=pytest.mark.xfail(strict=True, reason=f"{NOT_REACHED}: 55% exact on 100 held-out")),
     "copy", "reverse",
 ])
 def test_held_out_accuracy(llm, renderer, task):
@@ -204,7 +205,7 @@ def test_vision_answers_about_held_out_pictures(llm, renderer, task):
     from engine import SamplingParams
 
     rng = random.Random(0)
-    pics = D.held_out_pictures()[:NUM_PER_SET]
+    pics = D.held_out_pictures()[:NUM_PICTURES]
     exs = [D.make_image_example(task, (pic,), rng, False) for pic in pics]
     outs = llm.generate([{"prompt_token_ids": renderer.prompt_ids(ex), "multi_modal_data": {"image": [pic.png()]}}
                          for ex, pic in zip(exs, pics)], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
