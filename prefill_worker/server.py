@@ -202,10 +202,16 @@ class PrefillWorker:
     # ------------------------------------------------------------------ loop thread
 
     def _step(self) -> None:
+        had_waiters = bool(self._waiters)
         for done in self.core.step():
             waiter = self._waiters.pop(done.request_id, None)
             if waiter is not None and not waiter.fut.done():
                 waiter.fut.set_result(done)
+        if had_waiters and not self._waiters and self.reporter is not None:
+            # NOTE: the last request just finished here (queued tokens count unanswered requests): report
+            # now. Until the next heartbeat the balancer would keep the queued tokens of a report taken
+            # mid-prefill (or of its own picks) and send this cache's prefix hits elsewhere.
+            self.reporter.report_now()
 
     def _mode(self) -> LoopMode:
         if self.engine.has_unfinished_requests():

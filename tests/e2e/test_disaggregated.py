@@ -29,6 +29,7 @@ STARTUP_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 RPC_TIMEOUT_S = 10.0
 STATS_KEY = "deepinfer-stats-json"
+PREFILL_HEARTBEAT_S = 30
 
 
 @dataclass
@@ -66,14 +67,17 @@ def cluster(tmp_path_factory):
     client = None
     cluster = None
     try:
-        for stage, policy in (("prefill", "prefix_aware"), ("decode", "kv_load")):
+        # the prefill instance heartbeats rarely (PREFILL_HEARTBEAT_S): what its balancer learns between
+        # heartbeats comes from the reports it sends when its queue drains
+        for stage, policy, timeout_s in (("prefill", "prefix_aware", 3 * PREFILL_HEARTBEAT_S), ("decode", "kv_load", 3)):
             processes.spawn(f"{stage}_lb", ["loadbalancer", "--stage", stage, "--policy", policy,
-                                            "--heartbeat-timeout-s", "3"])
+                                            "--heartbeat-timeout-s", str(timeout_s)])
         info = processes.wait_ready(STARTUP_TIMEOUT_S)
         worker_args = ["--model", ckpt, "--loopback-ucx", "--max-num-seqs", "8", "--num-blocks", "256"]
         for stage in ("prefill", "decode"):
+            extra = ["--heartbeat-interval-s", str(PREFILL_HEARTBEAT_S)] if stage == "prefill" else []
             processes.spawn(stage, [f"{stage}_worker", "--lb-address", info[f"{stage}_lb"]["address"],
-                                    "--instance-id", f"{stage}-0", *worker_args])
+                                    "--instance-id", f"{stage}-0", *worker_args, *extra])
         processes.spawn("entrypoint", [
             "entrypoint", "--model", ckpt, "--prefill-lb-address", info["prefill_lb"]["address"],
             "--decode-lb-address", info["decode_lb"]["address"]])
@@ -149,6 +153,23 @@ def test_outputs_equal_offline_engine_and_kv_moved_by_nixl(cluster):
     assert again["token_ids"] == outs[6]["token_ids"]
     assert again["usage"]["cached_prompt_tokens"] > 0
     _wait_for("blocks freed", lambda: _blocks_freed(cluster))
+
+
+def test_prefill_reports_its_drained_queue_at_once(cluster):
+    """A pick adds the prompt to the instance's queued tokens at the balancer until a report replaces
+    them; the prefill instance reports when its queue drains, not only every PREFILL_HEARTBEAT_S, so
+    the prefix-aware balancer does not keep an idle cache owner looking busy (or miss its new blocks)."""
+    lb = cluster.stub("prefill_lb")
+
+    def load():
+        [instance] = lb.ListInstances(loadbalancer_pb2.ListInstancesRequest(), timeout=RPC_TIMEOUT_S).instances
+        return instance
+
+    before = load().num_cached_block_hashes
+    cluster.client.generate(list(range(300, 400)), temperature=0.0, max_tokens=2, ignore_eos=True)
+    _wait_for("the drained queue at the balancer", lambda: (
+        (i := load()).load.num_queued_prefill_tokens == 0 and i.load.num_waiting_requests == 0
+        and i.num_cached_block_hashes > before), timeout_s=5.0)
 
 
 def test_bad_requests_are_refused_and_the_system_keeps_serving(cluster):
