@@ -178,10 +178,14 @@ class VisionWorker:
     # ------------------------------------------------------------------ loop thread
 
     def _step(self) -> None:
+        had_pending = self.core.num_pending_image_tokens > 0
         for done in self.core.step():
             fut = self._waiters.pop(done.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(done)
+        if had_pending and self.core.num_pending_image_tokens == 0 and self.reporter is not None:
+            # NOTE: as the prefill worker: report the emptied queue (and the newly cached images) now
+            self.reporter.report_now()
 
     def _mode(self) -> LoopMode:
         if self.core.has_work():

@@ -93,3 +93,37 @@ def test_balancer_sends_a_repeated_image_to_the_instance_that_cached_it(stack):
     hits = _stats(stubs[1])["vision_cache_hits_total"]
     assert not _encode(stubs[1], "b2", blue).error.code
     assert _stats(stubs[1])["vision_cache_hits_total"] == hits + 1
+
+
+def test_an_emptied_queue_is_reported_at_once(tmp_path):
+    """With a 30 s heartbeat, the balancer still learns within seconds that an encode finished: the
+    worker reports when its pending image tokens drop to zero (and the newly cached image with it)."""
+    from engine.testing.make_checkpoint import make_checkpoint
+    from entrypoint.server import image_pick_keys
+    from loadbalancer.server import start_server
+    from vision_worker.config import VisionWorkerConfig
+    from vision_worker.server import serve_vision
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", preset="tiny", seed=5, vision=True)
+    lb = start_server("127.0.0.1:0", Stage.VISION, "image_affinity", heartbeat_timeout_s=90)
+    worker = serve_vision(VisionWorkerConfig(model=str(ckpt), lb_address=f"127.0.0.1:{lb.port}",
+                                             instance_id="vision-slow", loopback_ucx=True, embedding_rows=512,
+                                             heartbeat_interval_s=30, max_images=3))
+    channel = grpc.insecure_channel(worker.address)
+    try:
+        image = data_url(png((0, 128, 255)))
+        keys = tuple(image_pick_keys([common_pb2.ImageRef(descriptor=image.encode())]))
+        lb.balancer.pick(RequestInfo(request_id="r", block_hashes=keys, num_prompt_tokens=184))  # counted as pending
+        assert lb.balancer.membership.get("vision-slow").load.num_queued_prefill_tokens == 184
+        assert not _encode(vision_pb2_grpc.VisionStub(channel), "r", image).error.code
+        deadline = time.monotonic() + 5
+        while True:
+            inst = lb.balancer.membership.get("vision-slow")
+            if keys[0] in inst.cached_block_hashes and inst.load.num_queued_prefill_tokens == 0:
+                break
+            assert time.monotonic() < deadline, f"no report after the encode: {inst.load}"
+            time.sleep(0.05)
+    finally:
+        channel.close()
+        worker.stop(grace_s=0)
+        lb.server.stop(0).wait()
