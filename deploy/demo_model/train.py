@@ -335,6 +335,13 @@ class DemoModel(nn.Module):
                     layer.mlp.gate.tid2eid.copy_(table)
         self.log_unused = math.log(VOCAB_SIZE - num_used)
 
+    def mtp_head_params(self) -> dict[str, nn.Parameter]:
+        """The MTP layer's tensors outside its decoder layer, by checkpoint name under `mtp.0.`."""
+        return {"e_proj.weight": self.mtp_e_proj.weight, "h_proj.weight": self.mtp_h_proj.weight,
+                "enorm.weight": self.mtp_enorm, "hnorm.weight": self.mtp_hnorm, "norm.weight": self.mtp_norm,
+                "hc_head_fn": self.mtp_hc_head.hc_fn, "hc_head_base": self.mtp_hc_head.hc_base,
+                "hc_head_scale": self.mtp_hc_head.hc_scale}
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         out = hidden @ self.lm.model.embed_tokens.weight.T
         bias = torch.zeros(out.shape[-1], dtype=out.dtype, device=out.device)
@@ -445,10 +452,7 @@ def _load_tower_and_mtp(model: DemoModel, path: Path) -> None:
     model.vit.load_state_dict(vit)
     model.projector.load_state_dict({k.removeprefix("vision_projector."): v for k, v in tensors.items()
                                      if k.startswith("vision_projector.")})
-    extra = {"e_proj.weight": model.mtp_e_proj.weight, "h_proj.weight": model.mtp_h_proj.weight,
-             "enorm.weight": model.mtp_enorm, "hnorm.weight": model.mtp_hnorm, "norm.weight": model.mtp_norm,
-             "hc_head_fn": model.mtp_hc_head.hc_fn, "hc_head_base": model.mtp_hc_head.hc_base,
-             "hc_head_scale": model.mtp_hc_head.hc_scale}
+    extra = model.mtp_head_params()
     with torch.no_grad():
         for name, param in extra.items():
             param.copy_(tensors["mtp.0." + name])
@@ -520,6 +524,7 @@ def warm_up_tower(model: DemoModel, bank: PictureBank, labels: list, steps: int,
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     g = torch.Generator().manual_seed(seed)
     y = torch.tensor(labels, device=device)
+    ey = torch.tensor(list(eval_labels), device=device)
 
     def predict(b: PictureBank, idx: torch.Tensor, flip: torch.Tensor | None = None) -> torch.Tensor:
         pixels = b.batch(idx)
@@ -544,7 +549,6 @@ def warm_up_tower(model: DemoModel, bank: PictureBank, labels: list, steps: int,
             msg = f"tower step {step + 1}/{steps} loss {loss.item():.4f} {time.time() - start:.0f}s"
             if eval_bank is not None:
                 with torch.no_grad():
-                    ey = torch.tensor(list(eval_labels), device=device)
                     pred = torch.cat([predict(eval_bank, i) for i in torch.arange(len(ey)).split(batch)])
                     colour = (pred[:, :n_colours].argmax(-1) == ey[:, 0]).float().mean().item()
                     shape = (pred[:, n_colours:].argmax(-1) == ey[:, 1]).float().mean().item()
@@ -553,20 +557,16 @@ def warm_up_tower(model: DemoModel, bank: PictureBank, labels: list, steps: int,
 
 
 def content_positions(ids: torch.Tensor, mask: torch.Tensor, prompt_lens: torch.Tensor) -> torch.Tensor:
-    """[B, T-1] bool: completion positions whose target token differs from the batch's most common
-    target at the same offset into the completion (the answer's content: the city of a tool call, the
-    digits of a sum, the words of a list), as opposed to the template every example of a bucket shares."""
-    B, T = ids.shape
-    offset = torch.arange(T - 1, device=ids.device)[None] - (prompt_lens.to(ids.device)[:, None] - 1)  # [B, T-1]
-    target = torch.where(mask[:, :-1], ids[:, 1:], torch.full_like(ids[:, 1:], -1))
-    width = int(offset.clamp(min=0).max()) + 1
-    aligned = torch.full((B, width), -1, dtype=ids.dtype, device=ids.device)  # [B, completion offset]
+    """Per loss position (`mask[:, :-1]`'s True entries, in order): whether its target token differs
+    from the batch's most common target at the same offset into the completion (the answer's content:
+    the city of a tool call, the digits of a sum, the words of a list), as opposed to the template
+    every example of a bucket shares."""
     rows, cols = mask[:, :-1].nonzero(as_tuple=True)
-    aligned[rows, offset[rows, cols]] = target[rows, cols]
-    common = aligned.mode(dim=0).values  # [width]
-    out = torch.zeros_like(mask[:, :-1])
-    out[rows, cols] = aligned[rows, offset[rows, cols]] != common[offset[rows, cols]]
-    return out
+    offset = cols - (prompt_lens.to(ids.device)[rows] - 1)  # offset into the completion
+    target = ids[rows, cols + 1]
+    aligned = torch.full((ids.shape[0], int(offset.max()) + 1), -1, dtype=ids.dtype, device=ids.device)
+    aligned[rows, offset] = target  # [B, completion offset], -1 past a completion's end
+    return target != aligned.mode(dim=0).values[offset]
 
 
 def train(dataset: dict, steps: int, seed: int, lr: float, device: str, log_every: int = 50,
@@ -621,7 +621,7 @@ def train(dataset: dict, steps: int, seed: int, lr: float, device: str, log_ever
         logits = model.logits(model.main_hidden(streams))
         per_token = F.cross_entropy(logits[:, :-1][mask[:, :-1]], ids[:, 1:][mask[:, :-1]], reduction="none")
         if content_weight:
-            w = 1.0 + content_weight * content_positions(ids, mask, batch["prompt_lens"])[mask[:, :-1]]
+            w = 1.0 + content_weight * content_positions(ids, mask, batch["prompt_lens"])
             loss = (w * per_token).sum() / w.sum()
         else:
             loss = per_token.mean()
@@ -771,13 +771,7 @@ def export(model: DemoModel, used: list[int], out: Path, dtype: str = "bfloat16"
     for name, t in _hf_named_tensors(one, model.mtp_config).items():
         if name.startswith("model.layers.0."):
             tensors["mtp.0." + name.removeprefix("model.layers.0.")] = t
-    extra = {
-        "mtp.0.e_proj.weight": model.mtp_e_proj.weight, "mtp.0.h_proj.weight": model.mtp_h_proj.weight,
-        "mtp.0.enorm.weight": model.mtp_enorm, "mtp.0.hnorm.weight": model.mtp_hnorm,
-        "mtp.0.norm.weight": model.mtp_norm, "mtp.0.hc_head_fn": model.mtp_hc_head.hc_fn,
-        "mtp.0.hc_head_base": model.mtp_hc_head.hc_base, "mtp.0.hc_head_scale": model.mtp_hc_head.hc_scale,
-    }
-    tensors.update({k: v.detach() for k, v in extra.items()})
+    tensors.update({"mtp.0." + k: v.detach() for k, v in model.mtp_head_params().items()})
     # transformers 5 drops SiglipVisionModel's `vision_model.` level; the checkpoint keeps it
     tensors.update({"vision_tower." + (k if k.startswith("vision_model.") else "vision_model." + k): v
                     for k, v in model.vit.state_dict().items()})
