@@ -230,6 +230,12 @@ class PrefillCore:
         self._reqs.pop(request_id, None)
         self.engine.abort_request(request_id)
 
+    def is_sending(self, request_id: str) -> bool:
+        """Whether the request's prefill is computed and its KV is on its way to decode (the WRITE
+        posted, its completion not yet reported)."""
+        inflight = self._reqs.get(request_id)
+        return inflight is not None and inflight.work.destination.transfer_id in self._by_transfer
+
     @property
     def num_inflight(self) -> int:
         return len(self._reqs) + sum(not r.is_aborted for r in self._reading.values())

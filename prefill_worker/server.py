@@ -202,16 +202,22 @@ class PrefillWorker:
     # ------------------------------------------------------------------ loop thread
 
     def _step(self) -> None:
-        had_waiters = bool(self._waiters)
+        had_queued = self._num_queued_tokens() > 0
         for done in self.core.step():
             waiter = self._waiters.pop(done.request_id, None)
             if waiter is not None and not waiter.fut.done():
                 waiter.fut.set_result(done)
-        if had_waiters and not self._waiters and self.reporter is not None:
-            # NOTE: the last request just finished here (queued tokens count unanswered requests): report
-            # now. Until the next heartbeat the balancer would keep the queued tokens of a report taken
-            # mid-prefill (or of its own picks) and send this cache's prefix hits elsewhere.
+        if had_queued and self.reporter is not None and not self._num_queued_tokens():
+            # NOTE: the last prefill still to compute just finished here: report now. Until the next
+            # heartbeat the balancer would keep the queued tokens of a report taken mid-prefill (or of
+            # its own picks) and send this cache's prefix hits elsewhere.
             self.reporter.report_now()
+
+    def _num_queued_tokens(self) -> int:
+        """Prompt tokens of the requests here whose prefill is not computed yet. A request whose KV is
+        being written to decode is no queued work: a slow (cross-datacenter) link must not make an
+        idle instance look busy to the balancer."""
+        return sum(w.num_prompt_tokens for rid, w in self._waiters.items() if not self.core.is_sending(rid))
 
     def _mode(self) -> LoopMode:
         if self.engine.has_unfinished_requests():
@@ -271,7 +277,7 @@ class PrefillWorker:
     def _load(self) -> loadbalancer_pb2.LoadReport:
         manager = self.engine.kv_manager
         return loadbalancer_pb2.LoadReport(
-            num_queued_prefill_tokens=sum(w.num_prompt_tokens for w in self._waiters.values()),
+            num_queued_prefill_tokens=self._num_queued_tokens(),
             num_running_requests=self.engine.scheduler.num_running,
             num_waiting_requests=self.engine.scheduler.num_waiting,
             num_kv_blocks_used=manager.num_blocks - manager.num_free_blocks,

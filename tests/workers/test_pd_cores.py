@@ -141,3 +141,56 @@ def test_abort_before_kv_arrives_keeps_blocks_until_the_write_landed(pd):
     assert decode.engine.kv_manager.num_free_blocks == total
     assert decode.engine.slots.num_free_slots == decode.engine.config.max_num_seqs
     assert prefill.engine.kv_manager.num_free_blocks == prefill.engine.kv_manager.num_blocks
+
+
+def test_prefill_reports_sending_between_compute_and_write_done(pd, monkeypatch):
+    """Between the computed prefill and the WRITE's completion a request is `is_sending` (the prefill
+    server counts no queued tokens for it then: a slow link is no queued compute). The agent's real
+    completion events are held back to widen that window, then delivered."""
+    _, prefill, decode = pd
+    held = []
+    real_poll = prefill.agent.poll
+
+    def held_poll():
+        ev = real_poll()
+        held.extend(ev.sent_ids)
+        ev.sent_ids.clear()
+        return ev
+
+    monkeypatch.setattr(prefill.agent, "poll", held_poll)
+    prompt, params = list(range(40, 80)), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    res = decode.reserve("slow-link", prompt, params, lease_s=60.0)
+    prefill.submit(PrefillWork("slow-link", prompt, params,
+                               KVDestination(res.peer, res.block_ids, res.transfer_id, 30.0, state_slot=res.state_slot)))
+    assert not prefill.is_sending("slow-link")  # queued: not computed yet
+    deadline = time.monotonic() + 60
+    outs = {}
+
+    def step_decode():  # decode's progress drives the loopback WRITE too
+        outs.update({e.request_id: e for e in decode.step() if not isinstance(e, DecodeFailed) and e.finished})
+
+    while not held:
+        assert time.monotonic() < deadline, "the WRITE never completed"
+        assert prefill.step() == []
+        step_decode()
+    assert prefill.is_sending("slow-link") and prefill.num_inflight == 1
+
+    def release_poll():
+        ev = real_poll()
+        ev.sent_ids[:0] = held
+        held.clear()
+        return ev
+
+    monkeypatch.setattr(prefill.agent, "poll", release_poll)
+    done = []
+    while not done:
+        assert time.monotonic() < deadline
+        done = prefill.step()
+        step_decode()
+    assert done[0].request_id == "slow-link" and not done[0].error
+    assert not prefill.is_sending("slow-link") and prefill.num_inflight == 0
+    while "slow-link" not in outs:
+        assert time.monotonic() < deadline
+        step_decode()
+    ref = LLM(decode.engine.config.model).generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert outs["slow-link"].outputs[0].token_ids == ref.outputs[0].token_ids
