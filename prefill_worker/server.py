@@ -202,22 +202,28 @@ class PrefillWorker:
     # ------------------------------------------------------------------ loop thread
 
     def _step(self) -> None:
-        had_queued = self._num_queued_tokens() > 0
+        had_queued = self._has_queued()
         for done in self.core.step():
             waiter = self._waiters.pop(done.request_id, None)
             if waiter is not None and not waiter.fut.done():
                 waiter.fut.set_result(done)
-        if had_queued and self.reporter is not None and not self._num_queued_tokens():
+        if had_queued and self.reporter is not None and not self._has_queued():
             # NOTE: the last prefill still to compute just finished here: report now. Until the next
             # heartbeat the balancer would keep the queued tokens of a report taken mid-prefill (or of
             # its own picks) and send this cache's prefix hits elsewhere.
             self.reporter.report_now()
 
+    def _queued(self):
+        """The waiters whose prefill is not computed yet. A request whose KV is being written to decode
+        is no queued work: a slow (cross-datacenter) link must not make an idle instance look busy."""
+        return (w for rid, w in self._waiters.items() if not self.core.is_sending(rid))
+
+    def _has_queued(self) -> bool:
+        """Per loop step: stops at the first queued waiter."""
+        return next(self._queued(), None) is not None
+
     def _num_queued_tokens(self) -> int:
-        """Prompt tokens of the requests here whose prefill is not computed yet. A request whose KV is
-        being written to decode is no queued work: a slow (cross-datacenter) link must not make an
-        idle instance look busy to the balancer."""
-        return sum(w.num_prompt_tokens for rid, w in self._waiters.items() if not self.core.is_sending(rid))
+        return sum(w.num_prompt_tokens for w in self._queued())
 
     def _mode(self) -> LoopMode:
         if self.engine.has_unfinished_requests():
