@@ -35,6 +35,7 @@ import argparse
 import json
 import math
 import random
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -141,6 +142,14 @@ STAGE_SHARES: dict[int, dict[tuple[str, bool], float]] = {
     7: {("add", False): 0.35, ("add", True): 0.10, ("copy", False): 0.04, ("copy", True): 0.05,
         ("reverse", False): 0.04, ("reverse", True): 0.05, ("tool", False): 0.08, ("tool", True): 0.05,
         ("image", False): 0.16, ("image", True): 0.08},
+    # stage 8 (like 6, usually with --structured-embeddings): addition, tool calls and thinking mode
+    8: {("add", False): 0.18, ("add", True): 0.12, ("copy", False): 0.03, ("copy", True): 0.07,
+        ("reverse", False): 0.03, ("reverse", True): 0.07, ("tool", False): 0.14, ("tool", True): 0.12,
+        ("image", False): 0.15, ("image", True): 0.09},
+    # stage 9 (from scratch, text only): copying across many names (lists, tool calls) and addition
+    9: {("add", False): 0.20, ("add", True): 0.10, ("copy", False): 0.10, ("copy", True): 0.08,
+        ("reverse", False): 0.08, ("reverse", True): 0.06, ("tool", False): 0.22, ("tool", True): 0.16,
+        ("image", False): 0.0, ("image", True): 0.0},
 }
 
 
@@ -277,6 +286,104 @@ def eval_sets(renderer: D.ChatRenderer, held: dict, per_task: int | None, seed: 
 # --------------------------------------------------------------------------------- model
 
 
+class StructuredEmbedding(nn.Module):
+    """Training-time parameterization of the (tied) embedding table by what its tokens share.
+
+    A word used both with and without its leading space (" Paris" / "Paris") gets one row per word
+    plus a shared spacing vector: e(" X") = w[X] + s, e("X") = w[X] - s. A number token (0-999; the
+    V4 tokenizer writes numbers as unspaced tokens of at most three digits) is the sum of one row per
+    digit place: e("85") = ones[5] + tens[8] + hundreds[none]. Every other row stays free. Copying a
+    name into a tool call (" Paris" in the question -> "Paris" in the call) and carrying digits then
+    work for every word and number the same way, instead of per token pair learned one by one.
+
+    A structured row may also carry a per-token residual (the free table's row, see `table()`),
+    which training decays towards zero (`--structure-decay`): warm-starting from a trained table
+    keeps what it knew at first and moves it onto the shared structure gradually.
+
+    It only shapes training: `table()` builds the ordinary [rows, H] table, which is what is saved
+    and exported (the checkpoint format does not change)."""
+
+    NONE = 10  # the digit class of an absent tens / hundreds place
+
+    def __init__(self, tokens: list[str], hidden: int) -> None:
+        super().__init__()
+        present = set(tokens)
+        words: dict[str, int] = {}
+        kind, group, sign, digits = [], [], [], []
+        for tok in tokens:
+            core = tok[1:] if tok.startswith("\u0120") else tok
+            if re.fullmatch(r"[0-9]{1,3}", tok) and (tok == "0" or not tok.startswith("0")):
+                kind.append(2)
+                group.append(0)
+                sign.append(0.0)
+                d = [int(c) for c in reversed(tok)] + [self.NONE] * (3 - len(tok))
+                digits.append(d)
+            elif core and "\u0120" + core in present and core in present:
+                kind.append(1)
+                group.append(words.setdefault(core, len(words)))
+                sign.append(1.0 if tok.startswith("\u0120") else -1.0)
+                digits.append([self.NONE] * 3)
+            else:
+                kind.append(0)
+                group.append(0)
+                sign.append(0.0)
+                digits.append([self.NONE] * 3)
+        self.register_buffer("kind", torch.tensor(kind + [0]))  # + the shared row of unused ids: free
+        self.register_buffer("group", torch.tensor(group + [0]))
+        self.register_buffer("sign", torch.tensor(sign + [0.0]))
+        self.register_buffer("digits", torch.tensor(digits + [[self.NONE] * 3]))
+        self.words = nn.Parameter(torch.zeros(max(len(words), 1), hidden))
+        self.space = nn.Parameter(torch.zeros(hidden))
+        self.places = nn.Parameter(torch.zeros(3, self.NONE + 1, hidden))
+        self.num_words = len(words)
+
+    def table(self, free: torch.Tensor) -> torch.Tensor:
+        """The embedding table [rows, H]: free rows from `free`; structured rows built, plus their
+        residual (their row of `free`)."""
+        word = self.words[self.group] + self.sign[:, None] * self.space
+        number = sum(self.places[i][self.digits[:, i]] for i in range(3))
+        kind = self.kind[:, None]
+        return free + torch.where(kind == 0, 0.0, torch.where(kind == 1, word, number))
+
+    @torch.no_grad()
+    def randomize(self, free: torch.Tensor, std: float, seed: int = 0) -> None:
+        """From-scratch start: seeded random word / spacing / digit-place rows (a built row has about
+        the free rows' scale), structured rows' residual in `free` zeroed."""
+        g = torch.Generator().manual_seed(seed)
+        self.words.copy_(torch.randn(self.words.shape, generator=g) * std)
+        self.space.copy_(torch.randn(self.space.shape, generator=g) * std * 0.5)
+        self.places.copy_(torch.randn(self.places.shape, generator=g) * std / math.sqrt(3))
+        free[self.kind != 0] = 0.0
+
+    @torch.no_grad()
+    def decay_residual(self, free: torch.Tensor, rate: float) -> None:
+        """Shrink the structured rows' residual in `free` by `rate` (1: drop it)."""
+        free[self.kind != 0] *= 1.0 - rate
+
+    @torch.no_grad()
+    def fit(self, table: torch.Tensor) -> float:
+        """Least-squares fit of the structured parameters to an existing table (warm start), leaving
+        the misfit in `table`'s structured rows as their residual (so `table(table)` equals the
+        table it was given); returns the misfit's relative size."""
+        n = len(self.kind)
+        cols = self.num_words + 1 + 3 * (self.NONE + 1)
+        design = torch.zeros(n, cols, dtype=torch.float64)
+        rows = torch.arange(n)
+        is_word, is_num = self.kind == 1, self.kind == 2
+        design[rows[is_word], self.group[is_word]] = 1.0
+        design[rows[is_word], self.num_words] = self.sign[is_word].double()
+        for i in range(3):
+            design[rows[is_num], self.num_words + 1 + i * (self.NONE + 1) + self.digits[is_num, i]] = 1.0
+        keep = is_word | is_num
+        sol = torch.linalg.lstsq(design[keep], table[keep].double().cpu(), driver="gelsd").solution.to(table)
+        self.words.copy_(sol[: self.num_words])
+        self.space.copy_(sol[self.num_words])
+        self.places.copy_(sol[self.num_words + 1:].view(3, self.NONE + 1, -1))
+        total = table[keep].norm()
+        table[keep] -= self.table(torch.zeros_like(table))[keep]
+        return float(table[keep].norm() / total)
+
+
 def hf_config(vocab_size: int, **changes):
     from transformers import DeepseekV4Config
 
@@ -334,6 +441,29 @@ class DemoModel(nn.Module):
                     table = torch.rand(vocab, e, generator=g).argsort(dim=1)[:, :k]
                     layer.mlp.gate.tid2eid.copy_(table)
         self.log_unused = math.log(VOCAB_SIZE - num_used)
+        self.structure: StructuredEmbedding | None = None
+
+    def embedding_table(self) -> torch.Tensor:
+        """The tied embedding / output table [num_used + 1, H] (built from `structure` when set)."""
+        free = self.lm.model.embed_tokens.weight
+        return free if self.structure is None else self.structure.table(free)
+
+    def structure_embeddings(self, tokens: list[str], fresh: bool = False) -> float:
+        """Switch to `StructuredEmbedding` (`tokens`: the used ids' token strings), fitted to the
+        current table (`fresh`: a model that has not trained yet gets seeded random structure rows
+        instead and its structured rows' residual starts at zero); returns the fit's relative error."""
+        self.structure = StructuredEmbedding(tokens, ARCH["hidden_size"]).to(self.lm.model.embed_tokens.weight.device)
+        if not fresh:
+            return self.structure.fit(self.lm.model.embed_tokens.weight)
+        self.structure.randomize(self.lm.model.embed_tokens.weight, std=self.config.initializer_range)
+        return 0.0
+
+    @torch.no_grad()
+    def materialize_embeddings(self) -> None:
+        """Write the structured table into the plain embedding and drop the structure."""
+        if self.structure is not None:
+            self.lm.model.embed_tokens.weight.copy_(self.embedding_table())
+            self.structure = None
 
     def mtp_head_params(self) -> dict[str, nn.Parameter]:
         """The MTP layer's tensors outside its decoder layer, by checkpoint name under `mtp.0.`."""
@@ -343,7 +473,7 @@ class DemoModel(nn.Module):
                 "hc_head_scale": self.mtp_hc_head.hc_scale}
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = hidden @ self.lm.model.embed_tokens.weight.T
+        out = hidden @ self.embedding_table().T
         bias = torch.zeros(out.shape[-1], dtype=out.dtype, device=out.device)
         bias[-1] = self.log_unused
         return out + bias
@@ -370,7 +500,7 @@ class DemoModel(nn.Module):
         """Main model forward up to the final hyper-connection streams [B, T, hc, H]; `image_embeds`
         [num image tokens, H] replace the image token positions in order."""
         m = self.lm.model
-        emb = m.embed_tokens(ids)
+        emb = F.embedding(ids, self.embedding_table())
         if image_embeds is not None:
             emb = emb.masked_scatter((ids == self.image_compact_id)[..., None], image_embeds.to(emb.dtype))
         ctx = self.context(emb)
@@ -386,7 +516,7 @@ class DemoModel(nn.Module):
     def mtp_hidden(self, streams: torch.Tensor, next_ids: torch.Tensor, ctx: dict) -> torch.Tensor:
         """MTP at positions 0..T-2: streams [B, T-1, hc, H] and ids of the next tokens [B, T-1]."""
         eps = ARCH["rms_norm_eps"]
-        e = self.mtp_e_proj(_rms(self.lm.model.embed_tokens(next_ids), self.mtp_enorm, eps))
+        e = self.mtp_e_proj(_rms(F.embedding(next_ids, self.embedding_table()), self.mtp_enorm, eps))
         h = self.mtp_h_proj(_rms(streams, self.mtp_hnorm, eps))
         x = e.unsqueeze(2) + h
         n = x.shape[1]
@@ -508,7 +638,12 @@ def collate(batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def save_compact(model: DemoModel, used: list[int], path: Path, steps_done: int) -> None:
-    torch.save({"used_ids": used, "state_dict": {k: v.cpu() for k, v in model.state_dict().items()},
+    """Save the compact model as a plain one (a structured embedding is saved as its built table)."""
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items() if not k.startswith("structure.")}
+    if model.structure is not None:
+        table = model.embedding_table().detach().cpu()
+        state["lm.model.embed_tokens.weight"] = state["lm.lm_head.weight"] = table
+    torch.save({"used_ids": used, "state_dict": state,
                 "train_seconds": getattr(model, "train_seconds", None), "steps_done": steps_done}, path)
 
 
@@ -573,7 +708,7 @@ def train(dataset: dict, steps: int, seed: int, lr: float, device: str, log_ever
           checkpoint: Path | None = None, init: dict | None = None, stop_after: int | None = None,
           stage: int = 1, batch_scale: int = 1, max_seconds: float | None = None,
           init_checkpoint: Path | None = None, tower_steps: int = 0, tower_lr: float = 1e-3,
-          content_weight: float = 0.0) -> DemoModel:
+          content_weight: float = 0.0, structured: bool = False, structure_decay: float = 1.0) -> DemoModel:
     model = DemoModel(len(dataset["used_ids"]), seed, dataset["used_ids"].index(IMAGE_TOKEN_ID))
     if init_checkpoint is not None:
         init_from_checkpoint(model, init_checkpoint, dataset["used_ids"], seed, everything=stage >= 6)
@@ -582,6 +717,15 @@ def train(dataset: dict, steps: int, seed: int, lr: float, device: str, log_ever
         if init["used_ids"] != dataset["used_ids"]:
             raise ValueError("--init-from model was trained on another vocabulary; render the data with the same seed")
         model.load_state_dict(init["state_dict"])
+    if structured:
+        from engine.tokenizer import load_tokenizer
+
+        tok = load_tokenizer()
+        err = model.structure_embeddings([tok.id_to_token(i) for i in dataset["used_ids"]],
+                                         fresh=init is None and init_checkpoint is None)
+        s = model.structure
+        print(f"structured embeddings: {s.num_words} words with and without a leading space, "
+              f"{int((s.kind == 2).sum())} numbers; warm-start fit error {err:.3f}", flush=True)
     model = model.to(device)
     model.train()
     if tower_steps:
@@ -633,6 +777,8 @@ def train(dataset: dict, steps: int, seed: int, lr: float, device: str, log_ever
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if model.structure is not None:
+            model.structure.decay_residual(model.lm.model.embed_tokens.weight, structure_decay)
         run_loss += loss.item()
         run_mtp += mtp_loss.item()
         by_bucket.setdefault(batch["bucket"], []).append(loss.item())
@@ -651,6 +797,7 @@ def train(dataset: dict, steps: int, seed: int, lr: float, device: str, log_ever
         if checkpoint is not None and (step + 1) % 100 == 0:
             save_compact(model, dataset["used_ids"], checkpoint, step + 1)
     model.eval()
+    model.materialize_embeddings()
     model.train_seconds = time.time() - start
     return model
 
@@ -807,7 +954,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data", type=Path, help="train from a dataset written by --save-data")
     p.add_argument("--save-compact", type=Path, help="also save the compact trained model here")
     p.add_argument("--from-compact", type=Path, help="skip training: export this compact model")
-    p.add_argument("--stage", type=int, default=1, choices=[1, 2, 3, 4, 5, 6, 7], help="data mix (see STAGE_SHARES)")
+    p.add_argument("--stage", type=int, default=1, choices=[1, 2, 3, 4, 5, 6, 7, 8, 9], help="data mix (see STAGE_SHARES)")
     p.add_argument("--init-from-checkpoint", type=Path,
                    help="stage 4: start the text model from this exported checkpoint directory; "
                         "stage 6: start everything (text, MTP, vision) from it")
@@ -816,6 +963,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tower-lr", type=float, default=1e-3, help="peak learning rate of the tower warm-up")
     p.add_argument("--content-weight", type=float, default=0.0,
                    help="extra loss weight of answer-content tokens (see content_positions); 0: plain mean")
+    p.add_argument("--structured-embeddings", action="store_true",
+                   help="train the embedding table through StructuredEmbedding (spaced / unspaced words "
+                        "share a row, numbers are sums of digit rows); the saved table is plain")
+    p.add_argument("--structure-decay", type=float, default=1.0,
+                   help="per-step decay of the structured rows' per-token residual (1: none kept)")
     p.add_argument("--init-from", type=Path, help="continue training this compact model (stages 2, 3)")
     p.add_argument("--stop-after", type=int, help="stop after this many steps (the schedule still spans --steps)")
     p.add_argument("--max-seconds", type=float,
@@ -827,9 +979,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.time()
-    if args.stage >= 6:
+    if 6 <= args.stage <= 8:
         if bool(args.init_from) == bool(args.init_from_checkpoint):
-            p.error("--stage 6 and 7 continue an exported checkpoint (--init-from-checkpoint) or a compact model "
+            p.error("--stage 6, 7 and 8 continue an exported checkpoint (--init-from-checkpoint) or a compact model "
                     "(--init-from): give one of them")
     elif (args.stage in (2, 3, 5)) != bool(args.init_from):
         p.error("--stage 2, 3 and 5 continue a previous stage: give --init-from (and only they take it)")
@@ -855,7 +1007,8 @@ def main(argv: list[str] | None = None) -> None:
                       stop_after=args.stop_after, stage=args.stage, batch_scale=args.batch_scale,
                       max_seconds=args.max_seconds, log_every=args.log_every,
                       init_checkpoint=args.init_from_checkpoint, tower_steps=args.tower_steps,
-                      tower_lr=args.tower_lr, content_weight=args.content_weight)
+                      tower_lr=args.tower_lr, content_weight=args.content_weight,
+                      structured=args.structured_embeddings, structure_decay=args.structure_decay)
         print(f"trained {model.steps_done} steps in {model.train_seconds:.0f}s", flush=True)
         if args.save_compact:
             save_compact(model, dataset["used_ids"], args.save_compact, model.steps_done)
