@@ -38,8 +38,8 @@ def _score(llm, renderer: D.ChatRenderer, exs: list, prompts: list[dict], max_to
             "seconds": round(time.time() - start, 1)}
 
 
-def evaluate(model: str | None, num: int) -> dict:
-    """Blocks while generating; returns {set name: metrics}."""
+def evaluate(model: str | None, num: int, tasks: list[str] | None = None) -> dict:
+    """Blocks while generating; returns {set name: metrics} (`tasks`: only these, default all)."""
     from engine import LLM
 
     llm = LLM(model=model)
@@ -47,7 +47,7 @@ def evaluate(model: str | None, num: int) -> dict:
     held = D.held_out()
     pics = D.held_out_pictures()[:num]
     results = {}
-    for task in (*D.TASKS, *D.IMAGE_TASKS):
+    for task in tasks or (*D.TASKS, *D.IMAGE_TASKS):
         for thinking in (False, True):
             rng = random.Random(11)
             if task in D.TASKS:
@@ -74,8 +74,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model)")
     p.add_argument("--num", type=int, default=200, help="held-out items per addition/list set")
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--tasks", nargs="+", choices=[*D.TASKS, *D.IMAGE_TASKS], help="only these tasks (default all)")
     args = p.parse_args(argv)
-    results = evaluate(args.model, args.num)
+    results = evaluate(args.model, args.num, args.tasks)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
 

@@ -154,6 +154,15 @@ STAGE_SHARES: dict[int, dict[tuple[str, bool], float]] = {
     10: {("add", False): 0.10, ("add", True): 0.05, ("copy", False): 0.25, ("copy", True): 0.05,
          ("reverse", False): 0.15, ("reverse", True): 0.05, ("tool", False): 0.25, ("tool", True): 0.10,
          ("image", False): 0.0, ("image", True): 0.0},
+    # stage 11 (from a stage-10 model, `--init-from`): mostly addition, keeping the copying
+    11: {("add", False): 0.40, ("add", True): 0.12, ("copy", False): 0.06, ("copy", True): 0.06,
+         ("reverse", False): 0.04, ("reverse", True): 0.06, ("tool", False): 0.14, ("tool", True): 0.12,
+         ("image", False): 0.0, ("image", True): 0.0},
+    # stage 12 (from a text-only stage-10 / 11 model, `--init-from`, after `--tower-steps`): the
+    # pictures, addition, and the copying kept up
+    12: {("add", False): 0.20, ("add", True): 0.08, ("copy", False): 0.04, ("copy", True): 0.04,
+         ("reverse", False): 0.03, ("reverse", True): 0.04, ("tool", False): 0.09, ("tool", True): 0.06,
+         ("image", False): 0.30, ("image", True): 0.12},
 }
 
 
@@ -958,7 +967,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data", type=Path, help="train from a dataset written by --save-data")
     p.add_argument("--save-compact", type=Path, help="also save the compact trained model here")
     p.add_argument("--from-compact", type=Path, help="skip training: export this compact model")
-    p.add_argument("--stage", type=int, default=1, choices=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], help="data mix (see STAGE_SHARES)")
+    p.add_argument("--stage", type=int, default=1, choices=list(range(1, 13)), help="data mix (see STAGE_SHARES)")
     p.add_argument("--init-from-checkpoint", type=Path,
                    help="stage 4: start the text model from this exported checkpoint directory; "
                         "stage 6: start everything (text, MTP, vision) from it")
@@ -987,8 +996,8 @@ def main(argv: list[str] | None = None) -> None:
         if bool(args.init_from) == bool(args.init_from_checkpoint):
             p.error("--stage 6, 7 and 8 continue an exported checkpoint (--init-from-checkpoint) or a compact model "
                     "(--init-from): give one of them")
-    elif (args.stage in (2, 3, 5, 10)) != bool(args.init_from):
-        p.error("--stage 2, 3, 5 and 10 continue a previous stage: give --init-from (and only they take it)")
+    elif (args.stage in (2, 3, 5, 10, 11, 12)) != bool(args.init_from):
+        p.error("--stage 2, 3, 5, 10, 11 and 12 continue a previous stage: give --init-from (and only they take it)")
     elif (args.stage == 4) != bool(args.init_from_checkpoint):
         p.error("--stage 4 starts from an exported checkpoint: give --init-from-checkpoint (and only it takes it)")
     dataset = load_dataset(args.data) if args.data else build_dataset(args.seed)
