@@ -317,8 +317,8 @@ class ChatRenderer:
         return out
 
 
-def name_pool() -> list[str]:
-    """`NUM_NAME_POOL` capitalized vocabulary words (one token with and without a leading space), fixed
+def name_pool(size: int = NUM_NAME_POOL) -> list[str]:
+    """`size` (default `NUM_NAME_POOL`) capitalized vocabulary words (one token with and without a leading space), fixed
     by `SEED`, none of them a place, a list word or a colour/shape word."""
     from engine.tokenizer import load_tokenizer
 
@@ -327,7 +327,7 @@ def name_pool() -> list[str]:
     names = sorted(t[1:] for t in vocab if t.startswith("Ġ") and t[1:] in vocab and 4 <= len(t) - 1 <= 10
                    and t[1].isupper() and t[2:].isalpha() and t[2:].islower() and t[1:].lower() not in taken)
     random.Random(SEED).shuffle(names)
-    return sorted(names[:NUM_NAME_POOL])
+    return sorted(names[:size])
 
 
 def held_out() -> dict[str, list]:
@@ -345,10 +345,11 @@ def _random_list(rng: random.Random) -> tuple[str, ...]:
     return tuple(rng.sample(WORDS + PLACES, rng.randint(3, 5)))
 
 
-def training_items(rng: random.Random, task: str, held: dict[str, list], names: list[str] = ()):
+def training_items(rng: random.Random, task: str, held: dict[str, list], names: list[str] = (),
+                   name_share: float = 0.5, list_names: int = 2):
     """One random training item of `task`, never a held-out one (`names`: `name_pool()`, extra tool
-    arguments). Half of the copy / reverse lists carry one or two of those names (held-out lists never
-    do): the tool call writes the asked-about name without its leading space, and a list's first
+    arguments). `name_share` of the copy / reverse lists carry 1 to `list_names` of those names (held-out
+    lists never do), and that share of the tool questions ask about a name instead of a training place: the tool call writes the asked-about name without its leading space, and a list's first
     answer word is where that mapping is practised for every name, not only for the places."""
     if task == "add":
         excluded = set(held["add"])
@@ -360,14 +361,14 @@ def training_items(rng: random.Random, task: str, held: dict[str, list], names: 
         excluded = set(held[task])
         while True:
             words = list(_random_list(rng))
-            if names and rng.random() < 0.5:  # see the docstring
-                for i in rng.sample(range(len(words)), rng.randint(1, min(2, len(words)))):
+            if names and rng.random() < name_share:  # see the docstring
+                for i in rng.sample(range(len(words)), rng.randint(1, min(list_names, len(words)))):
                     words[i] = rng.choice(names)
             words = tuple(words)
             if words not in excluded and len(set(words)) == len(words):
                 return words
-    if task == "tool":  # half training places, half other capitalized words
-        if names and rng.random() < 0.5:
+    if task == "tool":  # training places and other capitalized words
+        if names and rng.random() < name_share:
             return rng.choice(names)
         return rng.choice([p for p in PLACES if p not in held["tool"]])
     raise ValueError(f"unknown task {task!r}")

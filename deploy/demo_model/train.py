@@ -173,13 +173,17 @@ POOL_SIZES = {"add": 16000, "copy": 8000, "reverse": 8000, "tool": 6000, "image"
 """Rendered training examples per (task, thinking) bucket; training samples its batches from these."""
 
 
-def build_dataset(seed: int) -> dict:
+def build_dataset(seed: int, num_names: int = D.NUM_NAME_POOL, name_share: float = 0.5,
+                  pool_sizes: dict[str, int] | None = None, list_names: int = 2) -> dict:
     """Render the training example pools plus the held-out prompts (token ids; image prompts expanded
-    to recipe's image token count, their pictures stored as recipe-preprocessed WEBP bytes)."""
+    to recipe's image token count, their pictures stored as recipe-preprocessed WEBP bytes).
+    `num_names`, `name_share`, `list_names`: see `D.name_pool` and `D.training_items`; `pool_sizes` overrides
+    entries of `POOL_SIZES`."""
     renderer = D.ChatRenderer()
     rng = random.Random(seed)
     held = D.held_out()
-    names = D.name_pool()
+    names = D.name_pool(num_names)
+    sizes = {**POOL_SIZES, **(pool_sizes or {})}
     held_pics = set(D.held_out_pictures())
     pictures: list[D.Picture] = []
     while len(pictures) < NUM_TRAIN_PICTURES:
@@ -191,7 +195,7 @@ def build_dataset(seed: int) -> dict:
     pools: dict[tuple[str, bool], list] = {}
     for task, thinking in BUCKETS:
         pool = pools[(task, thinking)] = []
-        for _ in range(POOL_SIZES[task]):
+        for _ in range(sizes[task]):
             if task == "image":
                 itask = rng.choices(image_tasks, image_shares)[0]
                 idx = [rng.randrange(len(pictures)) for _ in range(2 if itask == "two" else 1)]
@@ -200,7 +204,7 @@ def build_dataset(seed: int) -> dict:
                 pool.append((renderer.expand_images(renderer.prompt_ids(ex), [infos[i] for i in idx]),
                              renderer.completion_ids(ex), idx))
             else:
-                ex = D.make_example(task, D.training_items(rng, task, held, names), rng, thinking)
+                ex = D.make_example(task, D.training_items(rng, task, held, names, name_share, list_names), rng, thinking)
                 pool.append((renderer.prompt_ids(ex), renderer.completion_ids(ex), []))
     evals, eval_images = eval_sets(renderer, held, per_task=None)
     used = {i for pool in pools.values() for p, c, _ in pool for i in p + c}
@@ -965,6 +969,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu", help="torch device to train on")
     p.add_argument("--save-data", type=Path, help="render the dataset to this file and exit")
     p.add_argument("--data", type=Path, help="train from a dataset written by --save-data")
+    p.add_argument("--names", type=int, default=D.NUM_NAME_POOL,
+                   help="rendering: capitalized names besides the places (tool questions, lists)")
+    p.add_argument("--name-share", type=float, default=0.5,
+                   help="rendering: share of the lists and tool questions that use a name")
+    p.add_argument("--list-names", type=int, default=2, help="rendering: at most this many names in one list")
+    p.add_argument("--tool-pool", type=int, help="rendering: tool examples per bucket (default POOL_SIZES)")
     p.add_argument("--save-compact", type=Path, help="also save the compact trained model here")
     p.add_argument("--from-compact", type=Path, help="skip training: export this compact model")
     p.add_argument("--stage", type=int, default=1, choices=list(range(1, 13)), help="data mix (see STAGE_SHARES)")
@@ -1000,7 +1010,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--stage 2, 3, 5, 10, 11 and 12 continue a previous stage: give --init-from (and only they take it)")
     elif (args.stage == 4) != bool(args.init_from_checkpoint):
         p.error("--stage 4 starts from an exported checkpoint: give --init-from-checkpoint (and only it takes it)")
-    dataset = load_dataset(args.data) if args.data else build_dataset(args.seed)
+    dataset = load_dataset(args.data) if args.data else build_dataset(
+        args.seed, args.names, args.name_share, {"tool": args.tool_pool} if args.tool_pool else None,
+        args.list_names)
     print(f"dataset: {sum(len(p['lens']) for p in dataset['pools'].values())} examples, "
           f"{len(dataset['images'])} pictures, {len(dataset['used_ids'])} used ids, {time.time() - t0:.0f}s", flush=True)
     if args.save_data:

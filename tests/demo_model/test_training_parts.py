@@ -1,0 +1,83 @@
+"""Pieces of the demo model's training script (deploy/demo_model) that decide what it learns from:
+the training items never leak held-out ones, the name options do what they say, and the structured
+embedding table is built, fitted and started as documented. (Training itself is developer-run.)"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from deploy.demo_model import data as D
+from deploy.demo_model.train import StructuredEmbedding
+
+
+@pytest.fixture(scope="module")
+def held():
+    return D.held_out()
+
+
+@pytest.fixture(scope="module")
+def names():
+    return D.name_pool(400)
+
+
+def test_name_pool_is_fixed_and_disjoint_from_the_task_words(names):
+    assert names == D.name_pool(400) and len(set(names)) == 400
+    taken = {w.lower() for w in (*D.WORDS, *D.PLACES, *D.COLOURS, *D.SHAPES)}
+    assert not any(n.lower() in taken for n in names)
+    assert set(D.name_pool(100)) <= set(D.name_pool(400))  # a larger pool extends a smaller one
+
+
+def test_training_items_never_hit_held_out_ones(held, names):
+    rng = random.Random(1)
+    for _ in range(300):
+        assert D.training_items(rng, "add", held) not in set(held["add"])
+        assert D.training_items(rng, "tool", held, names, 0.5) not in held["tool"]
+        for task in ("copy", "reverse"):
+            item = D.training_items(rng, task, held, names, 0.75, 3)
+            assert item not in set(held[task]) and len(set(item)) == len(item)
+
+
+def test_name_share_and_list_names(held, names):
+    rng = random.Random(2)
+    tool = [D.training_items(rng, "tool", held, names, 1.0) for _ in range(100)]
+    assert all(t in names for t in tool)
+    tool = [D.training_items(rng, "tool", held, names, 0.0) for _ in range(100)]
+    assert all(t in D.PLACES for t in tool)
+    lists = [D.training_items(rng, "copy", held, names, 1.0, 3) for _ in range(300)]
+    counts = [sum(w in names for w in item) for item in lists]
+    assert min(counts) >= 1 and max(counts) == 3
+    lists = [D.training_items(rng, "copy", held, names, 1.0, 2) for _ in range(300)]
+    assert max(sum(w in names for w in item) for item in lists) == 2
+
+
+TOKENS = ["\u0120Paris", "Paris", "\u0120cat", "85", "7", "123", "\u0120Rome", "<think>", "012"]
+
+
+def test_structured_table_shares_rows_between_spaced_and_unspaced_words():
+    s = StructuredEmbedding(TOKENS, 8)
+    assert s.kind.tolist() == [1, 1, 0, 2, 2, 2, 0, 0, 0, 0]  # + the shared row of unused ids
+    s.randomize(free := torch.randn(len(TOKENS) + 1, 8), std=0.02)
+    assert free[s.kind != 0].abs().sum() == 0 and free[s.kind == 0].abs().sum() > 0
+    t = s.table(free)
+    torch.testing.assert_close(t[0] - t[1], 2 * s.space.detach())  # " Paris" - "Paris" = 2 x spacing
+    # "85" = ones[5] + tens[8] + hundreds[none]; "7" = ones[7] + tens[none] + hundreds[none]
+    p = s.places.detach()
+    torch.testing.assert_close(t[3], p[0, 5] + p[1, 8] + p[2, s.NONE])
+    torch.testing.assert_close(t[4], p[0, 7] + p[1, s.NONE] + p[2, s.NONE])
+    torch.testing.assert_close(t[2], free[2])  # " cat" has no unspaced partner: a free row
+
+
+def test_structured_fit_keeps_the_table_and_decay_moves_it_onto_the_structure():
+    s = StructuredEmbedding(TOKENS, 8)
+    table = torch.randn(len(TOKENS) + 1, 8)
+    free = table.clone()
+    err = s.fit(free)
+    assert 0 < err < 1
+    torch.testing.assert_close(s.table(free), table)  # the warm start changes nothing at first
+    s.decay_residual(free, 1.0)
+    built = s.table(free)
+    torch.testing.assert_close(built[s.kind == 0], table[s.kind == 0])
+    torch.testing.assert_close(built[0] - built[1], 2 * s.space.detach())
