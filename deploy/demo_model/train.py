@@ -163,6 +163,10 @@ STAGE_SHARES: dict[int, dict[tuple[str, bool], float]] = {
     12: {("add", False): 0.20, ("add", True): 0.08, ("copy", False): 0.04, ("copy", True): 0.04,
          ("reverse", False): 0.03, ("reverse", True): 0.04, ("tool", False): 0.09, ("tool", True): 0.06,
          ("image", False): 0.30, ("image", True): 0.12},
+    # stage 13 (from a stage-10 model, `--init-from`): like 11 with more copying kept in the mix
+    13: {("add", False): 0.30, ("add", True): 0.08, ("copy", False): 0.10, ("copy", True): 0.06,
+         ("reverse", False): 0.06, ("reverse", True): 0.06, ("tool", False): 0.20, ("tool", True): 0.14,
+         ("image", False): 0.0, ("image", True): 0.0},
 }
 
 
@@ -977,7 +981,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tool-pool", type=int, help="rendering: tool examples per bucket (default POOL_SIZES)")
     p.add_argument("--save-compact", type=Path, help="also save the compact trained model here")
     p.add_argument("--from-compact", type=Path, help="skip training: export this compact model")
-    p.add_argument("--stage", type=int, default=1, choices=list(range(1, 13)), help="data mix (see STAGE_SHARES)")
+    p.add_argument("--stage", type=int, default=1, choices=list(range(1, 14)), help="data mix (see STAGE_SHARES)")
     p.add_argument("--init-from-checkpoint", type=Path,
                    help="stage 4: start the text model from this exported checkpoint directory; "
                         "stage 6: start everything (text, MTP, vision) from it")
@@ -1006,8 +1010,8 @@ def main(argv: list[str] | None = None) -> None:
         if bool(args.init_from) == bool(args.init_from_checkpoint):
             p.error("--stage 6, 7 and 8 continue an exported checkpoint (--init-from-checkpoint) or a compact model "
                     "(--init-from): give one of them")
-    elif (args.stage in (2, 3, 5, 10, 11, 12)) != bool(args.init_from):
-        p.error("--stage 2, 3, 5, 10, 11 and 12 continue a previous stage: give --init-from (and only they take it)")
+    elif (args.stage in (2, 3, 5, 10, 11, 12, 13)) != bool(args.init_from):
+        p.error("--stage 2, 3, 5 and 10-13 continue a previous stage: give --init-from (and only they take it)")
     elif (args.stage == 4) != bool(args.init_from_checkpoint):
         p.error("--stage 4 starts from an exported checkpoint: give --init-from-checkpoint (and only it takes it)")
     dataset = load_dataset(args.data) if args.data else build_dataset(
