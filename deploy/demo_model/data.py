@@ -348,9 +348,10 @@ def _random_list(rng: random.Random) -> tuple[str, ...]:
 def training_items(rng: random.Random, task: str, held: dict[str, list], names: list[str] = (),
                    name_share: float = 0.5, list_names: int = 2):
     """One random training item of `task`, never a held-out one (`names`: `name_pool()`, extra tool
-    arguments). `name_share` of the copy / reverse lists carry 1 to `list_names` of those names (held-out
-    lists never do), and that share of the tool questions ask about a name instead of a training place: the tool call writes the asked-about name without its leading space, and a list's first
-    answer word is where that mapping is practised for every name, not only for the places."""
+    arguments). `name_share` of the copy / reverse lists carry 1 to `list_names` of those names
+    (held-out lists never do), and that share of the tool questions ask about a name instead of a
+    training place: the tool call writes the asked-about name without its leading space, and a list's
+    first answer word is where that mapping is practised for every name, not only for the places."""
     if task == "add":
         excluded = set(held["add"])
         while True:

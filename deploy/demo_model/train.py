@@ -742,11 +742,12 @@ def train(dataset: dict, steps: int, seed: int, lr: float, device: str, log_ever
         from engine.tokenizer import load_tokenizer
 
         tok = load_tokenizer()
-        err = model.structure_embeddings([tok.id_to_token(i) for i in dataset["used_ids"]],
-                                         fresh=init is None and init_checkpoint is None)
+        fresh = init is None and init_checkpoint is None
+        err = model.structure_embeddings([tok.id_to_token(i) for i in dataset["used_ids"]], fresh=fresh)
         s = model.structure
         print(f"structured embeddings: {s.num_words} words with and without a leading space, "
-              f"{int((s.kind == 2).sum())} numbers; warm-start fit error {err:.3f}", flush=True)
+              f"{int((s.kind == 2).sum())} numbers; " + ("from scratch" if fresh else f"warm-start fit error {err:.3f}"),
+              flush=True)
     model = model.to(device)
     model.train()
     if tower_steps:
@@ -981,7 +982,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tool-pool", type=int, help="rendering: tool examples per bucket (default POOL_SIZES)")
     p.add_argument("--save-compact", type=Path, help="also save the compact trained model here")
     p.add_argument("--from-compact", type=Path, help="skip training: export this compact model")
-    p.add_argument("--stage", type=int, default=1, choices=list(range(1, 14)), help="data mix (see STAGE_SHARES)")
+    p.add_argument("--stage", type=int, default=1, choices=[1, *STAGE_SHARES], help="data mix (see STAGE_SHARES)")
     p.add_argument("--init-from-checkpoint", type=Path,
                    help="stage 4: start the text model from this exported checkpoint directory; "
                         "stage 6: start everything (text, MTP, vision) from it")
