@@ -105,7 +105,9 @@ def test_image_prompt_counts_image_tokens_and_repeats_hit_the_cache(client, visi
     assert 'deepinfer_stage_vision_images_encoded_total{instance="vision-0",stage="vision"}' in metrics
     assert 'deepinfer_stage_embeddings_read_bytes_total{instance="prefill-0",stage="prefill"}' in metrics
     # an unspecified max_tokens is lowered to the context left after the image tokens, not refused
-    unbounded = client.chat.completions.create(model=model_name, messages=messages, temperature=0)
+    # (NOTE: this cluster's model may run to that limit, thousands of tokens on a CPU: a long timeout)
+    unbounded = client.with_options(timeout=600).chat.completions.create(model=model_name, messages=messages,
+                                                                        temperature=0)
     assert unbounded.usage.prompt_tokens == first.usage.prompt_tokens
 
 
