@@ -1027,7 +1027,7 @@ def main(argv: list[str] | None = None) -> None:
         saved = torch.load(args.from_compact)
         model = DemoModel(len(saved["used_ids"]), args.seed, saved["used_ids"].index(IMAGE_TOKEN_ID))
         model.load_state_dict(saved["state_dict"])
-        model.eval()
+        model.eval().to(args.device)
         model.train_seconds = saved.get("train_seconds", float("nan"))
         if saved["used_ids"] != dataset["used_ids"]:
             raise SystemExit("--from-compact model and dataset have different vocabularies; use the same --seed/--data")
