@@ -167,6 +167,11 @@ STAGE_SHARES: dict[int, dict[tuple[str, bool], float]] = {
     13: {("add", False): 0.30, ("add", True): 0.08, ("copy", False): 0.10, ("copy", True): 0.06,
          ("reverse", False): 0.06, ("reverse", True): 0.06, ("tool", False): 0.20, ("tool", True): 0.14,
          ("image", False): 0.0, ("image", True): 0.0},
+    # stage 14 (from a stage-12 model, `--init-from`, low lr): pictures and tool calls polished,
+    # addition and the lists kept
+    14: {("add", False): 0.10, ("add", True): 0.04, ("copy", False): 0.04, ("copy", True): 0.04,
+         ("reverse", False): 0.03, ("reverse", True): 0.03, ("tool", False): 0.18, ("tool", True): 0.10,
+         ("image", False): 0.30, ("image", True): 0.14},
 }
 
 
@@ -1011,8 +1016,8 @@ def main(argv: list[str] | None = None) -> None:
         if bool(args.init_from) == bool(args.init_from_checkpoint):
             p.error("--stage 6, 7 and 8 continue an exported checkpoint (--init-from-checkpoint) or a compact model "
                     "(--init-from): give one of them")
-    elif (args.stage in (2, 3, 5, 10, 11, 12, 13)) != bool(args.init_from):
-        p.error("--stage 2, 3, 5 and 10-13 continue a previous stage: give --init-from (and only they take it)")
+    elif (args.stage in (2, 3, 5, 10, 11, 12, 13, 14)) != bool(args.init_from):
+        p.error("--stage 2, 3, 5 and 10-14 continue a previous stage: give --init-from (and only they take it)")
     elif (args.stage == 4) != bool(args.init_from_checkpoint):
         p.error("--stage 4 starts from an exported checkpoint: give --init-from-checkpoint (and only it takes it)")
     dataset = load_dataset(args.data) if args.data else build_dataset(
