@@ -173,6 +173,8 @@ STAGE_SHARES: dict[int, dict[tuple[str, bool], float]] = {
          ("reverse", False): 0.03, ("reverse", True): 0.03, ("tool", False): 0.18, ("tool", True): 0.10,
          ("image", False): 0.30, ("image", True): 0.14},
 }
+CONTINUING_STAGES = (2, 3, 5, *range(10, 15))
+"""Stages that continue a previous stage's compact model (`--init-from`, and only they take it)."""
 
 
 # --------------------------------------------------------------------------------- data
@@ -1016,8 +1018,9 @@ def main(argv: list[str] | None = None) -> None:
         if bool(args.init_from) == bool(args.init_from_checkpoint):
             p.error("--stage 6, 7 and 8 continue an exported checkpoint (--init-from-checkpoint) or a compact model "
                     "(--init-from): give one of them")
-    elif (args.stage in (2, 3, 5, 10, 11, 12, 13, 14)) != bool(args.init_from):
-        p.error("--stage 2, 3, 5 and 10-14 continue a previous stage: give --init-from (and only they take it)")
+    elif (args.stage in CONTINUING_STAGES) != bool(args.init_from):
+        p.error(f"--stage {', '.join(map(str, CONTINUING_STAGES))} continue a previous stage: give --init-from "
+                "(and only they take it)")
     elif (args.stage == 4) != bool(args.init_from_checkpoint):
         p.error("--stage 4 starts from an exported checkpoint: give --init-from-checkpoint (and only it takes it)")
     dataset = load_dataset(args.data) if args.data else build_dataset(

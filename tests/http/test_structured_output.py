@@ -176,11 +176,9 @@ def _json_mode(oai, default_model_dir, thinking: str):
     # thinking mode gets room for the reasoning: JSON mode holds only the content after `</think>`
     # (the built-in model's reasoning alone can take 60 tokens, leaving no content to check)
     max_tokens = 60 if thinking == "disabled" else 200
-    choice = oai.chat.completions.create(model=default_model_dir.name, messages=messages, max_tokens=max_tokens,
-                                         temperature=0.0, response_format={"type": "json_object"},
-                                         extra_body={"thinking": {"type": thinking}}).choices[0]
-    print(f"json mode, thinking {thinking}: {choice.finish_reason} {choice.message.content!r}")
-    return choice
+    return oai.chat.completions.create(model=default_model_dir.name, messages=messages, max_tokens=max_tokens,
+                                       temperature=0.0, response_format={"type": "json_object"},
+                                       extra_body={"thinking": {"type": thinking}}).choices[0]
 
 
 @pytest.mark.parametrize("thinking", ["disabled", "enabled"])
