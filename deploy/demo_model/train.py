@@ -109,6 +109,8 @@ BUCKETS: dict[tuple[str, bool], tuple[float, int]] = {
     ("tool", True): (0.10, 8),
     ("image", False): (0.13, 8),
     ("image", True): (0.06, 8),
+    ("json", False): (0.0, 48),  # JSON mode: stage 15 onwards
+    ("json", True): (0.0, 24),
 }
 IMAGE_TASK_SHARES = {"colour": 0.25, "shape": 0.35, "describe": 0.2, "two": 0.2}
 NUM_TRAIN_PICTURES = 4000
@@ -172,15 +174,30 @@ STAGE_SHARES: dict[int, dict[tuple[str, bool], float]] = {
     14: {("add", False): 0.10, ("add", True): 0.04, ("copy", False): 0.04, ("copy", True): 0.04,
          ("reverse", False): 0.03, ("reverse", True): 0.03, ("tool", False): 0.18, ("tool", True): 0.10,
          ("image", False): 0.30, ("image", True): 0.14},
+    # stage 15 (from a stage-14 model, `--init-from`; its vocabulary may differ from the data's, see
+    # `reindex_vocabulary`): JSON mode, thinking-mode sums (restated, not digit by digit), tool calls,
+    # everything else kept
+    15: {("add", False): 0.08, ("add", True): 0.12, ("copy", False): 0.04, ("copy", True): 0.04,
+         ("reverse", False): 0.03, ("reverse", True): 0.05, ("tool", False): 0.16, ("tool", True): 0.12,
+         ("image", False): 0.15, ("image", True): 0.10, ("json", False): 0.06, ("json", True): 0.05},
+    # stage 16 (from a stage-15 model, `--init-from`): like 15, more JSON mode and thinking mode
+    16: {("add", False): 0.06, ("add", True): 0.12, ("copy", False): 0.03, ("copy", True): 0.03,
+         ("reverse", False): 0.03, ("reverse", True): 0.03, ("tool", False): 0.16, ("tool", True): 0.14,
+         ("image", False): 0.10, ("image", True): 0.06, ("json", False): 0.10, ("json", True): 0.14},
+    # stage 17 (from a stage-16 model, `--init-from`, low lr): tool calls, everything else kept
+    17: {("add", False): 0.05, ("add", True): 0.08, ("copy", False): 0.04, ("copy", True): 0.03,
+         ("reverse", False): 0.03, ("reverse", True): 0.03, ("tool", False): 0.30, ("tool", True): 0.15,
+         ("image", False): 0.10, ("image", True): 0.05, ("json", False): 0.06, ("json", True): 0.08},
 }
-CONTINUING_STAGES = (2, 3, 5, *range(10, 15))
+"""Later stages' bucket shares; a bucket a stage leaves out gets none of its steps."""
+CONTINUING_STAGES = (2, 3, 5, *range(10, 18))
 """Stages that continue a previous stage's compact model (`--init-from`, and only they take it)."""
 
 
 # --------------------------------------------------------------------------------- data
 
 
-POOL_SIZES = {"add": 16000, "copy": 8000, "reverse": 8000, "tool": 6000, "image": 8000}
+POOL_SIZES = {"add": 16000, "copy": 8000, "reverse": 8000, "tool": 6000, "image": 8000, "json": 8000}
 """Rendered training examples per (task, thinking) bucket; training samples its batches from these."""
 
 
@@ -265,7 +282,7 @@ def sample_batches(dataset: dict, steps: int, seed: int, stage: int = 1, batch_s
     """Yield `steps` training batches drawn from the pools (one bucket per step, by stage shares)."""
     rng = random.Random(seed * 31 + stage)
     keys = list(BUCKETS)
-    shares = [BUCKETS[k][0] if stage == 1 else STAGE_SHARES[stage][k] for k in keys]
+    shares = [BUCKETS[k][0] if stage == 1 else STAGE_SHARES[stage].get(k, 0.0) for k in keys]
     seqs_of = {key: pool["ids"].split(pool["lens"].tolist()) for key, pool in dataset["pools"].items()}
     for _ in range(steps):
         key = rng.choices(keys, shares)[0]
@@ -732,6 +749,29 @@ def content_positions(ids: torch.Tensor, mask: torch.Tensor, prompt_lens: torch.
     return target != aligned.mode(dim=0).values[offset]
 
 
+def reindex_vocabulary(state: dict, old_used: list[int], new_used: list[int], fresh: dict) -> dict:
+    """`state` (a compact model over `old_used`) re-indexed to the compact vocabulary `new_used` (data
+    whose tasks changed): each vocabulary-sized tensor (the tied embedding / output table, the hash-MoE
+    routing table) keeps the rows of the ids both use, under their new positions; ids new to the model
+    get `fresh`'s rows (a newly initialized model's state); ids the data no longer uses are dropped (they
+    fall into the shared row of unused ids)."""
+    where = {t: i for i, t in enumerate(new_used)}
+    kept = [(i, where[t]) for i, t in enumerate(old_used) if t in where] + [(len(old_used), len(new_used))]
+    src, dst = (torch.tensor(x) for x in zip(*kept))  # the last pair: the shared row of unused ids
+    out = {}
+    for name, tensor in state.items():
+        if tensor.dim() and tensor.shape[0] == len(old_used) + 1 and fresh[name].shape[0] == len(new_used) + 1:
+            grown = fresh[name].clone().to(tensor.dtype)
+            grown[dst] = tensor[src]
+            out[name] = grown
+        else:
+            out[name] = tensor
+    print(f"vocabulary re-indexed from {len(old_used)} to {len(new_used)} used ids: {len(kept) - 1} kept, "
+          f"{len(new_used) - len(kept) + 1} new, {len(old_used) - len(kept) + 1} dropped "
+          f"({sum(out[k] is not state[k] for k in state)} tensors)", flush=True)
+    return out
+
+
 def train(dataset: dict, steps: int, seed: int, lr: float, device: str, log_every: int = 50,
           checkpoint: Path | None = None, init: dict | None = None, stop_after: int | None = None,
           stage: int = 1, batch_scale: int = 1, max_seconds: float | None = None,
@@ -742,9 +782,10 @@ def train(dataset: dict, steps: int, seed: int, lr: float, device: str, log_ever
         init_from_checkpoint(model, init_checkpoint, dataset["used_ids"], seed, everything=stage >= 6)
     bank = PictureBank(dataset["images"], device)
     if init is not None:
+        state = init["state_dict"]
         if init["used_ids"] != dataset["used_ids"]:
-            raise ValueError("--init-from model was trained on another vocabulary; render the data with the same seed")
-        model.load_state_dict(init["state_dict"])
+            state = reindex_vocabulary(state, init["used_ids"], dataset["used_ids"], model.state_dict())
+        model.load_state_dict(state)
     if structured:
         from engine.tokenizer import load_tokenizer
 
@@ -1003,7 +1044,7 @@ def main(argv: list[str] | None = None) -> None:
                         "share a row, numbers are sums of digit rows); the saved table is plain")
     p.add_argument("--structure-decay", type=float, default=1.0,
                    help="per-step decay of the structured rows' per-token residual (1: none kept)")
-    p.add_argument("--init-from", type=Path, help="continue training this compact model (stages 2, 3)")
+    p.add_argument("--init-from", type=Path, help="continue training this compact model (the stages of CONTINUING_STAGES)")
     p.add_argument("--stop-after", type=int, help="stop after this many steps (the schedule still spans --steps)")
     p.add_argument("--max-seconds", type=float,
                    help="run the cosine schedule over this much wall time instead (stops then; not bit-reproducible)")

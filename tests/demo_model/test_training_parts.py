@@ -81,3 +81,31 @@ def test_structured_fit_keeps_the_table_and_decay_moves_it_onto_the_structure():
     built = s.table(free)
     torch.testing.assert_close(built[s.kind == 0], table[s.kind == 0])
     torch.testing.assert_close(built[0] - built[1], 2 * s.space.detach())
+
+
+def test_json_task_is_rendered_in_recipes_json_mode(held):
+    renderer = D.ChatRenderer()
+    ex = D.make_example("json", (37, 48), random.Random(0), False)
+    assert ex.answer == '{"answer": 85}' and ex.user.startswith(("What is", "Compute", "37"))
+    prompt = renderer.tokenizer.decode(renderer.prompt_ids(ex), skip_special_tokens=False)
+    assert "designed to output JSON" in prompt  # recipe's JSON-mode system prompt, as served
+    completion = renderer.tokenizer.decode(renderer.completion_ids(ex), skip_special_tokens=False)
+    assert completion == '{"answer": 85}<｜end▁of▁sentence｜>'
+    thinking = D.make_example("json", (37, 48), random.Random(0), True)
+    completion = renderer.tokenizer.decode(renderer.completion_ids(thinking), skip_special_tokens=False)
+    assert completion.endswith('37 + 48 = 85.</think>{"answer": 85}<｜end▁of▁sentence｜>'), completion
+    rng = random.Random(3)
+    assert all(D.training_items(rng, "json", held) not in set(held["json"]) for _ in range(300))
+
+
+def test_reindex_vocabulary_keeps_shared_rows_in_their_new_places():
+    from deploy.demo_model.train import reindex_vocabulary
+
+    old, new = [0, 5, 7, 9], [0, 3, 5, 9, 12]  # 7 dropped, 3 and 12 new
+    state = {"embed": torch.arange(5.0)[:, None].repeat(1, 2), "route": torch.tensor([[1], [2], [3], [4], [5]]),
+             "other": torch.ones(3)}
+    fresh = {"embed": torch.full((6, 2), -1.0), "route": torch.zeros(6, 1, dtype=torch.long), "other": torch.zeros(3)}
+    out = reindex_vocabulary(state, old, new, fresh)
+    assert out["embed"][:, 0].tolist() == [0.0, -1.0, 1.0, 3.0, -1.0, 4.0]  # ids 0, 3 (new), 5, 9, 12 (new), unused row
+    assert out["route"][:, 0].tolist() == [1, 0, 2, 4, 0, 5]
+    assert out["other"] is state["other"]
