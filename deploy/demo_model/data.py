@@ -16,8 +16,9 @@ Each task comes in thinking mode (a short reasoning, `</think>`, the answer) and
 `<｜end▁of▁sentence｜>`.
 
 The held-out sets (`held_out()`) are fixed by `SEED` and never appear in training: 300 addition
-pairs (asked plainly and in JSON mode), 300 word lists per list task, and 14 of the places the weather tool is asked about
-(those places still occur as plain words in the copy/reverse lists, so their tokens are known).
+pairs (asked plainly and in JSON mode), 300 word lists per list task, and 14 of the places the
+weather tool is asked about (those places still occur as plain words in the copy/reverse lists, so
+their tokens are known).
 
 NOTE: deepseek-recipe renders a finished assistant turn as history (it drops the reasoning and
 appends the next `<｜Assistant｜>` prompt), so a completion is built as: recipe's rendering of
@@ -220,13 +221,13 @@ def _add_reasoning(a: int, b: int) -> str:
 def make_example(task: str, item, rng: random.Random, thinking: bool) -> Example:
     """Build the example of `task` for `item` ((a, b) pair, word tuple, or place) with a random phrasing."""
     effort = rng.choice([None, None, "high", "max", "low"]) if thinking else None
-    if task == "add":
+    if task in ("add", "json"):  # the same question; `json` asks for it in JSON mode
         a, b = item
-        return Example(task, rng.choice(ADD_TEMPLATES).format(a=a, b=b), thinking, str(a + b), _add_reasoning(a, b), effort)
-    if task == "json":
-        a, b = item
-        user = rng.choice(ADD_TEMPLATES).format(a=a, b=b) + rng.choice(JSON_SUFFIXES)
-        return Example(task, user, thinking, json.dumps({"answer": a + b}), _add_reasoning(a, b), effort, "json_object")
+        user = rng.choice(ADD_TEMPLATES).format(a=a, b=b)
+        if task == "add":
+            return Example(task, user, thinking, str(a + b), _add_reasoning(a, b), effort)
+        return Example(task, user + rng.choice(JSON_SUFFIXES), thinking, json.dumps({"answer": a + b}),
+                       _add_reasoning(a, b), effort, "json_object")
     if task in ("copy", "reverse"):
         words = list(item)
         out = words if task == "copy" else words[::-1]
@@ -347,8 +348,8 @@ def held_out() -> dict[str, list]:
     lists = {task: [_random_list(rng) for _ in range(NUM_HELD_OUT_LISTS)] for task in ("copy", "reverse")}
     places = list(PLACES)
     rng.shuffle(places)
-    return {"add": pairs[:NUM_HELD_OUT_ADD], **lists, "tool": sorted(places[:NUM_HELD_OUT_PLACES]),
-            "json": pairs[:NUM_HELD_OUT_ADD]}
+    add = pairs[:NUM_HELD_OUT_ADD]
+    return {"add": add, **lists, "tool": sorted(places[:NUM_HELD_OUT_PLACES]), "json": add}
 
 
 def _random_list(rng: random.Random) -> tuple[str, ...]:
