@@ -188,9 +188,27 @@ STAGE_SHARES: dict[int, dict[tuple[str, bool], float]] = {
     17: {("add", False): 0.05, ("add", True): 0.08, ("copy", False): 0.04, ("copy", True): 0.03,
          ("reverse", False): 0.03, ("reverse", True): 0.03, ("tool", False): 0.30, ("tool", True): 0.15,
          ("image", False): 0.10, ("image", True): 0.05, ("json", False): 0.06, ("json", True): 0.08},
+    # stage 18 (`--init-from-checkpoint` the shipped export, everything loaded; with the guards of
+    # `--freeze-known-rows` / `--distill`): JSON mode and the restated thinking-mode sums added to a
+    # model that has the rest, every old task kept in the mix
+    18: {("add", False): 0.06, ("add", True): 0.14, ("copy", False): 0.03, ("copy", True): 0.04,
+         ("reverse", False): 0.03, ("reverse", True): 0.05, ("tool", False): 0.14, ("tool", True): 0.12,
+         ("image", False): 0.10, ("image", True): 0.07, ("json", False): 0.10, ("json", True): 0.12},
+    # stage 19 (from a stage-18 model, `--init-from`, with `--distill`): like 18, weighted towards the new tasks
+    19: {("add", False): 0.05, ("add", True): 0.18, ("copy", False): 0.02, ("copy", True): 0.03,
+         ("reverse", False): 0.02, ("reverse", True): 0.04, ("tool", False): 0.12, ("tool", True): 0.10,
+         ("image", False): 0.07, ("image", True): 0.05, ("json", False): 0.12, ("json", True): 0.20},
+    # stage 20 (from a stage-18 / 19 model, `--init-from`, low lr, `--distill` with the tool buckets in
+    # `--distill-skip`): tool calls, everything else held to the initial model
+    20: {("add", False): 0.04, ("add", True): 0.08, ("copy", False): 0.04, ("copy", True): 0.03,
+         ("reverse", False): 0.03, ("reverse", True): 0.03, ("tool", False): 0.32, ("tool", True): 0.18,
+         ("image", False): 0.06, ("image", True): 0.04, ("json", False): 0.06, ("json", True): 0.09},
 }
 """Later stages' bucket shares; a bucket a stage leaves out gets none of its steps."""
-CONTINUING_STAGES = (2, 3, 5, *range(10, 18))
+NEW_TASK_BUCKETS = ("json/direct", "json/think", "add/think")
+"""Buckets whose rendering changed after the shipped checkpoint was trained (DATA8 -> DATA9): `--distill`
+does not hold the model to its old answers there."""
+CONTINUING_STAGES = (2, 3, 5, *range(10, 18), 20)
 """Stages that continue a previous stage's compact model (`--init-from`, and only they take it)."""
 
 
@@ -574,12 +592,14 @@ class DemoModel(nn.Module):
         return _rms(self.mtp_hc_head(x), self.mtp_norm, eps)
 
 
-def init_from_checkpoint(model: DemoModel, path: Path, used: list[int], seed: int, everything: bool = False) -> None:
+def init_from_checkpoint(model: DemoModel, path: Path, used: list[int], seed: int,
+                         everything: bool = False) -> torch.Tensor:
     """Start the text model from an exported checkpoint (full vocabulary) instead of random weights:
     its layers as they are, its embedding rows of `used` (ids it never used share one row; those get
     small seeded noise so they can part), its shared row as the compact `v` row, and fresh seeded
     hash-routing rows for the ids it never used. The MTP layer and the vision tower start fresh
-    unless `everything` (then they are loaded too)."""
+    unless `everything` (then they are loaded too). Returns which of `used` were new to the checkpoint
+    ([len(used)] bool)."""
     from transformers import DeepseekV4ForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -609,6 +629,7 @@ def init_from_checkpoint(model: DemoModel, path: Path, used: list[int], seed: in
         _load_tower_and_mtp(model, path)
     print(f"initialised from {path}{' (everything)' if everything else ''}: {int(was_unused.sum())} of "
           f"{len(used)} ids new to it", flush=True)
+    return was_unused
 
 
 def _load_tower_and_mtp(model: DemoModel, path: Path) -> None:
@@ -776,10 +797,13 @@ def train(dataset: dict, steps: int, seed: int, lr: float, device: str, log_ever
           checkpoint: Path | None = None, init: dict | None = None, stop_after: int | None = None,
           stage: int = 1, batch_scale: int = 1, max_seconds: float | None = None,
           init_checkpoint: Path | None = None, tower_steps: int = 0, tower_lr: float = 1e-3,
-          content_weight: float = 0.0, structured: bool = False, structure_decay: float = 1.0) -> DemoModel:
+          content_weight: float = 0.0, structured: bool = False, structure_decay: float = 1.0,
+          freeze_known_rows: bool = False, freeze: str | None = None, distill: float = 0.0,
+          distill_skip: tuple[str, ...] = ()) -> DemoModel:
     model = DemoModel(len(dataset["used_ids"]), seed, dataset["used_ids"].index(IMAGE_TOKEN_ID))
+    new_rows = None  # [num_used] bool: ids the initial checkpoint never used
     if init_checkpoint is not None:
-        init_from_checkpoint(model, init_checkpoint, dataset["used_ids"], seed, everything=stage >= 6)
+        new_rows = init_from_checkpoint(model, init_checkpoint, dataset["used_ids"], seed, everything=stage >= 6)
     bank = PictureBank(dataset["images"], device)
     if init is not None:
         state = init["state_dict"]
@@ -798,6 +822,31 @@ def train(dataset: dict, steps: int, seed: int, lr: float, device: str, log_ever
               flush=True)
     model = model.to(device)
     model.train()
+    # NOTE: continual-learning guards for a stage that adds tasks to a trained model (stage 18): the
+    # embedding rows the initial model already had stay as they are (`freeze_known_rows`: the copy of
+    # a name into a tool call rests on them), parameters matching `freeze` stay fixed, and `distill`
+    # weighs a KL term to the initial model's next-token distributions on the old tasks' buckets
+    # (every position, prompt included), so learning the new ones does not rewrite what it knew.
+    kept_rows = None
+    if freeze_known_rows:
+        if new_rows is None:
+            raise ValueError("freeze_known_rows needs an initial checkpoint (--init-from-checkpoint)")
+        known = torch.cat([~new_rows, torch.tensor([True])]).to(device)  # + the shared row of unused ids
+        table = model.lm.model.embed_tokens.weight
+        kept_rows = (known, table.detach()[known].clone())
+    if freeze:
+        frozen = [n for n, p in model.named_parameters() if re.search(freeze, n)]
+        for n, p in model.named_parameters():
+            if n in frozen:
+                p.requires_grad_(False)
+        print(f"frozen: {len(frozen)} parameter tensors matching {freeze!r}", flush=True)
+    teacher = None
+    if distill:
+        import copy
+
+        teacher = copy.deepcopy(model).eval()
+        for p in teacher.parameters():
+            p.requires_grad_(False)
     if tower_steps:
         eval_bank = PictureBank(dataset["eval_images"], device)
         warm_up_tower(model, bank, dataset["image_labels"], tower_steps, tower_lr, seed, eval_bank,
@@ -809,15 +858,15 @@ def train(dataset: dict, steps: int, seed: int, lr: float, device: str, log_ever
     groups = []
     for is_pretrained in (False, True):
         for is_matrix in (True, False):
-            params = [p for n, p in model.named_parameters()
-                      if (p.dim() >= 2) == is_matrix and (warm and n.startswith("lm.")) == is_pretrained]
+            params = [p for n, p in model.named_parameters() if p.requires_grad
+                      and (p.dim() >= 2) == is_matrix and (warm and n.startswith("lm.")) == is_pretrained]
             if params:
                 groups.append({"params": params, "weight_decay": 0.01 if is_matrix else 0.0,
                                "lr_scale": PRETRAINED_LR_SCALE if is_pretrained else 1.0})
     opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98))
     batches = sample_batches(dataset, steps, seed, stage, batch_scale)
     warmup = max(1, min(100, steps // 10))
-    start, run_loss, run_mtp = time.time(), 0.0, 0.0
+    start, run_loss, run_mtp, run_kd = time.time(), 0.0, 0.0, 0.0
     by_bucket: dict[str, list[float]] = {}
 
     def progress(step: int) -> float:
@@ -843,10 +892,21 @@ def train(dataset: dict, steps: int, seed: int, lr: float, device: str, log_ever
         mtp_in = streams[:, :-2].detach() if warm else streams[:, :-2]
         mtp_logits = model.logits(model.mtp_hidden(mtp_in, ids[:, 1:-1], ctx))
         mtp_loss = F.cross_entropy(mtp_logits[mtp_mask], ids[:, 2:][mtp_mask])
-        (loss + MTP_LOSS_WEIGHT * mtp_loss).backward()
+        total = loss + MTP_LOSS_WEIGHT * mtp_loss
+        if teacher is not None and batch["bucket"] not in (*NEW_TASK_BUCKETS, *distill_skip):
+            with torch.no_grad():
+                t_embeds = teacher.image_embeds(bank.batch(batch["image_idx"])) if len(batch["image_idx"]) else None
+                t_logp = F.log_softmax(teacher.logits(teacher.main_hidden(teacher.streams(ids, t_embeds)[0]))[mask], -1)
+            kd = F.kl_div(F.log_softmax(logits[mask], -1), t_logp, log_target=True, reduction="batchmean")
+            total = total + distill * kd
+            run_kd += kd.item()
+        total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if kept_rows is not None:
+            with torch.no_grad():  # AdamW's decay and momentum would move them otherwise
+                model.lm.model.embed_tokens.weight[kept_rows[0]] = kept_rows[1]
         if model.structure is not None:
             model.structure.decay_residual(model.lm.model.embed_tokens.weight, structure_decay)
         run_loss += loss.item()
@@ -856,8 +916,9 @@ def train(dataset: dict, steps: int, seed: int, lr: float, device: str, log_ever
             n = (step % log_every) + 1
             buckets = " ".join(f"{k}={sum(v) / len(v):.3f}" for k, v in sorted(by_bucket.items()))
             print(f"step {step + 1}/{steps} loss {run_loss / n:.4f} mtp {run_mtp / n:.4f} "
-                  f"{time.time() - start:.0f}s | {buckets}", flush=True)
-            run_loss, run_mtp, by_bucket = 0.0, 0.0, {}
+                  + (f"kd {run_kd / n:.4f} " if teacher is not None else "")
+                  + f"{time.time() - start:.0f}s | {buckets}", flush=True)
+            run_loss, run_mtp, run_kd, by_bucket = 0.0, 0.0, 0.0, {}
         model.steps_done = step + 1
         if stop_after is not None and step + 1 >= stop_after:
             break
@@ -1052,12 +1113,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-scale", type=int, default=1, help="examples per step x this (GPU runs)")
     p.add_argument("--eval-limit", type=int, default=None, help="held-out examples per eval set (default all)")
     p.add_argument("--no-export", action="store_true", help="train and evaluate only")
+    p.add_argument("--freeze-known-rows", action="store_true",
+                   help="keep the embedding rows of ids the --init-from-checkpoint model already used fixed")
+    p.add_argument("--freeze", help="keep the parameters whose names match this regular expression fixed")
+    p.add_argument("--distill", type=float, default=0.0,
+                   help="weight of a KL term to the initial model on the old tasks' buckets (0: none)")
+    p.add_argument("--distill-skip", default="",
+                   help="comma-separated buckets (e.g. tool/direct,tool/think) also left out of --distill")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.time()
-    if 6 <= args.stage <= 8:
+    if 6 <= args.stage <= 8 or args.stage in (18, 19):
         if bool(args.init_from) == bool(args.init_from_checkpoint):
-            p.error("--stage 6, 7 and 8 continue an exported checkpoint (--init-from-checkpoint) or a compact model "
+            p.error("--stage 6, 7, 8, 18 and 19 continue an exported checkpoint (--init-from-checkpoint) or a compact model "
                     "(--init-from): give one of them")
     elif (args.stage in CONTINUING_STAGES) != bool(args.init_from):
         p.error(f"--stage {', '.join(map(str, CONTINUING_STAGES))} continue a previous stage: give --init-from "
@@ -1087,7 +1155,9 @@ def main(argv: list[str] | None = None) -> None:
                       max_seconds=args.max_seconds, log_every=args.log_every,
                       init_checkpoint=args.init_from_checkpoint, tower_steps=args.tower_steps,
                       tower_lr=args.tower_lr, content_weight=args.content_weight,
-                      structured=args.structured_embeddings, structure_decay=args.structure_decay)
+                      structured=args.structured_embeddings, structure_decay=args.structure_decay,
+                      freeze_known_rows=args.freeze_known_rows, freeze=args.freeze, distill=args.distill,
+                      distill_skip=tuple(b for b in args.distill_skip.split(",") if b))
         print(f"trained {model.steps_done} steps in {model.train_seconds:.0f}s", flush=True)
         if args.save_compact:
             save_compact(model, dataset["used_ids"], args.save_compact, model.steps_done)
