@@ -259,7 +259,8 @@ class RecipeFront:
         return Prepared(api, f"{_ID_PREFIX[api]}{uuid.uuid4().hex}", model, converted, prompt_token_ids, max_tokens,
                         images, bool(images) and converted.inference_options.max_tokens is None, echo,
                         namespace_tool_map, structured_output=structured.structured_output(
-                            converted, self.encoding_name, parallel_tool_calls=parsed.get("parallel_tool_calls")),
+                            converted, self.encoding_name, parallel_tool_calls=parsed.get("parallel_tool_calls"),
+                            prompt_token_ids=prompt_token_ids, tokenizer=self.tokenizer),
                         penalties=penalties)
 
 

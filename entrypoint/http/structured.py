@@ -11,7 +11,8 @@
   | `regex`              | `regex`                                                                |
   | `tool_call`          | `structural_tag`: text, or one DSML `tool_calls` block whose invokes   |
   |                      | name a listed tool and whose parameters follow its schema              |
-  | `tool_call_required` | `structural_tag`: exactly a DSML `tool_calls` block (no text)          |
+  | `tool_call_required` | `structural_tag`: exactly a DSML `tool_calls` block (no text), from     |
+  |                      | its first invoke when recipe put the block's opener in the prompt      |
 
   In thinking mode the prompt ends with `<think>`: the reasoning runs free up to `</think>` and the
   constraint covers the answer after it (`reasoning_end`; the tool-call tags carry their own
@@ -47,11 +48,14 @@ _STRUCTURAL_TAG_MODELS = {"v4": "deepseek_v4", "v4.1": "deepseek_v4_1"}
 
 
 def structured_output(request: recipe.ConversationRequest, encoding_name: str, *,
-                      parallel_tool_calls: Any = None) -> common_pb2.StructuredOutput | None:
+                      parallel_tool_calls: Any = None, prompt_token_ids: list[int] = (),
+                      tokenizer: recipe.Tokenizer | None = None) -> common_pb2.StructuredOutput | None:
     """The token API constraint of a converted request, or None when it asks for none; 400 if unsupported.
 
     `parallel_tool_calls` is the body's field (Chat Completions, Responses): `false` allows one invoke
-    per tool-call block; unset or `true`, several.
+    per tool-call block; unset or `true`, several. `prompt_token_ids` (the rendered prompt) and
+    `tokenizer` let a required tool call leave out the block opener that recipe already put at the end
+    of the prompt (see `_drop_prefilled_opener`).
     """
     constraint = request.inference_options.output_constraint
     if constraint is None:
@@ -67,8 +71,10 @@ def structured_output(request: recipe.ConversationRequest, encoding_name: str, *
         if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
             raise invalid(f"parallel_tool_calls must be a boolean, got {parallel_tool_calls!r}",
                           param="parallel_tool_calls")
-        msg.structural_tag = _tool_call_tag(spec, kind == "tool_call_required", thinking, encoding_name,
-                                            parallel_tool_calls is not False)
+        tag = _tool_call_tag(spec, kind == "tool_call_required", thinking, encoding_name, parallel_tool_calls is not False)
+        if kind == "tool_call_required" and tokenizer is not None:
+            tag = _drop_prefilled_opener(tag, prompt_token_ids, tokenizer)
+        msg.structural_tag = json.dumps(tag, ensure_ascii=False)
         return msg
     else:
         raise invalid(f"this server cannot enforce the output constraint {kind!r} that the request asks for; "
@@ -115,8 +121,28 @@ def response_format_constraint(response_format: Any, extra_fields: dict | None =
                   param="response_format", code="unsupported_output_constraint")
 
 
-def _tool_call_tag(tools_json: str, is_required: bool, thinking: bool, encoding_name: str, is_parallel: bool) -> str:
-    """xgrammar's DSML tool-call structural tag (JSON) for recipe's tool list."""
+def _drop_prefilled_opener(tag: dict, prompt_token_ids: list[int], tokenizer: recipe.Tokenizer) -> dict:
+    """`tag` without its leading constant text when the prompt already ends with exactly that text.
+
+    NOTE: for `tool_choice` required (non-thinking), recipe renders the prompt with the tool-call
+    block's opener (V4: `\n\n<｜DSML｜tool_calls>\n`) already in place, and xgrammar's required tag
+    starts with the same opener: held to both, the model would have to write a second opener, a text
+    no model was trained to produce, and what followed went astray. The answer starts at the first
+    invoke instead, which is also what recipe's output parser expects after that prompt.
+    """
+    fmt = tag.get("format") or {}
+    elements = fmt.get("elements") if fmt.get("type") == "sequence" else None
+    if not elements or elements[0].get("type") != "const_string":
+        return tag
+    opener = tokenizer.encode(elements[0]["value"])
+    if opener and list(prompt_token_ids[-len(opener):]) == list(opener):
+        fmt = {**fmt, "elements": elements[1:]}
+        return {**tag, "format": fmt}
+    return tag
+
+
+def _tool_call_tag(tools_json: str, is_required: bool, thinking: bool, encoding_name: str, is_parallel: bool) -> dict:
+    """xgrammar's DSML tool-call structural tag (as a JSON dict) for recipe's tool list."""
     import xgrammar
 
     tools = json.loads(tools_json)
@@ -129,7 +155,7 @@ def _tool_call_tag(tools_json: str, is_required: bool, thinking: bool, encoding_
     except ValueError as e:
         raise invalid(f"the tool definitions cannot be enforced as tool calls: {str(e)[:300]}", param="tools",
                       code="unsupported_output_constraint") from None
-    return tag.model_dump_json()
+    return json.loads(tag.model_dump_json())
 
 
 def penalties(body: Any) -> dict[str, float]:

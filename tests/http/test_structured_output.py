@@ -94,6 +94,11 @@ def test_tool_call_grammar_accepts_what_recipe_renders(front, compiler, tool_cho
                                                              thinking_mode=is_thinking)).prompt
     completion = after[len(before):after.index("<｜end▁of▁sentence｜>")]
     assert "<｜DSML｜invoke" in completion
+    if tool_choice == "required":  # recipe renders that prompt with the block's opener in place
+        opener = "\n\n<｜DSML｜tool_calls>\n"
+        assert completion.startswith(opener)
+        assert prepared.prompt_token_ids[-7:] == tokenizer.encode(opener, add_special_tokens=False).ids
+        completion = completion.removeprefix(opener)
     state = grammar_compiler.new_state(params)
     ids = tokenizer.encode(completion, add_special_tokens=False).ids + [EOS]
     assert state.advance_to(ids) and state.is_terminated, completion
@@ -114,11 +119,17 @@ def test_parallel_tool_calls_false_allows_one_invoke(front, compiler, parallel):
     params = structured_output_from_proto(prepared.sampling_params().structured_output)
     invoke = ('<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">{}</｜DSML｜parameter>'
               '\n</｜DSML｜invoke>\n')
+    opener = "\n\n<｜DSML｜tool_calls>\n"
+    # recipe renders a required call's prompt with the block's opener in place: the answer starts at the invoke
+    assert prepared.prompt_token_ids[-7:] == tokenizer.encode(opener, add_special_tokens=False).ids
     for cities in (["Paris"], ["Paris", "Rome"]):
-        text = "\n\n<｜DSML｜tool_calls>\n" + "".join(invoke.format(c) for c in cities) + "</｜DSML｜tool_calls>"
+        text = "".join(invoke.format(c) for c in cities) + "</｜DSML｜tool_calls>"
         state = grammar_compiler.new_state(params)
         accepted = state.advance_to(tokenizer.encode(text, add_special_tokens=False).ids + [EOS])
         assert accepted == (len(cities) == 1 or parallel), text
+        # a second opener (what the model was held to before) is not an answer
+        state = grammar_compiler.new_state(params)
+        assert not state.advance_to(tokenizer.encode(opener + text, add_special_tokens=False).ids + [EOS])
 
 
 def test_penalties_reach_the_sampling_params_and_bad_ones_are_refused(front):
@@ -198,8 +209,6 @@ def test_json_mode_content_is_held_to_json(oai, default_model_dir, compiler, thi
         assert state.advance_to(tokenizer.encode(content, add_special_tokens=False).ids), content
 
 
-@pytest.mark.xfail(strict=True, reason="the built-in model was not trained on JSON: it opens a key string and does not "
-                   "close it within max_tokens (measured: 0 of 2 JSON-mode answers finish)")
 def test_json_mode_builtin_model_finishes_a_valid_object(oai, default_model_dir):
     for thinking in ("disabled", "enabled"):
         choice = _json_mode(oai, default_model_dir, thinking)
