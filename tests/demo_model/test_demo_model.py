@@ -16,8 +16,8 @@ import torch
 from deploy.demo_model import data as D
 from engine.testing.default_model import DEMO_MODEL_DIR, ensure_default_model
 
-NUM_PER_SET = 12  # held-out questions per task in CI (the model card reports 100 per set)
-NUM_PICTURES = 40  # held-out pictures per vision task (>= 95% then allows 2 misses; 12 would allow none)
+NUM_PER_SET = 40  # held-out questions per text task in CI (>= 95% then allows 2 misses; the model card reports 100)
+NUM_PICTURES = 40  # held-out pictures per vision task (likewise)
 
 
 @pytest.fixture(scope="module")
@@ -126,35 +126,52 @@ def test_thinking_mode_reasons_inside_think_then_answers(llm, renderer):
         assert ids.count(renderer.end_think_id) == 1 and ids[-1] == renderer.eos_id, out.text
         reasoning = renderer.tokenizer.decode(ids[: ids.index(renderer.end_think_id)])
         assert len(reasoning.split()) >= 5, reasoning  # a real (short) reasoning, not an empty block
+        if ex.task == "add":  # (the list has a word the model never saw: only its form is checked)
+            answer = renderer.tokenizer.decode(ids[ids.index(renderer.end_think_id) + 1: -1]).strip()
+            assert answer == ex.answer, (reasoning, answer)
+
+
+def test_thinking_mode_sums_are_right(llm, renderer):
+    """Thinking-mode addition on held-out pairs: the reasoning restates the sum, the answer after
+    `</think>` is it (measured on this checkpoint: 90% of 100; no accuracy target in the issue, so the
+    CI bar is 80% of 40)."""
+    accuracy, bad = _accuracy(llm, renderer, "add", True, D.held_out()["add"][:NUM_PER_SET])
+    assert accuracy >= 0.8, f"{accuracy:.0%} exact; wrong: {bad[:4]}"
 
 
 NOT_REACHED = "target not reached by the shipped demo model (measured figures in its model card)"
+_TOOL_CALLS: dict[tuple[bool, bool], list] = {}
 
 
-# The first 12 (6 thinking) held-out places with the issue's phrasing. Measured on all 14 with it:
-# 13 of 14 (92.9%) non-thinking; over three phrasings 73.8% (model card): the issue's >= 95% over
-# held-out cities is not met in general even though this CI sample passes.
-@pytest.mark.parametrize("thinking", [
-    False,
-    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=f"{NOT_REACHED}: 55% exact on 42 held-out prompts")),
-])
-def test_tool_call_round_trip_through_recipe(llm, thinking):
+def _tool_calls(llm, thinking: bool, constrained: bool = False) -> list[tuple[str, str | None, dict | None]]:
+    """(place, called tool name, parsed arguments) for every held-out place asked with the issue's
+    phrasing ("What is the weather in X?"), rendered and parsed by recipe (Chat Completions conversion,
+    the checkpoint's chat encoding, the stream processor); greedy. `constrained`: decoded under the
+    DSML tool-call grammar the HTTP front applies to `tool_choice` auto. Computed once per mode."""
+    if (thinking, constrained) in _TOOL_CALLS:
+        return _TOOL_CALLS[thinking, constrained]
     import deepseek_recipe as recipe
 
+    from engine import SamplingParams
     from engine.tokenizer import default_tokenizer_path, load_chat_encoding
+    from entrypoint.http.structured import _tool_call_tag
 
     tokenizer = recipe.Tokenizer.from_file(str(default_tokenizer_path()))
     encoding = load_chat_encoding(DEMO_MODEL_DIR)
     tool = {"type": "function", "function": D.WEATHER_TOOL}
-    places = D.held_out()["tool"][:NUM_PER_SET // 2 if thinking else NUM_PER_SET]
+    places = D.held_out()["tool"]
     requests = []
     for place in places:
         body = {"model": "DeepSeek-V4-Pro", "messages": [{"role": "user", "content": f"What is the weather in {place}?"}],
                 "tools": [tool], "stream": True, "thinking": {"type": "enabled" if thinking else "disabled"}}
         requests.append(recipe.ChatCompletionRequest(body).convert(recipe.ConversionOptions()))
-    outs = _greedy(llm, [encoding.encode(r.conversation) for r in requests], max_tokens=120)
+    constraint = {"structural_tag": json.dumps(_tool_call_tag(json.dumps([tool]), False, thinking, "v4", True))}
+    outs = llm.generate([{"prompt_token_ids": encoding.encode(r.conversation)} for r in requests],
+                        SamplingParams(temperature=0.0, max_tokens=120, structured_output=constraint if constrained else None),
+                        use_tqdm=False)
+    outs = [o.outputs[0] for o in outs]
     calls = []
-    for req, out in zip(requests, outs):
+    for place, req, out in zip(places, requests, outs):
         proc = recipe.StreamProcessor(recipe.ChatCompletionRequest.chunk_generator(req, "id", "demo"),
                                       req.parsing_options, tokenizer)
         ids = list(out.token_ids)
@@ -171,10 +188,35 @@ def test_tool_call_round_trip_through_recipe(llm, thinking):
                 for call in (choice.get("delta") or {}).get("tool_calls") or []:
                     name = (call.get("function") or {}).get("name") or name
                     arguments += (call.get("function") or {}).get("arguments") or ""
-        calls.append((name, json.loads(arguments) if arguments else None))
-    assert all(name == "get_weather" for name, _ in calls), calls
-    correct = [args == {"city": place} for (_, args), place in zip(calls, places)]
-    assert sum(correct) / len(correct) >= 0.95, list(zip(places, calls))
+        calls.append((place, name, json.loads(arguments) if arguments else None))
+    _TOOL_CALLS[thinking, constrained] = calls
+    return calls
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_tool_call_round_trip_through_recipe(llm, thinking):
+    """Decoded as the HTTP front serves tools (the DSML tool-call grammar), every held-out question
+    comes back through recipe's parser as one `get_weather` call with a string `city`, and the issue's
+    own example names Paris. (Unconstrained, one of the 14 non-thinking answers is not a well-formed
+    call: Victoria's argument turns into JSON-mode text.)"""
+    calls = _tool_calls(llm, thinking, constrained=True)
+    assert all(name == "get_weather" and isinstance(args, dict) and isinstance(args.get("city"), str)
+               for _, name, args in calls), calls
+    if not thinking:
+        assert dict((place, args) for place, _, args in calls)["Paris"] == {"city": "Paris"}, calls
+
+
+# NOTE: strict, so they fail loudly once a retrained model reaches the issue's >= 95% over held-out
+# cities and the markers must go. Measured on this checkpoint (model card): 11 of 14 non-thinking,
+# 10 of 14 thinking with this phrasing; 71.4% / 57.1% over three phrasings (42 prompts).
+@pytest.mark.parametrize("thinking", [
+    pytest.param(False, marks=pytest.mark.xfail(strict=True, reason=f"{NOT_REACHED}: 11 of 14 held-out places")),
+    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=f"{NOT_REACHED}: 10 of 14 held-out places")),
+])
+def test_tool_call_names_the_held_out_city(llm, thinking):
+    calls = _tool_calls(llm, thinking)
+    correct = [args == {"city": place} for place, _, args in calls]
+    assert sum(correct) / len(correct) >= 0.95, [c for c, ok in zip(calls, correct) if not ok]
 
 
 @pytest.mark.parametrize("task", [

@@ -28,13 +28,6 @@ pytestmark = [
         "content checks need it; the protocol checks of test_http_api.py run on any weights")),
 ]
 
-# NOTE: strict, so it fails loudly once a retrained demo model answers in thinking mode and the
-# marker must go. Measured 2026-12-03 19:30 UTC (engine.LLM, held-out): thinking-mode sums 0% right
-# (the reasoning is well formed, the digits after it are not); the model card
-# (engine/testing/demo_model/README.md) has the held-out accuracies.
-NOT_MET = pytest.mark.xfail(strict=True, reason=(
-    "the committed demo model misses issue 4's thinking-mode target (held-out thinking-mode addition 0%)"))
-
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city name, e.g. Paris"}},
@@ -74,7 +67,6 @@ def test_addition_non_streaming_and_streaming(oai, model_name):
     assert "85" in "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
-@NOT_MET
 def test_thinking_returns_reasoning_apart_from_content(oai, model_name):
     out = oai.chat.completions.create(model=model_name, messages=ADD, max_tokens=200, seed=0,
                                       extra_body={"thinking": {"type": "enabled"}})
