@@ -1094,7 +1094,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stage", type=int, default=1, choices=[1, *STAGE_SHARES], help="data mix (see STAGE_SHARES)")
     p.add_argument("--init-from-checkpoint", type=Path,
                    help="stage 4: start the text model from this exported checkpoint directory; "
-                        "stage 6: start everything (text, MTP, vision) from it")
+                        "stages 6-8, 18, 19: start everything (text, MTP, vision) from it")
     p.add_argument("--tower-steps", type=int, default=0,
                    help="first train the vision tower alone on colour / shape labels for this many steps")
     p.add_argument("--tower-lr", type=float, default=1e-3, help="peak learning rate of the tower warm-up")
