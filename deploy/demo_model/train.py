@@ -799,7 +799,7 @@ def train(dataset: dict, steps: int, seed: int, lr: float, device: str, log_ever
           init_checkpoint: Path | None = None, tower_steps: int = 0, tower_lr: float = 1e-3,
           content_weight: float = 0.0, structured: bool = False, structure_decay: float = 1.0,
           freeze_known_rows: bool = False, freeze: str | None = None, distill: float = 0.0,
-          distill_skip: tuple[str, ...] = ()) -> DemoModel:
+          distill_skip: tuple[str, ...] = (), save_every: int = 0) -> DemoModel:
     model = DemoModel(len(dataset["used_ids"]), seed, dataset["used_ids"].index(IMAGE_TOKEN_ID))
     new_rows = None  # [num_used] bool: ids the initial checkpoint never used
     if init_checkpoint is not None:
@@ -927,6 +927,8 @@ def train(dataset: dict, steps: int, seed: int, lr: float, device: str, log_ever
             break
         if checkpoint is not None and (step + 1) % 100 == 0:
             save_compact(model, dataset["used_ids"], checkpoint, step + 1)
+        if checkpoint is not None and save_every and (step + 1) % save_every == 0:  # snapshots to average later
+            save_compact(model, dataset["used_ids"], checkpoint.with_suffix(f".s{step + 1}.pt"), step + 1)
     model.eval()
     model.materialize_embeddings()
     model.train_seconds = time.time() - start
@@ -1118,6 +1120,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--freeze", help="keep the parameters whose names match this regular expression fixed")
     p.add_argument("--distill", type=float, default=0.0,
                    help="weight of a KL term to the initial model on the old tasks' buckets (0: none)")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="also keep a snapshot of the compact model every N steps (--save-compact's name + .sN.pt)")
     p.add_argument("--distill-skip", default="",
                    help="comma-separated buckets (e.g. tool/direct,tool/think) also left out of --distill")
     args = p.parse_args(argv)
@@ -1157,7 +1161,7 @@ def main(argv: list[str] | None = None) -> None:
                       tower_lr=args.tower_lr, content_weight=args.content_weight,
                       structured=args.structured_embeddings, structure_decay=args.structure_decay,
                       freeze_known_rows=args.freeze_known_rows, freeze=args.freeze, distill=args.distill,
-                      distill_skip=tuple(b for b in args.distill_skip.split(",") if b))
+                      distill_skip=tuple(b for b in args.distill_skip.split(",") if b), save_every=args.save_every)
         print(f"trained {model.steps_done} steps in {model.train_seconds:.0f}s", flush=True)
         if args.save_compact:
             save_compact(model, dataset["used_ids"], args.save_compact, model.steps_done)
