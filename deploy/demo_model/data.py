@@ -241,6 +241,17 @@ def make_example(task: str, item, rng: random.Random, thinking: bool) -> Example
     raise ValueError(f"unknown task {task!r}; choose one of {TASKS}")
 
 
+def held_out_tool_examples(rng: random.Random, thinking: bool) -> list[Example]:
+    """Every held-out place asked with every phrasing of `TOOL_TEMPLATES` (place-major order); `rng`
+    draws the reasoning effort in thinking mode."""
+    out = []
+    for place in held_out()["tool"]:
+        for template in TOOL_TEMPLATES:
+            ex = make_example("tool", place, rng, thinking)
+            out.append(dataclasses.replace(ex, user=template.format(c=place)))
+    return out
+
+
 class ChatRenderer:
     """Renders `Example`s to prompt / completion token ids with deepseek-recipe's V4 encoding."""
 

@@ -51,8 +51,10 @@ def evaluate(model: str | None, num: int, tasks: list[str] | None = None) -> dic
         for thinking in (False, True):
             rng = random.Random(11)
             if task in D.TASKS:
-                items = [p for p in held["tool"] for _ in D.TOOL_TEMPLATES] if task == "tool" else held[task][:num]
-                exs = [D.make_example(task, item, rng, thinking) for item in items]
+                if task == "tool":  # every held-out place with every phrasing
+                    exs = D.held_out_tool_examples(rng, thinking)
+                else:
+                    exs = [D.make_example(task, item, rng, thinking) for item in held[task][:num]]
                 prompts = [{"prompt_token_ids": renderer.prompt_ids(ex)} for ex in exs]
                 name = f"{task}/{'thinking' if thinking else 'direct'}"
             else:

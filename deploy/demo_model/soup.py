@@ -79,13 +79,9 @@ def render_tool_sets(path: Path) -> None:
     rng = random.Random(5)
     sets = {}
     for thinking in (False, True):
-        items = []
-        for place in D.held_out()["tool"]:
-            for template in D.TOOL_TEMPLATES:
-                ex = D.make_example("tool", place, rng, thinking)
-                ex = D.Example("tool", template.format(c=place), thinking, place, ex.reasoning, ex.reasoning_effort)
-                items.append((renderer.prompt_ids(ex), renderer.completion_ids(ex), place, []))
-        sets[f"tool-all/{'think' if thinking else 'direct'}"] = items
+        sets[f"tool-all/{'think' if thinking else 'direct'}"] = [
+            (renderer.prompt_ids(ex), renderer.completion_ids(ex), ex.answer, [])
+            for ex in D.held_out_tool_examples(rng, thinking)]
     torch.save(sets, path)
 
 

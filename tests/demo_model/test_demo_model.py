@@ -133,7 +133,7 @@ def test_thinking_mode_reasons_inside_think_then_answers(llm, renderer):
 
 def test_thinking_mode_sums_are_right(llm, renderer):
     """Thinking-mode addition on held-out pairs: the reasoning restates the sum, the answer after
-    `</think>` is it (measured on this checkpoint: 90% of 100; no accuracy target in the issue, so the
+    `</think>` is it (measured on this checkpoint: 99% of 100; no accuracy target in the issue, so the
     CI bar is 80% of 40)."""
     accuracy, bad = _accuracy(llm, renderer, "add", True, D.held_out()["add"][:NUM_PER_SET])
     assert accuracy >= 0.8, f"{accuracy:.0%} exact; wrong: {bad[:4]}"
@@ -207,11 +207,11 @@ def test_tool_call_round_trip_through_recipe(llm, thinking):
 
 
 # NOTE: strict, so they fail loudly once a retrained model reaches the issue's >= 95% over held-out
-# cities and the markers must go. Measured on this checkpoint (model card): 11 of 14 non-thinking,
-# 10 of 14 thinking with this phrasing; 71.4% / 57.1% over three phrasings (42 prompts).
+# cities and the markers must go. Measured on this checkpoint (model card): 12 of 14 non-thinking,
+# 12 of 14 thinking with this phrasing; 85.7% / 76.2% over three phrasings (42 prompts).
 @pytest.mark.parametrize("thinking", [
-    pytest.param(False, marks=pytest.mark.xfail(strict=True, reason=f"{NOT_REACHED}: 11 of 14 held-out places")),
-    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=f"{NOT_REACHED}: 10 of 14 held-out places")),
+    pytest.param(False, marks=pytest.mark.xfail(strict=True, reason=f"{NOT_REACHED}: 12 of 14 held-out places")),
+    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=f"{NOT_REACHED}: 12 of 14 held-out places")),
 ])
 def test_tool_call_names_the_held_out_city(llm, thinking):
     calls = _tool_calls(llm, thinking)

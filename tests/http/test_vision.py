@@ -181,12 +181,6 @@ def test_blue_triangle_is_a_triangle(builtin):
     assert _ask(builtin, [image_message("What shape is it?", data_url(RED_CIRCLE))]) == "circle"
 
 
-# NOTE: strict, so it fails loudly once a retrained model gets it right again and the marker must go.
-# The stage-14 checkpoint (ad70f67) answered "red and blue"; the stage-18 one says "red and purple":
-# this test's blue (20, 20, 220) is darker than the training pictures' (30, 60, 220). On the held-out
-# pictures (the training palette) it names both colours of two pictures 100 of 100 (model card).
-@pytest.mark.xfail(strict=True, reason="the built-in model names this test's dark blue triangle purple next to a red "
-                   "circle (measured: 'red and purple')")
 def test_two_images_in_one_message(builtin):
     answer = _ask(builtin, [image_message("What colours are the shapes?", data_url(RED_CIRCLE),
                                           data_url(BLUE_TRIANGLE))])
