@@ -109,3 +109,25 @@ def test_reindex_vocabulary_keeps_shared_rows_in_their_new_places():
     assert out["embed"][:, 0].tolist() == [0.0, -1.0, 1.0, 3.0, -1.0, 4.0]  # ids 0, 3 (new), 5, 9, 12 (new), unused row
     assert out["route"][:, 0].tolist() == [1, 0, 2, 4, 0, 5]
     assert out["other"] is state["other"]
+
+
+def test_soup_averages_float_tensors_by_normalized_weight_and_refuses_differing_int_tables():
+    from deploy.demo_model.soup import average, parse_mix
+
+    assert parse_mix("E:1,A:0.5,B") == [("E", 1.0), ("A", 0.5), ("B", 1.0)]
+    table = torch.tensor([[0, 1], [1, 2]])
+    states = {"E": {"w": torch.zeros(2, 3), "tid2eid": table},
+              "A": {"w": torch.full((2, 3), 3.0), "tid2eid": table.clone()}}
+    out = average(states, parse_mix("E:2,A:1"))
+    assert torch.allclose(out["w"], torch.ones(2, 3)) and torch.equal(out["tid2eid"], table)
+    states["A"]["tid2eid"] = table.flip(0)
+    with pytest.raises(ValueError, match="tid2eid differs"):
+        average(states, parse_mix("E:1,A:1"))
+
+
+def test_held_out_tool_examples_ask_every_place_with_every_phrasing():
+    exs = D.held_out_tool_examples(random.Random(0), thinking=True)
+    places = D.held_out()["tool"]
+    assert len(exs) == len(places) * len(D.TOOL_TEMPLATES)
+    assert {(ex.answer, ex.user) for ex in exs} == {(p, t.format(c=p)) for p in places for t in D.TOOL_TEMPLATES}
+    assert all(ex.thinking and ex.task == "tool" and ex.answer in ex.reasoning for ex in exs)
