@@ -73,6 +73,15 @@ def average(states: dict[str, dict], mix: list[tuple[str, float]]) -> dict[str, 
     return out
 
 
+def write_compact(path: Path, used: list[int], state: dict[str, torch.Tensor], mix: list[tuple[str, float]]) -> None:
+    """Save an average as a compact model (`train.save_compact`'s format), the tied output table stored once."""
+    state = dict(state)
+    if "lm.lm_head.weight" in state and "lm.model.embed_tokens.weight" in state:
+        state["lm.lm_head.weight"] = state["lm.model.embed_tokens.weight"]  # tied: averaged to the same values
+    torch.save({"used_ids": used, "state_dict": state, "steps_done": None, "mix": _label(mix)}, path)
+    print(f"wrote {path} ({_label(mix)})", flush=True)
+
+
 def render_tool_sets(path: Path) -> None:
     """Every held-out place x every question phrasing, thinking and not, as compact-eval items."""
     renderer = D.ChatRenderer()
@@ -119,11 +128,10 @@ def main(argv: list[str] | None = None) -> None:
     candidates = [] if args.no_singles else [[(n, 1.0)] for n in states]
     candidates += [parse_mix(m) for m in args.mix]
     results = {}
+    model = T.DemoModel(len(used), args.seed, used.index(T.IMAGE_TOKEN_ID)).eval().to(args.device) if candidates else None
     for mix in candidates:
         label = _label(mix)
-        model = T.DemoModel(len(used), args.seed, used.index(T.IMAGE_TOKEN_ID))
         model.load_state_dict(average(states, mix))
-        model.eval().to(args.device)
         start = time.time()
         scores = T.evaluate_compact(model, evals, used, args.device, args.limit, dataset["eval_images"])
         results[label] = scores
@@ -135,14 +143,11 @@ def main(argv: list[str] | None = None) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         best = sorted(candidates, key=lambda mix: -sum(v for n, v in results[_label(mix)].items() if n in evals))[:k]
         for rank, mix in enumerate(best):
-            path = out_dir / f"best{rank}.pt"
-            torch.save({"used_ids": used, "state_dict": average(states, mix), "steps_done": None, "mix": _label(mix)}, path)
-            print(f"wrote {path} ({_label(mix)})", flush=True)
+            write_compact(out_dir / f"best{rank}.pt", used, average(states, mix), mix)
     for spec in args.save:
         mix_text, _, path = spec.partition("=")
-        state = average(states, parse_mix(mix_text))
-        torch.save({"used_ids": used, "state_dict": state, "steps_done": None}, path)
-        print(f"wrote {path} ({mix_text})", flush=True)
+        mix = parse_mix(mix_text)
+        write_compact(Path(path), used, average(states, mix), mix)
 
 
 if __name__ == "__main__":
