@@ -81,10 +81,10 @@ from pathlib import Path
 
 from benchmarks.offline_throughput import source_digest
 from deploy.processes import ServiceProcesses
+from protos.metadata import STATS_METADATA_KEY
 
 STARTUP_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
-STATS_METADATA_KEY = "deepinfer-stats-json"
 
 
 # ---------------------------------------------------------------------------------------- workload

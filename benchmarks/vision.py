@@ -39,9 +39,9 @@ import grpc
 from deploy.processes import ServiceProcesses
 from entrypoint.client import Client
 from protos import common_pb2, vision_pb2, vision_pb2_grpc
+from protos.metadata import STATS_METADATA_KEY
 
 PLACEHOLDER = 129279
-STATS_KEY = "deepinfer-stats-json"
 
 
 def _png(seed: int) -> bytes:
@@ -100,7 +100,7 @@ class Bench:
     def vision_stats(self, name: str) -> dict:
         with grpc.insecure_channel(self.info[name]["address"]) as channel:
             _, call = vision_pb2_grpc.VisionStub(channel).Health.with_call(common_pb2.HealthRequest(), timeout=30)
-        return json.loads(dict(call.trailing_metadata())[STATS_KEY])
+        return json.loads(dict(call.trailing_metadata())[STATS_METADATA_KEY])
 
     def stop(self) -> None:
         if hasattr(self, "client"):

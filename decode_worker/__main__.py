@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from decode_worker.config import DecodeWorkerConfig
-from engine.worker_shell import run_worker_process
+from serving.shell import run_worker_process
 
 
 def _serve(config: DecodeWorkerConfig):

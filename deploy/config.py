@@ -28,7 +28,6 @@ Each instance of a group is one Ray placement group of `num_ranks` bundles of `r
 from __future__ import annotations
 
 import ipaddress
-import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -193,7 +192,9 @@ def model_has_vision(model: str | None) -> bool:
 
         model = str(default_model_path())
     try:
-        return "vision_config" in json.loads((Path(model) / "config.json").read_text())
+        from engine.config import read_config_json
+
+        return "vision_config" in read_config_json(model)
     except (OSError, ValueError):
         return False  # not readable here (e.g. a path on other nodes): the workers will say
 

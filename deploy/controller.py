@@ -42,6 +42,7 @@ from protos import (
     prefill_pb2_grpc,
     vision_pb2_grpc,
 )
+from protos.metadata import STATS_METADATA_KEY
 
 logger = logging.getLogger("deploy")
 
@@ -52,7 +53,6 @@ STARTUP_TIMEOUT_S = 300.0
 PLACEMENT_TIMEOUT_S = 60.0
 """How long a placement group may wait for resources before `up`/`scale` fail."""
 RPC_TIMEOUT_S = 3.0
-STATS_METADATA_KEY = "deepinfer-stats-json"
 
 
 def controller_name(cluster_name: str) -> str:

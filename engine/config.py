@@ -3,11 +3,15 @@
 `ModelConfig` reads the `config.json` that Hugging Face transformers' `DeepseekV4Config` writes
 (and the official checkpoints ship), normalises the legacy keys exactly as transformers does, and
 validates every field that changes the math. A field we do not implement is rejected with an
-error that names it and says what value we accept; nothing is silently ignored.
+error that names it and says what value we accept; nothing is silently ignored, except
+`quantization_config`: how the weights are stored is the loader's decision alone
+(`engine.loader.read_checkpoint_config`). `read_config_json` parses a file once per process.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import math
 from pathlib import Path
@@ -35,6 +39,38 @@ _VISION_IGNORED_KEYS = frozenset(
     }
 )
 
+
+
+def config_json_path(path: str | Path) -> Path:
+    """The `config.json` of a checkpoint directory (or `path` itself when it names a .json file)."""
+    path = Path(path)
+    return path if path.suffix == ".json" else path / "config.json"
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's `config.json` as a dict (a fresh copy), parsed once per process and file version.
+
+    `path` is the checkpoint directory or the file. Raises FileNotFoundError (no file) or ValueError
+    (not a JSON object), naming the file. NOTE: the parse is cached by (path, mtime, size), so the
+    entrypoint, the workers' engines, the loader and the tokenizer share one parse of an unchanged file.
+    """
+    file = config_json_path(path)
+    try:
+        st = file.stat()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no config.json at {file}; a checkpoint directory needs one") from None
+    return copy.deepcopy(_parse_config_json(str(file.resolve()), st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=32)
+def _parse_config_json(file: str, mtime_ns: int, size: int) -> dict[str, Any]:
+    try:
+        raw = json.loads(Path(file).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(raw).__name__}.")
+    return raw
 
 class VisionConfig(BaseModel):
     """The vision tower of a checkpoint: config.json's `vision_config` (see `engine.models.vision`).
@@ -293,17 +329,13 @@ class ModelConfig(BaseModel):
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> ModelConfig:
-        """Read and validate a checkpoint's `config.json`."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise FileNotFoundError(f"no config.json at {path}; a checkpoint directory needs one") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_hf_dict(raw)
+        """Read and validate a checkpoint's `config.json` (parsed once per process: `read_config_json`).
+
+        NOTE: this does not decide whether the checkpoint's quantization can be loaded; the loader
+        does (`engine.loader.read_checkpoint_config`), and every stage that must accept exactly what
+        the workers load asks it.
+        """
+        return cls.from_hf_dict(read_config_json(path))
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -312,13 +344,7 @@ class ModelConfig(BaseModel):
         model_type = d.pop("model_type", "deepseek_v4")
         if model_type not in ("deepseek_v4", "deepseek_v41"):
             raise ValueError(f"`model_type` {model_type!r} is not a DeepSeek-V4 model; expected 'deepseek_v4'.")
-        quant = d.pop("quantization_config", None)
-        if quant:
-            method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-            raise ValueError(
-                f"`quantization_config` (quant_method={method!r}) is not supported yet; deepinfer loads "
-                "unquantized float32/bfloat16 checkpoints. Dequantize the checkpoint first."
-            )
+        d.pop("quantization_config", None)  # NOTE: how weights are stored is the loader's decision alone
         if d.get("expert_dtype") in (None, "bf16", "bfloat16"):  # other values fall to the unknown-field error
             d.pop("expert_dtype", None)
         for key, must in (

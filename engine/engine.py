@@ -4,31 +4,38 @@
 `add_request` validates and queues, `step` runs schedule → model → sample → stop checks and
 returns the outputs that changed, `abort_request` frees a request anywhere in its life.
 
-A step reads as: `scheduler.schedule()` → `runner.execute()` → `sampler.sample()` →
-`StopChecker.append()` → `scheduler.update_from_output()`.
+A step reads as: `scheduler.schedule()` → `_prepare` → `executor.submit()` (model forward +
+sampling, `engine.executor`) → `StopChecker.append()` → `scheduler.update_from_output()`. The
+executor, chosen once at construction, decides how many steps overlap (`Executor.max_inflight`);
+`step` drives every executor with the same code.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import time
+from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.cache.block_pool import BlockPool, KVCacheManager, NoFreeSlotsError, StateSlotPool
+from engine.cache.block_pool import BlockPool, KVCacheManager, StateSlotPool
 from engine.cache.kv_cache import V4KVCache, compressed_bytes_per_token
+from engine.cache.layout import default_block_size, exact_replay_tokens
 from engine.errors import InvalidRequestError
-from engine.model_runner import ModelRunner, exact_replay_tokens
+from engine.executor import PreparedStep, StepResult, executor_name, make_executor
+from engine.kv_connector import KVLoadSpec, KVSaveSpec
+from engine.kv_connector.engine_side import ExternalKVMixin
+from engine.model_runner import ModelRunner
 from engine.multimodal import ImageSpan
 from engine.sampling import IncrementalDetokenizer, Sampler, SamplingBatch, SamplingParams
 from engine.sampling.sampler import TokenLogprobs, compute_logprobs
 from engine.sampling.stop import StopChecker
-from engine.scheduler import Request, Scheduler, SchedulerConfig
+from engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.structured_output import GrammarCompiler, GrammarState, allocate_bitmask
 
 
@@ -60,10 +67,27 @@ class EngineConfig(BaseModel):
     seed: int | None = 0
     """Seed of the sampler's generator for unseeded requests (None: nondeterministic)."""
     async_scheduling: bool = False
-    """Overlap scheduling and output processing with the model run (a worker thread)."""
+    """Overlap scheduling and output processing with the model run (a worker thread: the `threaded` executor)."""
+    executor: str | None = None
+    """Executor by registry name (`engine.executor.EXECUTORS`: inprocess, threaded); None = picked from
+    async_scheduling (threaded when on, else inprocess). An explicit name must agree with async_scheduling."""
     replay_tokens: int | None = Field(None, ge=0)
     """Tokens recomputed before a prefix hit to rebuild the bounded state; None = the exact minimum
     (`exact_replay_tokens`). Smaller values are refused: they would change outputs."""
+    attention_backend: str = "torch"
+    """Attention backend by registry name (`engine.attention.attention_backend_names()`)."""
+    moe_backend: str = "torch"
+    """MoE backend by registry name (`engine.moe.moe_backend_names()`)."""
+
+    @model_validator(mode="after")
+    def _check_choices(self) -> EngineConfig:
+        executor_name(self.executor, self.async_scheduling)  # raises ValueError saying how to fix the choice
+        from engine.attention import get_attention_backend
+        from engine.moe import get_moe_backend
+
+        get_attention_backend(self.attention_backend)  # raises ValueError listing the known names
+        get_moe_backend(self.moe_backend)
+        return self
 
 
 @dataclass
@@ -100,7 +124,8 @@ class RequestOutput:
     new_text: dict[int, str] = field(default_factory=dict)
     """Text added to each sequence by the last step."""
     kv_block_ids: list[int] | None = None
-    """For `hold_kv` requests: the held blocks with the prompt's compressed KV."""
+    """For requests pinned for a save (`hold_kv`, or the KV connector's): the pinned blocks with the
+    prompt's compressed KV."""
     kv_state_slot: int | None = None
     """For `hold_state` requests: the held state slot with the bounded state after the prompt."""
 
@@ -117,11 +142,10 @@ class _Seq:
     logprobs: list[TokenLogprobs] | None = None
     stop_reason: int | str | None = None
     """The stop token id or stop string that finished the sequence."""
-    hold_kv: bool = False
-    """Keep the KV blocks referenced after the first sampled token (prefill side, until sent)."""
+    save: KVSaveSpec | None = None
+    """Pin the KV blocks (and with `with_state` the slot) after the first sampled token, for a save
+    (`hold_kv` by hand, or the KV connector's), until it is released (`engine.kv_connector`)."""
     pinned_block_ids: list[int] | None = None
-    hold_state: bool = False
-    """Also keep the bounded-state slot (prefill side with the state sent, until sent)."""
     pinned_slot: int | None = None
     grammar: GrammarState | None = None
     """The structured-output matcher when the params carry a constraint."""
@@ -144,17 +168,13 @@ class _Parent:
 
 
 @dataclass
-class _PreparedStep:
-    batch: object
-    sampling_batch: SamplingBatch | None
+class _InflightStep:
+    """A step submitted to the executor and not yet postprocessed."""
 
-
-@dataclass
-class _StepResult:
-    token_ids: list[int]
-    logprobs: list
-    model_s: float
-    sample_s: float
+    out: SchedulerOutput
+    touched: set[str]
+    """Request ids whose outputs changed at scheduling (errors), reported with this step's outputs."""
+    result: Future[StepResult]
 
 
 def default_model_path() -> Path:
@@ -164,7 +184,7 @@ def default_model_path() -> Path:
     return ensure_default_model()
 
 
-class Engine:
+class Engine(ExternalKVMixin):
     """The pure engine core (no sockets): `add_request` / `abort_request` / `step`."""
 
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
@@ -176,7 +196,9 @@ class Engine:
         path = Path(config.model) if config.model else default_model_path()
         self.model_path = path
         """The checkpoint directory this engine serves (the built-in demo model's when none was given)."""
-        self.model, self.model_config = load_checkpoint(path, dtype=config.dtype, device=config.device)
+        self.model, self.model_config = load_checkpoint(path, dtype=config.dtype, device=config.device,
+                                                       attention_backend=config.attention_backend,
+                                                       moe_backend=config.moe_backend)
         mc = self.model_config
         self.tokenizer = load_tokenizer(path)
         self.replay_tokens = exact_replay_tokens(mc)
@@ -188,9 +210,7 @@ class Engine:
                 )
             self.replay_tokens = config.replay_tokens
         self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
-        rates = mc.compress_rates.values()
-        lcm = math.lcm(*rates)
-        block_size = config.block_size or lcm * max(1, 64 // lcm)  # >= 64 tokens where the rates allow
+        block_size = config.block_size or default_block_size(mc.compress_rates.values())  # the layout decides
         blocks_per_seq = -(-self.max_model_len // block_size)
         num_blocks = config.num_blocks or min(blocks_per_seq * config.max_num_seqs, 1 << 16)
         dtype = self.model.model.embed_tokens.weight.dtype
@@ -223,16 +243,11 @@ class Engine:
         self.bytes_per_token = compressed_bytes_per_token(mc, dtype)
         self.timings = {"schedule": 0.0, "model": 0.0, "sample": 0.0, "steps": 0, "tokens": 0}
         """Seconds spent scheduling, in the model and sampling; steps run; tokens computed (replay included)."""
-        self._inflight = None
-        self._executor = None
-        self._held: dict[str, _Seq] = {}
-        self._pinned: dict[str, list[int]] = {}
-        """Block ids held for `hold_kv` requests, by request id."""
-        """Requests whose KV is being written from outside (not yet in the scheduler)."""
-        if config.async_scheduling:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-model")
+        self.executor = make_executor(config, self.runner, self.sampler)
+        """Runs each prepared step (model forward + sampling); chosen once, here (`engine.executor`)."""
+        self._inflight: deque[_InflightStep] = deque()
+        """Steps submitted to the executor and not yet postprocessed, oldest first (at most `max_inflight`)."""
+        self._init_external_kv()  # KV from / to outside: the connector, loads, pins (`engine.kv_connector`)
 
     # ------------------------------------------------------------------ requests
 
@@ -246,7 +261,7 @@ class Engine:
         hold_kv: bool = False,
         hold_state: bool = False,
         images: Sequence[ImageSpan] | None = None,
-        _num_imported_tokens: int = 0,
+        _kv_load: KVLoadSpec | None = None,
     ) -> str:
         """Validate and queue a request; raises InvalidRequestError (naming the field) on bad input.
 
@@ -258,7 +273,8 @@ class Engine:
         stay referenced, even after it finishes, until `release_kv` (or `abort_request`); the
         output's `kv_block_ids` names them. `hold_state=True` (with `hold_kv`) also keeps the
         request's bounded-state slot, as it is after the prompt, until `release_kv`; the output's
-        `kv_state_slot` names it.
+        `kv_state_slot` names it. With a KV connector (`set_kv_connector`), it decides the same for
+        every n = 1 request (`KVConnector.get_load` / `get_save`).
         """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -303,13 +319,7 @@ class Engine:
             # NOTE: computed by a separate scratch pass over the prompt (not inside the batched
             # prefill), so it costs one extra prompt forward for the requests that ask for it.
             parent.prompt_logprobs = self.prompt_logprobs(ids, params.prompt_logprobs, spans)
-        if hold_kv:
-            if params.n != 1:
-                raise InvalidRequestError("hold_kv requests must have n = 1", field="n")
-            parent.seqs[0].hold_kv = True
-            parent.seqs[0].hold_state = hold_state
-        elif hold_state:
-            raise InvalidRequestError("hold_state needs hold_kv", field="hold_state")
+        load, parent.seqs[0].save = self._kv_specs(request_id, ids, params, hold_kv, hold_state, _kv_load)
         self._parents[request_id] = parent
         # NOTE: with n > 1 the first sequence runs alone until its prompt is cached; the others then
         # start from the cached prefix blocks (shared copy-free) instead of recomputing the prompt.
@@ -317,7 +327,7 @@ class Engine:
         first = parent.seqs[:1] if share else parent.seqs
         parent.pending_children = parent.seqs[1:] if share else []
         for seq in first:
-            self._submit(seq, _num_imported_tokens)
+            self._submit(seq, load)
         return request_id
 
     def _check_images(self, ids: list[int], images: Sequence[ImageSpan]) -> list[ImageSpan]:
@@ -390,106 +400,21 @@ class Engine:
             out.append(replace(span, embeds=emb))
         return out
 
-    def _submit(self, seq: _Seq, num_imported_tokens: int = 0) -> list[int]:
+    def _submit(self, seq: _Seq, load: KVLoadSpec | None = None) -> None:
+        """Hand a sequence to the scheduler, or (`load`) reserve its imported prefix and wait for it."""
         p = seq.parent
         rid = p.request_id if len(p.seqs) == 1 else f"{p.request_id}#{seq.index}"
         seq.req = Request(rid, p.prompt_token_ids, max_tokens=seq.params.max_tokens, priority=p.priority,
                           sampling_params=seq.params, arrival_time=time.monotonic(), image_spans=p.image_spans)
-        block_ids: list[int] = []
-        if num_imported_tokens:
-            block_ids = self.kv_manager.import_blocks(seq.req, num_imported_tokens)
-            seq.req.num_computed_tokens = num_imported_tokens
-            self._held[rid] = seq
-        else:
-            self.scheduler.add_request(seq.req)
         self._seqs[rid] = seq
-        return block_ids
-
-    # ------------------------------------------------------------------ KV written from outside
-
-    def reserve_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                   num_kv_tokens: int, *, with_state: bool = False,
-                   images: Sequence[ImageSpan] | None = None) -> list[tuple[str, int, int, int]]:
-        """Reserve blocks for a request whose first `num_kv_tokens` tokens' compressed KV will be
-        written from outside (a prefill instance); returns their `(pool, block, byte_offset, num_bytes)`.
-
-        The request waits until `commit_kv`; it then continues from token `num_kv_tokens`. Without
-        `with_state` it first rebuilds its bounded state by bounded replay; with it, a state slot
-        is reserved too (`kv_state_slot`) and must receive the bounded state as it is after the
-        prompt (the prefill's `hold_state` slot): no replay. `abort_request` releases everything.
-        Raises `InvalidRequestError` on bad input, `NoFreeBlocksError` / `NoFreeSlotsError` when full.
-
-        `images` (as in `add_request`): an image prompt needs its spans here too, with embeddings,
-        whenever this instance may compute image positions (bounded replay without `with_state`,
-        recompute after preemption) and so that its prefix-cache hashes carry the images.
-        """
-        if params.n != 1:
-            raise InvalidRequestError("requests with imported KV must have n = 1", field="n")
-        if not 0 < num_kv_tokens <= len(prompt_token_ids):
-            raise InvalidRequestError(f"num_kv_tokens must be in [1, {len(prompt_token_ids)}]", field="num_kv_tokens")
-        self.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params, images=images,
-                         _num_imported_tokens=num_kv_tokens)
-        if with_state:
-            req = self._parents[request_id].seqs[0].req
-            try:
-                self.scheduler.state_slot_pool.allocate(req.req_id)
-            except NoFreeSlotsError:
-                self.abort_request(request_id)
-                raise
-            # the window rows the first decode step reads (positions num_kv - W + 1 ...) were computed
-            # by the prefill with at least W - 1 exact tokens before them (its replay, if any, is longer)
-            req.imported_state_start = max(0, num_kv_tokens - (self.model_config.sliding_window - 1))
-        return self.cache.block_byte_ranges(self.kv_block_ids(request_id))
-
-    def kv_state_slot(self, request_id: str) -> int | None:
-        """The state slot a reserved (`with_state`) or running request holds, if any."""
-        return self.scheduler.state_slot_pool.get_slot_id(self._parents[request_id].seqs[0].req.req_id)
-
-    def commit_kv(self, request_id: str, first_token_ids: list[int] | None = None) -> list[RequestOutput]:
-        """The reserved KV has landed: let the request run.
-
-        `first_token_ids` are output tokens already sampled elsewhere (the prefill instance's first
-        token): they count as this request's outputs (stop checks, penalties, limits) and decoding
-        continues after them. Returns an output at once when they already finish the request.
-        """
-        parent = self._parents[request_id]
-        seq = parent.seqs[0]
-        self._held.pop(seq.req.req_id)
-        if first_token_ids:
-            upd = seq.stop.append(list(first_token_ids))
-            accepted = list(first_token_ids)[: upd.num_accepted_tokens]
-            seq.req.append_output_token_ids(accepted)
-            co = parent.outputs[0]
-            co.token_ids.extend(accepted)
-            co.text += upd.text_delta
-            grammar_finish = self._advance_grammar(seq, seq.req.output_token_ids)
-            if upd.finish_reason is not None or grammar_finish is not None:
-                reason = upd.finish_reason if upd.finish_reason is not None else grammar_finish
-                co.finish_reason = str(reason.value if hasattr(reason, "value") else reason)
-                co.stop_reason = upd.stop_reason
-                self.kv_manager.free(seq.req)
-                self.scheduler.state_slot_pool.free(seq.req.req_id)
-                ro = self._make_output(parent, {seq.req.req_id: (accepted, upd.text_delta)})
-                self._seqs.pop(seq.req.req_id, None)
-                del self._parents[request_id]
-                return [ro]
-        self.scheduler.add_request(seq.req)
-        return []
-
-    def release_kv(self, request_id: str) -> None:
-        """Drop the hold on a `hold_kv` request's blocks (its KV has been sent, or never will be)."""
-        ids = self._pinned.pop(request_id, None)
-        if ids:
-            self.kv_manager.block_pool.free(ids)
-        self.scheduler.state_slot_pool.free(_held_slot_owner(request_id))
-
-    def kv_block_ids(self, request_id: str) -> list[int]:
-        """Block table of a live (or reserved) request's first sequence."""
-        return self.kv_manager.get_block_ids(self._parents[request_id].seqs[0].req)
-
-    def kv_descriptors(self, request_id: str) -> list[tuple[str, int, int, int]]:
-        """`(pool, block, byte_offset, num_bytes)` of a live request's compressed KV blocks."""
-        return self.cache.block_byte_ranges(self.kv_block_ids(request_id))
+        if load is None:
+            self.scheduler.add_request(seq.req)
+            return
+        try:
+            self._start_kv_load(seq, load)
+        except Exception:
+            self.abort_request(p.request_id)  # reserves nothing: blocks, slot and the connector's load go
+            raise
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -508,73 +433,77 @@ class Engine:
             return None, list(prompt)
         raise InvalidRequestError(f"unsupported prompt type {type(prompt).__name__}", field="prompt")
 
-    def abort_request(self, request_id: str, *, hold_as: str | None = None) -> bool:
+    def abort_request(self, request_id: str) -> bool:
         """Abort a request (all its sequences) wherever it is; frees its blocks and slot.
 
-        `hold_as`: keep the first sequence's blocks and state slot out of circulation under that
-        key until `release_kv(hold_as)` (e.g. a reservation a remote WRITE may still land in).
+        A pending load's blocks may stay quarantined, and a save's pinned blocks stay pinned, while
+        the KV connector still uses them (`KVConnector.abort_load` / `abort_save`).
         """
-        self.release_kv(request_id)
+        self._abort_kv_save(request_id)
         parent = self._parents.pop(request_id, None)
         if parent is None:
             return False
-        first = parent.seqs[0].req
-        if hold_as is not None and first is not None:
-            ids = list(self.kv_manager.get_block_ids(first))
-            if ids:
-                self.kv_manager.block_pool.touch(ids)
-                self._pinned[hold_as] = ids
-            if self.slots.get_slot_id(first.req_id) is not None:
-                self.slots.transfer(first.req_id, _held_slot_owner(hold_as))
         for seq in parent.seqs:
             if seq.req is not None:
-                if self._held.pop(seq.req.req_id, None) is not None:
-                    self.kv_manager.free(seq.req)
-                    self.scheduler.state_slot_pool.free(seq.req.req_id)
-                else:
+                if not self._abort_kv_load(seq):
                     self.scheduler.abort_request(seq.req.req_id)
                 self._seqs.pop(seq.req.req_id, None)
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents) or self._inflight is not None
+        """Whether a request is unfinished or a step is still in flight (`step()` has outputs left to give)."""
+        return bool(self._parents) or bool(self._inflight)
 
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._parents)
+
+    def shutdown(self) -> None:
+        """Blocks until the step in flight (if any) has run, then stops the executor (its worker thread).
+
+        Idempotent. Call it once no thread steps the engine any more; `step()` afterwards raises
+        RuntimeError. Outputs of a step still in flight are dropped.
+        """
+        self.executor.close()
+        self._inflight.clear()
 
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
         """Blocks for one model step; returns outputs of requests that progressed or finished.
 
-        With `async_scheduling`, step N+1 is scheduled while step N's model runs on a worker
-        thread, and step N's outputs are post-processed (stop checks, detokenization, scheduler
-        update) while step N+1 runs; the returned outputs then lag one step behind the device.
+        The same code drives every executor: schedule (overlapping the steps in flight), prepare with
+        the tokens the steps in flight sampled, submit to the executor; then postprocess (stop checks,
+        detokenization, scheduler update) the oldest steps until fewer than `executor.max_inflight`
+        remain, or all of them when there was nothing new to run. With the in-process executor that
+        is the step just run. With the threaded one (`async_scheduling`), step N+1 is scheduled
+        while step N's model runs on a worker thread, and step N is postprocessed while step N+1
+        runs; the returned outputs then lag one step behind the device.
+
+        A failure in the model run is raised here; the engine is then unusable (discard it).
         """
-        if not self.config.async_scheduling:
-            out, touched = self._schedule()
-            result = self._run(self._prepare(out, {})) if out.total_num_scheduled_tokens else None
-            return self._postprocess(out, result, touched)
-        if self._inflight is None:
-            out, touched = self._schedule()
-            if not out.total_num_scheduled_tokens:
-                return self._postprocess(out, None, touched)
-            self._inflight = (out, touched, self._executor.submit(self._run, self._prepare(out, {})))
-            return []
-        prev, prev_touched, fut = self._inflight
-        nxt, nxt_touched = self._schedule()  # overlaps with the previous step's model run
-        result = fut.result()
-        outputs = []
-        if nxt.total_num_scheduled_tokens:
-            pending = dict(zip(prev.sampling_req_ids, result.token_ids)) if result is not None else {}
-            self._inflight = (nxt, nxt_touched, self._executor.submit(self._run, self._prepare(nxt, pending)))
-            outputs = self._postprocess(prev, result, prev_touched)  # overlaps with the next step's run
-        else:
-            self._inflight = None
-            outputs = self._postprocess(prev, result, prev_touched)
-            outputs += self._postprocess(nxt, None, nxt_touched)
+        out, touched = self._schedule()  # overlaps with the model runs in flight
+        has_work = bool(out.total_num_scheduled_tokens)
+        if has_work:
+            step = self._prepare(out, self._inflight_token_ids())
+            self._inflight.append(_InflightStep(out, touched, self.executor.submit(step)))
+        outputs: list[RequestOutput] = []
+        while self._inflight and (len(self._inflight) >= self.executor.max_inflight or not has_work):
+            done = self._inflight.popleft()
+            # overlaps with the model runs still in flight
+            outputs += self._postprocess(done.out, done.result.result(), done.touched)
+        if not has_work:
+            outputs += self._postprocess(out, None, touched)
         return outputs
+
+    def _inflight_token_ids(self) -> dict[str, list[int]]:
+        """Blocks until the steps in flight have sampled; per request, the tokens they sampled, oldest
+        first (not yet applied by `update_from_output`: the scheduler holds placeholders for them)."""
+        pending: dict[str, list[int]] = {}
+        for inflight in self._inflight:
+            for rid, tok in zip(inflight.out.sampling_req_ids, inflight.result.result().token_ids):
+                pending.setdefault(rid, []).append(tok)
+        return pending
 
     def _schedule(self):
         t0 = time.perf_counter()
@@ -596,17 +525,17 @@ class Engine:
         self.timings["tokens"] += out.total_num_scheduled_tokens
         return out, touched
 
-    def _prepare(self, out, pending: dict[str, int]) -> _PreparedStep:
-        """Snapshot everything the step needs (main thread): the model batch and the sampling batch.
+    def _prepare(self, out: SchedulerOutput, pending: dict[str, list[int]]) -> PreparedStep:
+        """Snapshot everything the step needs (engine thread): the model batch and the sampling batch.
 
-        `pending[req_id]` is a token sampled by the previous step whose update has not been applied
-        yet (async scheduling): it is the request's newest token.
+        `pending[req_id]` are tokens sampled by steps still in flight whose updates have not been
+        applied yet (an overlapping executor): they are the request's newest tokens.
         """
         token_ids_of = {}
         for rid in out.num_scheduled_tokens:
             req = self.scheduler.get_request(rid)
             ids = req.all_token_ids
-            token_ids_of[rid] = ids + [pending[rid]] if rid in pending else ids
+            token_ids_of[rid] = ids + pending[rid] if rid in pending else ids
         batch = self.runner.prepare(out, token_ids_of)
         sbatch = None
         if out.sampling_req_ids:
@@ -614,13 +543,13 @@ class Engine:
             for rid in out.sampling_req_ids:
                 req = self.scheduler.get_request(rid)
                 params.append(req.sampling_params)
-                outs.append(req.output_token_ids + [pending[rid]] if rid in pending else req.output_token_ids)
+                outs.append(req.output_token_ids + pending[rid] if rid in pending else req.output_token_ids)
                 prompts.append(req.prompt_token_ids)
             sbatch = SamplingBatch.build(params, outs, prompts, device=self.runner.device,
                                          eos_token_ids=self.eos_token_ids)
             sbatch.token_bitmask, sbatch.token_bitmask_row_ids = self._grammar_bitmask(out.sampling_req_ids, outs)
         self.num_computed_tokens_total += out.total_num_scheduled_tokens
-        return _PreparedStep(batch, sbatch)
+        return PreparedStep(batch, sbatch)
 
     def _grammar_bitmask(self, sampling_req_ids: list[str], output_token_ids: list[list[int]]):
         """The step's structured-output bitmask `[num_reqs, ceil(vocab / 32)]` and the rows it constrains,
@@ -660,19 +589,7 @@ class Engine:
             return "error"
         return "stop" if grammar.is_terminated else None
 
-    def _run(self, prep: _PreparedStep) -> _StepResult:
-        """Model forward + sampling (the part that may run on the worker thread)."""
-        t0 = time.perf_counter()
-        logits = self.runner.run(prep.batch)
-        t1 = time.perf_counter()
-        if prep.sampling_batch is None:
-            return _StepResult([], [], t1 - t0, 0.0)
-        sampled = self.sampler.sample(logits, prep.sampling_batch)
-        res = _StepResult(sampled.sampled_token_ids.tolist(), sampled.request_logprobs(), t1 - t0, 0.0)
-        res.sample_s = time.perf_counter() - t1
-        return res
-
-    def _postprocess(self, out, result: _StepResult | None, touched: set[str]) -> list[RequestOutput]:
+    def _postprocess(self, out: SchedulerOutput, result: StepResult | None, touched: set[str]) -> list[RequestOutput]:
         """Stop checks and detokenization of a finished step, scheduler update, outputs."""
         new_tokens: dict[str, list[int]] = {}
         finished: dict[str, str] = {}
@@ -685,13 +602,8 @@ class Engine:
                 new_tokens[rid] = [tok]
                 if seq is None or seq.req.is_finished or seq.stop.is_finished:
                     continue  # finished (stop string, abort) while this step was in flight
-                if seq.hold_kv and seq.pinned_block_ids is None:
-                    seq.pinned_block_ids = list(self.kv_manager.get_block_ids(seq.req))
-                    self.kv_manager.block_pool.touch(seq.pinned_block_ids)
-                    self._pinned[seq.parent.request_id] = seq.pinned_block_ids
-                    if seq.hold_state:  # the slot now outlives the request, until release_kv
-                        seq.pinned_slot = self.scheduler.state_slot_pool.transfer(
-                            seq.req.req_id, _held_slot_owner(seq.parent.request_id))
+                if seq.save is not None and seq.pinned_block_ids is None:
+                    self._pin_for_save(seq, [tok])  # the blocks (and slot) outlive the request until saved
                 upd = seq.stop.append([tok])
                 accepted = [tok][: upd.num_accepted_tokens]
                 if seq.logprobs is not None and lp is not None and accepted:
@@ -777,13 +689,11 @@ class Engine:
                         images: Sequence[ImageSpan] = ()) -> list[TokenLogprobs | None]:
         """Logprobs of each prompt token given its prefix (first is None), computed in a scratch pass
         (`images`: encoded spans whose embeddings replace those input rows)."""
-        from engine.forward_batch import ForwardBatch, SeqChunk
-        from engine.testing.model_runner import ModelRunnerForTests
+        from engine.model_runner import ScratchModelRunner
 
-        runner = ModelRunnerForTests(self.model, max_seqs=1, max_len=len(prompt_token_ids) + 1)
+        runner = ScratchModelRunner(self.model, max_seqs=1, max_len=len(prompt_token_ids) + 1)
         n = len(prompt_token_ids)
-        batch = ForwardBatch.build([prompt_token_ids], [SeqChunk(0, runner.tables[0], 0, n)], device=runner.device,
-                                   logits="all")
+        batch = runner.batch([(0, prompt_token_ids)], logits="all")
         if images:
             batch.input_embeds = torch.zeros(n, images[0].embeds.shape[-1], dtype=images[0].embeds.dtype,
                                              device=runner.device)  # [n, hidden]
@@ -791,12 +701,8 @@ class Engine:
             for span in images:
                 batch.input_embeds[span.offset:span.end] = span.embeds
                 batch.embeds_mask[span.offset:span.end] = True
-        logits = self.model.step(batch, runner.cache)[:-1]
+        logits = runner.run_batch(batch)[:-1]
         lt = compute_logprobs(torch.log_softmax(logits, dim=-1), torch.tensor(prompt_token_ids[1:]),
                               num_logprobs)
         return [None] + lt.tolists([num_logprobs] * (len(prompt_token_ids) - 1))
 
-
-def _held_slot_owner(request_id: str) -> str:
-    """State-slot owner name of a `hold_state` request's slot once the request itself is done."""
-    return f"held-state:{request_id}"

@@ -8,8 +8,12 @@ bounded-state slot and a block table of compressed-entry blocks (see `engine.cac
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.attention.base import AttentionMetadata
 
 
 @dataclass
@@ -49,6 +53,9 @@ class ForwardBatch:
     input_embeds: torch.Tensor | None = None
     """Optional [num_tokens, hidden] embeddings overriding `input_ids` rows where `embeds_mask` is set."""
     embeds_mask: torch.Tensor | None = None  # [num_tokens] bool
+    attn_metadata: AttentionMetadata | None = None
+    """The step's `engine.attention.AttentionMetadata`, set by the model runner when it prepares the step
+    (None: the model builds it at the start of the forward)."""
 
     def __post_init__(self) -> None:
         n = sum(s.num_new_tokens for s in self.seqs)

@@ -29,6 +29,11 @@ class LLM:
         self.engine = Engine(EngineConfig(model=model, dtype=dtype, device=device, **engine_kwargs))
         self.tokenizer = self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Blocks until the engine's executor has stopped (its worker thread with `async_scheduling`); idempotent.
+        The `LLM` generates nothing afterwards."""
+        self.engine.shutdown()
+
     def generate(
         self,
         prompts: str | dict | Sequence[str | dict | list[int]],

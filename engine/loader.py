@@ -27,6 +27,9 @@ quantization-aware spec), without touching the model or this loader. Today only 
 float/int tensors, cast to the requested dtype) is registered; FP8 tensors or scales are refused
 with "FP8 block-scaled weights are not supported yet".
 
+The loader imports the models (their tensor specs, the classes it builds: `load_checkpoint`, and
+`load_vision_tower` for the vision stage); no model imports the loader.
+
 Multi-token-prediction weights
 ------------------------------
 Keys under `mtp.` are skipped (transformers ignores them too) and recorded in
@@ -42,15 +45,25 @@ import math
 import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
-from engine.config import ModelConfig
-from engine.models.deepseek_v4_weights import TensorSpec, checkpoint_spec, official_to_spec_name, parse_dtype
+from engine.config import ModelConfig, config_json_path, read_config_json
+from engine.models.deepseek_v4_weights import (
+    VISION_PREFIXES,
+    TensorSpec,
+    checkpoint_spec,
+    official_to_spec_name,
+    parse_dtype,
+    vision_checkpoint_spec,
+)
+
+if TYPE_CHECKING:
+    from engine.models.vision import VisionTower
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -271,18 +284,21 @@ def _read_index(index_path: Path) -> dict[str, str]:
 
 
 def read_checkpoint_config(path: str | Path) -> tuple[ModelConfig, dict[str, Any] | None]:
-    """The checkpoint's `ModelConfig` and its raw `quantization_config` (None when unquantized)."""
-    file = Path(path) if str(path).endswith(".json") else Path(path) / "config.json"
+    """The checkpoint's `ModelConfig` and its raw `quantization_config` (None when unquantized).
+
+    NOTE: the one place that decides whether a checkpoint's quantization can be loaded: it refuses
+    (CheckpointError) exactly what `WeightLoader` cannot load, so a stage that checks a checkpoint
+    without loading it (the entrypoint) accepts every checkpoint the workers accept.
+    """
+    file = config_json_path(path)
     if not file.parent.is_dir():
         raise CheckpointError(f"checkpoint directory {file.parent} does not exist (or is not a directory).")
     try:
-        raw = json.loads(file.read_text())
+        raw = read_config_json(file)
     except FileNotFoundError:
         raise CheckpointError(f"no config.json at {file}; a checkpoint directory needs one.") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{file} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{file} must hold a JSON object, got {type(raw).__name__}.")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     quant = raw.pop("quantization_config", None) or None
     make_weight_transform(quant, source=str(file))  # refuse unsupported quantization before anything else
     try:
@@ -514,8 +530,11 @@ def load_checkpoint(
     device: str | torch.device = "cpu",
     *,
     progress: bool | None = None,
+    attention_backend: str = "torch",
+    moe_backend: str = "torch",
 ) -> tuple[nn.Module, ModelConfig]:
     """Blocks while reading: build `DeepseekV4ForCausalLM` from checkpoint `path` and load its weights.
+    (`attention_backend`: an `engine.attention` backend name; `moe_backend`: an `engine.moe` backend name.)
 
     Returns `(model, config)` with the model in eval mode, without gradients, on `device`, floats in
     `dtype` except the fp32-kept set. Raises `CheckpointError` (naming the culprit) before reading any tensor data if
@@ -527,6 +546,32 @@ def load_checkpoint(
     torch_dtype = parse_dtype(dtype)
     config, quant = read_checkpoint_config(root)
     with torch.device(device), meta_parameters():
-        model = DeepseekV4ForCausalLM(config)
+        model = DeepseekV4ForCausalLM(config, attention_backend=attention_backend, moe_backend=moe_backend)
     _load_into(model, root, config, quant, torch_dtype, device, progress)
-    return model.eval().requires_grad_(False), config
+    model.eval().requires_grad_(False)
+    model.prepare_for_inference()  # once, on the loaded weights: small-op picks, MoE backend packing
+    return model, config
+
+
+def load_vision_tower(
+    path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+) -> VisionTower:
+    """Blocks while reading: the vision tower alone from checkpoint `path` (the LM's tensors are not read).
+
+    Raises `CheckpointError` when config.json has no `vision_config` or a vision tensor is missing
+    or misshapen.
+    """
+    from engine.models.vision import VisionTower
+
+    config, quant = read_checkpoint_config(path)
+    if config.vision is None:
+        raise CheckpointError(f"checkpoint {path} has no vision tower (no `vision_config` in config.json).")
+    spec = vision_checkpoint_spec(config, parse_dtype(dtype))
+    # skip the LM's tensors by their top-level name component (a handful of prefixes)
+    others = tuple({n.split(".", 1)[0] + ("." if "." in n else "") for n in scan_checkpoint(path)
+                    if not n.startswith(VISION_PREFIXES)})
+    loader = WeightLoader(path, spec, quantization_config=quant, device=device, skip_prefixes=others)
+    with torch.device(device), meta_parameters():
+        tower = VisionTower(config.vision, config.hidden_size)
+    tower.load_state_dict(loader.state_dict(), strict=True, assign=True)
+    return tower.to(device).eval().requires_grad_(False)

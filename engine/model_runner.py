@@ -1,30 +1,24 @@
 """Turns a `SchedulerOutput` into one model step over the instance's cache.
 
 The runner owns the model and the cache tensors (`V4KVCache`) and mirrors, per request, what
-the model needs: its slot, block table and the bounded-replay window of its current life.
+the model needs: its slot, block table and the bounded-replay window of its current life. It
+builds each step's `engine.attention.AttentionMetadata` once, when it prepares the batch.
+
+`ScratchModelRunner` drives the model without a scheduler over a private cache (side passes such
+as prompt logprobs; the test driver builds on it).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from engine.cache.kv_cache import V4KVCache
+from engine.cache.layout import exact_replay_tokens  # noqa: F401  (re-export: the layout owns it)
 from engine.forward_batch import ForwardBatch, SeqChunk
 from engine.scheduler import SchedulerOutput
-
-
-def exact_replay_tokens(config) -> int:
-    """Tokens before a prefix hit to recompute so the bounded state comes out exactly as cold.
-
-    The sliding window's receptive field grows by `sliding_window - 1` tokens per layer: a
-    replayed token's layer-l state is exact once `l * (window - 1)` replayed tokens precede it.
-    The ring needs the last `window - 1` tokens exact at every layer and the compressor buffers
-    the last `2 * rate - 1`, so `num_layers * (window - 1) + 2 * max_rate` tokens suffice.
-    """
-    max_rate = max(config.compress_rates.values())
-    return config.num_hidden_layers * (config.sliding_window - 1) + 2 * max_rate
 
 
 @dataclass
@@ -107,4 +101,55 @@ class ModelRunner:
                 embeds[row:row + e.shape[0]] = e
                 mask[row:row + e.shape[0]] = True
             batch.input_embeds, batch.embeds_mask = embeds, mask  # [num_tokens, hidden], [num_tokens]
+        batch.attn_metadata = self.model.build_attention_metadata(batch, self.cache)  # once per step
         return batch
+
+
+class ScratchModelRunner:
+    """Runs the model for up to `max_seqs` sequences of up to `max_len` tokens over a private cache.
+
+    No scheduler: each sequence gets its own slot and a contiguous run of blocks, and `run` takes
+    `(seq_index, new_token_ids)` pairs as one flat batch. For side computations that must not touch
+    the instance's cache (`Engine.prompt_logprobs`), and the base of the test driver.
+    """
+
+    def __init__(self, model, max_seqs: int = 4, max_len: int = 512, block_size: int | None = None) -> None:
+        cfg = model.config
+        self.block_size = block_size or math.lcm(*cfg.compress_rates.values())
+        blocks_per_seq = -(-max_len // self.block_size)
+        dtype = model.model.embed_tokens.weight.dtype
+        device = model.model.embed_tokens.weight.device
+        self.model = model
+        self.cache = V4KVCache(cfg, blocks_per_seq * max_seqs, self.block_size, max_seqs, dtype=dtype, device=device)
+        self.tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(max_seqs)]
+        """Per sequence: its block table."""
+        self.lens = [0] * max_seqs
+        """Per sequence: tokens computed so far."""
+        self.device = device
+
+    def batch(self, work: list[tuple[int, list[int]]], logits: str | list[int] = "last") -> ForwardBatch:
+        """The flat batch of `(seq, new_token_ids)` pairs (with its attention metadata); runs nothing."""
+        seqs = [SeqChunk(i, self.tables[i], self.lens[i], len(ids)) for i, ids in work]
+        batch = ForwardBatch.build([ids for _, ids in work], seqs, device=self.device, logits=logits)
+        batch.attn_metadata = self.model.build_attention_metadata(batch, self.cache)
+        return batch
+
+    def run_batch(self, batch: ForwardBatch) -> torch.Tensor:
+        """Blocks while the model runs `batch` (from `batch`) over the private cache; float32 logits of its
+        `logits_indices`. Advances each sequence's length."""
+        out = self.model.step(batch, self.cache)
+        for s in batch.seqs:
+            self.lens[s.slot] += s.num_new_tokens
+        return out
+
+    def run(self, work: list[tuple[int, list[int]]], logits: str | list[int] = "last") -> torch.Tensor:
+        """One step over `(seq, new_token_ids)` pairs; returns float32 logits (last token of each, or all)."""
+        return self.run_batch(self.batch(work, logits))
+
+    def prefill(self, seq: int, ids: list[int], chunk: int | None = None) -> torch.Tensor:
+        """Feed `ids` in chunks; return the last token's logits [vocab]."""
+        chunk = chunk or len(ids)
+        out = None
+        for a in range(0, len(ids), chunk):
+            out = self.run([(seq, ids[a:a + chunk])])
+        return out[0]

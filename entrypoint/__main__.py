@@ -13,8 +13,8 @@ import signal
 import sys
 import threading
 
-from engine.config_cli import config_from_args, make_parser
 from entrypoint.config import EntrypointConfig
+from serving.config_cli import config_from_args, make_parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 
 from protos import common_pb2, entrypoint_pb2, entrypoint_pb2_grpc
+from protos.metadata import ERROR_FIELD_METADATA_KEY
 
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -45,7 +46,7 @@ class GenerateError(RuntimeError):
     @classmethod
     def of(cls, e: grpc.RpcError) -> GenerateError:
         trailing = dict(e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else {}
-        return cls(e.code(), e.details() or "", trailing.get("deepinfer-error-field"))
+        return cls(e.code(), e.details() or "", trailing.get(ERROR_FIELD_METADATA_KEY))
 
 
 def sampling_params_proto(**fields: Any) -> common_pb2.SamplingParams:
@@ -106,7 +107,7 @@ class Client:
         self._channel = grpc.insecure_channel(address)
         self._stub = entrypoint_pb2_grpc.EntrypointStub(self._channel)
 
-    def stream(self, prompt_token_ids: list[int], *, request_id: str = "", deadline_ms: int = 0, priority: int = 0,
+    def stream(self, prompt_token_ids: list[int], *, request_id: str = "", deadline_ms: int = 0,
                images: list[bytes | str] | None = None, **sampling: Any) -> Iterator[dict]:
         """Blocks per delta: yields `{request_id, token_ids, text, finish_reason, stop_reason, usage, error}`
         dicts (token_ids/text are deltas; finish_reason and usage are set on the last one).
@@ -119,7 +120,7 @@ class Client:
         """
         request = entrypoint_pb2.GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params_proto(**sampling),
-            deadline_ms=deadline_ms, priority=priority)
+            deadline_ms=deadline_ms)
         if images:
             from engine.images import IMAGE_PLACEHOLDER_ID
 

@@ -27,7 +27,7 @@ One `Generate` call (DESIGN.md §1):
 A full or draining instance (RESOURCE_EXHAUSTED / UNAVAILABLE before any work), or a decode instance
 that cannot be reached for Reserve, is excluded and the stage picked again, up to `max_attempts`
 instances; a prefill that fails mid-call is not retried (it may have written into D's blocks).
-Failures end the call with the gRPC status the wire `Error` maps to (`STATUS_OF_ERROR`); a stage
+Failures end the call with the gRPC status the wire `Error` maps to (`serving.errors`); a stage
 without a healthy instance gives UNAVAILABLE naming the stage. The client cancelling the call,
 `deadline_ms` (or the call's own deadline) running out, or `Abort` cancel the stage calls in flight
 and abort the request on P, then on D. `Abort` ends the stream with a last message whose
@@ -51,11 +51,9 @@ from collections.abc import Iterator
 import grpc
 
 from engine.cache.block_pool import hash_block_tokens
-from engine.config import ModelConfig
 from engine.errors import InvalidRequestError
 from engine.images import IMAGE_TOKEN_ID
 from engine.sampling import SamplingParams
-from engine.worker_shell import MAX_DEADLINE_S, call_time_remaining
 from entrypoint.config import EntrypointConfig
 from protos import (
     common_pb2,
@@ -71,25 +69,11 @@ from protos import (
     vision_pb2_grpc,
 )
 from protos.convert import sampling_params_from_proto
+from protos.metadata import ERROR_FIELD_METADATA_KEY, STATS_METADATA_KEY
+from serving.errors import RETRYABLE_ERRORS, status_of
+from serving.loop import MAX_DEADLINE_S, call_time_remaining
 
 logger = logging.getLogger("entrypoint")
-
-STATUS_OF_ERROR = {
-    common_pb2.ERROR_CODE_INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
-    common_pb2.ERROR_CODE_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    common_pb2.ERROR_CODE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    common_pb2.ERROR_CODE_DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
-    common_pb2.ERROR_CODE_ABORTED: grpc.StatusCode.CANCELLED,
-    common_pb2.ERROR_CODE_INTERNAL: grpc.StatusCode.INTERNAL,
-}
-"""Wire `ErrorCode` -> gRPC status at the edge (protos/common.proto)."""
-
-ERROR_FIELD_METADATA_KEY = "deepinfer-error-field"
-"""Trailing-metadata key naming the offending request parameter of an INVALID_ARGUMENT status."""
-
-STATS_METADATA_KEY = "deepinfer-stats-json"
-"""Trailing-metadata key of `Health`: the entrypoint's counters as one JSON object."""
 
 ABORT_RPC_REASON = "Abort RPC"
 """The abort reason of requests aborted by the Entrypoint's Abort call."""
@@ -97,7 +81,6 @@ ABORT_RPC_REASON = "Abort RPC"
 NOMINAL_IMAGE_TOKENS = 184
 """Image tokens a vision pick counts per image (a small image's; the exact count comes from preprocessing)."""
 
-RETRYABLE_ERRORS = (common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, common_pb2.ERROR_CODE_UNAVAILABLE)
 """In-band errors after which another instance of the stage is tried (nothing was done yet)."""
 
 
@@ -204,7 +187,7 @@ class _Failed(Exception):
 
     @classmethod
     def of_error(cls, error: common_pb2.Error, where: str) -> _Failed:
-        status = STATUS_OF_ERROR.get(error.code, grpc.StatusCode.INTERNAL)
+        status = status_of(error.code)
         return cls(status, f"{where}: {error.message}", error.field)
 
 
@@ -364,7 +347,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
             try:
                 reserve = self._unary(req, d_stub.Reserve, decode_pb2.ReserveRequest(
                     request_id=rid, prompt_token_ids=prompt, sampling_params=sampling, num_kv_tokens=len(prompt),
-                    priority=request.priority, deadline_ms=deadline_ms(), lease_ms=self.config.kv_lease_ms,
+                    deadline_ms=deadline_ms(), lease_ms=self.config.kv_lease_ms,
                     images=images, image_embeddings=image_embeddings),
                     deadline, f"reserving KV on decode instance {d_inst.instance_id}")
             except _Failed as e:
@@ -405,7 +388,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                 req.prefill = (p_inst.instance_id, p_stub)
             prefilled = self._unary(req, p_stub.Prefill, prefill_pb2.PrefillRequest(
                 request_id=rid, prompt_token_ids=prompt, sampling_params=sampling, destination=destination,
-                num_kv_tokens=len(prompt), priority=request.priority, deadline_ms=deadline_ms(), images=images,
+                num_kv_tokens=len(prompt), deadline_ms=deadline_ms(), images=images,
                 image_embeddings=image_embeddings), deadline, "prefilling")
             with req.lock:
                 req.prefill = None
@@ -424,7 +407,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         req.usage.cached_prompt_tokens = prefilled.num_cached_prompt_tokens
         timeout = None if deadline is None else max(0.001, deadline - time.monotonic())
         stream = d_stub.Start(decode_pb2.StartRequest(
-            request_id=rid, transfer_id=reserve.transfer_id, first_token_id=prefilled.first_token_id,
+            request_id=rid, transfer_id=reserve.transfer_id,  # the first token rides the KV transfer notice
             num_cached_prompt_tokens=prefilled.num_cached_prompt_tokens), timeout=timeout)
         req.add_call(stream)
         is_first = True
@@ -636,12 +619,11 @@ class EntrypointServer:
         if not config.prefill_lb_address or not config.decode_lb_address:
             raise ValueError("the entrypoint needs prefill_lb_address and decode_lb_address (--prefill-lb-address, "
                              "--decode-lb-address)")
-        if config.model:
-            model_config = ModelConfig.from_json_file(config.model)
-        else:
-            from engine.engine import default_model_path
+        from engine.engine import default_model_path
+        from engine.loader import read_checkpoint_config
 
-            model_config = ModelConfig.from_json_file(default_model_path())
+        # NOTE: the loader's own check: the entrypoint accepts exactly the checkpoints the workers load
+        model_config, _ = read_checkpoint_config(config.model or default_model_path())
         self.config = config
         self.instance_id = config.instance_id or f"entrypoint-{uuid.uuid4().hex[:8]}"
         max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 8192)

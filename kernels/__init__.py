@@ -1,2 +1,15 @@
-"""kernels: Triton / TileLang GPU kernels, each file beside its torch reference and a wrapper that
-checks shapes, dtypes and contiguity."""
+"""kernels: the model's small fused ops, each with named implementations behind one registry.
+
+`kernels.registry` is the seam: `register_op(op_name, impl_name)`, `get_op`, `op_impl_names`, and
+`OpTable`, the set of implementations a model picks once at construction. Each op lives in its own
+file beside its torch reference (the oracle) and a wrapper that checks shapes, dtypes and contiguity:
+
+  * `kernels.sinkhorn`: the mHC Sinkhorn normalisation ("torch", "numpy_cpu", "triton").
+
+A new kernel (Triton, TileLang) goes into the op's file, or a new `kernels/<op>.py` imported below.
+"""
+
+from kernels import sinkhorn as _sinkhorn  # noqa: F401  (registers the op's implementations)
+from kernels.registry import OpTable, default_impl, get_op, op_impl_names, op_names, register_op
+
+__all__ = ["OpTable", "default_impl", "get_op", "op_impl_names", "op_names", "register_op"]

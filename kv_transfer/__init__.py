@@ -9,27 +9,36 @@ process's `V4KVCache`. At construction it registers every non-empty compressed p
 `send_state=True`) as NIXL memory, `DRAM` for CPU tensors and `VRAM` for CUDA ones. The tensors
 stay registered for the agent's life: the engine never reallocates them.
 
-Only descriptors travel on the control plane (gRPC, `protos/`): an agent's `metadata()` (opaque
-NIXL bytes) and `pool_layout()` (per region: address, size, memory type, device, layers, bytes per
-block or slot), and per request the block ids, the transfer id and the lease. Bytes move only
+The regions are the cache layout's descriptors (`engine.cache.layout.PoolLayout`, via
+`V4KVCache.pool_layouts`): this package derives no byte arithmetic of its own. Only descriptors
+travel on the control plane (gRPC, `protos/`): an agent's `metadata()` (opaque NIXL bytes) and
+`layout()` (a `deepinfer.v1.KVLayout`, `protos/kv_transfer.proto`: per region address, size,
+memory type, device, layers, units, bytes per unit, is_state; `pool_layout()` is the same as a
+plain dict), and per request the block ids, the transfer id and the lease. Bytes move only
 through NIXL, by WRITE from the prefill side (the initiator) into the decode side's memory.
 
 Who calls what, and when
 ------------------------
-Handshake, once per pair (membership): a decode agent publishes `metadata()` and `pool_layout()`;
+Handshake, once per pair (membership): a decode agent publishes `metadata()` and `layout()`;
 every prefill agent that may send to it calls `add_peer(name, metadata, layout)`, which refuses a
 peer whose blocks differ from ours (model, dtype or block size). The decode side needs nothing
 from the prefill side: NIXL delivers notifications over the connection the initiator opened.
 
 Per request (transfer id: the request id, plus an attempt number when retried; never reused):
 
-1. Decode D: `Engine.reserve_kv(...)` gives the destination blocks; D calls
-   `expect(transfer_id, dst_block_ids, lease_s)` and answers the entrypoint with its agent name,
-   the block ids and the lease time left.
+The engine drives all of this through its KV connector (`engine/kv_connector/base.py`):
+`PDConnector` (`pd_connector.py`) is the NIXL-driving half that turns the engine's load / save
+calls into the agent calls below.
+
+1. Decode D: the engine reserves the destination blocks for a load and `PDConnector.start_load`
+   calls `expect(transfer_id, dst_block_ids, lease_s)`; D answers the entrypoint with its agent
+   name, the block ids and the lease time left.
 2. Prefill P: prefills the request and keeps it (and its blocks) alive; then
    `send_blocks(transfer_id, peer, src_block_ids, dst_block_ids, notify, lease_s=...)` posts one
    WRITE for all pools x layers x blocks (consecutive ids coalesced) whose completion carries a
-   notification with the transfer id and `notify` (e.g. the first sampled token). It returns at
+   notification with the transfer id and `notify` (`PDConnector`: a serialized
+   `deepinfer.v1.KVTransferNotice` with the first sampled token, the only channel that carries it to
+   D). It returns at
    once; it raises `ValueError` only for bad arguments (unknown peer, ids out of range).
 3. Both sides call `poll()` once per loop iteration; it never blocks and returns
    `KVTransferEvents`, where each transfer id appears exactly once, in exactly one list. The
@@ -43,7 +52,8 @@ Per request (transfer id: the request id, plus an attempt number when retried; n
      lease (the handle is released, which cancels it where the backend can). Free the source
      blocks and tell the entrypoint, which aborts the request on D and retries or fails it.
    - D `received_ids` (+ `payloads`): finished. The notification arrived, and NIXL sends it only
-     after the transfer's data, so the bytes are in the reserved blocks: `Engine.commit_kv`.
+     after the transfer's data, so the bytes are in the reserved blocks: the connector reports the
+     load and the engine commits the request (`Engine.commit_kv`).
      The bounded state is then rebuilt by bounded replay (DESIGN.md §4).
    - D `expired_ids`: no notification within the lease. Free the blocks (`abort_request`) and
      tell the entrypoint.
@@ -71,9 +81,8 @@ Bounded state
 Not moved by default: D rebuilds it by bounded replay. `KVTransferAgent(..., send_state=True)` on
 both sides also registers the per-slot tensors (`V4KVCache.state_tensors()`, slot = dim 1, so one
 contiguous range per tensor and layer), and `send_blocks(..., src_slot=, dst_slot=)` moves one
-request's slot with its blocks in the same WRITE (`expect(..., dst_slot=)` counts its bytes). The
-engine does not yet have a way to adopt a received slot instead of replaying; until it does, the
-option only moves bytes.
+request's slot with its blocks in the same WRITE (`expect(..., dst_slot=)` counts its bytes); a
+load with `KVLoadSpec(with_state=True)` then skips the bounded replay.
 
 Progress, threads and UCX
 -------------------------
@@ -109,14 +118,21 @@ from kv_transfer.agent import (
     block_runs,
     decode_notif,
     encode_notif,
+    layout_from_wire,
 )
+from kv_transfer.pd_connector import KVDestination, PDConnector, decode_notice, encode_notice
 
 __all__ = [
     "LOOPBACK_UCX_ENV",
+    "KVDestination",
     "KVTransferAgent",
     "KVTransferEvents",
+    "PDConnector",
     "RegionLayout",
     "block_runs",
+    "decode_notice",
     "decode_notif",
+    "encode_notice",
     "encode_notif",
+    "layout_from_wire",
 ]

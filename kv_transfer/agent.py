@@ -4,7 +4,8 @@ The contract (who calls what, when, and what "finished" means) is the package do
 `kv_transfer/__init__.py`; this module is the mechanism:
 
 * registration: every non-empty compressed pool (and, with `send_state=True`, every bounded-state
-  tensor) is registered once, at construction, as one region (`DRAM` for CPU tensors, `VRAM` for
+  tensor), as the cache layout describes it (`V4KVCache.pool_layouts`, `engine.cache.layout`), is
+  registered once, at construction, as one region (`DRAM` for CPU tensors, `VRAM` for
   CUDA ones; the same code path keyed off `tensor.device`);
 * descriptors: a transfer is a list of `(address, num_bytes, device_id)` rows on each side, one row
   per region x layer x run of consecutive block ids (a run is a stretch where source *and*
@@ -27,6 +28,8 @@ import numpy as np
 import torch
 
 from engine.cache.kv_cache import V4KVCache
+from engine.cache.layout import PoolLayout
+from protos import kv_transfer_pb2
 
 logger = logging.getLogger("kv_transfer")
 
@@ -68,7 +71,9 @@ def decode_notif(msg: bytes) -> tuple[str, bytes] | None:
 
 @dataclass(frozen=True)
 class RegionLayout:
-    """One registered tensor `[num_layers, num_units, ...]` as a remote agent addresses it.
+    """One registered tensor `[num_layers, num_units, ...]` as a remote agent addresses it: the cache
+    layout's `PoolLayout` (`engine.cache.layout`, the one owner of the byte arithmetic) plus where
+    the tensor lives. On the wire it is a `deepinfer.v1.KVRegion` (`protos/kv_transfer.proto`).
 
     A unit is a block (compressed pools) or a slot (bounded-state tensors); unit `u` of layer `l`
     is the contiguous byte range `addr + l * layer_nbytes + u * unit_nbytes`, `unit_nbytes` long.
@@ -94,31 +99,57 @@ class RegionLayout:
     """True for a bounded-state tensor (units are slots), False for a compressed pool (blocks)."""
 
     @classmethod
-    def of(cls, tensor: torch.Tensor, is_state: bool) -> RegionLayout:
+    def of(cls, tensor: torch.Tensor, pool: PoolLayout) -> RegionLayout:
+        """The region of a cache tensor laid out as `pool` describes (checked against the tensor)."""
         if not tensor.is_contiguous():
             raise ValueError("cache tensors must be contiguous to be registered with NIXL")
-        unit = tensor[0, 0].numel() * tensor.element_size()
+        if tuple(tensor.shape) != pool.shape or tensor.element_size() != pool.itemsize:
+            raise ValueError(f"tensor {pool.name!r} is {tuple(tensor.shape)} x {tensor.element_size()} B, its layout "
+                             f"says {pool.shape} x {pool.itemsize} B")
         return cls(
             addr=tensor.data_ptr(),
-            nbytes=tensor.numel() * tensor.element_size(),
+            nbytes=pool.nbytes,
             mem_type="VRAM" if tensor.device.type == "cuda" else "DRAM",
             dev_id=(tensor.device.index or 0) if tensor.device.type == "cuda" else 0,
-            num_layers=tensor.shape[0],
-            num_units=tensor.shape[1],
-            unit_nbytes=unit,
-            layer_nbytes=tensor.shape[1] * unit,
-            is_state=is_state,
+            num_layers=pool.num_layers,
+            num_units=pool.num_units,
+            unit_nbytes=pool.unit_nbytes,
+            layer_nbytes=pool.layer_nbytes,
+            is_state=pool.is_state,
         )
+
+    @property
+    def pool(self) -> PoolLayout:
+        """The region's layout as a `PoolLayout` (units as opaque bytes: `unit_shape = (unit_nbytes,)`)."""
+        return PoolLayout("", self.num_layers, self.num_units, (self.unit_nbytes,), 1, self.is_state)
 
     def descs(self, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Rows `(address, num_bytes, dev_id)` for runs `[start, start + length)` of units, every layer."""
-        layers = np.arange(self.num_layers, dtype=np.int64)
-        addr = self.addr + layers[:, None] * self.layer_nbytes + starts[None, :] * self.unit_nbytes
-        out = np.empty((addr.size, 3), dtype=np.uint64)  # [num_layers * num_runs, 3]
-        out[:, 0] = addr.ravel()
-        out[:, 1] = np.broadcast_to(lengths[None, :] * self.unit_nbytes, addr.shape).ravel()
-        out[:, 2] = self.dev_id
-        return out
+        return self.pool.run_descs(self.addr, starts, lengths, self.dev_id)
+
+    def to_proto(self, name: str) -> kv_transfer_pb2.KVRegion:
+        """This region as the wire message `deepinfer.v1.KVRegion`."""
+        return kv_transfer_pb2.KVRegion(name=name, addr=self.addr, nbytes=self.nbytes, mem_type=self.mem_type,
+                                        dev_id=self.dev_id, num_layers=self.num_layers, num_units=self.num_units,
+                                        unit_nbytes=self.unit_nbytes, is_state=self.is_state)
+
+    @classmethod
+    def from_proto(cls, msg: kv_transfer_pb2.KVRegion) -> RegionLayout:
+        return cls(addr=msg.addr, nbytes=msg.nbytes, mem_type=msg.mem_type, dev_id=msg.dev_id,
+                   num_layers=msg.num_layers, num_units=msg.num_units, unit_nbytes=msg.unit_nbytes,
+                   layer_nbytes=msg.num_units * msg.unit_nbytes, is_state=msg.is_state)
+
+
+def layout_from_wire(
+    layout: kv_transfer_pb2.KVLayout | bytes | Mapping[str, Mapping | RegionLayout],
+) -> dict[str, RegionLayout]:
+    """A peer's regions by name from a `deepinfer.v1.KVLayout` (message or serialized bytes), from
+    `KVTransferAgent.pool_layout()`'s plain dict, or from an earlier result of this function."""
+    if isinstance(layout, (bytes, bytearray, memoryview)):
+        layout = kv_transfer_pb2.KVLayout.FromString(bytes(layout))
+    if isinstance(layout, kv_transfer_pb2.KVLayout):
+        return {r.name: RegionLayout.from_proto(r) for r in layout.regions}
+    return {n: r if isinstance(r, RegionLayout) else RegionLayout(**dict(r)) for n, r in layout.items()}
 
 
 def block_runs(src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -223,15 +254,12 @@ class KVTransferAgent:
                 f"NIXL backend {backend!r} did not start (available plugins: {self._nixl.get_plugin_list()}); "
                 "see the NIXL log lines above."
             )
-        tensors = {n: (t, False) for n, t in cache.compressed_pools().items()}
-        if send_state:
-            tensors.update({n: (t, True) for n, t in cache.state_tensors().items()})
         self._regions: dict[str, RegionLayout] = {}
         self._reg_descs = []
-        for region_name, (tensor, is_state) in tensors.items():
-            if tensor.numel() == 0:
+        for region_name, pool in cache.pool_layouts.items():  # the cache layout's descriptors, in order
+            if pool.is_empty or (pool.is_state and not send_state):
                 continue
-            region = RegionLayout.of(tensor, is_state)
+            region = RegionLayout.of(getattr(cache, region_name), pool)
             reg = self._nixl.get_reg_descs([(region.addr, region.nbytes, region.dev_id, "")], region.mem_type)
             self._nixl.register_memory(reg, backends=[backend])
             self._reg_descs.append(reg)
@@ -270,14 +298,21 @@ class KVTransferAgent:
         """
         return {n: asdict(r) for n, r in self._regions.items()}
 
-    def add_peer(self, name: str, metadata: bytes, layout: Mapping[str, Mapping]) -> None:
+    def layout(self) -> kv_transfer_pb2.KVLayout:
+        """The same as `pool_layout()`, as the wire message `deepinfer.v1.KVLayout` (what a decode
+        instance publishes in `ReserveResponse.agent_layout`, serialized)."""
+        return kv_transfer_pb2.KVLayout(regions=[r.to_proto(n) for n, r in self._regions.items()])
+
+    def add_peer(self, name: str, metadata: bytes,
+                 layout: kv_transfer_pb2.KVLayout | bytes | Mapping[str, Mapping]) -> None:
         """Load a peer's metadata and layout so that `send_blocks` can write into it.
 
         Only the sending side needs this: notifications reach a receiver without it. A name seen
         before is replaced (a restarted peer). Raises `ValueError` if the peer's cache cannot hold
-        this cache's blocks (other model, dtype or block size).
+        this cache's blocks (other model, dtype or block size). `layout`: the peer's `layout()`
+        (message or serialized bytes) or `pool_layout()`.
         """
-        regions = {n: RegionLayout(**dict(r)) for n, r in layout.items()}
+        regions = layout_from_wire(layout)
         for n, mine in self._regions.items():
             theirs = regions.get(n)
             if theirs is None and mine.is_state:

@@ -12,9 +12,9 @@ import signal
 import sys
 import threading
 
-from engine.config_cli import config_from_args, make_parser
 from loadbalancer.config import LoadBalancerConfig
 from loadbalancer.server import start_server
+from serving.config_cli import config_from_args, make_parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from engine.worker_shell import run_worker_process
 from prefill_worker.config import PrefillWorkerConfig
+from serving.shell import run_worker_process
 
 
 def _serve(config: PrefillWorkerConfig):

@@ -1,4 +1,4 @@
-"""The prefill instance's configuration (frozen, validated) and the CLI generated from it (`engine.config_cli`)."""
+"""The prefill instance's configuration (frozen, validated) and the CLI generated from it (`serving.config_cli`)."""
 
 from __future__ import annotations
 

@@ -8,45 +8,27 @@ request's life here:
    `{request_id}/{i}`, the id the vision instance expects); once all READs are done the rows are
    copied out and freed, and the request goes on as below with `ImageSpan(embeds=...)`s. A failed
    READ fails the request before any compute.
-1. `submit(PrefillWork)`: the engine queues the prompt with `max_tokens=1` and `hold_kv=True`
-   (plus `hold_state=True` when the destination names a state slot).
-2. `step()` runs engine steps; when the first token is sampled the request finishes in the engine
-   but its blocks stay held, and the core posts one NIXL WRITE of those blocks into the decode
-   instance's reserved blocks (`KVTransferAgent.send_blocks`), and the bounded state into its
-   reserved slot when it named one, the notification carrying the first token.
-3. When the agent reports the WRITE finished (or failed, or its lease ran out) the hold is dropped
-   and a `PrefillDone` event (with the first token, or an error) is returned.
+1. `submit(PrefillWork)`: the destination is registered with the engine's KV connector
+   (`kv_transfer.PDConnector.expect_save`) and the engine queues the prompt with `max_tokens=1`.
+2. `step()` runs engine steps; when the first token is sampled the engine pins the prompt's
+   blocks (and its bounded-state slot when the destination names one) past the request's end and
+   the connector posts one NIXL WRITE of them into the decode instance's reserved blocks, the
+   notification carrying the first token (`KVTransferNotice`, the one channel for it).
+3. When the connector reports the WRITE finished (or failed, or its lease ran out) the engine
+   drops the pin and a `PrefillDone` event (with the first token, or an error) is returned.
 """
 
 from __future__ import annotations
 
-import json
-import time
 from dataclasses import dataclass, field, replace
 
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from kv_transfer import KVTransferAgent
 from kv_transfer.embeddings import EmbeddingAgent, EmbeddingSource
+from kv_transfer.pd_connector import KVDestination, PDConnector
 
-
-@dataclass
-class KVDestination:
-    """Where the decode instance wants the KV."""
-
-    peer: str
-    """Decode agent name (added with `KVTransferAgent.add_peer`)."""
-    block_ids: list[int]
-    """Reserved destination blocks, in table order."""
-    transfer_id: str
-    lease_s: float = 30.0
-    """Seconds the WRITE may take before it is failed (shorter than the decode side's lease)."""
-    send_deadline: float | None = None
-    """`time.monotonic()` after which the WRITE must neither start nor run (the decode lease minus a
-    margin); caps `lease_s` at send time. None = only `lease_s` bounds it."""
-    state_slot: int | None = None
-    """The decode side's reserved bounded-state slot: the state after the prompt is written there
-    too (no replay on decode). None = decode rebuilds the state by bounded replay."""
+__all__ = ["ImageInput", "KVDestination", "NoRoomForEmbeddings", "PrefillCore", "PrefillDone", "PrefillWork"]
 
 
 class NoRoomForEmbeddings(ValueError):
@@ -108,19 +90,20 @@ class _Inflight:
     work: PrefillWork
     first_token_id: int | None = None
     num_cached_tokens: int = 0
-    num_bytes: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class PrefillCore:
-    """Engine + KV transfer agent of one prefill instance (rank 0 of its group)."""
+    """Engine + KV transfer agent of one prefill instance (rank 0 of its group): protocol glue around
+    the engine's KV connector (`kv_transfer.PDConnector`), which does the sending."""
 
     def __init__(self, engine: Engine, agent: KVTransferAgent, emb_agent: EmbeddingAgent | None = None) -> None:
         self.engine = engine
         self.agent = agent
         self.emb_agent = emb_agent
+        self.connector = PDConnector(agent)
+        engine.set_kv_connector(self.connector)
         self._reqs: dict[str, _Inflight] = {}
-        self._by_transfer: dict[str, str] = {}
+        self._num_bytes: dict[str, int] = {}  # bytes each posted WRITE moves, by request id
         self._reading: dict[str, _Reading] = {}
         self._by_read: dict[str, tuple[str, int]] = {}  # read transfer id -> (request id, image index)
 
@@ -166,12 +149,13 @@ class PrefillCore:
 
     def _add(self, work: PrefillWork, spans=None) -> None:
         params = replace(work.params, max_tokens=1, min_tokens=0, n=1)
-        with_state = work.destination.state_slot is not None
-        if with_state and not self.agent.send_state:
-            raise ValueError("the destination wants the bounded state but this instance's agent does not "
-                             "register it (KVTransferAgent(send_state=True))")
-        self.engine.add_request(work.request_id, {"prompt_token_ids": work.prompt_token_ids}, params,
-                                hold_kv=True, hold_state=with_state, **({"images": spans} if spans else {}))
+        self.connector.expect_save(work.request_id, work.destination)
+        try:
+            self.engine.add_request(work.request_id, {"prompt_token_ids": work.prompt_token_ids}, params,
+                                    **({"images": spans} if spans else {}))
+        except BaseException:
+            self.connector.forget_save(work.request_id)
+            raise
         self._reqs[work.request_id] = _Inflight(work)
 
     def _poll_reads(self) -> list[PrefillDone]:
@@ -224,25 +208,36 @@ class PrefillCore:
         if reading is not None:
             reading.is_aborted = True  # its rows are freed once its READs reported
             return
-        inflight = self._reqs.get(request_id)
-        if inflight is not None and inflight.work.destination.transfer_id in self._by_transfer:
-            return  # the agent reports the send; the hold is dropped then
+        if self.connector.is_saving(request_id):
+            return  # the connector reports the send; the pin is dropped then
         self._reqs.pop(request_id, None)
         self.engine.abort_request(request_id)
+        self.connector.forget_save(request_id)
 
     def is_sending(self, request_id: str) -> bool:
         """Whether the request's prefill is computed and its KV is on its way to decode (the WRITE
         posted, its completion not yet reported)."""
-        inflight = self._reqs.get(request_id)
-        return inflight is not None and inflight.work.destination.transfer_id in self._by_transfer
+        return request_id in self._reqs and self.connector.is_saving(request_id)
 
     @property
     def num_inflight(self) -> int:
         return len(self._reqs) + sum(not r.is_aborted for r in self._reading.values())
 
     def step(self) -> list[PrefillDone]:
-        """One engine step plus transfer progress; returns the requests that are done here."""
+        """Transfer progress, then one engine step; returns the requests that are done here."""
         done: list[PrefillDone] = self._poll_reads() if self._reading else []
+        res = self.engine.poll_kv_connector()  # finished sends drop their pins in the engine
+        for rid in res.saved:
+            inflight = self._reqs.get(rid)
+            if inflight is not None:
+                done.append(PrefillDone(rid, inflight.first_token_id, inflight.num_cached_tokens,
+                                        len(inflight.work.prompt_token_ids), self._num_bytes.pop(rid, 0)))
+                self._finish(rid)
+        for rid, error in res.save_failed.items():
+            self._num_bytes.pop(rid, None)
+            if rid in self._reqs:
+                done.append(PrefillDone(rid, error=error))
+                self._finish(rid)
         if self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 inflight = self._reqs.get(out.request_id)
@@ -252,53 +247,14 @@ class PrefillCore:
                     done.append(PrefillDone(out.request_id, error=out.error))
                     self._finish(out.request_id)
                     continue
-                if not out.outputs[0].token_ids or out.kv_block_ids is None:
-                    continue
-                inflight.first_token_id = out.outputs[0].token_ids[0]
-                inflight.num_cached_tokens = out.num_cached_tokens
-                dest = inflight.work.destination
-                n = len(dest.block_ids)
-                src = out.kv_block_ids[:n]
-                if len(src) < n:
-                    done.append(PrefillDone(out.request_id, error=f"destination has {n} blocks, prompt KV has {len(src)}"))
-                    self._finish(out.request_id)
-                    continue
-                lease_s = dest.lease_s
-                if dest.send_deadline is not None:
-                    lease_s = min(lease_s, dest.send_deadline - time.monotonic())
-                    if lease_s <= 0:
-                        done.append(PrefillDone(out.request_id, error="the decode reservation's lease ran out "
-                                                "before the KV was ready to send"))
-                        self._finish(out.request_id)
-                        continue
-                notify = json.dumps({"first_token_id": inflight.first_token_id}).encode()
-                try:
-                    slots = {}
-                    if dest.state_slot is not None:
-                        slots = {"src_slot": out.kv_state_slot, "dst_slot": dest.state_slot}
-                    inflight.num_bytes = self.agent.send_blocks(dest.transfer_id, dest.peer, src, dest.block_ids,
-                                                                notify, lease_s=lease_s, **slots)
-                except ValueError as e:
-                    done.append(PrefillDone(out.request_id, error=f"KV transfer refused: {e}"))
-                    self._finish(out.request_id)
-                    continue
-                self._by_transfer[dest.transfer_id] = out.request_id
-        ev = self.agent.poll()
-        for tid in ev.sent_ids:
-            rid = self._by_transfer.pop(tid, None)
-            inflight = self._reqs.get(rid)
-            if inflight is not None:
-                done.append(PrefillDone(rid, inflight.first_token_id, inflight.num_cached_tokens,
-                                        len(inflight.work.prompt_token_ids), inflight.num_bytes))
-                self._finish(rid)
-        for tid in ev.send_failed_ids:
-            rid = self._by_transfer.pop(tid, None)
-            if rid in self._reqs:
-                done.append(PrefillDone(rid, error="KV transfer to the decode instance failed"))
-                self._finish(rid)
+                if out.outputs[0].token_ids and inflight.first_token_id is None:
+                    # the engine pinned the prompt's blocks and the connector posted the WRITE
+                    inflight.first_token_id = out.outputs[0].token_ids[0]
+                    inflight.num_cached_tokens = out.num_cached_tokens
+                    self._num_bytes[out.request_id] = self.connector.num_bytes_sent(out.request_id)
         return done
 
     def _finish(self, request_id: str) -> None:
         self._reqs.pop(request_id, None)
-        self.engine.release_kv(request_id)
         self.engine.abort_request(request_id)
+        self.connector.forget_save(request_id)

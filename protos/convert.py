@@ -5,13 +5,16 @@
 `structured_output` included (`StructuredOutputParams` <-> `deepinfer.v1.StructuredOutput`). The round
 trip `from_proto(to_proto(p)) == p` holds for every valid `p`, with one exception: `logit_bias={}`
 comes back as None (the engine treats both as "no bias").
+
+`token_chunk` turns the engine's cumulative `RequestOutput` of a request into the decode stage's next
+`deepinfer.v1.TokenChunk` delta.
 """
 
 from __future__ import annotations
 
 from engine.errors import InvalidRequestError
 from engine.sampling.params import STRUCTURED_OUTPUT_KINDS, SamplingParams, StructuredOutputParams
-from protos import common_pb2
+from protos import common_pb2, decode_pb2
 
 _DEFAULTS = SamplingParams()
 
@@ -87,3 +90,40 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
         structured_output=(structured_output_from_proto(msg.structured_output)
                            if msg.HasField("structured_output") else None),
     )
+
+
+FINISH_REASON_TO_PROTO = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+"""The engine's finish reasons -> wire (anything else: STOP)."""
+
+
+def token_chunk(request_id: str, out, num_sent_tokens: int, num_sent_chars: int,
+                num_prompt_tokens: int) -> decode_pb2.TokenChunk | None:
+    """The delta of an engine `RequestOutput` (cumulative, first sequence) after `num_sent_tokens` tokens
+    and `num_sent_chars` characters were sent; None when nothing new and not finished.
+
+    A finishing chunk carries the finish reason, the stop token or string, and the usage; an engine
+    error finishes the request with FINISH_REASON_ERROR and an INTERNAL `Error`.
+    """
+    co = out.outputs[0]
+    new_token_ids = co.token_ids[num_sent_tokens:]
+    text = co.text[num_sent_chars:]
+    chunk = decode_pb2.TokenChunk(request_id=request_id, token_ids=new_token_ids, text=text)
+    if out.error:
+        chunk.finish_reason = common_pb2.FINISH_REASON_ERROR
+        chunk.error.CopyFrom(common_pb2.Error(code=common_pb2.ERROR_CODE_INTERNAL, message=out.error))
+    elif out.finished:
+        chunk.finish_reason = FINISH_REASON_TO_PROTO.get(co.finish_reason, common_pb2.FINISH_REASON_STOP)
+        if isinstance(co.stop_reason, int):
+            chunk.stop_token_id = co.stop_reason
+        elif isinstance(co.stop_reason, str):
+            chunk.stop_str = co.stop_reason
+    elif not new_token_ids and not text:
+        return None
+    if chunk.finish_reason:
+        chunk.usage.CopyFrom(common_pb2.Usage(prompt_tokens=num_prompt_tokens, completion_tokens=len(co.token_ids)))
+    return chunk

@@ -26,7 +26,7 @@ from protos import common_pb2 as protos_dot_common__pb2
 from protos import vision_pb2 as protos_dot_vision__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/decode.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x13protos/common.proto\x1a\x13protos/vision.proto\"\xa6\x02\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x35\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12&\n\x06images\x18\x04 \x03(\x0b\x32\x16.deepinfer.v1.ImageRef\x12\x15\n\rnum_kv_tokens\x18\x05 \x01(\r\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x07 \x01(\r\x12\x10\n\x08lease_ms\x18\x08 \x01(\r\x12\x37\n\x10image_embeddings\x18\t \x03(\x0b\x32\x1d.deepinfer.v1.ImageEmbeddings\"\x8f\x02\n\x0fReserveResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0btransfer_id\x18\x06 \x01(\t\x12\x1e\n\x16lease_deadline_unix_ms\x18\x07 \x01(\x04\x12\"\n\x05\x65rror\x18\x08 \x01(\x0b\x32\x13.deepinfer.v1.Error\x12\x14\n\x0c\x61gent_layout\x18\t \x01(\x0c\x12\x17\n\nstate_slot\x18\n \x01(\rH\x00\x88\x01\x01\x42\r\n\x0b_state_slot\"\xac\x01\n\x0cStartRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12\x39\n\x14\x66irst_token_logprobs\x18\x04 \x01(\x0b\x32\x1b.deepinfer.v1.TokenLogprobs\x12 \n\x18num_cached_prompt_tokens\x18\x05 \x01(\r\"\xa7\x02\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.deepinfer.v1.TokenLogprobs\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.deepinfer.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x12\n\x08stop_str\x18\x07 \x01(\tH\x00\x12\"\n\x05usage\x18\x08 \x01(\x0b\x32\x13.deepinfer.v1.Usage\x12\"\n\x05\x65rror\x18\t \x01(\x0b\x32\x13.deepinfer.v1.ErrorB\r\n\x0bstop_reason2\xda\x02\n\x06\x44\x65\x63ode\x12\x46\n\x07Reserve\x12\x1c.deepinfer.v1.ReserveRequest\x1a\x1d.deepinfer.v1.ReserveResponse\x12?\n\x05Start\x12\x1a.deepinfer.v1.StartRequest\x1a\x18.deepinfer.v1.TokenChunk0\x01\x12@\n\x05\x41\x62ort\x12\x1a.deepinfer.v1.AbortRequest\x1a\x1b.deepinfer.v1.AbortResponse\x12\x43\n\x06Health\x12\x1b.deepinfer.v1.HealthRequest\x1a\x1c.deepinfer.v1.HealthResponse\x12@\n\x05\x44rain\x12\x1a.deepinfer.v1.DrainRequest\x1a\x1b.deepinfer.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/decode.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x13protos/common.proto\x1a\x13protos/vision.proto\"\xa4\x02\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x35\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12&\n\x06images\x18\x04 \x03(\x0b\x32\x16.deepinfer.v1.ImageRef\x12\x15\n\rnum_kv_tokens\x18\x05 \x01(\r\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x07 \x01(\r\x12\x10\n\x08lease_ms\x18\x08 \x01(\r\x12\x37\n\x10image_embeddings\x18\t \x03(\x0b\x32\x1d.deepinfer.v1.ImageEmbeddingsJ\x04\x08\x06\x10\x07R\x08priority\"\x8f\x02\n\x0fReserveResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0btransfer_id\x18\x06 \x01(\t\x12\x1e\n\x16lease_deadline_unix_ms\x18\x07 \x01(\x04\x12\"\n\x05\x65rror\x18\x08 \x01(\x0b\x32\x13.deepinfer.v1.Error\x12\x14\n\x0c\x61gent_layout\x18\t \x01(\x0c\x12\x17\n\nstate_slot\x18\n \x01(\rH\x00\x88\x01\x01\x42\r\n\x0b_state_slot\"\xaa\x01\n\x0cStartRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x39\n\x14\x66irst_token_logprobs\x18\x04 \x01(\x0b\x32\x1b.deepinfer.v1.TokenLogprobs\x12 \n\x18num_cached_prompt_tokens\x18\x05 \x01(\rJ\x04\x08\x03\x10\x04R\x0e\x66irst_token_id\"\xa7\x02\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.deepinfer.v1.TokenLogprobs\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.deepinfer.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x12\n\x08stop_str\x18\x07 \x01(\tH\x00\x12\"\n\x05usage\x18\x08 \x01(\x0b\x32\x13.deepinfer.v1.Usage\x12\"\n\x05\x65rror\x18\t \x01(\x0b\x32\x13.deepinfer.v1.ErrorB\r\n\x0bstop_reason2\xda\x02\n\x06\x44\x65\x63ode\x12\x46\n\x07Reserve\x12\x1c.deepinfer.v1.ReserveRequest\x1a\x1d.deepinfer.v1.ReserveResponse\x12?\n\x05Start\x12\x1a.deepinfer.v1.StartRequest\x1a\x18.deepinfer.v1.TokenChunk0\x01\x12@\n\x05\x41\x62ort\x12\x1a.deepinfer.v1.AbortRequest\x1a\x1b.deepinfer.v1.AbortResponse\x12\x43\n\x06Health\x12\x1b.deepinfer.v1.HealthRequest\x1a\x1c.deepinfer.v1.HealthResponse\x12@\n\x05\x44rain\x12\x1a.deepinfer.v1.DrainRequest\x1a\x1b.deepinfer.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,13 +34,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.decode_pb2', _global
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RESERVEREQUEST']._serialized_start=80
-  _globals['_RESERVEREQUEST']._serialized_end=374
-  _globals['_RESERVERESPONSE']._serialized_start=377
-  _globals['_RESERVERESPONSE']._serialized_end=648
-  _globals['_STARTREQUEST']._serialized_start=651
-  _globals['_STARTREQUEST']._serialized_end=823
-  _globals['_TOKENCHUNK']._serialized_start=826
-  _globals['_TOKENCHUNK']._serialized_end=1121
-  _globals['_DECODE']._serialized_start=1124
-  _globals['_DECODE']._serialized_end=1470
+  _globals['_RESERVEREQUEST']._serialized_end=372
+  _globals['_RESERVERESPONSE']._serialized_start=375
+  _globals['_RESERVERESPONSE']._serialized_end=646
+  _globals['_STARTREQUEST']._serialized_start=649
+  _globals['_STARTREQUEST']._serialized_end=819
+  _globals['_TOKENCHUNK']._serialized_start=822
+  _globals['_TOKENCHUNK']._serialized_end=1117
+  _globals['_DECODE']._serialized_start=1120
+  _globals['_DECODE']._serialized_end=1466
 # @@protoc_insertion_point(module_scope)

@@ -9,13 +9,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "images", "num_kv_tokens", "priority", "deadline_ms", "lease_ms", "image_embeddings")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "images", "num_kv_tokens", "deadline_ms", "lease_ms", "image_embeddings")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
@@ -24,11 +23,10 @@ class ReserveRequest(_message.Message):
     sampling_params: _common_pb2.SamplingParams
     images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageRef]
     num_kv_tokens: int
-    priority: int
     deadline_ms: int
     lease_ms: int
     image_embeddings: _containers.RepeatedCompositeFieldContainer[_vision_pb2.ImageEmbeddings]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageRef, _Mapping]]] = ..., num_kv_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ..., image_embeddings: _Optional[_Iterable[_Union[_vision_pb2.ImageEmbeddings, _Mapping]]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageRef, _Mapping]]] = ..., num_kv_tokens: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ..., image_embeddings: _Optional[_Iterable[_Union[_vision_pb2.ImageEmbeddings, _Mapping]]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("request_id", "agent_name", "agent_metadata", "block_ids", "block_size", "transfer_id", "lease_deadline_unix_ms", "error", "agent_layout", "state_slot")
@@ -55,18 +53,16 @@ class ReserveResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., transfer_id: _Optional[str] = ..., lease_deadline_unix_ms: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., agent_layout: _Optional[bytes] = ..., state_slot: _Optional[int] = ...) -> None: ...
 
 class StartRequest(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "first_token_id", "first_token_logprobs", "num_cached_prompt_tokens")
+    __slots__ = ("request_id", "transfer_id", "first_token_logprobs", "num_cached_prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: str
-    first_token_id: int
     first_token_logprobs: _common_pb2.TokenLogprobs
     num_cached_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., num_cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., first_token_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., num_cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "stop_token_id", "stop_str", "usage", "error")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from engine.worker_shell import run_worker_process
+from serving.shell import run_worker_process
 from vision_worker.config import VisionWorkerConfig
 
 

@@ -14,18 +14,16 @@ NIXL agent and encodes images in batches across requests; a heartbeat thread rep
 
 An `Encode` call: resolve (a bad image -> in-band ERROR_CODE_INVALID_REQUEST, nothing encoded) ->
 `core.submit` -> wait for the `EncodeDone` -> one `ImageEmbeddings` descriptor per image. The
-embeddings stay held until `Release`, `Abort` or the lease. `Health` carries the core's counters
-and the NIXL counters in the trailing metadata `deepinfer-stats-json`.
+embeddings stay held until `Release`, `Abort` or the lease. `Health` (its trailing stats: the core's
+and the NIXL counters), `Abort` and `Drain` are the shared ones of `serving.shell`; refusals map to the
+wire through `serving.errors`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-import logging
-import threading
 import time
-import uuid
 from concurrent.futures import Future
 from functools import partial
 
@@ -33,27 +31,16 @@ import grpc
 
 from engine.errors import InvalidRequestError
 from engine.images import ImageResolver, ImageUrlPolicy, image_source
-from engine.worker_shell import (
-    Aborted,
-    EngineLoop,
-    LoadReporter,
-    LoopMode,
-    call_time_remaining,
-    health_response,
-)
-from kv_transfer import LOOPBACK_UCX_ENV
 from kv_transfer.embeddings import EmbeddingAgent
 from protos import common_pb2, loadbalancer_pb2, vision_pb2, vision_pb2_grpc
+from serving.errors import Aborted, Refused, error_of
+from serving.loop import LoopMode, call_time_remaining
+from serving.shell import LOOP_CALL_TIMEOUT_S, ShellServicer, WorkerShell, serve_worker
 from vision_worker.config import VisionWorkerConfig
 from vision_worker.core import EncodeDone, VisionCore, tower_encoder
 
-logger = logging.getLogger("vision_worker")
-
-LOOP_CALL_TIMEOUT_S = 5.0
-"""How long Health, Release, Abort and heartbeats wait for the encode loop before calling it stuck."""
-
-DRAIN_LINGER_S = 0.5
-"""A draining instance keeps its port open at least this long, refusing new requests in-band."""
+VISION_REFUSALS = ((ValueError, common_pb2.ERROR_CODE_INVALID_REQUEST, "images"),)
+"""This stage's rows of the refusal table (`serving.errors`): an image the core cannot take is bad input."""
 
 
 def image_hash_key(content_hash: str) -> int:
@@ -68,112 +55,45 @@ def descriptor_key(descriptor: bytes) -> int:
     return int.from_bytes(hashlib.sha256(bytes(descriptor)).digest()[:8], "little")
 
 
-class _Refused(Exception):
-    """A request refused before it reached the core; becomes the response's in-band `Error`."""
-
-    def __init__(self, code: int, message: str, field: str = "") -> None:
-        super().__init__(message)
-        self.code = code
-        self.field = field
-
-
-class VisionWorker:
+class VisionWorker(WorkerShell):
     """A running vision instance: encode loop, gRPC server and balancer membership (see `serve_vision`)."""
+
+    stage_name = "vision"
+    stage = common_pb2.STAGE_VISION
+    loop_name = "encode loop"
+    drain_linger_s = 0.5
 
     def __init__(self, config: VisionWorkerConfig) -> None:
         from engine.engine import default_model_path
-        from engine.models.vision import VisionTower
+        from engine.loader import load_vision_tower
 
-        self.config = config
-        self.instance_id = config.instance_id or f"vision-{uuid.uuid4().hex[:8]}"
-        self.agent_name = config.agent_name or self.instance_id
-        self.tower = VisionTower.from_checkpoint(config.model or str(default_model_path()), config.dtype,
-                                                 config.device)
+        super().__init__(config)
+        self.tower = load_vision_tower(config.model or str(default_model_path()), config.dtype, config.device)
         self.agent = EmbeddingAgent(self.agent_name, config.embedding_rows, self.tower.lm_hidden_size,
-                                    self.tower.dtype, config.device,
-                                    ucx_env=LOOPBACK_UCX_ENV if config.loopback_ucx else None)
+                                    self.tower.dtype, config.device, ucx_env=self.ucx_env)
         self.core = VisionCore(tower_encoder(self.tower), self.agent, max_batch_images=config.max_batch_images)
         hosts = [h for h in config.image_url_allowed_hosts.split(",") if h.strip()]
         self.resolver = ImageResolver(ImageUrlPolicy(hosts), config.limits())
         # loop-thread state
         self._waiters: dict[str, Future] = {}
-        self.loop = EngineLoop("vision_worker-loop", self._step, self._mode, on_fatal=self._on_fatal)
-        self.is_draining = False
         self._num_resolving = 0  # Encode calls resolving images (handler threads), under _lock
         self._source_keys: dict[str, set[int]] = {}  # content hash -> descriptor keys seen for it, under _lock
-        self._lock = threading.Lock()
-        self._stopped = threading.Event()
-        self._is_stopping = False
-        self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(
-            max_workers=config.max_rpc_threads, thread_name_prefix="vision_worker-rpc"))
-        vision_pb2_grpc.add_VisionServicer_to_server(VisionServicer(self), self.server)
-        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
-        if self.port == 0:
-            raise RuntimeError(f"cannot bind the vision server to {config.host}:{config.port}")
-        self.address = f"{config.advertise_host or config.host}:{self.port}"
-        self.reporter: LoadReporter | None = None
+        self._bind(vision_pb2_grpc.add_VisionServicer_to_server, VisionServicer(self))
 
-    # ------------------------------------------------------------------ lifecycle
+    def _registration_fields(self) -> dict:
+        return dict(kv_agent_name=self.agent_name)
 
-    def start(self) -> None:
-        """Blocks until serving and registered with the balancer (when `lb_address` is set)."""
-        self.loop.start()
-        self.server.start()
-        if self.config.lb_address:
-            registration = loadbalancer_pb2.RegisterRequest(
-                instance_id=self.instance_id, stage=common_pb2.STAGE_VISION, address=self.address,
-                kv_agent_name=self.agent_name, datacenter=self.config.datacenter)
-            self.reporter = LoadReporter(self.config.lb_address, registration, self._collect_load,
-                                         interval_s=self.config.heartbeat_interval_s, logger_name="vision_worker")
-            self.reporter.start()
-        logger.info("vision instance %s serving on %s (agent %s, %d embedding rows of %d)", self.instance_id,
-                    self.address, self.agent_name, self.config.embedding_rows, self.tower.lm_hidden_size)
+    def _describe(self) -> str:
+        return f"agent {self.agent_name}, {self.config.embedding_rows} embedding rows of {self.tower.lm_hidden_size}"
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Blocks until the instance stopped (drained or `stop()`); False on timeout."""
-        return self._stopped.wait(timeout)
-
-    def drain(self, timeout_s: float | None = None) -> int:
-        """Stop taking requests; finish those in flight (abort them after `timeout_s`), then stop.
-        Returns at once with the number of unfinished requests."""
-        with self._lock:
-            was_draining, self.is_draining = self.is_draining, True
-        num_unfinished = self.loop.call(lambda: self.core.num_requests, LOOP_CALL_TIMEOUT_S)
-        if not was_draining:
-            logger.info("draining (%d unfinished requests)", num_unfinished)
-            if self.reporter is not None:
-                self.reporter.report_now()
-            threading.Thread(target=self._finish_drain, args=(timeout_s,), name="vision_worker-drain",
-                             daemon=True).start()
-        return num_unfinished
-
-    def stop(self, grace_s: float = 1.0) -> None:
-        """Blocks until stopped: deregisters, stops the server, the loop and the NIXL agent. Idempotent."""
-        with self._lock:
-            if self._is_stopping:
-                return
-            self._is_stopping = True
-        if self.reporter is not None:
-            self.reporter.stop(deregister=True)
-        self.server.stop(grace_s).wait()
-        self.loop.stop()
+    def _close(self) -> None:
         self.agent.close()
-        logger.info("vision instance %s stopped", self.instance_id)
-        self._stopped.set()
 
-    def _finish_drain(self, timeout_s: float | None) -> None:
-        linger_until = time.monotonic() + DRAIN_LINGER_S
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self.loop.is_alive:
-            try:
-                left = self.loop.call(lambda: self.core.num_requests, LOOP_CALL_TIMEOUT_S) + self._num_resolving
-            except Exception:
-                break
-            if not left or (deadline is not None and time.monotonic() >= deadline):
-                break
-            time.sleep(0.02)
-        time.sleep(max(0.0, linger_until - time.monotonic()))
-        self.stop()
+    def _num_unfinished(self) -> int:
+        return self.core.num_requests + self._num_resolving
+
+    def _on_drain_timeout(self) -> bool:
+        return False  # stop now: held embeddings end with the process
 
     # ------------------------------------------------------------------ loop thread
 
@@ -207,7 +127,7 @@ class VisionWorker:
         fut = self._waiters.pop(request_id, None)
         was_found = self.core.abort(request_id)
         if fut is not None:
-            logger.info("aborted %s: %s", request_id, reason)
+            self.logger.info("aborted %s: %s", request_id, reason)
             if not fut.done():
                 fut.set_exception(Aborted(reason))
         return was_found
@@ -240,27 +160,15 @@ class VisionWorker:
         stats.update(num_resolving_requests=self._num_resolving)
         return stats
 
-    def _collect_load(self) -> tuple[loadbalancer_pb2.LoadReport, frozenset[int] | None]:
-        if not self.loop.is_alive:
-            return loadbalancer_pb2.LoadReport(is_healthy=False, is_draining=self.is_draining), None
-        return self.loop.call(self._load_and_hashes, LOOP_CALL_TIMEOUT_S)
 
-
-class VisionServicer(vision_pb2_grpc.VisionServicer):
-    """`deepinfer.v1.Vision` over a `VisionWorker` (handlers never touch the core themselves)."""
-
-    def __init__(self, worker: VisionWorker) -> None:
-        self.worker = worker
+class VisionServicer(ShellServicer, vision_pb2_grpc.VisionServicer):
+    """`deepinfer.v1.Vision` over a `VisionWorker` (Abort, Health, Drain: `ShellServicer`)."""
 
     def Encode(self, request, context):
         w = self.worker
         rid = request.request_id
         try:
-            if w.is_draining:
-                raise _Refused(common_pb2.ERROR_CODE_UNAVAILABLE, f"vision instance {w.instance_id} is draining")
-            if not w.loop.is_alive:
-                raise _Refused(common_pb2.ERROR_CODE_UNAVAILABLE,
-                               f"vision instance {w.instance_id} is unhealthy: {w.loop.error or 'stopped'}")
+            w.check_accepting()
             if not rid:
                 raise InvalidRequestError("request_id must be set", field="request_id")
             if not request.images:
@@ -272,9 +180,8 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
             finally:
                 with w._lock:
                     w._num_resolving -= 1
-
-        except (_Refused, InvalidRequestError) as e:
-            return _refusal(rid, e)
+        except (Refused, InvalidRequestError) as e:
+            return _refusal(rid, e, extra=())
         lease_s = request.lease_ms / 1000 if request.lease_ms else w.config.lease_s
         fut: Future = Future()
         keys = [descriptor_key(ref.descriptor) for ref in request.images]
@@ -285,16 +192,12 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
             done: EncodeDone = fut.result(min(timeouts) if timeouts else None)
         except concurrent.futures.TimeoutError:
             w.loop.post(partial(w._abort, rid, "deadline"))
-            return _refusal(rid, _Refused(common_pb2.ERROR_CODE_DEADLINE_EXCEEDED,
-                                          f"request {rid!r} was not encoded before its deadline"))
-        except Aborted as e:
-            return _refusal(rid, _Refused(common_pb2.ERROR_CODE_ABORTED, f"request {rid!r} was aborted: {e}"))
-        except (ValueError, InvalidRequestError) as e:
-            return _refusal(rid, _Refused(common_pb2.ERROR_CODE_INVALID_REQUEST, str(e), "images"))
+            return _refusal(rid, Refused(common_pb2.ERROR_CODE_DEADLINE_EXCEEDED,
+                                         f"request {rid!r} was not encoded before its deadline"))
         except Exception as e:
-            return _refusal(rid, _Refused(common_pb2.ERROR_CODE_INTERNAL, str(e)))
+            return _refusal(rid, e)
         if done.error:
-            return _refusal(rid, _Refused(common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, done.error))
+            return _refusal(rid, Refused(common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, done.error))
         if not context.is_active():  # the caller is gone: nobody will release the hold
             w.loop.post(partial(w._abort, rid, "encode call ended"))
         reply = vision_pb2.EncodeResponse(
@@ -314,28 +217,11 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"the vision encode loop did not answer: {e}")
         return vision_pb2.ReleaseResponse(was_found=was_found)
 
-    def Abort(self, request, context):
-        try:
-            was_found = self.worker.loop.call(partial(self.worker._abort, request.request_id,
-                                                      request.reason or "Abort RPC"), LOOP_CALL_TIMEOUT_S)
-        except Exception as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"the vision encode loop did not answer: {e}")
-        return common_pb2.AbortResponse(was_found=was_found)
 
-    def Health(self, request, context):
-        return health_response(self.worker, context, common_pb2.STAGE_VISION, "encode loop", LOOP_CALL_TIMEOUT_S)
-
-    def Drain(self, request, context):
-        num_unfinished = self.worker.drain(request.timeout_ms / 1000 if request.timeout_ms else None)
-        return common_pb2.DrainResponse(num_unfinished_requests=num_unfinished)
-
-
-def _refusal(request_id: str, e: _Refused | InvalidRequestError) -> vision_pb2.EncodeResponse:
-    if isinstance(e, InvalidRequestError):
-        error = common_pb2.Error(code=common_pb2.ERROR_CODE_INVALID_REQUEST, message=str(e), field=e.field or "")
-    else:
-        error = common_pb2.Error(code=e.code, message=str(e), field=e.field)
-    return vision_pb2.EncodeResponse(request_id=request_id, error=error)
+def _refusal(request_id: str, e: BaseException, extra=VISION_REFUSALS) -> vision_pb2.EncodeResponse:
+    """The in-band answer of a refused or failed Encode call (`serving.errors`' table + `extra`)."""
+    return vision_pb2.EncodeResponse(request_id=request_id, error=error_of(e, request_id=request_id,
+                                                                           loop_name="vision encode loop", extra=extra))
 
 
 def serve_vision(config: VisionWorkerConfig) -> VisionWorker:
@@ -344,10 +230,4 @@ def serve_vision(config: VisionWorkerConfig) -> VisionWorker:
     Raises RuntimeError if the port cannot be bound or the balancer cannot be reached, and
     `CheckpointError` when the checkpoint has no vision tower.
     """
-    worker = VisionWorker(config)
-    try:
-        worker.start()
-    except BaseException:
-        worker.stop(grace_s=0)
-        raise
-    return worker
+    return serve_worker(VisionWorker, config)

@@ -1,4 +1,5 @@
-"""The compressed-KV cache: block accounting (`block_pool`) and the pool tensors (`kv_cache`)."""
+"""The compressed-KV cache: block accounting (`block_pool`), the layout (`layout`: layer kinds, block
+size, replay length and every pool's byte layout, the one owner) and the pool tensors (`kv_cache`)."""
 
 from engine.cache.block_pool import (
     BlockPool,
@@ -9,13 +10,18 @@ from engine.cache.block_pool import (
     StateSlotPool,
     hash_block_tokens,
 )
+from engine.cache.layout import CacheLayout, PoolLayout, default_block_size, exact_replay_tokens
 
 __all__ = [
     "BlockPool",
     "CacheConfig",
+    "CacheLayout",
     "KVCacheManager",
     "NoFreeBlocksError",
     "NoFreeSlotsError",
+    "PoolLayout",
     "StateSlotPool",
+    "default_block_size",
+    "exact_replay_tokens",
     "hash_block_tokens",
 ]

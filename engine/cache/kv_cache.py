@@ -27,62 +27,23 @@ Two anatomies live side by side:
   be rebuilt by recomputing recent tokens (bounded replay) instead of being stored or sent.
 
 All pools are plain contiguous tensors so a transfer engine can register them and move blocks by
-byte range (`block_byte_ranges`).
+byte range (`block_byte_ranges`). Their shapes and byte layouts come from `engine.cache.layout`
+(`CacheLayout.pools`), the one owner of the layout.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from engine.cache.layout import CacheLayout, PoolLayout
 from engine.config import ModelConfig
 
-
-@dataclass(frozen=True)
-class CacheLayout:
-    """Where each layer's state lives: its index among layers of its kind."""
-
-    layer_kinds: tuple[str, ...]
-    """Per layer: 'sliding', 'csa' or 'hca'."""
-    kind_index: tuple[int, ...]
-    """Per layer: index among layers of the same kind (-1 for sliding-only layers)."""
-    num_csa_layers: int
-    num_hca_layers: int
-    csa_rate: int
-    hca_rate: int
-
-    @classmethod
-    def from_config(cls, config: ModelConfig) -> CacheLayout:
-        kinds, idx = [], []
-        counts = {"sliding": 0, "csa": 0, "hca": 0}
-        names = {
-            "sliding_attention": "sliding",
-            "compressed_sparse_attention": "csa",
-            "heavily_compressed_attention": "hca",
-        }
-        for t in config.layer_types:
-            k = names[t]
-            kinds.append(k)
-            idx.append(counts[k] if k != "sliding" else -1)
-            counts[k] += 1
-        return cls(
-            layer_kinds=tuple(kinds),
-            kind_index=tuple(idx),
-            num_csa_layers=counts["csa"],
-            num_hca_layers=counts["hca"],
-            csa_rate=config.compress_rates["compressed_sparse_attention"],
-            hca_rate=config.compress_rates["heavily_compressed_attention"],
-        )
+__all__ = ["CacheLayout", "PoolLayout", "V4KVCache", "compressed_bytes_per_token"]
 
 
 def compressed_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> float:
     """Bytes of compressed KV (CSA main + CSA indexer keys + HCA main) one token adds, all layers."""
-    lay = CacheLayout.from_config(config)
-    size = torch.tensor([], dtype=dtype).element_size()
-    per_tok = lay.num_csa_layers * (config.head_dim + config.index_head_dim) / lay.csa_rate
-    per_tok += lay.num_hca_layers * config.head_dim / lay.hca_rate
-    return per_tok * size
+    return CacheLayout.from_config(config).compressed_bytes_per_token(torch.tensor([], dtype=dtype).element_size())
 
 
 class V4KVCache:
@@ -98,12 +59,6 @@ class V4KVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         lay = CacheLayout.from_config(config)
-        for rate in (lay.csa_rate, lay.hca_rate):
-            if block_size % rate:
-                raise ValueError(
-                    f"block_size ({block_size}) must be a multiple of every compress rate "
-                    f"({lay.csa_rate}, {lay.hca_rate}); pick a multiple of their least common multiple."
-                )
         self.config = config
         self.layout = lay
         self.num_blocks = num_blocks
@@ -111,26 +66,26 @@ class V4KVCache:
         self.num_slots = num_slots
         self.dtype = dtype
         self.device = torch.device(device)
-        D, ID, W = config.head_dim, config.index_head_dim, config.sliding_window
-        rc, rh = lay.csa_rate, lay.hca_rate
-        self.csa_entries_per_block = block_size // rc
-        self.hca_entries_per_block = block_size // rh
-
-        def z(*shape: int) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=self.device)
-
+        self.pool_layouts: dict[str, PoolLayout] = lay.pools(num_blocks, block_size, num_slots,
+                                                             torch.tensor([], dtype=dtype).element_size())
+        """Every tensor's `PoolLayout` (raises ValueError first for a block size that is no multiple of
+        every compress rate): the shapes below come from these descriptors."""
+        self.csa_entries_per_block = block_size // lay.csa_rate
+        self.hca_entries_per_block = block_size // lay.hca_rate
+        for name, pool in self.pool_layouts.items():
+            setattr(self, name, torch.zeros(pool.shape, dtype=dtype, device=self.device))
         # compressed entries (paged)
-        self.csa_entries = z(lay.num_csa_layers, num_blocks, self.csa_entries_per_block, D)
-        self.index_entries = z(lay.num_csa_layers, num_blocks, self.csa_entries_per_block, ID)
-        self.hca_entries = z(lay.num_hca_layers, num_blocks, self.hca_entries_per_block, D)
+        self.csa_entries: torch.Tensor  # [num_csa_layers, num_blocks, csa_entries_per_block, head_dim]
+        self.index_entries: torch.Tensor  # [num_csa_layers, num_blocks, csa_entries_per_block, index_head_dim]
+        self.hca_entries: torch.Tensor  # [num_hca_layers, num_blocks, hca_entries_per_block, head_dim]
         # bounded state (per slot)
-        self.window_kv = z(config.num_hidden_layers, num_slots, W, D)
-        self.csa_buf_kv = z(lay.num_csa_layers, num_slots, 2 * rc, 2 * D)
-        self.csa_buf_gate = z(lay.num_csa_layers, num_slots, 2 * rc, 2 * D)
-        self.index_buf_kv = z(lay.num_csa_layers, num_slots, 2 * rc, 2 * ID)
-        self.index_buf_gate = z(lay.num_csa_layers, num_slots, 2 * rc, 2 * ID)
-        self.hca_buf_kv = z(lay.num_hca_layers, num_slots, rh, D)
-        self.hca_buf_gate = z(lay.num_hca_layers, num_slots, rh, D)
+        self.window_kv: torch.Tensor  # [num_layers, num_slots, sliding_window, head_dim]
+        self.csa_buf_kv: torch.Tensor  # [num_csa_layers, num_slots, 2 * csa_rate, 2 * head_dim]
+        self.csa_buf_gate: torch.Tensor  # same as csa_buf_kv
+        self.index_buf_kv: torch.Tensor  # [num_csa_layers, num_slots, 2 * csa_rate, 2 * index_head_dim]
+        self.index_buf_gate: torch.Tensor  # same as index_buf_kv
+        self.hca_buf_kv: torch.Tensor  # [num_hca_layers, num_slots, hca_rate, head_dim]
+        self.hca_buf_gate: torch.Tensor  # same as hca_buf_kv
 
     # ------------------------------------------------------------------ introspection
 
@@ -160,16 +115,8 @@ class V4KVCache:
         Offsets are relative to the pool tensor's first byte; a pool is `[layers, blocks, ...]`
         so one block of one layer is one contiguous range.
         """
-        out = []
-        for name, pool in self.compressed_pools().items():
-            if pool.numel() == 0:
-                continue
-            per_block = pool[0, 0].numel() * pool.element_size()
-            per_layer = pool.shape[1] * per_block
-            for layer in range(pool.shape[0]):
-                for b in block_ids:
-                    out.append((name, b, layer * per_layer + b * per_block, per_block))
-        return out
+        return [(name, b, off, n) for name, pool in self.pool_layouts.items() if not pool.is_state and not pool.is_empty
+                for (b, off, n) in pool.byte_ranges(block_ids)]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks `src -> dst` in every pool (used when a forked request copies a partial block)."""

@@ -28,6 +28,11 @@ output projection (wo_a per group, wo_b) maps heads to the hidden size.
 MoE: hash-routed (token id → experts table) or learned top-k (sqrtsoftplus / sigmoid / softmax
 scores, a correction bias for selection only), normalised routed weights times
 `routed_scaling_factor`, SwiGLU experts with clamped pre-activations, plus a shared expert.
+The router is `engine.moe.router.Gate`; the routed experts run on an `engine.moe` backend named at
+construction (`moe_backend=`) and prepared once after loading (`prepare_for_inference`).
+
+Small fused ops (the mHC Sinkhorn) come from the `kernels` op registry: an `OpTable` picks each op's
+implementation once, for the weights' device; the forward never tests the device.
 
 Causality is exact by construction: nothing a position computes depends on later tokens or on
 how tokens are chunked into steps or batched with other requests.
@@ -36,15 +41,27 @@ how tokens are chunked into steps or batched with other requests.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention import (
+    AttentionBackend,
+    AttentionInputs,
+    AttentionMetadata,
+    LayerSpec,
+    build_attention_metadata,
+    get_attention_backend,
+    layer_specs,
+)
 from engine.cache.kv_cache import V4KVCache
 from engine.config import ModelConfig, RopeConfig
-from engine.forward_batch import ForwardBatch, SeqChunk
+from engine.forward_batch import ForwardBatch
+from engine.moe import Gate, MoEBackend, get_moe_backend
+from kernels import OpTable
+from kernels.sinkhorn import sinkhorn_torch
 
 # --------------------------------------------------------------------------- small pieces
 
@@ -118,73 +135,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x[..., :-rd], out], dim=-1)
 
 
-@dataclass
-class DecodeMeta:
-    """Requests of a step with exactly one new token, handled as one batch in every layer."""
-
-    seq_idx: list[int]
-    other_idx: list[int]
-    """Sequences handled one by one (prefill chunks)."""
-    rows: torch.Tensor  # [B] flat token index of each decode row
-    pos: torch.Tensor  # [B] its position
-    slots: torch.Tensor  # [B]
-    state_start: torch.Tensor  # [B]
-    frozen: torch.Tensor  # [B] num_frozen_tokens
-    block_tables: torch.Tensor  # [B, max_blocks] (padded with 0)
-    memo: dict = field(default_factory=dict)
-    """Per-step masks and gather indices shared by every layer of the same window / compress rate."""
-
-    def window_valid(self, W: int) -> torch.Tensor:
-        """[B, W] whether ring row j holds a key of this row's live window (after this step's write)."""
-        key = ("window", W)
-        if key not in self.memo:
-            j = torch.arange(W, device=self.pos.device)
-            key_pos = self.pos[:, None] - ((self.pos[:, None] - j[None, :]) % W)  # position held by ring row j
-            self.memo[key] = key_pos >= self.state_start[:, None]
-        return self.memo[key]
-
-    def compressed_index(self, rate: int, epb: int):
-        """(flat pool rows [B, C], visible [B, C]) of the compressed entries each row's query sees, or
-        None when no row has one yet."""
-        key = ("compressed", rate, epb)
-        if key not in self.memo:
-            num_entries = (self.pos + 1) // rate  # [B]
-            c_max = int(num_entries.max())
-            if c_max == 0:
-                self.memo[key] = None
-            else:
-                c = torch.arange(c_max, device=self.pos.device)
-                visible = c[None, :] < num_entries[:, None]  # [B, C]
-                cols = (c // epb).clamp(max=self.block_tables.shape[1] - 1)[None].expand(len(self.rows), -1)
-                blk = self.block_tables.gather(1, cols)
-                flat = torch.where(visible, blk * epb + c % epb, torch.zeros_like(blk))
-                self.memo[key] = (flat, visible)
-        return self.memo[key]
-
-    @classmethod
-    def build(cls, batch: ForwardBatch) -> DecodeMeta | None:
-        seq_idx = [i for i, s in enumerate(batch.seqs) if s.num_new_tokens == 1]
-        if not seq_idx:
-            return None
-        dev = batch.input_ids.device
-        seqs = [batch.seqs[i] for i in seq_idx]
-        max_blocks = max(len(s.block_table) for s in seqs)
-
-        def t(values):
-            return torch.tensor(values, dtype=torch.long, device=dev)
-
-        return cls(
-            seq_idx=seq_idx,
-            other_idx=[i for i, s in enumerate(batch.seqs) if s.num_new_tokens != 1],
-            rows=t([batch.starts[i] for i in seq_idx]),
-            pos=t([s.num_computed_tokens for s in seqs]),
-            slots=t([s.slot for s in seqs]),
-            state_start=t([s.state_start for s in seqs]),
-            frozen=t([s.num_frozen_tokens for s in seqs]),
-            block_tables=t([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]),
-        )
-
-
 # --------------------------------------------------------------------------- compressor
 
 
@@ -214,14 +164,14 @@ class Compressor(nn.Module):
         gate: torch.Tensor,  # [m, width]
         first_pos: int,
         windows: torch.Tensor,  # [nw] window ids to emit; all their tokens lie in the span
-        rotary: Rotary,
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [nw, rope_dim/2] at positions windows * rate
     ) -> torch.Tensor:
         """Emit the entries of `windows` -> [nw, dim] (normed and rotated at `w * rate`)."""
         r = self.rate
         ar = torch.arange(r, device=kv.device)
         cur = (windows * r - first_pos)[:, None] + ar[None, :]  # [nw, r] rows of window w
         prev = (cur - r).clamp(min=0)
-        return self.compress_gathered(kv[cur], gate[cur], kv[prev], gate[prev], windows, rotary)
+        return self.compress_gathered(kv[cur], gate[cur], kv[prev], gate[prev], windows, rope)
 
     def compress_gathered(
         self,
@@ -230,7 +180,7 @@ class Compressor(nn.Module):
         prev_kv: torch.Tensor,  # [nw, r, width] tokens of window w-1 (ignored where w == 0 or no overlap)
         prev_gate: torch.Tensor,
         windows: torch.Tensor,  # [nw]
-        rotary: Rotary,
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [nw, rope_dim/2] at positions windows * rate
     ) -> torch.Tensor:
         """Entries of `windows` from their gathered tokens -> [nw, dim]."""
         d = self.dim
@@ -246,8 +196,7 @@ class Compressor(nn.Module):
             kv_all, g_all = cur_kv, g_cur
         w = g_all.softmax(dim=1).to(kv_all.dtype)
         entries = self.norm((kv_all * w).sum(dim=1))  # [nw, d]
-        cos, sin = rotary(windows * self.rate)
-        return apply_rope(entries, cos, sin)
+        return apply_rope(entries, *rope)
 
 
 def topk_mask(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
@@ -307,15 +256,25 @@ class Indexer(nn.Module):
         weights = self.weights_proj(x).float() * (self.num_heads**-0.5)  # [B, heads]
         return (scores * weights[:, :, None]).sum(dim=1)
 
+    def select_topk(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Boolean [n, C]: the `index_topk` best visible entries per row (see `topk_mask`)."""
+        return topk_mask(scores, visible, self.topk)
+
 
 class Attention(nn.Module):
-    """V4 attention of one layer (sliding window, plus CSA or HCA compressed branch)."""
+    """V4 attention of one layer (sliding window, plus CSA or HCA compressed branch).
 
-    def __init__(self, config: ModelConfig, layer_idx: int, kind: str, kind_index: int) -> None:
+    The module owns the weights and the projections; the cache I/O and the attention core are its
+    `backend`'s (an `engine.attention` backend chosen once at model construction).
+    """
+
+    def __init__(self, config: ModelConfig, spec: LayerSpec, backend: AttentionBackend) -> None:
         super().__init__()
         H, D, NH = config.hidden_size, config.head_dim, config.num_attention_heads
-        self.kind, self.kind_index, self.layer_idx = kind, kind_index, layer_idx
-        self.num_heads, self.head_dim, self.window = NH, D, config.sliding_window
+        self.spec = spec
+        self.backend = backend
+        self.layer_idx = spec.layer_idx
+        self.num_heads, self.head_dim = NH, D
         self.eps = config.rms_norm_eps
         self.o_groups = config.o_groups
         self.wq_a = nn.Linear(H, config.q_lora_rank, bias=False)
@@ -326,225 +285,35 @@ class Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.zeros(NH, dtype=torch.float32))
         self.wo_a = nn.Linear(NH * D // config.o_groups, config.o_groups * config.o_lora_rank, bias=False)
         self.wo_b = nn.Linear(config.o_groups * config.o_lora_rank, H, bias=False)
-        self.rate = 0
-        if kind == "csa":
-            self.rate = config.compress_rates["compressed_sparse_attention"]
-            self.compressor = Compressor(H, D, self.rate, True, config.rms_norm_eps)
-            self.indexer = Indexer(config, self.rate)
-        elif kind == "hca":
-            self.rate = config.compress_rates["heavily_compressed_attention"]
-            self.compressor = Compressor(H, D, self.rate, False, config.rms_norm_eps)
+        if spec.is_compressed:
+            self.compressor = Compressor(H, D, spec.compress_rate, spec.is_overlap, config.rms_norm_eps)
+        if spec.has_indexer:
+            self.indexer = Indexer(config, spec.compress_rate)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: V4KVCache, rope: dict) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: V4KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """x: [T, H] (after attn_norm) -> [T, H]."""
         T = x.shape[0]
         NH, D = self.num_heads, self.head_dim
-        cos, sin = rope["cos"], rope["sin"]  # [T, rd/2] of this layer's flavour
+        spec = self.spec
+        cos, sin = meta.rope[spec.rope]  # [T, rd/2] of this layer's flavour
         q_res = self.q_norm(self.wq_a(x))  # [T, q_lora_rank]
         q = self.wq_b(q_res).view(T, NH, D)
-        q = apply_rope(rms_norm(q, None, self.eps), cos, sin)
+        q = apply_rope(rms_norm(q, None, self.eps), cos, sin)  # [T, NH, D]
         kv = apply_rope(self.norm(self.wkv(x)), cos, sin)  # [T, D]
-        if self.kind != "sliding":
-            ckv, cgate = self.compressor.project(x)
-            if self.kind == "csa":
-                ikv, igate = self.indexer.compressor.project(x)
-        dm: DecodeMeta | None = rope.get("decode")
-        out = torch.empty_like(q) if dm is None or dm.other_idx else None  # a pure decode step fills none
-        if dm is not None:
-            # a pure decode step (every row is a decode row, in order): no gather / scatter copies
-            r = slice(None) if not dm.other_idx else dm.rows
-            proj = None
-            if self.kind == "csa":
-                proj = (ckv[r], cgate[r], ikv[r], igate[r])
-            elif self.kind == "hca":
-                proj = (ckv[r], cgate[r], None, None)
-            o = self._decode_batched(dm, q[r], kv[r], x[r], q_res[r], proj, cache, rope)
-            if dm.other_idx:
-                out[r] = o
-            else:
-                out = o
-        for i in (dm.other_idx if dm is not None else range(len(batch.seqs))):
-            s = batch.seqs[i]
-            a, b = batch.starts[i], batch.starts[i] + s.num_new_tokens
-            sl = slice(a, b)
-            extra = None
-            if self.kind != "sliding":
-                extra = self._compressed(s, x[sl], q_res[sl], ckv[sl], cgate[sl],
-                                         (ikv[sl], igate[sl]) if self.kind == "csa" else None,
-                                         cache, rope, sl, batch.positions[sl])
-            out[sl] = self._attend_one(s, q[sl], kv[sl], batch.positions[sl], cache, extra)
+        inputs = AttentionInputs(q=q, kv=kv, x=x, q_res=q_res, sink=self.attn_sink)
+        if spec.is_compressed:
+            inputs.compressor = self.compressor
+            inputs.compressor_kv, inputs.compressor_gate = self.compressor.project(x)
+        if spec.has_indexer:
+            inputs.indexer = self.indexer
+            inputs.index_kv, inputs.index_gate = self.indexer.compressor.project(x)
+        out = self.backend.forward(spec, inputs, cache, meta)  # [T, NH, D]
         # rotate the rope channels of the output back by the query position
         out = apply_rope(out, cos, -sin)
         grouped = out.reshape(T, self.o_groups, -1).transpose(0, 1)  # [G, T, NH*D/G]
         w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])  # [G, R, NH*D/G]
         y = torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(T, -1)  # [T, G*R]
         return self.wo_b(y)
-
-    # -- decode rows, batched ------------------------------------------------------------------
-
-    def _decode_batched(self, dm: DecodeMeta, q, kv, x, q_res, proj, cache: V4KVCache, rope) -> torch.Tensor:
-        """One new token for each of B requests in one go. q [B, NH, D], kv [B, D] -> [B, NH, D]."""
-        W = self.window
-        ring = cache.window_kv[self.layer_idx]  # [slots, W, D]
-        ring[dm.slots, dm.pos % W] = kv.to(ring.dtype)
-        keys = ring[dm.slots]  # [B, W, D]
-        valid = dm.window_valid(W)
-        scale = self.head_dim**-0.5
-        logits = torch.einsum("bhd,bwd->bhw", q, keys) * scale
-        parts = [logits.masked_fill(~valid[:, None, :], float("-inf"))]
-        entries = None
-        if proj is not None:
-            entries, mask = self._decode_compressed(dm, x, q_res, proj, cache, rope)
-            if entries is not None:
-                cl = torch.einsum("bhd,bcd->bhc", q, entries) * scale
-                parts.append(cl.masked_fill(~mask[:, None, :], float("-inf")))
-        parts.append(self.attn_sink.to(logits.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1))
-        probs = torch.cat(parts, dim=-1).softmax(dim=-1)  # the sink keeps every row finite
-        o = torch.einsum("bhw,bwd->bhd", probs[..., :W].to(keys.dtype), keys)
-        if entries is not None:
-            C = entries.shape[1]
-            o = o + torch.einsum("bhc,bcd->bhd", probs[..., W:W + C].to(entries.dtype), entries)
-        return o
-
-    def _decode_compressed(self, dm: DecodeMeta, x, q_res, proj, cache: V4KVCache, rope):
-        """Advance the compressors by one token per row; return (entries [B, C, D], mask [B, C])."""
-        r, j = self.rate, self.kind_index
-        ckv, cgate, ikv, igate = proj
-        rotary = rope["compress_rotary"]
-        if self.kind == "csa":
-            pool, epb = cache.csa_entries[j], cache.csa_entries_per_block
-            self._decode_compressor(self.compressor, ckv, cgate, cache.csa_buf_kv[j], cache.csa_buf_gate[j],
-                                    dm, pool, epb, rotary)
-            ipool = cache.index_entries[j]
-            self._decode_compressor(self.indexer.compressor, ikv, igate, cache.index_buf_kv[j],
-                                    cache.index_buf_gate[j], dm, ipool, epb, rotary)
-        else:
-            pool, epb = cache.hca_entries[j], cache.hca_entries_per_block
-            self._decode_compressor(self.compressor, ckv, cgate, cache.hca_buf_kv[j], cache.hca_buf_gate[j],
-                                    dm, pool, epb, rotary)
-        index = dm.compressed_index(r, epb)
-        if index is None:
-            return None, None
-        flat, visible = index
-        entries = pool.view(-1, pool.shape[-1])[flat]  # [B, C, D]
-        if self.kind == "hca":
-            return entries, visible
-        keys = ipool.view(-1, ipool.shape[-1])[flat]  # [B, C, ID]
-        scores = self.indexer.score_batched(q_res, x, keys, rope["dec_cos"], rope["dec_sin"])
-        return entries, topk_mask(scores, visible, self.indexer.topk)
-
-    @staticmethod
-    def _decode_compressor(comp: Compressor, kv, gate, buf_kv, buf_gate, dm: DecodeMeta, pool, epb, rotary) -> None:
-        """Write each row's new token into its ring; emit the entry of every window that just ended."""
-        r, ring_len = comp.rate, buf_kv.shape[1]
-        buf_kv[dm.slots, dm.pos % ring_len] = kv.to(buf_kv.dtype)
-        buf_gate[dm.slots, dm.pos % ring_len] = gate.to(buf_gate.dtype)
-        w_all = (dm.pos + 1) // r - 1
-        done = ((dm.pos + 1) % r == 0) & (w_all >= dm.frozen // r)
-        sel = done.nonzero().squeeze(1)
-        if sel.numel() == 0:
-            return
-        w = w_all[sel]
-        slots = dm.slots[sel][:, None]
-        cur = w[:, None] * r + torch.arange(r, device=kv.device)[None, :]  # [b, r] positions
-        prev = (cur - r).clamp(min=0)
-        new = comp.compress_gathered(buf_kv[slots, cur % ring_len], buf_gate[slots, cur % ring_len],
-                                     buf_kv[slots, prev % ring_len], buf_gate[slots, prev % ring_len], w, rotary)
-        flat = dm.block_tables[sel, w // epb] * epb + w % epb
-        pool.view(-1, pool.shape[-1])[flat] = new.to(pool.dtype)
-
-    # -- per request ------------------------------------------------------------------------
-
-    def _attend_one(self, s: SeqChunk, q, kv, pos, cache: V4KVCache, extra) -> torch.Tensor:
-        """Attention of one request's new tokens over window + (selected) compressed entries.
-
-        Query i (position p0 + i) sees exactly the W keys at positions p0 + i - W + 1 .. p0 + i: the
-        ring's history (positions before p0, from `h0` on) followed by this chunk's keys, padded in
-        front to W - 1 history rows; `unfold` gives every query its W-row window as a view, so the
-        cost is n * W per head instead of n * (n + W).
-        """
-        W, p0, n = self.window, s.num_computed_tokens, s.num_new_tokens
-        ring = cache.window_kv[self.layer_idx, s.slot]  # [W, D]
-        h0 = max(s.state_start, p0 - W + 1)
-        hist_pos = torch.arange(p0 - W + 1, p0, device=kv.device)  # [W - 1] positions before the chunk
-        hist = ring[hist_pos % W].to(kv.dtype)
-        if h0 > p0 - W + 1:  # rows before h0 hold no key of this request: zero them (masked below)
-            hist[: h0 - (p0 - W + 1)] = 0
-        keys = torch.cat([hist, kv], dim=0)  # [W - 1 + n, D]
-        windows = keys.unfold(0, W, 1)  # [n, D, W]: row i = positions p0 + i - W + 1 .. p0 + i
-        allowed = (pos[:, None] - (W - 1) + torch.arange(W, device=kv.device)[None, :]) >= h0  # [n, W]
-        scale = self.head_dim**-0.5
-        logits = torch.einsum("nhd,ndw->nhw", q, windows) * scale  # [n, NH, W]
-        logits = logits.masked_fill(~allowed[:, None, :], float("-inf"))
-        parts = [logits]
-        if extra is not None:
-            entries, mask = extra  # [C, D], [n, C]
-            cl = torch.einsum("nhd,cd->nhc", q, entries) * scale
-            parts.append(cl.masked_fill(~mask[:, None, :], float("-inf")))
-        sink = self.attn_sink.to(logits.dtype).view(1, -1, 1).expand(n, -1, 1)
-        parts.append(sink)
-        probs = torch.cat(parts, dim=-1).softmax(dim=-1)  # the sink keeps every row finite
-        o = torch.einsum("nhw,ndw->nhd", probs[..., :W].to(keys.dtype), windows)
-        if extra is not None:
-            C = entries.shape[0]
-            o = o + torch.einsum("nhc,cd->nhd", probs[..., W:W + C].to(entries.dtype), entries)
-        # write the new tokens' K=V into the ring (only the last W matter)
-        keep = min(n, W)
-        ring[pos[-keep:] % W] = kv[-keep:]
-        return o
-
-    def _compressed(self, s: SeqChunk, x, q_res, ckv, cgate, index_proj, cache: V4KVCache, rope, sl, pos):
-        """Run this request's compressors, store new entries, return (entries [C, D], mask [n, C])."""
-        r, p0, n = self.rate, s.num_computed_tokens, s.num_new_tokens
-        j = self.kind_index
-        device = x.device
-        C0, C1 = p0 // r, (p0 + n) // r
-        windows = torch.arange(min(max(C0, s.num_frozen_tokens // r), C1), C1, device=device)
-        bt = torch.tensor(s.block_table, dtype=torch.long, device=device)
-        if self.kind == "csa":
-            pool, epb = cache.csa_entries[j], cache.csa_entries_per_block
-            buf_kv, buf_gate = cache.csa_buf_kv[j, s.slot], cache.csa_buf_gate[j, s.slot]
-        else:
-            pool, epb = cache.hca_entries[j], cache.hca_entries_per_block
-            buf_kv, buf_gate = cache.hca_buf_kv[j, s.slot], cache.hca_buf_gate[j, s.slot]
-        rotary = rope["compress_rotary"]
-        entries = self._run_compressor(self.compressor, ckv, cgate, buf_kv, buf_gate, p0, windows, rotary, pool, bt, epb, C1)
-        # causal visibility: entry w is visible to the query at t once (w + 1) * r <= t + 1
-        visible = torch.arange(C1, device=device)[None, :] < ((pos + 1) // r)[:, None]  # [n, C1]
-        if self.kind == "hca":
-            return entries, visible
-        ikv, igate = index_proj
-        ipool = cache.index_entries[j]
-        keys = self._run_compressor(self.indexer.compressor, ikv, igate, cache.index_buf_kv[j, s.slot],
-                                    cache.index_buf_gate[j, s.slot], p0, windows, rotary, ipool, bt, epb, C1)
-        mask = self.indexer.select(q_res, x, keys, visible, rope["cos"][sl], rope["sin"][sl])
-        return entries, mask
-
-    @staticmethod
-    def _run_compressor(comp: Compressor, kv, gate, buf_kv, buf_gate, p0, windows, rotary, pool, bt, epb, C1):
-        """Compress the windows this chunk completes, write them to the pool, return all C1 entries."""
-        r = comp.rate
-        ring_len = buf_kv.shape[0]
-        n = kv.shape[0]
-        if windows.numel() > 0:
-            h0 = max(0, (p0 // r - (1 if comp.overlap else 0)) * r)
-            if p0 > h0:
-                hp = torch.arange(h0, p0, device=kv.device) % ring_len
-                span_kv = torch.cat([buf_kv[hp], kv], dim=0)
-                span_gate = torch.cat([buf_gate[hp], gate], dim=0)
-            else:
-                span_kv, span_gate = kv, gate
-            new = comp.compress(span_kv, span_gate, h0, windows, rotary)
-            flat = bt[windows // epb] * epb + windows % epb
-            pool.view(-1, pool.shape[-1])[flat] = new.to(pool.dtype)
-        keep = min(n, ring_len)
-        tail = torch.arange(p0 + n - keep, p0 + n, device=kv.device) % ring_len
-        buf_kv[tail] = kv[-keep:].to(buf_kv.dtype)
-        buf_gate[tail] = gate[-keep:].to(buf_gate.dtype)
-        if C1 == 0:
-            return pool.new_zeros((0, pool.shape[-1]))
-        allw = torch.arange(C1, device=kv.device)
-        return pool.view(-1, pool.shape[-1])[bt[allw // epb] * epb + allw % epb]
 
 
 # --------------------------------------------------------------------------- MoE
@@ -567,123 +336,46 @@ class Expert(nn.Module):
         return F.linear(F.silu(g) * u, self.w2.weight)
 
 
-class Gate(nn.Module):
-    """Router: learned top-k (with a selection-only correction bias) or hash table routing."""
-
-    def __init__(self, config: ModelConfig, is_hash: bool) -> None:
-        super().__init__()
-        self.is_hash = is_hash
-        self.topk = config.num_experts_per_tok
-        self.scoring = config.scoring_func
-        self.scaling = config.routed_scaling_factor
-        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
-        if is_hash:
-            self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.topk, dtype=torch.long))
-        else:
-            self.register_buffer("bias", torch.zeros(config.n_routed_experts, dtype=torch.float32))
-
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, H] -> (weights [T, k], expert ids [T, k])."""
-        logits = F.linear(x, self.weight)
-        if self.scoring == "sqrtsoftplus":
-            scores = F.softplus(logits).sqrt()
-        elif self.scoring == "sigmoid":
-            scores = logits.sigmoid()
-        else:
-            scores = logits.softmax(dim=-1)
-        if self.is_hash:
-            idx = self.tid2eid[input_ids].long()
-        else:
-            idx = torch.topk(scores + self.bias, self.topk, dim=-1, sorted=False).indices
-        w = scores.gather(1, idx)
-        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return w * self.scaling, idx
-
-
 class MoE(nn.Module):
-    """Routed experts + one shared expert."""
+    """Routed experts + one shared expert: the router picks experts, the backend computes them.
 
-    def __init__(self, config: ModelConfig, is_hash: bool) -> None:
+    `moe_backend` names an `engine.moe` backend ("torch": grouped matmuls where supported). The
+    backend is prepared once after loading (`prepare`, called by `prepare_for_inference`); a forward
+    prepares it first if that did not happen or the expert weights were replaced since (reloaded,
+    moved to another device), which a data pointer tells.
+    """
+
+    def __init__(self, config: ModelConfig, is_hash: bool, moe_backend: str = "torch") -> None:
         super().__init__()
         H, inter, lim = config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
         self.gate = Gate(config, is_hash)
         self.experts = nn.ModuleList(Expert(H, inter, lim) for _ in range(config.n_routed_experts))
         self.shared_experts = Expert(H, inter, lim)
-        self.inter, self.limit = inter, lim
-        self._packed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.backend: MoEBackend = get_moe_backend(moe_backend)()
+        self._prepared_ptr: int | None = None
 
-    def packed_experts(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The routed experts' weights stacked for one grouped matmul per projection:
-        (w13 [E, H, 2*inter] = [w1 | w3] transposed, w2 [E, inter, H]); None where not used.
-
-        Packed on first use (inference on the CPU only): the stacks become the only storage and
-        every expert's `w1/w2/w3.weight` a view into them, so memory does not grow and the
-        checkpoint names stay. Re-packed if the expert parameters were replaced (e.g. reloaded).
-
-        NOTE: CUDA keeps the per-expert loop until the grouped path is validated there.
-        """
-        first = self.experts[0].w1.weight
-        if first.device.type != "cpu" or first.requires_grad and torch.is_grad_enabled():
-            return None
-        if self._packed is not None and self._packed[0].data_ptr() == first.data_ptr():
-            return self._packed
-        n = self.inter
-        w13 = torch.stack([torch.cat([ex.w1.weight.detach(), ex.w3.weight.detach()], 0) for ex in self.experts])
-        w2 = torch.stack([ex.w2.weight.detach() for ex in self.experts])  # [E, H, I]
-        for e, ex in enumerate(self.experts):
-            rg = ex.w1.weight.requires_grad
-            ex.w1.weight = nn.Parameter(w13[e, :n], requires_grad=rg)
-            ex.w3.weight = nn.Parameter(w13[e, n:], requires_grad=rg)
-            ex.w2.weight = nn.Parameter(w2[e], requires_grad=rg)
-        self._packed = (w13.transpose(1, 2), w2.transpose(1, 2))
-        return self._packed
+    def prepare(self) -> None:
+        """Hand the loaded routed experts to the backend (packing, layouts)."""
+        self.backend.prepare(self.experts)
+        self._prepared_ptr = self.experts[0].w1.weight.data_ptr()
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        weights, idx = self.gate(x, input_ids)
-        if x.shape[0] == 1:
-            # A single token: no sort/scatter. Same additions in the same order (ascending expert id,
-            # then the shared expert) as the general path, so both give bit-identical sums.
-            ids = idx[0].tolist()
-            w = weights.to(x.dtype)
-            out = None
-            for k in sorted(range(len(ids)), key=ids.__getitem__):
-                y = self.experts[ids[k]](x) * w[:, k:k + 1]
-                out = y if out is None else out + y
-            return out + self.shared_experts(x)
-        out = torch.zeros_like(x)
-        flat_e = idx.reshape(-1)
-        order = torch.argsort(flat_e, stable=True)
-        tok = order // idx.shape[1]
-        wsorted = weights.reshape(-1)[order]
-        packed = self.packed_experts()
-        if packed is not None:
-            # every (token, expert) pair in expert order: two grouped matmuls instead of a loop
-            w13, w2 = packed
-            offs = torch.bincount(flat_e, minlength=len(self.experts)).cumsum(0).to(torch.int32)
-            h = torch._grouped_mm(x[tok], w13, offs=offs)  # [T*k, 2*inter]
-            g = h[:, :self.inter].clamp(max=self.limit)
-            u = h[:, self.inter:].clamp(min=-self.limit, max=self.limit)
-            y = torch._grouped_mm(F.silu(g) * u, w2, offs=offs) * wsorted[:, None].to(x.dtype)  # [T*k, H]
-            out.index_add_(0, tok, y)
-            return out + self.shared_experts(x)
-        counts = torch.bincount(flat_e, minlength=len(self.experts)).tolist()
-        off = 0
-        for e, c in enumerate(counts):
-            if c == 0:
-                continue
-            t = tok[off:off + c]
-            y = self.experts[e](x[t]) * wsorted[off:off + c, None].to(x.dtype)
-            out.index_add_(0, t, y)
-            off += c
-        return out + self.shared_experts(x)
+        """x: [num_tokens, H], input_ids: [num_tokens] -> [num_tokens, H]."""
+        if self.experts[0].w1.weight.data_ptr() != self._prepared_ptr:
+            self.prepare()
+        topk_weights, topk_ids = self.gate(x, input_ids)  # [num_tokens, k] each
+        return self.backend(x, topk_weights, topk_ids) + self.shared_experts(x)
 
 
 # --------------------------------------------------------------------------- hyper-connections
 
 
 def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-               hc: int, iters: int, eps: float, norm_eps: float):
-    """mHC mixing weights from the streams [T, hc, H] -> pre [T, hc], post [T, hc], comb [T, hc, hc]."""
+               hc: int, iters: int, eps: float, norm_eps: float, sinkhorn: Callable = sinkhorn_torch):
+    """mHC mixing weights from the streams [T, hc, H] -> pre [T, hc], post [T, hc], comb [T, hc, hc].
+
+    `sinkhorn` is an implementation of the `kernels` op "sinkhorn" (the model's `OpTable` picks it).
+    """
     T = streams.shape[0]
     flat = rms_norm(streams.reshape(T, -1).float(), None, norm_eps)
     mix = F.linear(flat, fn.float())
@@ -695,37 +387,18 @@ def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     return pre, post, sinkhorn(comb, iters, eps)
 
 
-def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Sinkhorn-Knopp of [T, hc, hc] towards a doubly-stochastic matrix: normalise columns, then
-    `iters - 1` rounds of rows then columns, each sum plus `eps`.
-
-    NOTE: on the CPU without autograd the same float32 arithmetic runs in numpy (bit-identical
-    results): the matrices are tiny, so the cost is per-op dispatch, which numpy does in about half
-    torch's time; at decode batch sizes this loop is the largest single cost of a CPU step.
-    """
-    if comb.device.type == "cpu" and not comb.requires_grad and comb.shape[0] <= 64:
-        a = comb.numpy(force=True)
-        a = a / (a.sum(-2, keepdims=True) + eps)
-        for _ in range(iters - 1):
-            a /= a.sum(-1, keepdims=True) + eps
-            a /= a.sum(-2, keepdims=True) + eps
-        return torch.from_numpy(a)
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
-
-
 class DecoderLayer(nn.Module):
     """One V4 block with hyper-connection residual streams."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, kind: str, kind_index: int) -> None:
+    def __init__(self, config: ModelConfig, spec: LayerSpec, *, attention_backend: AttentionBackend,
+                 moe_backend: str = "torch", ops: OpTable | None = None) -> None:
         super().__init__()
-        H, hc = config.hidden_size, config.hc_mult
+        H, hc, layer_idx = config.hidden_size, config.hc_mult, spec.layer_idx
+        self.ops = ops if ops is not None else OpTable(torch.get_default_device())
+        """The model's small-op implementations (`kernels`), shared by every layer; picked once."""
         self.hc, self.iters, self.hc_eps, self.eps = hc, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps
-        self.attn = Attention(config, layer_idx, kind, kind_index)
-        self.ffn = MoE(config, config.mlp_layer_types[layer_idx] == "hash_moe")
+        self.attn = Attention(config, spec, attention_backend)
+        self.ffn = MoE(config, config.mlp_layer_types[layer_idx] == "hash_moe", moe_backend)
         self.attn_norm = RMSNorm(H, config.rms_norm_eps)
         self.ffn_norm = RMSNorm(H, config.rms_norm_eps)
         n = (2 + hc) * hc
@@ -737,14 +410,15 @@ class DecoderLayer(nn.Module):
     def _mix(self, which: str, streams: torch.Tensor, block) -> torch.Tensor:
         dtype = streams.dtype
         pre, post, comb = hc_weights(streams, getattr(self, f"hc_{which}_fn"), getattr(self, f"hc_{which}_base"),
-                                     getattr(self, f"hc_{which}_scale"), self.hc, self.iters, self.hc_eps, self.eps)
+                                     getattr(self, f"hc_{which}_scale"), self.hc, self.iters, self.hc_eps, self.eps,
+                                     self.ops.sinkhorn)
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(dtype)  # [T, H]
         y = block(collapsed)
         # new stream k = post_k * y + sum_j comb[j, k] * stream_j
         return post.to(dtype).unsqueeze(-1) * y.unsqueeze(1) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
 
-    def forward(self, streams, batch: ForwardBatch, cache: V4KVCache, rope: dict) -> torch.Tensor:
-        streams = self._mix("attn", streams, lambda h: self.attn(self.attn_norm(h), batch, cache, rope))
+    def forward(self, streams, batch: ForwardBatch, cache: V4KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        streams = self._mix("attn", streams, lambda h: self.attn(self.attn_norm(h), cache, meta))
         return self._mix("ffn", streams, lambda h: self.ffn(self.ffn_norm(h), batch.input_ids))
 
 
@@ -772,15 +446,21 @@ class HyperHead(nn.Module):
 class DeepseekV4Model(nn.Module):
     """Embedding, decoder layers, hyper head and final norm."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, *, attention_backend: str = "torch", moe_backend: str = "torch",
+                 op_impls: Mapping[str, str] | None = None) -> None:
         super().__init__()
-        from engine.cache.kv_cache import CacheLayout
-
-        lay = CacheLayout.from_config(config)
         self.config = config
+        self.layer_specs = layer_specs(config)
+        """Per layer: its frozen `LayerSpec` (kind, compress rate, window), from the cache layout."""
+        self.attention_backend = get_attention_backend(attention_backend)()
+        """The `engine.attention` backend every layer's attention delegates to (chosen here, once)."""
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.ops = OpTable(torch.get_default_device(), op_impls)
+        """The small-op implementations (`kernels`) every layer uses: picked here for the default device,
+        re-picked for the weights' device by `prepare_for_inference`."""
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, lay.layer_kinds[i], lay.kind_index[i]) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, spec, attention_backend=self.attention_backend, moe_backend=moe_backend, ops=self.ops)
+            for spec in self.layer_specs
         )
         self.hc_head = HyperHead(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -788,32 +468,45 @@ class DeepseekV4Model(nn.Module):
         self.rotary_main = Rotary(config.rope_main, rd)
         self.rotary_compress = Rotary(config.rope_compress, rd)
 
-    def forward(self, batch: ForwardBatch, cache: V4KVCache) -> torch.Tensor:
-        """Run the flat batch through every layer, updating `cache`; returns final hidden [T, H]."""
+    def prepare_for_inference(self) -> None:
+        """Once after loading: pick the small ops for the weights' device and prepare every MoE backend."""
+        self.ops.select(self.embed_tokens.weight.device)
+        for layer in self.layers:
+            layer.ffn.prepare()
+
+    def build_attention_metadata(self, batch: ForwardBatch, cache: V4KVCache) -> AttentionMetadata:
+        """The step's `AttentionMetadata` for `batch` over `cache` (the model runner builds it once per step)."""
+        rope_fns = {"main": self.rotary_main, "compress": self.rotary_compress}
+        return build_attention_metadata(batch, self.layer_specs, rope_fns, cache.block_size)
+
+    def forward(self, batch: ForwardBatch, cache: V4KVCache, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        """Run the flat batch through every layer, updating `cache`; returns final hidden [T, H].
+
+        `meta`: the step's attention metadata; else `batch.attn_metadata`, else built here from `batch`.
+        """
+        if meta is None:
+            meta = batch.attn_metadata if batch.attn_metadata is not None else self.build_attention_metadata(batch, cache)
         h = self.embed_tokens(batch.input_ids)
         if batch.input_embeds is not None:
             h = torch.where(batch.embeds_mask[:, None], batch.input_embeds.to(h.dtype), h)
         streams = h.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()  # [T, hc, H]
-        cm, sm = self.rotary_main(batch.positions)
-        cc, sc = self.rotary_compress(batch.positions)
-        dm = DecodeMeta.build(batch)
-        rope_main = {"cos": cm, "sin": sm, "compress_rotary": self.rotary_compress, "decode": dm}
-        rope_comp = {"cos": cc, "sin": sc, "compress_rotary": self.rotary_compress, "decode": dm}
-        if dm is not None:
-            rope_comp["dec_cos"], rope_comp["dec_sin"] = cc[dm.rows], sc[dm.rows]
         for layer in self.layers:
-            rope = rope_main if layer.attn.kind == "sliding" else rope_comp
-            streams = layer(streams, batch, cache, rope)
+            streams = layer(streams, batch, cache, meta)
         return self.norm(self.hc_head(streams))
 
 
 class DeepseekV4ForCausalLM(nn.Module):
     """The causal LM: `model` + `head`. `state_dict()` keys equal the checkpoint's keys."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, *, attention_backend: str = "torch", moe_backend: str = "torch",
+                 op_impls: Mapping[str, str] | None = None) -> None:
+        """`attention_backend`: an `engine.attention` backend name; `moe_backend`: an `engine.moe` backend
+        name; `op_impls`: `kernels` op name -> implementation, overriding the device's default
+        (e.g. {"sinkhorn": "triton"})."""
         super().__init__()
         self.config = config
-        self.model = DeepseekV4Model(config)
+        self.model = DeepseekV4Model(config, attention_backend=attention_backend, moe_backend=moe_backend,
+                                     op_impls=op_impls)
         if not config.tie_word_embeddings:
             self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.vision = None
@@ -827,21 +520,30 @@ class DeepseekV4ForCausalLM(nn.Module):
             self.vision_tower, self.vision_projector = tower.vision_tower, tower.vision_projector
             self.__dict__["vision"] = tower
 
+    def prepare_for_inference(self) -> None:
+        """Once after the weights are loaded (`engine.loader.load_checkpoint` calls it): pick the small-op
+        implementations for the weights' device and prepare the MoE backends (expert packing)."""
+        self.model.prepare_for_inference()
+
     def head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.head.weight
 
-    def forward(self, batch: ForwardBatch, cache: V4KVCache) -> torch.Tensor:
+    def build_attention_metadata(self, batch: ForwardBatch, cache: V4KVCache) -> AttentionMetadata:
+        """The step's `AttentionMetadata` (see `DeepseekV4Model.build_attention_metadata`)."""
+        return self.model.build_attention_metadata(batch, cache)
+
+    def forward(self, batch: ForwardBatch, cache: V4KVCache, meta: AttentionMetadata | None = None) -> torch.Tensor:
         """Hidden states [T, H] for the flat batch (cache updated in place)."""
-        return self.model(batch, cache)
+        return self.model(batch, cache, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, H] -> float32 logits [n, vocab]."""
         return F.linear(hidden, self.head_weight()).float()
 
     @torch.inference_mode()
-    def step(self, batch: ForwardBatch, cache: V4KVCache) -> torch.Tensor:
-        """Forward + logits at `batch.logits_indices` (float32 [num_logits, vocab])."""
-        hidden = self.forward(batch, cache)
+    def step(self, batch: ForwardBatch, cache: V4KVCache, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        """Forward + logits at `batch.logits_indices` (float32 [num_logits, vocab]); `meta` as in `forward`."""
+        hidden = self.forward(batch, cache, meta)
         if batch.logits_indices is not None:
             hidden = hidden[batch.logits_indices]
         return self.compute_logits(hidden)

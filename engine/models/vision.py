@@ -324,7 +324,7 @@ class VisionTower(nn.Module):
     Children `vision_tower` (`VisionTransformer`) and `vision_projector` (`VisionProjector`), so
     `state_dict()` keys are the checkpoint names. The LM (`DeepseekV4ForCausalLM`) of a vision
     checkpoint registers the same two modules under the same names and exposes this object as
-    `model.vision`; `VisionTower.from_checkpoint` loads the tower alone (the vision stage).
+    `model.vision`; `engine.loader.load_vision_tower` loads the tower alone (the vision stage).
     """
 
     def __init__(self, config: VisionConfig, lm_hidden_size: int, max_batch_size: int = 8) -> None:
@@ -373,34 +373,3 @@ class VisionTower(nn.Module):
                 for j, i in enumerate(chunk):
                     out[i] = emb[j]
         return out  # type: ignore[return-value]
-
-    @classmethod
-    def from_checkpoint(
-        cls, path: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
-    ) -> VisionTower:
-        """Blocks while reading: the vision tower alone from checkpoint `path` (the LM's tensors are not read).
-
-        Raises `CheckpointError` when config.json has no `vision_config` or a vision tensor is
-        missing or misshapen.
-        """
-        from engine.loader import (
-            CheckpointError,
-            WeightLoader,
-            meta_parameters,
-            read_checkpoint_config,
-            scan_checkpoint,
-        )
-        from engine.models.deepseek_v4_weights import VISION_PREFIXES, parse_dtype, vision_checkpoint_spec
-
-        config, quant = read_checkpoint_config(path)
-        if config.vision is None:
-            raise CheckpointError(f"checkpoint {path} has no vision tower (no `vision_config` in config.json).")
-        spec = vision_checkpoint_spec(config, parse_dtype(dtype))
-        # skip the LM's tensors by their top-level name component (a handful of prefixes)
-        others = tuple({n.split(".", 1)[0] + ("." if "." in n else "") for n in scan_checkpoint(path)
-                        if not n.startswith(VISION_PREFIXES)})
-        loader = WeightLoader(path, spec, quantization_config=quant, device=device, skip_prefixes=others)
-        with torch.device(device), meta_parameters():
-            tower = cls(config.vision, config.hidden_size)
-        tower.load_state_dict(loader.state_dict(), strict=True, assign=True)
-        return tower.to(device).eval().requires_grad_(False)

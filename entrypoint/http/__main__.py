@@ -11,8 +11,8 @@ import json
 import logging
 import sys
 
-from engine.config_cli import config_from_args, make_parser
 from entrypoint.http.config import HttpConfig
+from serving.config_cli import config_from_args, make_parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.config import read_config_json
 from entrypoint.http import completions
 from entrypoint.http.backend import TokenBackend, TokenCall
 from entrypoint.http.config import HttpConfig
@@ -77,7 +78,7 @@ class Front:
         if not config.entrypoint:
             raise ValueError("the HTTP front needs the token entrypoint's address (--entrypoint HOST:PORT)")
         model_dir = Path(config.model) if config.model else _default_model_dir()
-        model_cfg = json.loads((model_dir / "config.json").read_text())
+        model_cfg = read_config_json(model_dir)
         self.config = config
         self.api_key = config.api_key or os.environ.get("DEEPINFER_API_KEY") or None
         self.served_model_name = config.served_model_name or model_dir.name

@@ -22,10 +22,7 @@ from protos import (
     prefill_pb2_grpc,
     vision_pb2_grpc,
 )
-
-ERROR_FIELD_METADATA_KEY = "deepinfer-error-field"
-STATS_METADATA_KEY = "deepinfer-stats-json"
-# NOTE: the same keys as entrypoint.server; not imported from it so this process needs no engine import.
+from protos.metadata import ERROR_FIELD_METADATA_KEY, STATS_METADATA_KEY
 
 
 class TokenCall:

@@ -17,6 +17,7 @@ from typing import Any
 
 import deepseek_recipe as recipe
 
+from engine.config import read_config_json
 from engine.images import IMAGE_PLACEHOLDER_ID, ImageUrlPolicy, InvalidImageError, image_descriptor
 from entrypoint.http import structured
 from entrypoint.http.errors import ApiError, invalid, json_object
@@ -41,15 +42,10 @@ _ID_PREFIX = {CHAT: "chatcmpl-", RESPONSES: "resp_", MESSAGES: "msg_"}
 
 def chat_encoding(model_dir: str | Path) -> str:
     """The checkpoint's prompt encoding: config.json's `chat_encoding` (top level or in its `deepinfer`
-    section), "v4" (default) or "v4.1".
+    section), "v4" (default) or "v4.1" (`engine.tokenizer.chat_encoding_name`, the one reader of that key)."""
+    from engine.tokenizer import chat_encoding_name
 
-    NOTE: stand-in for the engine.tokenizer helper that reads the same key; swap it in when it lands.
-    """
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    encoding = config.get("chat_encoding") or (config.get("deepinfer") or {}).get("chat_encoding") or "v4"
-    if encoding not in ("v4", "v4.1"):
-        raise ValueError(f"{model_dir}/config.json: chat_encoding {encoding!r} is not one of 'v4', 'v4.1'")
-    return encoding
+    return chat_encoding_name(model_dir)
 
 
 def tokenizer_path(model_dir: str | Path) -> Path:
@@ -201,7 +197,7 @@ class RecipeFront:
         else:
             version, encoding = recipe.ModelVersion.DeepseekV4Pro, recipe.DeepseekV4Encoding()
         self.encoding = encoding.with_tokenizer(self.tokenizer)
-        self.has_vision = "vision_config" in json.loads((Path(model_dir) / "config.json").read_text())
+        self.has_vision = "vision_config" in read_config_json(model_dir)
         if self.has_vision:
             # NOTE: recipe's V4-Pro conversion drops image parts; V4.1-Flash's keeps them, and every chat
             # encoding renders one <｜image｜> placeholder per image

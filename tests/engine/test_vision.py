@@ -13,7 +13,7 @@ import torch
 
 from engine.config import ModelConfig, VisionConfig
 from engine.errors import InvalidRequestError
-from engine.loader import CheckpointError, load_checkpoint
+from engine.loader import CheckpointError, load_checkpoint, load_vision_tower
 from engine.models.deepseek_v4_weights import checkpoint_spec, vision_checkpoint_spec
 from engine.models.vision import VisionProjector, VisionTower, image_token_count, preprocess_pixels
 from engine.testing.make_checkpoint import TINY_VISION_CONFIG, make_checkpoint
@@ -29,7 +29,7 @@ def vision_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tower(vision_ckpt):
-    return VisionTower.from_checkpoint(str(vision_ckpt))
+    return load_vision_tower(str(vision_ckpt))
 
 
 def _png(width: int, height: int, seed: int = 0) -> bytes:
@@ -178,12 +178,12 @@ def test_vision_checkpoint_missing_tensors_fails_clearly(vision_ckpt, tmp_path):
     with pytest.raises(CheckpointError, match="vision_projector.image_end"):
         load_checkpoint(tmp_path)
     with pytest.raises(CheckpointError, match="vision_projector.image_end"):
-        VisionTower.from_checkpoint(str(tmp_path))
+        load_vision_tower(str(tmp_path))
     # transformers-5 SiglipVisionModel keys (no `vision_model.` level) are accepted too
     state = load_file(vision_ckpt / "model.safetensors")
     renamed = {k.replace("vision_tower.vision_model.", "vision_tower."): v for k, v in state.items()}
     save_file(renamed, tmp_path / "model.safetensors")
-    assert VisionTower.from_checkpoint(str(tmp_path)).state_dict().keys() == vision_checkpoint_spec(
+    assert load_vision_tower(str(tmp_path)).state_dict().keys() == vision_checkpoint_spec(
         ModelConfig.from_json_file(vision_ckpt)).keys()
 
 

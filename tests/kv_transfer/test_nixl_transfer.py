@@ -235,3 +235,23 @@ def test_bad_arguments_are_refused(local_agents):
     with pytest.raises(ValueError, match="must match"):
         a.add_peer("local-b", b.metadata(), layout)
     assert a.num_inflight_sends == 0
+
+
+def test_wire_layout_is_the_cache_layout(local_agents):
+    """`layout()` (the `deepinfer.v1.KVLayout` a decode instance publishes) carries the same regions as
+    `pool_layout()`, built from the cache layout's descriptors, and a peer added from its bytes works."""
+    from kv_transfer import layout_from_wire
+    from protos import kv_transfer_pb2
+
+    a, b = local_agents
+    wire = b.layout().SerializeToString()
+    regions = layout_from_wire(kv_transfer_pb2.KVLayout.FromString(wire))
+    assert regions == layout_from_wire(b.pool_layout())
+    for name, region in regions.items():
+        pool = b.cache.pool_layouts[name]
+        assert (region.num_layers, region.num_units, region.unit_nbytes, region.is_state) == (
+            pool.num_layers, pool.num_units, pool.unit_nbytes, pool.is_state)
+    a.add_peer("local-b", b.metadata(), wire)
+    b.expect("req-wire", [3], 10.0)
+    a.send_blocks("req-wire", "local-b", [4], [3])
+    assert _pump(a, b) == (["req-wire"], ["req-wire"])

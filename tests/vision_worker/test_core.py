@@ -37,11 +37,11 @@ def data_url(data: bytes) -> str:
 
 @pytest.fixture(scope="module")
 def tower(tmp_path_factory):
-    from engine.models.vision import VisionTower
+    from engine.loader import load_vision_tower
     from engine.testing.make_checkpoint import make_checkpoint
 
     ckpt = make_checkpoint(tmp_path_factory.mktemp("vis"), preset="tiny", seed=3, vision=True)
-    return VisionTower.from_checkpoint(str(ckpt))
+    return load_vision_tower(str(ckpt))
 
 
 @pytest.fixture

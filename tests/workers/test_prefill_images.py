@@ -37,7 +37,7 @@ def _png(color) -> bytes:
 def stack(tmp_path_factory):
     import deepseek_recipe as recipe
 
-    from engine.models.vision import VisionTower
+    from engine.loader import load_vision_tower
     from vision_worker.core import VisionCore, tower_encoder
 
     path = str(make_checkpoint(tmp_path_factory.mktemp("tiny-vis"), preset="tiny", seed=9, vision=True))
@@ -49,7 +49,7 @@ def stack(tmp_path_factory):
     p_agent.add_peer("pi-decode", d_agent.metadata(), d_agent.pool_layout())
     holder = EmbeddingAgent("pi-vision", 1024, hidden, ucx_env=LOOPBACK_UCX_ENV)
     reader = EmbeddingAgent("pi-prefill-emb", 400, hidden, ucx_env=LOOPBACK_UCX_ENV)
-    vision = VisionCore(tower_encoder(VisionTower.from_checkpoint(path)), holder)
+    vision = VisionCore(tower_encoder(load_vision_tower(path)), holder)
     images = ImageResolver(ImageUrlPolicy([])).resolve([recipe.BytesImageSource(_png((200, 0, 0))),
                                                        recipe.BytesImageSource(_png((0, 0, 200)))])
     yield path, PrefillCore(p_eng, p_agent, reader), DecodeCore(d_eng, d_agent, "pi-decode"), vision, images

@@ -1,0 +1,198 @@
+"""The `torch` attention backend: plain PyTorch, the readable reference and the oracle for kernels.
+
+Per layer and step:
+
+* decode rows (one new token each) run as one batch: write the key into the window ring, advance
+  the compressors by one token (every row computes the entry its window would complete; only rows
+  whose window ended write it), gather the visible compressed entries, select with the indexer
+  (CSA), and attend over window + entries + the per-head sink;
+* each prefill chunk runs alone: compress the windows the chunk completes (from the ring's buffered
+  tokens plus the chunk's), write them, then attend over the window (an `unfold` view per query)
+  plus the selected entries, and write the chunk's last keys into the ring.
+
+NOTE: the arithmetic order is the model's reference; a kernel backend is tested against this one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.base import (
+    AttentionBackend,
+    AttentionInputs,
+    AttentionMetadata,
+    DecodeCompressorRows,
+    DecodeRows,
+    LayerSpec,
+    PrefillChunk,
+    register_attention_backend,
+)
+from engine.cache.kv_cache import V4KVCache
+
+
+def _pools(spec: LayerSpec, cache: V4KVCache):
+    """(main pool [blocks, epb, D], main ring kv, main ring gate, index pool, index ring kv, index ring gate)
+    of the layer; slots are dim 0 of the rings; the index ones are None outside CSA layers."""
+    j = spec.kind_index
+    if spec.kind == "csa":
+        return (cache.csa_entries[j], cache.csa_buf_kv[j], cache.csa_buf_gate[j],
+                cache.index_entries[j], cache.index_buf_kv[j], cache.index_buf_gate[j])
+    return cache.hca_entries[j], cache.hca_buf_kv[j], cache.hca_buf_gate[j], None, None, None
+
+
+@register_attention_backend("torch")
+class TorchAttentionBackend(AttentionBackend):
+    """Today's math in plain torch ops (CPU and GPU alike)."""
+
+    def forward(self, spec: LayerSpec, inputs: AttentionInputs, cache: V4KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        dm = meta.decode
+        out = None if meta.is_pure_decode else torch.empty_like(inputs.q)  # a pure decode step fills none
+        if dm is not None:
+            # a pure decode step (every row is a decode row, in order): no gather / scatter copies
+            r = slice(None) if meta.is_pure_decode else dm.rows
+            o = self._decode_batched(spec, dm, inputs, r, cache)
+            if meta.is_pure_decode:
+                out = o
+            else:
+                out[r] = o
+        for chunk in meta.prefill:
+            sl = chunk.rows
+            extra = self._compressed(spec, chunk, inputs, sl, cache, meta) if spec.is_compressed else None
+            out[sl] = self._attend_one(spec, chunk, inputs.q[sl], inputs.kv[sl], inputs.sink, cache, extra)
+        return out
+
+    # -- decode rows, batched ------------------------------------------------------------------
+
+    def _decode_batched(self, spec: LayerSpec, dm: DecodeRows, inputs: AttentionInputs, r,
+                        cache: V4KVCache) -> torch.Tensor:
+        """One new token for each of B requests in one go. q [B, NH, D], kv [B, D] -> [B, NH, D]."""
+        q, kv = inputs.q[r], inputs.kv[r]
+        W = spec.window
+        ring = cache.window_kv[spec.layer_idx]  # [slots, W, D]
+        ring[dm.slots, dm.window_rows[W]] = kv.to(ring.dtype)
+        keys = ring[dm.slots]  # [B, W, D]
+        valid = dm.window_valid[W]
+        scale = q.shape[-1]**-0.5
+        logits = torch.einsum("bhd,bwd->bhw", q, keys) * scale
+        parts = [logits.masked_fill(~valid[:, None, :], float("-inf"))]
+        entries = None
+        if spec.is_compressed:
+            entries, mask = self._decode_compressed(spec, dm, inputs, r, cache)
+            if entries is not None:
+                cl = torch.einsum("bhd,bcd->bhc", q, entries) * scale
+                parts.append(cl.masked_fill(~mask[:, None, :], float("-inf")))
+        parts.append(inputs.sink.to(logits.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1))
+        probs = torch.cat(parts, dim=-1).softmax(dim=-1)  # the sink keeps every row finite
+        o = torch.einsum("bhw,bwd->bhd", probs[..., :W].to(keys.dtype), keys)
+        if entries is not None:
+            C = entries.shape[1]
+            o = o + torch.einsum("bhc,bcd->bhd", probs[..., W:W + C].to(entries.dtype), entries)
+        return o
+
+    def _decode_compressed(self, spec: LayerSpec, dm: DecodeRows, inputs: AttentionInputs, r, cache: V4KVCache):
+        """Advance the compressors by one token per row; return (entries [B, C, D], mask [B, C]) or (None, None)."""
+        pool, buf_kv, buf_gate, ipool, ibuf_kv, ibuf_gate = _pools(spec, cache)
+        rows = dm.compressors[(spec.compress_rate, spec.is_overlap)]
+        self._decode_compressor(inputs.compressor, inputs.compressor_kv[r], inputs.compressor_gate[r],
+                                buf_kv, buf_gate, dm, rows, pool)
+        if spec.has_indexer:
+            self._decode_compressor(inputs.indexer.compressor, inputs.index_kv[r], inputs.index_gate[r],
+                                    ibuf_kv, ibuf_gate, dm, rows, ipool)
+        index = dm.compressed[spec.compress_rate]
+        if index is None:
+            return None, None
+        entries = pool.view(-1, pool.shape[-1])[index.pool_rows]  # [B, C, D]
+        if not spec.has_indexer:
+            return entries, index.visible
+        keys = ipool.view(-1, ipool.shape[-1])[index.pool_rows]  # [B, C, ID]
+        cos, sin = dm.rope[spec.rope]
+        indexer = inputs.indexer
+        scores = indexer.score_batched(inputs.q_res[r], inputs.x[r], keys, cos, sin)
+        return entries, indexer.select_topk(scores, index.visible)
+
+    @staticmethod
+    def _decode_compressor(comp, kv, gate, buf_kv, buf_gate, dm: DecodeRows, rows: DecodeCompressorRows,
+                           pool) -> None:
+        """Write each row's new token into its ring; emit the entry of every window that just ended."""
+        buf_kv[dm.slots, rows.ring_rows] = kv.to(buf_kv.dtype)
+        buf_gate[dm.slots, rows.ring_rows] = gate.to(buf_gate.dtype)
+        if rows.num_done == 0:  # a host int from the metadata: no sync
+            return
+        slots = rows.slots[:, None]
+        new = comp.compress_gathered(buf_kv[slots, rows.cur_rows], buf_gate[slots, rows.cur_rows],
+                                     buf_kv[slots, rows.prev_rows], buf_gate[slots, rows.prev_rows],
+                                     rows.windows, rows.entry_rope)
+        pool.view(-1, pool.shape[-1])[rows.pool_rows] = new.to(pool.dtype)
+
+    # -- per request ------------------------------------------------------------------------
+
+    @staticmethod
+    def _attend_one(spec: LayerSpec, chunk: PrefillChunk, q, kv, sink, cache: V4KVCache, extra) -> torch.Tensor:
+        """Attention of one request's new tokens over window + (selected) compressed entries.
+
+        Query i (position p0 + i) sees exactly the W keys at positions p0 + i - W + 1 .. p0 + i: the
+        ring's history (positions before p0, from `h0` on) followed by this chunk's keys, padded in
+        front to W - 1 history rows; `unfold` gives every query its W-row window as a view, so the
+        cost is n * W per head instead of n * (n + W).
+        """
+        W, n = spec.window, chunk.num_tokens
+        geo = chunk.windows[W]
+        ring = cache.window_kv[spec.layer_idx, chunk.slot]  # [W, D]
+        hist = ring[geo.hist_rows].to(kv.dtype)
+        if geo.num_dead_hist:  # rows before h0 hold no key of this request: zero them (masked below)
+            hist[: geo.num_dead_hist] = 0
+        keys = torch.cat([hist, kv], dim=0)  # [W - 1 + n, D]
+        windows = keys.unfold(0, W, 1)  # [n, D, W]: row i = positions p0 + i - W + 1 .. p0 + i
+        scale = q.shape[-1]**-0.5
+        logits = torch.einsum("nhd,ndw->nhw", q, windows) * scale  # [n, NH, W]
+        logits = logits.masked_fill(~geo.allowed[:, None, :], float("-inf"))
+        parts = [logits]
+        if extra is not None:
+            entries, mask = extra  # [C, D], [n, C]
+            cl = torch.einsum("nhd,cd->nhc", q, entries) * scale
+            parts.append(cl.masked_fill(~mask[:, None, :], float("-inf")))
+        parts.append(sink.to(logits.dtype).view(1, -1, 1).expand(n, -1, 1))
+        probs = torch.cat(parts, dim=-1).softmax(dim=-1)  # the sink keeps every row finite
+        o = torch.einsum("nhw,ndw->nhd", probs[..., :W].to(keys.dtype), windows)
+        if extra is not None:
+            C = entries.shape[0]
+            o = o + torch.einsum("nhc,cd->nhd", probs[..., W:W + C].to(entries.dtype), entries)
+        # write the new tokens' K=V into the ring (only the last W matter)
+        ring[geo.tail_rows] = kv[-geo.tail_rows.shape[0]:]
+        return o
+
+    def _compressed(self, spec: LayerSpec, chunk: PrefillChunk, inputs: AttentionInputs, sl: slice,
+                    cache: V4KVCache, meta: AttentionMetadata):
+        """Run this request's compressors, store new entries, return (entries [C, D], mask [n, C])."""
+        pool, buf_kv, buf_gate, ipool, ibuf_kv, ibuf_gate = _pools(spec, cache)
+        geo = chunk.compressors[(spec.compress_rate, spec.is_overlap)]
+        s = chunk.slot
+        entries = self._run_compressor(inputs.compressor, inputs.compressor_kv[sl], inputs.compressor_gate[sl],
+                                       buf_kv[s], buf_gate[s], geo, pool)
+        if not spec.has_indexer:
+            return entries, geo.visible
+        keys = self._run_compressor(inputs.indexer.compressor, inputs.index_kv[sl], inputs.index_gate[sl],
+                                    ibuf_kv[s], ibuf_gate[s], geo, ipool)
+        cos, sin = meta.rope[spec.rope]
+        mask = inputs.indexer.select(inputs.q_res[sl], inputs.x[sl], keys, geo.visible, cos[sl], sin[sl])
+        return entries, mask
+
+    @staticmethod
+    def _run_compressor(comp, kv, gate, buf_kv, buf_gate, geo, pool) -> torch.Tensor:
+        """Compress the windows this chunk completes, write them to the pool, return all C1 entries."""
+        if geo.windows.numel() > 0:
+            if geo.hist_rows is not None:
+                span_kv = torch.cat([buf_kv[geo.hist_rows], kv], dim=0)
+                span_gate = torch.cat([buf_gate[geo.hist_rows], gate], dim=0)
+            else:
+                span_kv, span_gate = kv, gate
+            new = comp.compress_gathered(span_kv[geo.cur_rows], span_gate[geo.cur_rows], span_kv[geo.prev_rows],
+                                         span_gate[geo.prev_rows], geo.windows, geo.entry_rope)
+            pool.view(-1, pool.shape[-1])[geo.write_rows] = new.to(pool.dtype)
+        keep = geo.tail_rows.shape[0]
+        buf_kv[geo.tail_rows] = kv[-keep:].to(buf_kv.dtype)
+        buf_gate[geo.tail_rows] = gate[-keep:].to(buf_gate.dtype)
+        if geo.entry_rows is None:
+            return pool.new_zeros((0, pool.shape[-1]))
+        return pool.view(-1, pool.shape[-1])[geo.entry_rows]

@@ -1,0 +1,19 @@
+"""engine.moe: the MoE layer's seam: a router and a backend for the routed experts.
+
+  * `router.Gate`: learned top-k or hash routing -> (topk_weights, topk_ids) per token.
+  * `base.MoEBackend`: `prepare(experts)` once after load, `forward(x, topk_weights, topk_ids)` every
+    step; `register_moe_backend` / `get_moe_backend` / `moe_backend_names` (CLI choices).
+  * `torch_backend`: `"torch"` (grouped matmuls over packed weights where supported) and `"torch_loop"`,
+    the readable reference and the oracle for every other backend.
+
+Where a new backend goes: quantized experts (FP8 block-scaled, FP4 weights kept quantized, a fused
+MoE kernel) or expert-parallel dispatch/combine (tokens sent to the rank that owns each expert and the
+results gathered back) are new `MoEBackend` subclasses in their own modules here, registered by name
+and imported below; the model picks one by name at construction (`moe_backend=`).
+"""
+
+from engine.moe import torch_backend as _torch_backend  # noqa: F401  (registers "torch" and "torch_loop")
+from engine.moe.base import MoEBackend, get_moe_backend, moe_backend_names, register_moe_backend
+from engine.moe.router import Gate
+
+__all__ = ["Gate", "MoEBackend", "get_moe_backend", "moe_backend_names", "register_moe_backend"]

@@ -1,0 +1,143 @@
+"""Balancer membership of a worker instance: `LoadReporter` registers the instance with its stage's
+balancer and heartbeats its load, re-registering when the balancer forgot it; prefix-cache hashes
+travel as deltas (protos/loadbalancer.proto).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+
+from protos import loadbalancer_pb2, loadbalancer_pb2_grpc
+
+
+class LoadReporter:
+    """Registers one instance with its stage's balancer and heartbeats its load (a daemon thread).
+
+    `collect()` returns the current `LoadReport` (without hashes) and the full set of cached prefix
+    hashes (None for instances without a prefix cache). Heartbeats carry the hashes as a delta
+    against the previous successful report; a full set goes out after registration, when the
+    balancer asks for it, and after a failed heartbeat (the lost delta cannot be replayed).
+    """
+
+    def __init__(
+        self,
+        lb_address: str,
+        registration: loadbalancer_pb2.RegisterRequest,
+        collect: Callable[[], tuple[loadbalancer_pb2.LoadReport, frozenset[int] | None]],
+        *,
+        interval_s: float | None = None,
+        rpc_timeout_s: float = 2.0,
+        logger_name: str = "worker",
+    ) -> None:
+        self.lb_address = lb_address
+        self._registration = registration
+        self._collect = collect
+        self._interval_s = interval_s
+        self._rpc_timeout_s = rpc_timeout_s
+        self._channel = grpc.insecure_channel(lb_address)
+        self._stub = loadbalancer_pb2_grpc.LoadBalancerStub(self._channel)
+        self._sent_hashes: frozenset[int] | None = None  # None: the next report carries the full set
+        self._is_registered = False
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{logger_name}-heartbeat", daemon=True)
+        self._logger = logging.getLogger(logger_name)
+        self._num_failures = 0
+
+    def start(self, register_timeout_s: float = 30.0) -> None:
+        """Blocks until registered (retrying for `register_timeout_s`), then heartbeats in the background.
+
+        Raises RuntimeError naming the balancer when it cannot be reached in time.
+        """
+        deadline = time.monotonic() + register_timeout_s
+        while True:
+            try:
+                self._register()
+                break
+            except grpc.RpcError as e:
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(
+                        f"cannot register with the balancer at {self.lb_address}: {e.code().name} {e.details()}; "
+                        "check --lb-address and that the balancer runs"
+                    ) from None
+                time.sleep(0.2)
+        self._thread.start()
+
+    def report_now(self) -> None:
+        """Send the next heartbeat now (e.g. the instance started draining)."""
+        self._wake.set()
+
+    def stop(self, deregister: bool = True) -> None:
+        """Blocks until the heartbeat thread ended; then deregisters (best effort) and closes the channel."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.ident is not None:
+            self._thread.join(5.0)
+        if deregister and self._is_registered:
+            try:
+                self._stub.Deregister(
+                    loadbalancer_pb2.DeregisterRequest(instance_id=self._registration.instance_id),
+                    timeout=self._rpc_timeout_s,
+                )
+            except grpc.RpcError as e:
+                self._logger.warning("deregistering from %s failed: %s", self.lb_address, e.code().name)
+            self._is_registered = False
+        self._channel.close()
+
+    def _report(self) -> tuple[loadbalancer_pb2.LoadReport, frozenset[int] | None]:
+        load, hashes = self._collect()
+        report = loadbalancer_pb2.LoadReport()
+        report.CopyFrom(load)
+        if hashes is not None:
+            if self._sent_hashes is None:
+                report.cached_block_hashes.extend(sorted(hashes))
+            else:
+                report.is_cached_hashes_delta = True
+                report.cached_block_hashes.extend(sorted(hashes - self._sent_hashes))
+                report.evicted_block_hashes.extend(sorted(self._sent_hashes - hashes))
+        return report, hashes
+
+    def _register(self) -> None:
+        self._sent_hashes = None
+        report, hashes = self._report()
+        request = loadbalancer_pb2.RegisterRequest()
+        request.CopyFrom(self._registration)
+        request.load.CopyFrom(report)
+        reply = self._stub.Register(request, timeout=self._rpc_timeout_s)
+        self._sent_hashes = hashes
+        self._is_registered = True
+        asked_s = max(0.05, reply.heartbeat_interval_ms / 1000)
+        self._interval_s = asked_s if self._interval_s is None else min(self._interval_s, asked_s)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self._interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            try:
+                report, hashes = self._report()
+                reply = self._stub.Heartbeat(
+                    loadbalancer_pb2.HeartbeatRequest(instance_id=self._registration.instance_id, load=report),
+                    timeout=self._rpc_timeout_s,
+                )
+                if not reply.is_known:
+                    self._logger.info("the balancer at %s forgot this instance; registering again", self.lb_address)
+                    self._register()
+                else:
+                    self._sent_hashes = None if reply.needs_full_cached_hashes else hashes
+                if self._num_failures:
+                    self._logger.info("heartbeats to %s work again", self.lb_address)
+                self._num_failures = 0
+            except grpc.RpcError as e:
+                self._sent_hashes = None
+                if self._num_failures == 0:
+                    self._logger.warning("heartbeat to %s failed: %s %s", self.lb_address, e.code().name, e.details())
+                self._num_failures += 1
+            except Exception:  # keep heartbeating; collect() may time out while the loop is busy
+                self._logger.exception("collecting the load report failed")

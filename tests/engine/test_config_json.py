@@ -1,0 +1,53 @@
+"""config.json is parsed once per process (`engine.config.read_config_json`), and the loader alone decides
+about quantization (`engine.loader.read_checkpoint_config`), so every stage accepts the same checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from engine.config import ModelConfig, read_config_json
+from engine.loader import CheckpointError, read_checkpoint_config
+from engine.testing.make_checkpoint import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("cfg"), preset="tiny", seed=0)
+
+
+def test_parsed_once_until_the_file_changes(tmp_path, monkeypatch):
+    file = tmp_path / "config.json"
+    file.write_text(json.dumps({"a": 1}))
+    reads = []
+    original = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: reads.append(self) or original(self, *a, **k))
+    first = read_config_json(tmp_path)
+    first["a"] = 2  # callers get a copy: the cached parse stays intact
+    assert read_config_json(file) == {"a": 1} and len(reads) == 1
+    file.write_text(json.dumps({"a": 10}))
+    os.utime(file, ns=(1, 1))  # a different version even within the clock's resolution
+    assert read_config_json(tmp_path) == {"a": 10} and len(reads) == 2
+
+
+def test_errors_name_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        read_config_json(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="must hold a JSON object"):
+        read_config_json(tmp_path)
+
+
+def test_the_loader_alone_decides_about_quantization(tmp_path, tiny):
+    raw = read_config_json(tiny)
+    path = tmp_path / "quant"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({**raw, "quantization_config": {"quant_method": "awq"}}))
+    ModelConfig.from_json_file(path)  # the model's shape is valid; the weights' storage is not its business
+    with pytest.raises(CheckpointError, match="quant_method 'awq' is not supported"):
+        read_checkpoint_config(path)
+    config, quant = read_checkpoint_config(tiny)
+    assert quant is None and config == ModelConfig.from_json_file(tiny)
