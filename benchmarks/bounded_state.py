@@ -1,6 +1,6 @@
 """Bounded state on the decode side: sent by the prefill with the KV, or rebuilt by bounded replay.
 
-    python -m benchmarks.bounded_state [--preset small] [--prompt-lens 64,256,1024] [--requests 8]
+    python -m deepinfer.benchmarks.bounded_state [--preset small] [--prompt-lens 64,256,1024] [--requests 8]
         [--max-tokens 8] [--threads 1] [--json OUT]
 
 Both modes run the real prefill and decode cores (`PrefillCore`, `DecodeCore`) on two engines in
@@ -30,12 +30,12 @@ from pathlib import Path
 
 import torch
 
-from decode_worker.core import DecodeCore
-from engine.engine import Engine, EngineConfig, RequestOutput
-from engine.sampling import SamplingParams
-from engine.testing.make_checkpoint import make_checkpoint
-from kv_transfer import LOOPBACK_UCX_ENV, KVTransferAgent
-from prefill_worker.core import KVDestination, PrefillCore, PrefillWork
+from deepinfer.decode_worker.core import DecodeCore
+from deepinfer.engine.engine import Engine, EngineConfig, RequestOutput
+from deepinfer.engine.sampling import SamplingParams
+from deepinfer.engine.testing.make_checkpoint import make_checkpoint
+from deepinfer.kv_transfer import LOOPBACK_UCX_ENV, KVTransferAgent
+from deepinfer.prefill_worker.core import KVDestination, PrefillCore, PrefillWork
 
 
 def _one(prefill: PrefillCore, decode: DecodeCore, rid: str, prompt: list[int], params: SamplingParams) -> dict:
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace, path: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bounded_state", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m deepinfer.benchmarks.bounded_state", description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="small")
     parser.add_argument("--checkpoint", default=None, help="existing checkpoint (default: write --preset)")
     parser.add_argument("--prompt-lens", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256, 1024])

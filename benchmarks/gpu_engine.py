@@ -1,6 +1,6 @@
 """Engine throughput on a CUDA GPU with a larger random-weight V4 preset in bf16.
 
-    python -m benchmarks.gpu_engine [--preset-scale medium] [--batches 1,32,128] [--skip-hf] [--json OUT]
+    python -m deepinfer.benchmarks.gpu_engine [--preset-scale medium] [--batches 1,32,128] [--skip-hf] [--json OUT]
 
 1. Decode tokens/s at fixed batch sizes: B requests (prompt 128 random tokens) are prefilled,
    then `--decode-steps` engine steps that each decode one token for all B are timed
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from engine.engine import Engine, EngineConfig
-from engine.llm import LLM
-from engine.sampling import SamplingParams
-from engine.testing.make_checkpoint import make_checkpoint
-from engine.testing.presets import get_preset
+from deepinfer.engine.engine import Engine, EngineConfig
+from deepinfer.engine.llm import LLM
+from deepinfer.engine.sampling import SamplingParams
+from deepinfer.engine.testing.make_checkpoint import make_checkpoint
+from deepinfer.engine.testing.presets import get_preset
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
@@ -116,7 +116,7 @@ def offline_hf(path: str, prompts, outs, dtype: str, device: str, batch_size: in
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu_engine")
+    ap = argparse.ArgumentParser(prog="python -m deepinfer.benchmarks.gpu_engine")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batches", default="1,32,128")

@@ -1,9 +1,9 @@
 """What the HTTP front (FastAPI + deepseek-recipe) adds over the token-level gRPC API, on one cluster.
 
-    python -m benchmarks.http_overhead [--model CKPT] [--num-sequential 30] [--num-concurrent 64]
+    python -m deepinfer.benchmarks.http_overhead [--model CKPT] [--num-sequential 30] [--num-concurrent 64]
         [--concurrency 8] [--stream-tokens 64] [--num-streams 3] [--json OUT]
 
-Starts a live local cluster (tests/http/cluster.py: two balancers, one prefill and one decode worker,
+Starts a live local cluster (tests/entrypoint/http/cluster.py: two balancers, one prefill and one decode worker,
 the token entrypoint and the HTTP front, each a process on loopback) with the default model unless
 `--model`, then measures, from this process as the client:
 
@@ -49,7 +49,7 @@ def _summary(values_s: list[float]) -> dict:
 
 def _prompt_ids(model_dir: Path, model: str) -> list[int]:
     """The prompt token ids the HTTP front sends for the benchmark's chat request."""
-    from entrypoint.http.conversion import CHAT, ImageUrlPolicy, RecipeFront
+    from deepinfer.entrypoint.http.conversion import CHAT, ImageUrlPolicy, RecipeFront
 
     front = RecipeFront(model_dir, model, 1 << 30, ImageUrlPolicy([]))
     body = {"model": model, "messages": MESSAGES, "max_tokens": 1, "thinking": {"type": "disabled"}}
@@ -59,8 +59,8 @@ def _prompt_ids(model_dir: Path, model: str) -> list[int]:
 def run(model_dir: Path, args) -> dict:
     import httpx
 
-    from entrypoint.client import Client
-    from tests.http.cluster import LocalCluster
+    from deepinfer.entrypoint.client import Client
+    from tests.entrypoint.http.cluster import LocalCluster
 
     model = model_dir.name
     prompt_ids = _prompt_ids(model_dir, model)
@@ -135,7 +135,7 @@ def _add_stream(stamps: list[tuple[float, int]], itl: list[float], tpot: list[fl
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.http_overhead", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m deepinfer.benchmarks.http_overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, help="checkpoint directory (default: the built-in default model)")
     parser.add_argument("--num-sequential", type=int, default=30)
     parser.add_argument("--num-concurrent", type=int, default=64)
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     if args.model is None:
-        from engine.testing.default_model import ensure_default_model
+        from deepinfer.engine.testing.default_model import ensure_default_model
 
         args.model = Path(ensure_default_model())
     results = run(args.model, args)

@@ -1,6 +1,6 @@
 """Forward-pass speed of our model against transformers' `DeepseekV4ForCausalLM` on the CPU.
 
-    python -m benchmarks.model_forward [--preset small] [--prompt-len 512] [--decode-steps 32]
+    python -m deepinfer.benchmarks.model_forward [--preset small] [--prompt-len 512] [--decode-steps 32]
         [--batch 8] [--reps 9] [--threads 1,2] [--checkpoint DIR] [--json OUT]
 
 Both models load the same random-weight checkpoint (written by `make_checkpoint` into a temporary
@@ -38,10 +38,10 @@ from pathlib import Path
 
 import torch
 
-from engine.loader import load_checkpoint
-from engine.testing.make_checkpoint import make_checkpoint
-from engine.testing.model_runner import ModelRunnerForTests
-from engine.testing.presets import PRESETS
+from deepinfer.engine.loader import load_checkpoint
+from deepinfer.engine.testing.make_checkpoint import make_checkpoint
+from deepinfer.engine.testing.model_runner import ModelRunnerForTests
+from deepinfer.engine.testing.presets import PRESETS
 
 
 def paired_medians(ours_fn: Callable[[], None], hf_fn: Callable[[], None], reps: int, warmup: int = 1) -> dict:
@@ -214,7 +214,7 @@ def parse_threads(value: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> dict:
     """Command-line entry point (see the module docstring)."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.model_forward", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m deepinfer.benchmarks.model_forward", description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="small", choices=sorted(PRESETS),
                         help="architecture of the random checkpoint")
     parser.add_argument("--checkpoint", type=Path,

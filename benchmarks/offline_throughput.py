@@ -1,6 +1,6 @@
 """Offline generation throughput: our `LLM.generate` against transformers' batched `generate`.
 
-    python -m benchmarks.offline_throughput [--num-requests 64] [--quick] [--threads 1,2]
+    python -m deepinfer.benchmarks.offline_throughput [--num-requests 64] [--quick] [--threads 1,2]
         [--hf-batch-size 16] [--checkpoint DIR] [--json OUT]
 
 Workload (fixed by `--seed`): `--num-requests` random-token prompts of length uniform in
@@ -45,9 +45,9 @@ from pathlib import Path
 
 import torch
 
-from engine.llm import LLM
-from engine.sampling import SamplingParams
-from engine.testing.make_checkpoint import make_checkpoint
+from deepinfer.engine.llm import LLM
+from deepinfer.engine.sampling import SamplingParams
+from deepinfer.engine.testing.make_checkpoint import make_checkpoint
 
 PAD_ID = 0
 PHASES = ("schedule", "model", "sample")
@@ -421,7 +421,7 @@ def parse_threads(value: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> dict:
     """Command-line entry point (see the module docstring)."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.offline_throughput",
+    parser = argparse.ArgumentParser(prog="python -m deepinfer.benchmarks.offline_throughput",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--num-requests", type=int, default=None, help="requests (default 64; 8 with --quick)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 8 requests, outputs of 8-32 tokens")

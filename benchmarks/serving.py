@@ -1,10 +1,10 @@
 """Online serving benchmark: a request-rate sweep, disaggregated 1P+1D against one colocated engine.
 
-    python -m benchmarks.serving [--preset small] [--rates 1,2,4,8,16] [--num-requests 20] [--seed 0]
+    python -m deepinfer.benchmarks.serving [--preset small] [--rates 1,2,4,8,16] [--num-requests 20] [--seed 0]
         [--prompt-len 32:256] [--output-len 32:128] [--fixed-len P,O] [--cpus 0-3]
         [--engine-threads 1] [--colocated-threads 1,2] [--modes disaggregated,colocated]
         [--overhead-requests 20] [--nixl-mb 64] [--ucx-tls TLS] [--json OUT] [--plot-dir DIR]
-    python -m benchmarks.serving --plot-from OUT.json[,OUT2.json] --plot-dir DIR      # plots only
+    python -m deepinfer.benchmarks.serving --plot-from OUT.json[,OUT2.json] --plot-dir DIR      # plots only
 
 Workload (all of it fixed by `--seed`): each rate point sends `--num-requests` requests whose
 arrival times are a Poisson process of that rate (unit exponential gaps drawn once, divided by the
@@ -17,8 +17,8 @@ request produces exactly its `max_tokens`. A few warm-up requests run before eac
 Modes (same checkpoint, same engine limits `--max-num-seqs` / `--max-num-batched-tokens` /
 `--max-model-len`, same CPU set):
 
-- `disaggregated`: two balancers (`python -m loadbalancer`: prefix_aware for prefill, kv_load for
-  decode), one prefill and one decode worker (`python -m prefill_worker` /
+- `disaggregated`: two balancers (`python -m deepinfer.loadbalancer`: prefix_aware for prefill, kv_load for
+  decode), one prefill and one decode worker (`python -m deepinfer.prefill_worker` /
   `decode_worker`, NIXL over UCX loopback, `OMP_NUM_THREADS=--engine-threads` each) and the
   entrypoint, each its own OS process. This process is the client: one thread per request calls
   `entrypoint.client.Client.stream` at the request's arrival time and stamps every delta. The
@@ -56,7 +56,7 @@ Also measured:
   `--bounded-state replay`).
 - `kv_transfer_in_sweep`: the prefill worker's kv_transfer counters after the sweep (bytes sent,
   mean post-to-DONE seconds per transfer).
-- `nixl_vs_memcpy`: `kv_transfer.bench.run` (NIXL WRITE of `--nixl-mb` MiB of compressed-KV blocks
+- `nixl_vs_memcpy`: `benchmarks.kv_transfer.run` (NIXL WRITE of `--nixl-mb` MiB of compressed-KV blocks
   between two processes vs a torch copy of the same bytes in one process).
 
 The JSON (`--json`) is rewritten after every point, so an interrupted run keeps what it measured.
@@ -79,9 +79,9 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks.offline_throughput import source_digest
-from deploy.processes import ServiceProcesses
-from protos.metadata import STATS_METADATA_KEY
+from deepinfer.benchmarks.offline_throughput import source_digest
+from deepinfer.deploy.processes import ServiceProcesses
+from deepinfer.protos.metadata import STATS_METADATA_KEY
 
 STARTUP_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
@@ -185,8 +185,8 @@ def _engine_child(conn, checkpoint: str, threads: int, engine_kwargs: dict) -> N
     import torch
 
     torch.set_num_threads(threads)
-    from engine.engine import Engine, EngineConfig
-    from engine.sampling import SamplingParams
+    from deepinfer.engine.engine import Engine, EngineConfig
+    from deepinfer.engine.sampling import SamplingParams
 
     engine = Engine(EngineConfig(model=checkpoint, **engine_kwargs))
     conn.send(("ready", torch.get_num_threads()))
@@ -325,7 +325,7 @@ class LocalCluster:
         """A worker's Health stats (its trailing-metadata JSON)."""
         import grpc
 
-        from protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+        from deepinfer.protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
         stub_cls = prefill_pb2_grpc.PrefillStub if name == "prefill" else decode_pb2_grpc.DecodeStub
         with grpc.insecure_channel(self.info[name]["address"]) as channel:
@@ -339,7 +339,7 @@ class LocalCluster:
 
 def wait_until_serving(client, timeout_s: float = 30.0) -> None:
     """Blocks until a 1-token request succeeds (both workers registered and pickable); raises after `timeout_s`."""
-    from entrypoint.client import GenerateError
+    from deepinfer.entrypoint.client import GenerateError
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -354,7 +354,7 @@ def wait_until_serving(client, timeout_s: float = 30.0) -> None:
 
 def serve_disaggregated(client, requests: list[Request], timeout_s: float) -> list[Record]:
     """Blocks until every request finished: one client thread per request, started at its arrival."""
-    from entrypoint.client import GenerateError
+    from deepinfer.entrypoint.client import GenerateError
 
     t0 = time.monotonic() + 0.05
     recs = [Record(t0 + r.arrival_s, len(r.prompt_token_ids), r.max_tokens) for r in requests]
@@ -388,8 +388,8 @@ def direct_latencies(cluster: LocalCluster, prompts: list[list[int]]) -> dict:
     entrypoint and no balancers; per-request wall time and its three phases, in seconds."""
     import grpc
 
-    from entrypoint.client import sampling_params_proto
-    from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+    from deepinfer.entrypoint.client import sampling_params_proto
+    from deepinfer.protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
     sampling = sampling_params_proto(temperature=0.0, max_tokens=1, ignore_eos=True)
     out = {"total": [], "reserve": [], "prefill": [], "start": []}
@@ -536,8 +536,8 @@ def run(args: argparse.Namespace) -> dict:
     """Blocks for the whole benchmark; returns the results (also written to `--json` as it goes)."""
     import torch
 
-    from engine.config import ModelConfig
-    from engine.testing.make_checkpoint import make_checkpoint
+    from deepinfer.engine.config import ModelConfig
+    from deepinfer.engine.testing.make_checkpoint import make_checkpoint
 
     if args.cpus:
         os.sched_setaffinity(0, _cpus(args.cpus))  # children inherit it
@@ -557,7 +557,7 @@ def run(args: argparse.Namespace) -> dict:
                    str(args.max_num_batched_tokens), "--max-model-len", str(args.max_model_len)]
     modes = args.modes.split(",")
     results: dict = {
-        "benchmark": "benchmarks.serving",
+        "benchmark": "deepinfer.benchmarks.serving",
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
         "engine_source_digest": source_digest(),
@@ -579,14 +579,14 @@ def run(args: argparse.Namespace) -> dict:
     overhead: dict = {}
 
     if args.nixl_mb:
-        from kv_transfer.bench import run as nixl_bench
+        from deepinfer.benchmarks.kv_transfer import run as nixl_bench
 
         results["nixl_vs_memcpy"] = nixl_bench(mb=args.nixl_mb, preset=args.preset, block_size=args.nixl_block_size,
                                                reps=args.nixl_reps, ucx_tls=args.ucx_tls or "cma,tcp,self")
         _save(results, args.json)
 
     if "disaggregated" in modes:
-        from entrypoint.client import Client
+        from deepinfer.entrypoint.client import Client
 
         logdir = tmp / "logs"
         logdir.mkdir()
@@ -594,7 +594,7 @@ def run(args: argparse.Namespace) -> dict:
         cluster = LocalCluster(ckpt, args.engine_threads, worker_args, logdir, args.ucx_tls, args.bounded_state)
         client = Client(cluster.info["entrypoint"]["address"], timeout_s=args.point_timeout_s + 30)
         try:
-            entry = {"description": f"1 prefill + 1 decode worker, 2 balancers (python -m loadbalancer), "
+            entry = {"description": f"1 prefill + 1 decode worker, 2 balancers (python -m deepinfer.loadbalancer), "
                      f"entrypoint; separate processes, OMP_NUM_THREADS={args.engine_threads} each; decode "
                      f"--bounded-state {args.bounded_state or '(worker default)'}; client = this process",
                      "startup_s": time.monotonic() - t0, "points": []}
@@ -713,12 +713,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--overhead-requests", type=int, default=20,
                     help="max_tokens=1 requests per disaggregated path (the two alternate); 0 = skip")
     ap.add_argument("--overhead-prompt-len", type=int, default=128)
-    ap.add_argument("--nixl-mb", type=float, default=64, help="MiB for kv_transfer.bench; 0 = skip")
+    ap.add_argument("--nixl-mb", type=float, default=64, help="MiB for benchmarks.kv_transfer; 0 = skip")
     ap.add_argument("--nixl-reps", type=int, default=5)
     ap.add_argument("--nixl-block-size", type=int, default=64,
-                    help="tokens per block in kv_transfer.bench (the engine's default for tiny and small: 64)")
+                    help="tokens per block in benchmarks.kv_transfer (the engine's default for tiny and small: 64)")
     ap.add_argument("--ucx-tls", default=None,
-                    help="UCX_TLS for the workers and kv_transfer.bench (UCX_NET_DEVICES=lo); default: the "
+                    help="UCX_TLS for the workers and benchmarks.kv_transfer (UCX_NET_DEVICES=lo); default: the "
                          "workers' --loopback-ucx (cma,tcp,self). NIXL refuses that on a host with NVIDIA GPUs: "
                          "there use cma,tcp,self,cuda_copy")
     ap.add_argument("--bounded-state", default=None, choices=["send", "replay"],

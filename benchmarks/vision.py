@@ -1,6 +1,6 @@
 """The vision stage: encode throughput per instance, image vs text TTFT, and vision 1 -> 2 scaling.
 
-    python -m benchmarks.vision [--model CKPT] [--images 24] [--requests 12] [--concurrency 8]
+    python -m deepinfer.benchmarks.vision [--model CKPT] [--images 24] [--requests 12] [--concurrency 8]
         [--threads 1] [--json OUT]
 
 Every process is real (`deploy.processes.ServiceProcesses`, loopback, NIXL over UCX): three balancers,
@@ -36,10 +36,10 @@ from pathlib import Path
 
 import grpc
 
-from deploy.processes import ServiceProcesses
-from entrypoint.client import Client
-from protos import common_pb2, vision_pb2, vision_pb2_grpc
-from protos.metadata import STATS_METADATA_KEY
+from deepinfer.deploy.processes import ServiceProcesses
+from deepinfer.entrypoint.client import Client
+from deepinfer.protos import common_pb2, vision_pb2, vision_pb2_grpc
+from deepinfer.protos.metadata import STATS_METADATA_KEY
 
 PLACEHOLDER = 129279
 
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-vision-"))
     model = args.model
     if model is None:
-        from engine.testing.make_checkpoint import make_checkpoint
+        from deepinfer.engine.testing.make_checkpoint import make_checkpoint
 
         model = str(make_checkpoint(tmp / "ckpt", preset="tiny", seed=0, vision=True))
     b = Bench(model, tmp / "logs", args.threads)

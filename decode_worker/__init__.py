@@ -3,4 +3,4 @@ KV and decodes with continuous batching.
 
 `core.DecodeCore` is the pure core (`reserve` / `step` / `abort`, no sockets); `server.serve_decode`
 is the process shell (the `deepinfer.v1.Decode` gRPC service, engine-loop thread, balancer
-membership); `python -m decode_worker` runs it as a process."""
+membership); `python -m deepinfer.decode_worker` runs it as a process."""

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.engine import EngineConfig
+from deepinfer.engine.engine import EngineConfig
 
 
 class DecodeWorkerConfig(BaseModel):

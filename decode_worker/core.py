@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.engine import Engine, RequestOutput
-from engine.sampling import SamplingParams
-from kv_transfer import KVTransferAgent
-from kv_transfer.pd_connector import PDConnector
+from deepinfer.engine.engine import Engine, RequestOutput
+from deepinfer.engine.sampling import SamplingParams
+from deepinfer.kv_transfer import KVTransferAgent
+from deepinfer.kv_transfer.pd_connector import PDConnector
 
 
 @dataclass

@@ -36,17 +36,17 @@ import queue
 import time
 from functools import partial
 
-from decode_worker.config import DecodeWorkerConfig
-from decode_worker.core import DecodeCore, DecodeFailed
-from engine.cache.block_pool import NoFreeBlocksError, NoFreeSlotsError
-from engine.engine import RequestOutput
-from engine.errors import InvalidRequestError
-from kv_transfer.embeddings import EmbeddingSource
-from protos import common_pb2, decode_pb2, decode_pb2_grpc, loadbalancer_pb2
-from protos.convert import sampling_params_from_proto, token_chunk
-from serving.errors import Refused, error_of
-from serving.loop import LoopMode
-from serving.shell import LOOP_CALL_TIMEOUT_S, EngineShell, ShellServicer, queue_items, serve_worker
+from deepinfer.decode_worker.config import DecodeWorkerConfig
+from deepinfer.decode_worker.core import DecodeCore, DecodeFailed
+from deepinfer.engine.cache.block_pool import NoFreeBlocksError, NoFreeSlotsError
+from deepinfer.engine.engine import RequestOutput
+from deepinfer.engine.errors import InvalidRequestError
+from deepinfer.kv_transfer.embeddings import EmbeddingSource
+from deepinfer.protos import common_pb2, decode_pb2, decode_pb2_grpc, loadbalancer_pb2
+from deepinfer.protos.convert import sampling_params_from_proto, token_chunk
+from deepinfer.serving.errors import Refused, error_of
+from deepinfer.serving.loop import LoopMode
+from deepinfer.serving.shell import LOOP_CALL_TIMEOUT_S, EngineShell, ShellServicer, queue_items, serve_worker
 
 EMBEDDING_READ_TIMEOUT_S = 3.0
 """Longest a Reserve waits for the READ of its images' embeddings (under the loop-call timeout)."""
@@ -102,7 +102,7 @@ class DecodeWorker(EngineShell):
                           f"prompt needs {num_needed}; retry later or on another instance")
         spans = None
         if images:
-            from engine.multimodal import ImageSpan
+            from deepinfer.engine.multimodal import ImageSpan
 
             if self.emb_agent is None:
                 raise InvalidRequestError("this decode instance's model has no vision tower; it cannot take images",

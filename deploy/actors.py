@@ -64,32 +64,32 @@ class ServiceActor:
 
             torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1") or 1)))
             if role == "vision":
-                from vision_worker.config import VisionWorkerConfig
-                from vision_worker.server import serve_vision
+                from deepinfer.vision_worker.config import VisionWorkerConfig
+                from deepinfer.vision_worker.server import serve_vision
 
                 self._server = serve_vision(VisionWorkerConfig(**config))
             elif role == "prefill":
-                from prefill_worker.config import PrefillWorkerConfig
-                from prefill_worker.server import serve_prefill
+                from deepinfer.prefill_worker.config import PrefillWorkerConfig
+                from deepinfer.prefill_worker.server import serve_prefill
 
                 self._server = serve_prefill(PrefillWorkerConfig(**config))
             else:
-                from decode_worker.config import DecodeWorkerConfig
-                from decode_worker.server import serve_decode
+                from deepinfer.decode_worker.config import DecodeWorkerConfig
+                from deepinfer.decode_worker.server import serve_decode
 
                 self._server = serve_decode(DecodeWorkerConfig(**config))
             self.address, self.instance_id = self._server.address, self._server.instance_id
         elif role in ("vision_lb", "prefill_lb", "decode_lb"):
-            from loadbalancer.config import LoadBalancerConfig
-            from loadbalancer.server import start_server
+            from deepinfer.loadbalancer.config import LoadBalancerConfig
+            from deepinfer.loadbalancer.server import start_server
 
             lb = LoadBalancerConfig(**config)
             self._balancer = start_server(f"{lb.host}:{lb.port}", lb.stage, lb.policy,
                                           heartbeat_timeout_s=lb.heartbeat_timeout_s)
             self.address, self.instance_id = f"{lb.advertise_host or lb.host}:{self._balancer.port}", role
         elif role == "entrypoint":
-            from entrypoint.config import EntrypointConfig
-            from entrypoint.server import serve_entrypoint
+            from deepinfer.entrypoint.config import EntrypointConfig
+            from deepinfer.entrypoint.server import serve_entrypoint
 
             self._server = serve_entrypoint(EntrypointConfig(**config))
             self.address, self.instance_id = self._server.address, self._server.instance_id

@@ -46,7 +46,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args, prompts: list) -> int:
-    from engine import LLM, InvalidRequestError, SamplingParams
+    from deepinfer.engine import LLM, InvalidRequestError, SamplingParams
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
@@ -99,11 +99,11 @@ def _cmd_demo(args) -> int:
     import deepseek_recipe as recipe
     import ray
 
-    from deploy.config import ClusterConfig
-    from deploy.launcher import connect_ray, start_cluster, stop_cluster
-    from engine.testing.default_model import ensure_default_model
-    from engine.tokenizer import load_chat_encoding, load_tokenizer
-    from entrypoint.client import Client
+    from deepinfer.deploy.config import ClusterConfig
+    from deepinfer.deploy.launcher import connect_ray, start_cluster, stop_cluster
+    from deepinfer.engine.builtin_model import builtin_model_path as ensure_default_model
+    from deepinfer.engine.tokenizer import load_chat_encoding, load_tokenizer
+    from deepinfer.entrypoint.client import Client
 
     model = args.model or str(ensure_default_model())
     encoding = load_chat_encoding(model)
@@ -156,7 +156,7 @@ def _run_remote(args, address: str, prompts: list) -> int:
     """Generate each prompt on the entrypoint at `address` (concurrently); one JSON line per prompt."""
     import grpc
 
-    from entrypoint.client import Client, GenerateError
+    from deepinfer.entrypoint.client import Client, GenerateError
 
     if any(not isinstance(p, dict) for p in prompts):
         print(json.dumps({"error": "the entrypoint takes token ids: give --prompt-ids (or --offline for text)",
@@ -182,8 +182,8 @@ def _running_entrypoint() -> str | None:
     """The entrypoint recorded by `deepinfer up`, if it answers Health within a second."""
     import grpc
 
-    from deploy.launcher import read_state
-    from protos import common_pb2, entrypoint_pb2_grpc
+    from deepinfer.deploy.launcher import read_state
+    from deepinfer.protos import common_pb2, entrypoint_pb2_grpc
 
     state = read_state()
     address = (state or {}).get("entrypoint")
@@ -207,7 +207,7 @@ def _add_ray_args(p: argparse.ArgumentParser) -> None:
 
 def _connect(args):
     """Join the Ray cluster that runs the named controller; returns the controller handle."""
-    from deploy.launcher import connect_ray, find_controller, read_state
+    from deepinfer.deploy.launcher import connect_ray, find_controller, read_state
 
     state = read_state() or {}
     connect_ray(args.address or state.get("ray_address") or "auto")
@@ -217,8 +217,8 @@ def _connect(args):
 def _cmd_up(args, parser) -> int:
     import ray
 
-    from deploy.config import ClusterConfig
-    from deploy.launcher import connect_ray, remove_state, start_cluster, stop_cluster, write_state
+    from deepinfer.deploy.config import ClusterConfig
+    from deepinfer.deploy.launcher import connect_ray, remove_state, start_cluster, stop_cluster, write_state
 
     if args.detach and args.address is None:
         parser.error("--detach needs --address: a local Ray cluster started by `up` lives only as long as `up`")
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd in ("status", "scale", "down"):
         import ray
 
-        from deploy.launcher import ClusterNotFound, remove_state, stop_cluster
+        from deepinfer.deploy.launcher import ClusterNotFound, remove_state, stop_cluster
 
         targets = _parse_targets(parser, args.targets) if args.cmd == "scale" else None
         try:

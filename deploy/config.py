@@ -34,11 +34,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from decode_worker.config import DecodeWorkerConfig
-from entrypoint.config import EntrypointConfig
-from loadbalancer.config import LoadBalancerConfig
-from prefill_worker.config import PrefillWorkerConfig
-from vision_worker.config import VisionWorkerConfig
+from deepinfer.decode_worker.config import DecodeWorkerConfig
+from deepinfer.entrypoint.config import EntrypointConfig
+from deepinfer.loadbalancer.config import LoadBalancerConfig
+from deepinfer.prefill_worker.config import PrefillWorkerConfig
+from deepinfer.vision_worker.config import VisionWorkerConfig
 
 STAGES = ("vision", "prefill", "decode")
 """The stages the launcher runs, front to back; vision only for models with a vision tower
@@ -162,7 +162,7 @@ class StageConfig(_Frozen):
 
 
 class HttpConfig(_Frozen):
-    """The HTTP front (`python -m entrypoint.http`), started when that module exists."""
+    """The HTTP front (`python -m deepinfer.entrypoint.http`), started when that module exists."""
 
     enabled: bool = True
     """Start it (ignored, with a note, when `entrypoint.http` is not installed)."""
@@ -188,11 +188,11 @@ def model_has_vision(model: str | None) -> bool:
     """Whether a checkpoint (None = the built-in default model) has a vision tower: a `vision_config`
     in its config.json. Reads only that file."""
     if model is None:
-        from engine.engine import default_model_path
+        from deepinfer.engine.engine import default_model_path
 
         model = str(default_model_path())
     try:
-        from engine.config import read_config_json
+        from deepinfer.engine.config import read_config_json
 
         return "vision_config" in read_config_json(model)
     except (OSError, ValueError):

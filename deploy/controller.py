@@ -32,9 +32,9 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from deploy.actors import ProcessActor, ServiceActor
-from deploy.config import STAGES, ClusterConfig, InstanceGroup
-from protos import (
+from deepinfer.deploy.actors import ProcessActor, ServiceActor
+from deepinfer.deploy.config import STAGES, ClusterConfig, InstanceGroup
+from deepinfer.protos import (
     common_pb2,
     decode_pb2_grpc,
     loadbalancer_pb2,
@@ -42,7 +42,7 @@ from protos import (
     prefill_pb2_grpc,
     vision_pb2_grpc,
 )
-from protos.metadata import STATS_METADATA_KEY
+from deepinfer.protos.metadata import STATS_METADATA_KEY
 
 logger = logging.getLogger("deploy")
 
@@ -99,7 +99,7 @@ class ClusterController:
             if self.config.model is None:
                 # NOTE: written once here, not by every role at once (their writes would collide); on a
                 # multi-node cluster give `model:` a path that exists on every node
-                from engine.engine import default_model_path
+                from deepinfer.engine.engine import default_model_path
 
                 self.config = self.config.model_copy(update={"model": str(default_model_path())})
             c = self.config
@@ -114,7 +114,7 @@ class ClusterController:
                 "entrypoint", lb_addresses=(self.addresses["prefill_lb"], self.addresses["decode_lb"]),
                 vision_lb_address=self.addresses.get("vision_lb", "")))
             self.addresses["entrypoint"] = self._wait_roles(["entrypoint"])["entrypoint"]["address"]
-            if c.http.enabled and _has_module("entrypoint.http.__main__"):
+            if c.http.enabled and _has_module("deepinfer.entrypoint.http.__main__"):
                 args = ["--entrypoint", self.addresses["entrypoint"], "--host", c.http.host, "--port", str(c.http.port),
                         # the balancers let /metrics gather the stages' figures (KV blocks, transfer bytes)
                         "--prefill-lb-address", self.addresses["prefill_lb"],
@@ -128,7 +128,7 @@ class ClusterController:
                     args += ["--image-url-allowed-hosts", hosts]
                 self._roles["http"] = ProcessActor.options(
                     num_cpus=0, max_concurrency=2, max_restarts=-1, namespace=NAMESPACE, name=f"{c.name}-http",
-                    scheduling_strategy=self._this_node()).remote("http", "entrypoint.http", args, c.http.host,
+                    scheduling_strategy=self._this_node()).remote("http", "deepinfer.entrypoint.http", args, c.http.host,
                                                                   c.http.port)
                 self.addresses["http"] = self._wait_roles(["http"])["http"]["address"]
             elif c.http.enabled:

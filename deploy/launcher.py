@@ -21,8 +21,8 @@ from pathlib import Path
 
 import ray
 
-from deploy.config import ClusterConfig
-from deploy.controller import NAMESPACE, RemoteController, controller_name
+from deepinfer.deploy.config import ClusterConfig
+from deepinfer.deploy.controller import NAMESPACE, RemoteController, controller_name
 
 
 class ClusterNotFound(RuntimeError):

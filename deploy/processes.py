@@ -44,9 +44,11 @@ class ServiceProcesses:
         self.info: dict[str, dict] = {}
 
     def spawn(self, name: str, args: Sequence[str]) -> subprocess.Popen:
-        """Start `python -m *args` as `name` (not waiting for it)."""
+        """Start `python -m deepinfer.<args[0]> *args[1:]` as `name` (not waiting for it); `args[0]` is a
+        module of the deepinfer namespace (`loadbalancer`, `prefill_worker`, `entrypoint.http`, ...)."""
+        module = args[0] if args[0].startswith("deepinfer.") else f"deepinfer.{args[0]}"
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", *args], cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL,
+            [sys.executable, "-m", module, *args[1:]], cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL,
             stdout=open(self.logdir / f"{name}.out", "w"), stderr=open(self.logdir / f"{name}.err", "w"))
         return self.procs[name]
 

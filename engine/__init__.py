@@ -1,14 +1,14 @@
 """engine: the model runtime every stage shares (config, model, cache, scheduler, sampler, offline API).
 
 ```python
-from engine import LLM, SamplingParams
+from deepinfer.engine import LLM, SamplingParams
 llm = LLM(model="path/to/ckpt", dtype="float32")
 outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=32))
 ```
 """
 
-from engine.errors import DeepInferError, InvalidRequestError
-from engine.sampling.params import SamplingParams
+from deepinfer.engine.errors import DeepInferError, InvalidRequestError
+from deepinfer.engine.sampling.params import SamplingParams
 
 __all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "InvalidRequestError", "DeepInferError"]
 
@@ -16,11 +16,10 @@ __all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "
 def __getattr__(name: str):
     # Lazy: importing the engine pulls in torch and the model; `engine.config` users need neither.
     if name == "LLM":
-        from engine.llm import LLM
+        from deepinfer.engine.llm import LLM
 
         return LLM
     if name in ("Engine", "EngineConfig", "RequestOutput", "CompletionOutput"):
-        import engine.engine as _e
-
+        import deepinfer.engine.engine as _e
         return getattr(_e, name)
     raise AttributeError(name)

@@ -23,20 +23,20 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.cache.block_pool import BlockPool, KVCacheManager, StateSlotPool
-from engine.cache.kv_cache import V4KVCache, compressed_bytes_per_token
-from engine.cache.layout import default_block_size, exact_replay_tokens
-from engine.errors import InvalidRequestError
-from engine.executor import PreparedStep, StepResult, executor_name, make_executor
-from engine.kv_connector import KVLoadSpec, KVSaveSpec
-from engine.kv_connector.engine_side import ExternalKVMixin
-from engine.model_runner import ModelRunner
-from engine.multimodal import ImageSpan
-from engine.sampling import IncrementalDetokenizer, Sampler, SamplingBatch, SamplingParams
-from engine.sampling.sampler import TokenLogprobs, compute_logprobs
-from engine.sampling.stop import StopChecker
-from engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
-from engine.structured_output import GrammarCompiler, GrammarState, allocate_bitmask
+from deepinfer.engine.cache.block_pool import BlockPool, KVCacheManager, StateSlotPool
+from deepinfer.engine.cache.kv_cache import V4KVCache, compressed_bytes_per_token
+from deepinfer.engine.cache.layout import default_block_size, exact_replay_tokens
+from deepinfer.engine.errors import InvalidRequestError
+from deepinfer.engine.executor import PreparedStep, StepResult, executor_name, make_executor
+from deepinfer.engine.kv_connector import KVLoadSpec, KVSaveSpec
+from deepinfer.engine.kv_connector.engine_side import ExternalKVMixin
+from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.engine.multimodal import ImageSpan
+from deepinfer.engine.sampling import IncrementalDetokenizer, Sampler, SamplingBatch, SamplingParams
+from deepinfer.engine.sampling.sampler import TokenLogprobs, compute_logprobs
+from deepinfer.engine.sampling.stop import StopChecker
+from deepinfer.engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
+from deepinfer.engine.structured_output import GrammarCompiler, GrammarState, allocate_bitmask
 
 
 class EngineConfig(BaseModel):
@@ -82,8 +82,8 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _check_choices(self) -> EngineConfig:
         executor_name(self.executor, self.async_scheduling)  # raises ValueError saying how to fix the choice
-        from engine.attention import get_attention_backend
-        from engine.moe import get_moe_backend
+        from deepinfer.engine.attention import get_attention_backend
+        from deepinfer.engine.moe import get_moe_backend
 
         get_attention_backend(self.attention_backend)  # raises ValueError listing the known names
         get_moe_backend(self.moe_backend)
@@ -179,17 +179,17 @@ class _InflightStep:
 
 def default_model_path() -> Path:
     """The built-in default checkpoint (the demo model)."""
-    from engine.testing.default_model import ensure_default_model
+    from deepinfer.engine.builtin_model import builtin_model_path
 
-    return ensure_default_model()
+    return builtin_model_path()
 
 
 class Engine(ExternalKVMixin):
     """The pure engine core (no sockets): `add_request` / `abort_request` / `step`."""
 
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
-        from engine.loader import load_checkpoint
-        from engine.tokenizer import load_tokenizer
+        from deepinfer.engine.loader import load_checkpoint
+        from deepinfer.engine.tokenizer import load_tokenizer
 
         config = config or EngineConfig(**kwargs)
         self.config = config
@@ -360,7 +360,7 @@ class Engine(ExternalKVMixin):
             elif span.image is None:
                 raise InvalidRequestError(f"images[{i}] has neither embeds nor an image to encode", field="images")
             else:
-                from engine.models.vision import image_token_count
+                from deepinfer.engine.models.vision import image_token_count
 
                 n = image_token_count(int(span.image.width), int(span.image.height))
                 if n != span.num_tokens:
@@ -377,7 +377,7 @@ class Engine(ExternalKVMixin):
 
         Raises `InvalidRequestError` when the model has no vision tower or an image does not decode.
         """
-        from engine.models.vision import preprocess_pixels
+        from deepinfer.engine.models.vision import preprocess_pixels
 
         if self.vision is None and any(s.embeds is None for s in images):
             raise InvalidRequestError("this model has no vision tower (its config.json has no vision_config)",
@@ -689,7 +689,7 @@ class Engine(ExternalKVMixin):
                         images: Sequence[ImageSpan] = ()) -> list[TokenLogprobs | None]:
         """Logprobs of each prompt token given its prefix (first is None), computed in a scratch pass
         (`images`: encoded spans whose embeddings replace those input rows)."""
-        from engine.model_runner import ScratchModelRunner
+        from deepinfer.engine.model_runner import ScratchModelRunner
 
         runner = ScratchModelRunner(self.model, max_seqs=1, max_len=len(prompt_token_ids) + 1)
         n = len(prompt_token_ids)

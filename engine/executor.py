@@ -49,10 +49,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
-    from engine.engine import EngineConfig
-    from engine.forward_batch import ForwardBatch
-    from engine.model_runner import ModelRunner
-    from engine.sampling import Sampler, SamplingBatch, TokenLogprobs
+    from deepinfer.engine.engine import EngineConfig
+    from deepinfer.engine.forward_batch import ForwardBatch
+    from deepinfer.engine.model_runner import ModelRunner
+    from deepinfer.engine.sampling import Sampler, SamplingBatch, TokenLogprobs
 
 
 @dataclass

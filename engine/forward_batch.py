@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engine.attention.base import AttentionMetadata
+    from deepinfer.engine.attention.base import AttentionMetadata
 
 
 @dataclass

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 import deepseek_recipe as recipe
 
-from engine.errors import InvalidRequestError
+from deepinfer.engine.errors import InvalidRequestError
 
 IMAGE_TOKEN_ID: int = recipe.IMAGE_SPECIAL_TOKEN_ID
 """`<｜image2｜>` (129264): the id every image token position holds in the prompt the engine runs."""

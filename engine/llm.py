@@ -16,10 +16,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from engine.engine import Engine, EngineConfig, RequestOutput
-from engine.errors import InvalidRequestError
-from engine.multimodal import ImageSpan, expand_image_placeholders
-from engine.sampling import SamplingParams
+from deepinfer.engine.engine import Engine, EngineConfig, RequestOutput
+from deepinfer.engine.errors import InvalidRequestError
+from deepinfer.engine.multimodal import ImageSpan, expand_image_placeholders
+from deepinfer.engine.sampling import SamplingParams
 
 
 class LLM:
@@ -94,8 +94,8 @@ class LLM:
         """
         import deepseek_recipe as recipe
 
-        from engine.images import InvalidImageError
-        from engine.tokenizer import load_chat_encoding
+        from deepinfer.engine.images import InvalidImageError
+        from deepinfer.engine.tokenizer import load_chat_encoding
 
         if isinstance(conversations, recipe.Conversation):
             conversations = [conversations]
@@ -171,7 +171,7 @@ def _preprocessed_image(image: Any, index: int):
     """recipe's preprocessed `ImageInfo` of one `multi_modal_data` image (bytes, PIL image or ImageInfo)."""
     import deepseek_recipe as recipe
 
-    from engine.images import LOW_DETAIL_MAX_DIMENSION_PX, MAX_DIMENSION_PX, InvalidImageError
+    from deepinfer.engine.images import LOW_DETAIL_MAX_DIMENSION_PX, MAX_DIMENSION_PX, InvalidImageError
 
     if all(hasattr(image, a) for a in ("data", "width", "height")):
         return image  # already preprocessed (recipe ImageInfo)

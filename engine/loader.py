@@ -52,8 +52,8 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
-from engine.config import ModelConfig, config_json_path, read_config_json
-from engine.models.deepseek_v4_weights import (
+from deepinfer.engine.config import ModelConfig, config_json_path, read_config_json
+from deepinfer.engine.models.deepseek_v4_weights import (
     VISION_PREFIXES,
     TensorSpec,
     checkpoint_spec,
@@ -63,7 +63,7 @@ from engine.models.deepseek_v4_weights import (
 )
 
 if TYPE_CHECKING:
-    from engine.models.vision import VisionTower
+    from deepinfer.engine.models.vision import VisionTower
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -540,7 +540,7 @@ def load_checkpoint(
     `dtype` except the fp32-kept set. Raises `CheckpointError` (naming the culprit) before reading any tensor data if
     the checkpoint does not match its config.json.
     """
-    from engine.models.deepseek_v4 import DeepseekV4ForCausalLM  # lazy: the model is heavy to import
+    from deepinfer.engine.models.deepseek_v4 import DeepseekV4ForCausalLM  # lazy: the model is heavy to import
 
     root = Path(path)
     torch_dtype = parse_dtype(dtype)
@@ -561,7 +561,7 @@ def load_vision_tower(
     Raises `CheckpointError` when config.json has no `vision_config` or a vision tensor is missing
     or misshapen.
     """
-    from engine.models.vision import VisionTower
+    from deepinfer.engine.models.vision import VisionTower
 
     config, quant = read_checkpoint_config(path)
     if config.vision is None:

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache.kv_cache import V4KVCache
-from engine.cache.layout import exact_replay_tokens  # noqa: F401  (re-export: the layout owns it)
-from engine.forward_batch import ForwardBatch, SeqChunk
-from engine.scheduler import SchedulerOutput
+from deepinfer.engine.cache.kv_cache import V4KVCache
+from deepinfer.engine.cache.layout import exact_replay_tokens  # noqa: F401  (re-export: the layout owns it)
+from deepinfer.engine.forward_batch import ForwardBatch, SeqChunk
+from deepinfer.engine.scheduler import SchedulerOutput
 
 
 @dataclass

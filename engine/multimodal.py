@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.config import IMAGE_TOKEN_ID
-from engine.errors import InvalidRequestError
+from deepinfer.engine.config import IMAGE_TOKEN_ID
+from deepinfer.engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     import torch
@@ -75,7 +75,7 @@ def expand_image_placeholders(
     Raises `InvalidRequestError` (field "multi_modal_data") when the number of placeholders is not
     the number of images.
     """
-    from engine.models.vision import image_token_count
+    from deepinfer.engine.models.vision import image_token_count
 
     num_placeholders = sum(1 for t in prompt_ids if t == placeholder_id)
     if num_placeholders != len(infos):

@@ -63,10 +63,10 @@ from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.cache.block_pool import KVCacheManager, StateSlotPool
-from engine.errors import InvalidRequestError
-from engine.multimodal import ImageSpan
-from engine.sampling.params import SamplingParams
+from deepinfer.engine.cache.block_pool import KVCacheManager, StateSlotPool
+from deepinfer.engine.errors import InvalidRequestError
+from deepinfer.engine.multimodal import ImageSpan
+from deepinfer.engine.sampling.params import SamplingParams
 
 # ---------------------------------------------------------------------------------------- config
 

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.errors import InvalidRequestError
-from engine.sampling.params import StructuredOutputParams
+from deepinfer.engine.errors import InvalidRequestError
+from deepinfer.engine.sampling.params import StructuredOutputParams
 
 if TYPE_CHECKING:
     import xgrammar

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from engine.config import read_config_json
+from deepinfer.engine.config import read_config_json
 
 
 def default_tokenizer_path() -> Path:

@@ -2,6 +2,6 @@
 streaming and abort.
 
 `server.serve_entrypoint` runs the token-level `deepinfer.v1.Entrypoint` service (validation, the P/D
-handshake, streaming, abort); `client.Client` is its Python client; `python -m entrypoint` runs it
+handshake, streaming, abort); `client.Client` is its Python client; `python -m deepinfer.entrypoint` runs it
 as a process. `entrypoint.http` is the HTTP front (OpenAI / Anthropic APIs through deepseek-recipe) on
-top of the token API; `python -m entrypoint.http` runs it."""
+top of the token API; `python -m deepinfer.entrypoint.http` runs it."""

@@ -1,4 +1,4 @@
-"""Run the token-level entrypoint: `python -m entrypoint --model DIR --prefill-lb-address HOST:PORT
+"""Run the token-level entrypoint: `python -m deepinfer.entrypoint --model DIR --prefill-lb-address HOST:PORT
 --decode-lb-address HOST:PORT [--port 0]`.
 
 Prints one JSON line on stdout once it serves: `{"address": "127.0.0.1:54321", "instance_id": "entrypoint-..."}`;
@@ -13,17 +13,17 @@ import signal
 import sys
 import threading
 
-from entrypoint.config import EntrypointConfig
-from serving.config_cli import config_from_args, make_parser
+from deepinfer.entrypoint.config import EntrypointConfig
+from deepinfer.serving.config_cli import config_from_args, make_parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = make_parser(EntrypointConfig, "python -m entrypoint", "Run the token-level entrypoint.")
+    parser = make_parser(EntrypointConfig, "python -m deepinfer.entrypoint", "Run the token-level entrypoint.")
     config = config_from_args(EntrypointConfig, parser, argv)
     if not config.prefill_lb_address or not config.decode_lb_address:
         parser.error("give --prefill-lb-address and --decode-lb-address")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from entrypoint.server import serve_entrypoint
+    from deepinfer.entrypoint.server import serve_entrypoint
 
     server = serve_entrypoint(config)
     for sig in (signal.SIGTERM, signal.SIGINT):

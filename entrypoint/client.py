@@ -21,8 +21,8 @@ from typing import Any
 
 import grpc
 
-from protos import common_pb2, entrypoint_pb2, entrypoint_pb2_grpc
-from protos.metadata import ERROR_FIELD_METADATA_KEY
+from deepinfer.protos import common_pb2, entrypoint_pb2, entrypoint_pb2_grpc
+from deepinfer.protos.metadata import ERROR_FIELD_METADATA_KEY
 
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -122,7 +122,7 @@ class Client:
             request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params_proto(**sampling),
             deadline_ms=deadline_ms)
         if images:
-            from engine.images import IMAGE_PLACEHOLDER_ID
+            from deepinfer.engine.images import IMAGE_PLACEHOLDER_ID
 
             offsets = [i for i, t in enumerate(prompt_token_ids) if t == IMAGE_PLACEHOLDER_ID]
             for offset, image in zip(offsets, images):

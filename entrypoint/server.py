@@ -50,12 +50,12 @@ from collections.abc import Iterator
 
 import grpc
 
-from engine.cache.block_pool import hash_block_tokens
-from engine.errors import InvalidRequestError
-from engine.images import IMAGE_TOKEN_ID
-from engine.sampling import SamplingParams
-from entrypoint.config import EntrypointConfig
-from protos import (
+from deepinfer.engine.cache.block_pool import hash_block_tokens
+from deepinfer.engine.errors import InvalidRequestError
+from deepinfer.engine.images import IMAGE_TOKEN_ID
+from deepinfer.engine.sampling import SamplingParams
+from deepinfer.entrypoint.config import EntrypointConfig
+from deepinfer.protos import (
     common_pb2,
     decode_pb2,
     decode_pb2_grpc,
@@ -68,10 +68,10 @@ from protos import (
     vision_pb2,
     vision_pb2_grpc,
 )
-from protos.convert import sampling_params_from_proto
-from protos.metadata import ERROR_FIELD_METADATA_KEY, STATS_METADATA_KEY
-from serving.errors import RETRYABLE_ERRORS, status_of
-from serving.loop import MAX_DEADLINE_S, call_time_remaining
+from deepinfer.protos.convert import sampling_params_from_proto
+from deepinfer.protos.metadata import ERROR_FIELD_METADATA_KEY, STATS_METADATA_KEY
+from deepinfer.serving.errors import RETRYABLE_ERRORS, status_of
+from deepinfer.serving.loop import MAX_DEADLINE_S, call_time_remaining
 
 logger = logging.getLogger("entrypoint")
 
@@ -619,8 +619,8 @@ class EntrypointServer:
         if not config.prefill_lb_address or not config.decode_lb_address:
             raise ValueError("the entrypoint needs prefill_lb_address and decode_lb_address (--prefill-lb-address, "
                              "--decode-lb-address)")
-        from engine.engine import default_model_path
-        from engine.loader import read_checkpoint_config
+        from deepinfer.engine.engine import default_model_path
+        from deepinfer.engine.loader import read_checkpoint_config
 
         # NOTE: the loader's own check: the entrypoint accepts exactly the checkpoints the workers load
         model_config, _ = read_checkpoint_config(config.model or default_model_path())

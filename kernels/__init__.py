@@ -9,7 +9,7 @@ file beside its torch reference (the oracle) and a wrapper that checks shapes, d
 A new kernel (Triton, TileLang) goes into the op's file, or a new `kernels/<op>.py` imported below.
 """
 
-from kernels import sinkhorn as _sinkhorn  # noqa: F401  (registers the op's implementations)
-from kernels.registry import OpTable, default_impl, get_op, op_impl_names, op_names, register_op
+from deepinfer.kernels import sinkhorn as _sinkhorn  # noqa: F401  (registers the op's implementations)
+from deepinfer.kernels.registry import OpTable, default_impl, get_op, op_impl_names, op_names, register_op
 
 __all__ = ["OpTable", "default_impl", "get_op", "op_impl_names", "op_names", "register_op"]

@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from kernels.registry import register_default_impl, register_op
+from deepinfer.kernels.registry import register_default_impl, register_op
 
 try:
     import triton

@@ -110,7 +110,7 @@ sender), gauges `kv_transfer_inflight_sends` and `kv_transfer_pending_recvs`, an
 `kv_transfer_send_seconds_recent` (the last 256 durations).
 """
 
-from kv_transfer.agent import (
+from deepinfer.kv_transfer.agent import (
     LOOPBACK_UCX_ENV,
     KVTransferAgent,
     KVTransferEvents,
@@ -120,7 +120,7 @@ from kv_transfer.agent import (
     encode_notif,
     layout_from_wire,
 )
-from kv_transfer.pd_connector import KVDestination, PDConnector, decode_notice, encode_notice
+from deepinfer.kv_transfer.pd_connector import KVDestination, PDConnector, decode_notice, encode_notice
 
 __all__ = [
     "LOOPBACK_UCX_ENV",

@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from engine.cache.kv_cache import V4KVCache
-from engine.cache.layout import PoolLayout
-from protos import kv_transfer_pb2
+from deepinfer.engine.cache.kv_cache import V4KVCache
+from deepinfer.engine.cache.layout import PoolLayout
+from deepinfer.protos import kv_transfer_pb2
 
 logger = logging.getLogger("kv_transfer")
 

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kv_transfer.agent import decode_notif, encode_notif
+from deepinfer.kv_transfer.agent import decode_notif, encode_notif
 
 logger = logging.getLogger("kv_transfer.embeddings")
 

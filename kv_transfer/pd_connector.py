@@ -37,9 +37,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from engine.kv_connector import KVConnector, KVConnectorEvents, KVLoadSpec, KVSaveSpec
-from kv_transfer.agent import KVTransferAgent
-from protos import kv_transfer_pb2
+from deepinfer.engine.kv_connector import KVConnector, KVConnectorEvents, KVLoadSpec, KVSaveSpec
+from deepinfer.kv_transfer.agent import KVTransferAgent
+from deepinfer.protos import kv_transfer_pb2
 
 
 def encode_notice(output_token_ids: list[int]) -> bytes:

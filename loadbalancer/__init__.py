@@ -5,7 +5,7 @@ The core is pure and in-process (no sockets): `Membership` (registration, heartb
 is the thin gRPC shell (`deepinfer.v1.LoadBalancer`, protos/loadbalancer.proto) around it.
 
 ```python
-from loadbalancer import Balancer, InstanceInfo, InstanceLoad, Membership, RequestInfo
+from deepinfer.loadbalancer import Balancer, InstanceInfo, InstanceLoad, Membership, RequestInfo
 members = Membership(heartbeat_timeout_s=3.0)
 members.register(InstanceInfo("prefill-0", "prefill", address="10.0.0.5:7000", block_size=64))
 balancer = Balancer("prefill", "prefix_aware", members)
@@ -13,8 +13,8 @@ instance = balancer.pick(RequestInfo(block_hashes=hashes, num_prompt_tokens=900)
 ```
 """
 
-from loadbalancer.balancer import Balancer, InsufficientCapacity, NoHealthyInstance
-from loadbalancer.membership import (
+from deepinfer.loadbalancer.balancer import Balancer, InsufficientCapacity, NoHealthyInstance
+from deepinfer.loadbalancer.membership import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     HeartbeatResult,
     Instance,
@@ -23,7 +23,7 @@ from loadbalancer.membership import (
     Membership,
     Stage,
 )
-from loadbalancer.policies import POLICIES, Policy, RequestInfo, make_policy, register_policy, stage_load
+from deepinfer.loadbalancer.policies import POLICIES, Policy, RequestInfo, make_policy, register_policy, stage_load
 
 __all__ = [
     "DEFAULT_HEARTBEAT_TIMEOUT_S",

@@ -1,4 +1,4 @@
-"""`python -m loadbalancer --stage prefill --policy prefix_aware [--port 0]`: run one stage's balancer.
+"""`python -m deepinfer.loadbalancer --stage prefill --policy prefix_aware [--port 0]`: run one stage's balancer.
 
 Prints one JSON line on stdout once it serves: `{"address": "127.0.0.1:54321", "stage": "prefill"}`;
 logs go to stderr. SIGTERM / SIGINT stop it.
@@ -12,13 +12,13 @@ import signal
 import sys
 import threading
 
-from loadbalancer.config import LoadBalancerConfig
-from loadbalancer.server import start_server
-from serving.config_cli import config_from_args, make_parser
+from deepinfer.loadbalancer.config import LoadBalancerConfig
+from deepinfer.loadbalancer.server import start_server
+from deepinfer.serving.config_cli import config_from_args, make_parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = make_parser(LoadBalancerConfig, "python -m loadbalancer", "Run one stage's balancer.")
+    parser = make_parser(LoadBalancerConfig, "python -m deepinfer.loadbalancer", "Run one stage's balancer.")
     config = config_from_args(LoadBalancerConfig, parser, argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     running = start_server(f"{config.host}:{config.port}", config.stage, config.policy,

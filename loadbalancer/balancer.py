@@ -16,8 +16,14 @@ from __future__ import annotations
 
 from collections import deque
 
-from loadbalancer.membership import Instance, Membership, Stage
-from loadbalancer.policies import Policy, RequestInfo, make_policy, matched_prefix_tokens, num_kv_blocks_needed
+from deepinfer.loadbalancer.membership import Instance, Membership, Stage
+from deepinfer.loadbalancer.policies import (
+    Policy,
+    RequestInfo,
+    make_policy,
+    matched_prefix_tokens,
+    num_kv_blocks_needed,
+)
 
 NUM_BALANCE_SAMPLES = 1024
 """Balance samples kept (one per pick) for `mean_balance`."""

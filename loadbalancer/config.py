@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from loadbalancer.membership import DEFAULT_HEARTBEAT_TIMEOUT_S
-from loadbalancer.policies import POLICIES
+from deepinfer.loadbalancer.membership import DEFAULT_HEARTBEAT_TIMEOUT_S
+from deepinfer.loadbalancer.policies import POLICIES
 
 
 class LoadBalancerConfig(BaseModel):

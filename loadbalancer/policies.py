@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from loadbalancer.membership import Instance, Stage
+from deepinfer.loadbalancer.membership import Instance, Stage
 
 
 @dataclass(frozen=True)

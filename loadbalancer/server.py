@@ -21,8 +21,8 @@ from typing import NamedTuple
 
 import grpc
 
-from loadbalancer.balancer import Balancer, InsufficientCapacity, NoHealthyInstance
-from loadbalancer.membership import (
+from deepinfer.loadbalancer.balancer import Balancer, InsufficientCapacity, NoHealthyInstance
+from deepinfer.loadbalancer.membership import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     Instance,
     InstanceInfo,
@@ -30,8 +30,8 @@ from loadbalancer.membership import (
     Membership,
     Stage,
 )
-from loadbalancer.policies import Policy, RequestInfo, make_policy, matched_prefix_tokens
-from protos import common_pb2, loadbalancer_pb2, loadbalancer_pb2_grpc
+from deepinfer.loadbalancer.policies import Policy, RequestInfo, make_policy, matched_prefix_tokens
+from deepinfer.protos import common_pb2, loadbalancer_pb2, loadbalancer_pb2_grpc
 
 logger = logging.getLogger("loadbalancer")
 

@@ -3,4 +3,4 @@ token and pushes compressed KV to the decode instance.
 
 `core.PrefillCore` is the pure core (`submit` / `step` / `abort`, no sockets); `server.serve_prefill`
 is the process shell (the `deepinfer.v1.Prefill` gRPC service, engine-loop thread, balancer
-membership); `python -m prefill_worker` runs it as a process."""
+membership); `python -m deepinfer.prefill_worker` runs it as a process."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.engine import EngineConfig
+from deepinfer.engine.engine import EngineConfig
 
 
 class PrefillWorkerConfig(BaseModel):

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from engine.engine import Engine
-from engine.sampling import SamplingParams
-from kv_transfer import KVTransferAgent
-from kv_transfer.embeddings import EmbeddingAgent, EmbeddingSource
-from kv_transfer.pd_connector import KVDestination, PDConnector
+from deepinfer.engine.engine import Engine
+from deepinfer.engine.sampling import SamplingParams
+from deepinfer.kv_transfer import KVTransferAgent
+from deepinfer.kv_transfer.embeddings import EmbeddingAgent, EmbeddingSource
+from deepinfer.kv_transfer.pd_connector import KVDestination, PDConnector
 
 __all__ = ["ImageInput", "KVDestination", "NoRoomForEmbeddings", "PrefillCore", "PrefillDone", "PrefillWork"]
 
@@ -178,7 +178,7 @@ class PrefillCore:
             work = reading.work
             spans = None
             if reading.error is None and not reading.is_aborted:
-                from engine.multimodal import ImageSpan
+                from deepinfer.engine.multimodal import ImageSpan
 
                 spans = [ImageSpan(im.offset, im.num_tokens, im.content_hash,
                                    embeds=emb.rows(start, im.num_tokens).clone())

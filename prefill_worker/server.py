@@ -35,16 +35,23 @@ import time
 from concurrent.futures import Future
 from functools import partial
 
-from engine.errors import InvalidRequestError
-from kv_transfer.agent import layout_from_wire
-from kv_transfer.embeddings import EmbeddingSource, HolderUnreachable
-from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.core import ImageInput, KVDestination, NoRoomForEmbeddings, PrefillCore, PrefillDone, PrefillWork
-from protos import common_pb2, loadbalancer_pb2, prefill_pb2, prefill_pb2_grpc
-from protos.convert import sampling_params_from_proto
-from serving.errors import Aborted, Refused, error_of
-from serving.loop import LoopMode, call_time_remaining
-from serving.shell import EngineShell, ShellServicer, serve_worker
+from deepinfer.engine.errors import InvalidRequestError
+from deepinfer.kv_transfer.agent import layout_from_wire
+from deepinfer.kv_transfer.embeddings import EmbeddingSource, HolderUnreachable
+from deepinfer.prefill_worker.config import PrefillWorkerConfig
+from deepinfer.prefill_worker.core import (
+    ImageInput,
+    KVDestination,
+    NoRoomForEmbeddings,
+    PrefillCore,
+    PrefillDone,
+    PrefillWork,
+)
+from deepinfer.protos import common_pb2, loadbalancer_pb2, prefill_pb2, prefill_pb2_grpc
+from deepinfer.protos.convert import sampling_params_from_proto
+from deepinfer.serving.errors import Aborted, Refused, error_of
+from deepinfer.serving.loop import LoopMode, call_time_remaining
+from deepinfer.serving.shell import EngineShell, ShellServicer, serve_worker
 
 PREFILL_REFUSALS = (
     (HolderUnreachable, common_pb2.ERROR_CODE_UNAVAILABLE, "image_embeddings"),  # retryable: encode again elsewhere

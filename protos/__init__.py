@@ -10,6 +10,6 @@ generated Python stubs.
 | `common.proto` | shared messages: SamplingParams, Usage, Error, TokenLogprobs, Health, Abort, Drain | — |
 
 Use them as `from protos import decode_pb2, decode_pb2_grpc`. The `*_pb2*.py(i)` files are generated
-by `python -m protos.generate` (never edit them); `protos.convert` maps engine dataclasses to messages;
+by `python -m deepinfer.protos.generate` (never edit them); `protos.convert` maps engine dataclasses to messages;
 `protos.metadata` names the gRPC metadata keys (trailing stats, the offending field of an error).
 """

@@ -12,9 +12,9 @@ comes back as None (the engine treats both as "no bias").
 
 from __future__ import annotations
 
-from engine.errors import InvalidRequestError
-from engine.sampling.params import STRUCTURED_OUTPUT_KINDS, SamplingParams, StructuredOutputParams
-from protos import common_pb2, decode_pb2
+from deepinfer.engine.errors import InvalidRequestError
+from deepinfer.engine.sampling.params import STRUCTURED_OUTPUT_KINDS, SamplingParams, StructuredOutputParams
+from deepinfer.protos import common_pb2, decode_pb2
 
 _DEFAULTS = SamplingParams()
 

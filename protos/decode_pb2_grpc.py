@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from protos import common_pb2 as protos_dot_common__pb2
-from protos import decode_pb2 as protos_dot_decode__pb2
+from deepinfer.protos import common_pb2 as deepinfer_dot_protos_dot_common__pb2
+from deepinfer.protos import decode_pb2 as deepinfer_dot_protos_dot_decode__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/decode_pb2_grpc.py depends on'
+        + ' but the generated code in deepinfer/protos/decode_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,28 +38,28 @@ class DecodeStub:
         """
         self.Reserve = channel.unary_unary(
                 '/deepinfer.v1.Decode/Reserve',
-                request_serializer=protos_dot_decode__pb2.ReserveRequest.SerializeToString,
-                response_deserializer=protos_dot_decode__pb2.ReserveResponse.FromString,
+                request_serializer=deepinfer_dot_protos_dot_decode__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_protos_dot_decode__pb2.ReserveResponse.FromString,
                 _registered_method=True)
         self.Start = channel.unary_stream(
                 '/deepinfer.v1.Decode/Start',
-                request_serializer=protos_dot_decode__pb2.StartRequest.SerializeToString,
-                response_deserializer=protos_dot_decode__pb2.TokenChunk.FromString,
+                request_serializer=deepinfer_dot_protos_dot_decode__pb2.StartRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_protos_dot_decode__pb2.TokenChunk.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/deepinfer.v1.Decode/Abort',
-                request_serializer=protos_dot_common__pb2.AbortRequest.SerializeToString,
-                response_deserializer=protos_dot_common__pb2.AbortResponse.FromString,
+                request_serializer=deepinfer_dot_protos_dot_common__pb2.AbortRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_protos_dot_common__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/deepinfer.v1.Decode/Health',
-                request_serializer=protos_dot_common__pb2.HealthRequest.SerializeToString,
-                response_deserializer=protos_dot_common__pb2.HealthResponse.FromString,
+                request_serializer=deepinfer_dot_protos_dot_common__pb2.HealthRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_protos_dot_common__pb2.HealthResponse.FromString,
                 _registered_method=True)
         self.Drain = channel.unary_unary(
                 '/deepinfer.v1.Decode/Drain',
-                request_serializer=protos_dot_common__pb2.DrainRequest.SerializeToString,
-                response_deserializer=protos_dot_common__pb2.DrainResponse.FromString,
+                request_serializer=deepinfer_dot_protos_dot_common__pb2.DrainRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_protos_dot_common__pb2.DrainResponse.FromString,
                 _registered_method=True)
 
 
@@ -110,28 +110,28 @@ def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Reserve': grpc.unary_unary_rpc_method_handler(
                     servicer.Reserve,
-                    request_deserializer=protos_dot_decode__pb2.ReserveRequest.FromString,
-                    response_serializer=protos_dot_decode__pb2.ReserveResponse.SerializeToString,
+                    request_deserializer=deepinfer_dot_protos_dot_decode__pb2.ReserveRequest.FromString,
+                    response_serializer=deepinfer_dot_protos_dot_decode__pb2.ReserveResponse.SerializeToString,
             ),
             'Start': grpc.unary_stream_rpc_method_handler(
                     servicer.Start,
-                    request_deserializer=protos_dot_decode__pb2.StartRequest.FromString,
-                    response_serializer=protos_dot_decode__pb2.TokenChunk.SerializeToString,
+                    request_deserializer=deepinfer_dot_protos_dot_decode__pb2.StartRequest.FromString,
+                    response_serializer=deepinfer_dot_protos_dot_decode__pb2.TokenChunk.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=protos_dot_common__pb2.AbortRequest.FromString,
-                    response_serializer=protos_dot_common__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=deepinfer_dot_protos_dot_common__pb2.AbortRequest.FromString,
+                    response_serializer=deepinfer_dot_protos_dot_common__pb2.AbortResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=protos_dot_common__pb2.HealthRequest.FromString,
-                    response_serializer=protos_dot_common__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=deepinfer_dot_protos_dot_common__pb2.HealthRequest.FromString,
+                    response_serializer=deepinfer_dot_protos_dot_common__pb2.HealthResponse.SerializeToString,
             ),
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
-                    request_deserializer=protos_dot_common__pb2.DrainRequest.FromString,
-                    response_serializer=protos_dot_common__pb2.DrainResponse.SerializeToString,
+                    request_deserializer=deepinfer_dot_protos_dot_common__pb2.DrainRequest.FromString,
+                    response_serializer=deepinfer_dot_protos_dot_common__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -160,8 +160,8 @@ class Decode:
             request,
             target,
             '/deepinfer.v1.Decode/Reserve',
-            protos_dot_decode__pb2.ReserveRequest.SerializeToString,
-            protos_dot_decode__pb2.ReserveResponse.FromString,
+            deepinfer_dot_protos_dot_decode__pb2.ReserveRequest.SerializeToString,
+            deepinfer_dot_protos_dot_decode__pb2.ReserveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -187,8 +187,8 @@ class Decode:
             request,
             target,
             '/deepinfer.v1.Decode/Start',
-            protos_dot_decode__pb2.StartRequest.SerializeToString,
-            protos_dot_decode__pb2.TokenChunk.FromString,
+            deepinfer_dot_protos_dot_decode__pb2.StartRequest.SerializeToString,
+            deepinfer_dot_protos_dot_decode__pb2.TokenChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -214,8 +214,8 @@ class Decode:
             request,
             target,
             '/deepinfer.v1.Decode/Abort',
-            protos_dot_common__pb2.AbortRequest.SerializeToString,
-            protos_dot_common__pb2.AbortResponse.FromString,
+            deepinfer_dot_protos_dot_common__pb2.AbortRequest.SerializeToString,
+            deepinfer_dot_protos_dot_common__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -241,8 +241,8 @@ class Decode:
             request,
             target,
             '/deepinfer.v1.Decode/Health',
-            protos_dot_common__pb2.HealthRequest.SerializeToString,
-            protos_dot_common__pb2.HealthResponse.FromString,
+            deepinfer_dot_protos_dot_common__pb2.HealthRequest.SerializeToString,
+            deepinfer_dot_protos_dot_common__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -268,8 +268,8 @@ class Decode:
             request,
             target,
             '/deepinfer.v1.Decode/Drain',
-            protos_dot_common__pb2.DrainRequest.SerializeToString,
-            protos_dot_common__pb2.DrainResponse.FromString,
+            deepinfer_dot_protos_dot_common__pb2.DrainRequest.SerializeToString,
+            deepinfer_dot_protos_dot_common__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from protos import common_pb2 as protos_dot_common__pb2
-from protos import entrypoint_pb2 as protos_dot_entrypoint__pb2
+from deepinfer.protos import common_pb2 as deepinfer_dot_protos_dot_common__pb2
+from deepinfer.protos import entrypoint_pb2 as deepinfer_dot_protos_dot_entrypoint__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/entrypoint_pb2_grpc.py depends on'
+        + ' but the generated code in deepinfer/protos/entrypoint_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,18 +38,18 @@ class EntrypointStub:
         """
         self.Generate = channel.unary_stream(
                 '/deepinfer.v1.Entrypoint/Generate',
-                request_serializer=protos_dot_entrypoint__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_entrypoint__pb2.GenerateResponse.FromString,
+                request_serializer=deepinfer_dot_protos_dot_entrypoint__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_protos_dot_entrypoint__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/deepinfer.v1.Entrypoint/Abort',
-                request_serializer=protos_dot_common__pb2.AbortRequest.SerializeToString,
-                response_deserializer=protos_dot_common__pb2.AbortResponse.FromString,
+                request_serializer=deepinfer_dot_protos_dot_common__pb2.AbortRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_protos_dot_common__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/deepinfer.v1.Entrypoint/Health',
-                request_serializer=protos_dot_common__pb2.HealthRequest.SerializeToString,
-                response_deserializer=protos_dot_common__pb2.HealthResponse.FromString,
+                request_serializer=deepinfer_dot_protos_dot_common__pb2.HealthRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_protos_dot_common__pb2.HealthResponse.FromString,
                 _registered_method=True)
 
 
@@ -85,18 +85,18 @@ def add_EntrypointServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=protos_dot_entrypoint__pb2.GenerateRequest.FromString,
-                    response_serializer=protos_dot_entrypoint__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=deepinfer_dot_protos_dot_entrypoint__pb2.GenerateRequest.FromString,
+                    response_serializer=deepinfer_dot_protos_dot_entrypoint__pb2.GenerateResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=protos_dot_common__pb2.AbortRequest.FromString,
-                    response_serializer=protos_dot_common__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=deepinfer_dot_protos_dot_common__pb2.AbortRequest.FromString,
+                    response_serializer=deepinfer_dot_protos_dot_common__pb2.AbortResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=protos_dot_common__pb2.HealthRequest.FromString,
-                    response_serializer=protos_dot_common__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=deepinfer_dot_protos_dot_common__pb2.HealthRequest.FromString,
+                    response_serializer=deepinfer_dot_protos_dot_common__pb2.HealthResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -125,8 +125,8 @@ class Entrypoint:
             request,
             target,
             '/deepinfer.v1.Entrypoint/Generate',
-            protos_dot_entrypoint__pb2.GenerateRequest.SerializeToString,
-            protos_dot_entrypoint__pb2.GenerateResponse.FromString,
+            deepinfer_dot_protos_dot_entrypoint__pb2.GenerateRequest.SerializeToString,
+            deepinfer_dot_protos_dot_entrypoint__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -152,8 +152,8 @@ class Entrypoint:
             request,
             target,
             '/deepinfer.v1.Entrypoint/Abort',
-            protos_dot_common__pb2.AbortRequest.SerializeToString,
-            protos_dot_common__pb2.AbortResponse.FromString,
+            deepinfer_dot_protos_dot_common__pb2.AbortRequest.SerializeToString,
+            deepinfer_dot_protos_dot_common__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -179,8 +179,8 @@ class Entrypoint:
             request,
             target,
             '/deepinfer.v1.Entrypoint/Health',
-            protos_dot_common__pb2.HealthRequest.SerializeToString,
-            protos_dot_common__pb2.HealthResponse.FromString,
+            deepinfer_dot_protos_dot_common__pb2.HealthRequest.SerializeToString,
+            deepinfer_dot_protos_dot_common__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import loadbalancer_pb2 as protos_dot_loadbalancer__pb2
+from deepinfer.protos import loadbalancer_pb2 as deepinfer_dot_protos_dot_loadbalancer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/loadbalancer_pb2_grpc.py depends on'
+        + ' but the generated code in deepinfer/protos/loadbalancer_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -39,28 +39,28 @@ class LoadBalancerStub:
         """
         self.Register = channel.unary_unary(
                 '/deepinfer.v1.LoadBalancer/Register',
-                request_serializer=protos_dot_loadbalancer__pb2.RegisterRequest.SerializeToString,
-                response_deserializer=protos_dot_loadbalancer__pb2.RegisterResponse.FromString,
+                request_serializer=deepinfer_dot_protos_dot_loadbalancer__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_protos_dot_loadbalancer__pb2.RegisterResponse.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/deepinfer.v1.LoadBalancer/Heartbeat',
-                request_serializer=protos_dot_loadbalancer__pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=protos_dot_loadbalancer__pb2.HeartbeatResponse.FromString,
+                request_serializer=deepinfer_dot_protos_dot_loadbalancer__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_protos_dot_loadbalancer__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
         self.Pick = channel.unary_unary(
                 '/deepinfer.v1.LoadBalancer/Pick',
-                request_serializer=protos_dot_loadbalancer__pb2.PickRequest.SerializeToString,
-                response_deserializer=protos_dot_loadbalancer__pb2.PickResponse.FromString,
+                request_serializer=deepinfer_dot_protos_dot_loadbalancer__pb2.PickRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_protos_dot_loadbalancer__pb2.PickResponse.FromString,
                 _registered_method=True)
         self.Deregister = channel.unary_unary(
                 '/deepinfer.v1.LoadBalancer/Deregister',
-                request_serializer=protos_dot_loadbalancer__pb2.DeregisterRequest.SerializeToString,
-                response_deserializer=protos_dot_loadbalancer__pb2.DeregisterResponse.FromString,
+                request_serializer=deepinfer_dot_protos_dot_loadbalancer__pb2.DeregisterRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_protos_dot_loadbalancer__pb2.DeregisterResponse.FromString,
                 _registered_method=True)
         self.ListInstances = channel.unary_unary(
                 '/deepinfer.v1.LoadBalancer/ListInstances',
-                request_serializer=protos_dot_loadbalancer__pb2.ListInstancesRequest.SerializeToString,
-                response_deserializer=protos_dot_loadbalancer__pb2.ListInstancesResponse.FromString,
+                request_serializer=deepinfer_dot_protos_dot_loadbalancer__pb2.ListInstancesRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_protos_dot_loadbalancer__pb2.ListInstancesResponse.FromString,
                 _registered_method=True)
 
 
@@ -113,28 +113,28 @@ def add_LoadBalancerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
-                    request_deserializer=protos_dot_loadbalancer__pb2.RegisterRequest.FromString,
-                    response_serializer=protos_dot_loadbalancer__pb2.RegisterResponse.SerializeToString,
+                    request_deserializer=deepinfer_dot_protos_dot_loadbalancer__pb2.RegisterRequest.FromString,
+                    response_serializer=deepinfer_dot_protos_dot_loadbalancer__pb2.RegisterResponse.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
-                    request_deserializer=protos_dot_loadbalancer__pb2.HeartbeatRequest.FromString,
-                    response_serializer=protos_dot_loadbalancer__pb2.HeartbeatResponse.SerializeToString,
+                    request_deserializer=deepinfer_dot_protos_dot_loadbalancer__pb2.HeartbeatRequest.FromString,
+                    response_serializer=deepinfer_dot_protos_dot_loadbalancer__pb2.HeartbeatResponse.SerializeToString,
             ),
             'Pick': grpc.unary_unary_rpc_method_handler(
                     servicer.Pick,
-                    request_deserializer=protos_dot_loadbalancer__pb2.PickRequest.FromString,
-                    response_serializer=protos_dot_loadbalancer__pb2.PickResponse.SerializeToString,
+                    request_deserializer=deepinfer_dot_protos_dot_loadbalancer__pb2.PickRequest.FromString,
+                    response_serializer=deepinfer_dot_protos_dot_loadbalancer__pb2.PickResponse.SerializeToString,
             ),
             'Deregister': grpc.unary_unary_rpc_method_handler(
                     servicer.Deregister,
-                    request_deserializer=protos_dot_loadbalancer__pb2.DeregisterRequest.FromString,
-                    response_serializer=protos_dot_loadbalancer__pb2.DeregisterResponse.SerializeToString,
+                    request_deserializer=deepinfer_dot_protos_dot_loadbalancer__pb2.DeregisterRequest.FromString,
+                    response_serializer=deepinfer_dot_protos_dot_loadbalancer__pb2.DeregisterResponse.SerializeToString,
             ),
             'ListInstances': grpc.unary_unary_rpc_method_handler(
                     servicer.ListInstances,
-                    request_deserializer=protos_dot_loadbalancer__pb2.ListInstancesRequest.FromString,
-                    response_serializer=protos_dot_loadbalancer__pb2.ListInstancesResponse.SerializeToString,
+                    request_deserializer=deepinfer_dot_protos_dot_loadbalancer__pb2.ListInstancesRequest.FromString,
+                    response_serializer=deepinfer_dot_protos_dot_loadbalancer__pb2.ListInstancesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -165,8 +165,8 @@ class LoadBalancer:
             request,
             target,
             '/deepinfer.v1.LoadBalancer/Register',
-            protos_dot_loadbalancer__pb2.RegisterRequest.SerializeToString,
-            protos_dot_loadbalancer__pb2.RegisterResponse.FromString,
+            deepinfer_dot_protos_dot_loadbalancer__pb2.RegisterRequest.SerializeToString,
+            deepinfer_dot_protos_dot_loadbalancer__pb2.RegisterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -192,8 +192,8 @@ class LoadBalancer:
             request,
             target,
             '/deepinfer.v1.LoadBalancer/Heartbeat',
-            protos_dot_loadbalancer__pb2.HeartbeatRequest.SerializeToString,
-            protos_dot_loadbalancer__pb2.HeartbeatResponse.FromString,
+            deepinfer_dot_protos_dot_loadbalancer__pb2.HeartbeatRequest.SerializeToString,
+            deepinfer_dot_protos_dot_loadbalancer__pb2.HeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -219,8 +219,8 @@ class LoadBalancer:
             request,
             target,
             '/deepinfer.v1.LoadBalancer/Pick',
-            protos_dot_loadbalancer__pb2.PickRequest.SerializeToString,
-            protos_dot_loadbalancer__pb2.PickResponse.FromString,
+            deepinfer_dot_protos_dot_loadbalancer__pb2.PickRequest.SerializeToString,
+            deepinfer_dot_protos_dot_loadbalancer__pb2.PickResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -246,8 +246,8 @@ class LoadBalancer:
             request,
             target,
             '/deepinfer.v1.LoadBalancer/Deregister',
-            protos_dot_loadbalancer__pb2.DeregisterRequest.SerializeToString,
-            protos_dot_loadbalancer__pb2.DeregisterResponse.FromString,
+            deepinfer_dot_protos_dot_loadbalancer__pb2.DeregisterRequest.SerializeToString,
+            deepinfer_dot_protos_dot_loadbalancer__pb2.DeregisterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -273,8 +273,8 @@ class LoadBalancer:
             request,
             target,
             '/deepinfer.v1.LoadBalancer/ListInstances',
-            protos_dot_loadbalancer__pb2.ListInstancesRequest.SerializeToString,
-            protos_dot_loadbalancer__pb2.ListInstancesResponse.FromString,
+            deepinfer_dot_protos_dot_loadbalancer__pb2.ListInstancesRequest.SerializeToString,
+            deepinfer_dot_protos_dot_loadbalancer__pb2.ListInstancesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from protos import common_pb2 as protos_dot_common__pb2
-from protos import prefill_pb2 as protos_dot_prefill__pb2
+from deepinfer.protos import common_pb2 as deepinfer_dot_protos_dot_common__pb2
+from deepinfer.protos import prefill_pb2 as deepinfer_dot_protos_dot_prefill__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/prefill_pb2_grpc.py depends on'
+        + ' but the generated code in deepinfer/protos/prefill_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,23 +38,23 @@ class PrefillStub:
         """
         self.Prefill = channel.unary_unary(
                 '/deepinfer.v1.Prefill/Prefill',
-                request_serializer=protos_dot_prefill__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=protos_dot_prefill__pb2.PrefillResponse.FromString,
+                request_serializer=deepinfer_dot_protos_dot_prefill__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_protos_dot_prefill__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/deepinfer.v1.Prefill/Abort',
-                request_serializer=protos_dot_common__pb2.AbortRequest.SerializeToString,
-                response_deserializer=protos_dot_common__pb2.AbortResponse.FromString,
+                request_serializer=deepinfer_dot_protos_dot_common__pb2.AbortRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_protos_dot_common__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/deepinfer.v1.Prefill/Health',
-                request_serializer=protos_dot_common__pb2.HealthRequest.SerializeToString,
-                response_deserializer=protos_dot_common__pb2.HealthResponse.FromString,
+                request_serializer=deepinfer_dot_protos_dot_common__pb2.HealthRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_protos_dot_common__pb2.HealthResponse.FromString,
                 _registered_method=True)
         self.Drain = channel.unary_unary(
                 '/deepinfer.v1.Prefill/Drain',
-                request_serializer=protos_dot_common__pb2.DrainRequest.SerializeToString,
-                response_deserializer=protos_dot_common__pb2.DrainResponse.FromString,
+                request_serializer=deepinfer_dot_protos_dot_common__pb2.DrainRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_protos_dot_common__pb2.DrainResponse.FromString,
                 _registered_method=True)
 
 
@@ -96,23 +96,23 @@ def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=protos_dot_prefill__pb2.PrefillRequest.FromString,
-                    response_serializer=protos_dot_prefill__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=deepinfer_dot_protos_dot_prefill__pb2.PrefillRequest.FromString,
+                    response_serializer=deepinfer_dot_protos_dot_prefill__pb2.PrefillResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=protos_dot_common__pb2.AbortRequest.FromString,
-                    response_serializer=protos_dot_common__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=deepinfer_dot_protos_dot_common__pb2.AbortRequest.FromString,
+                    response_serializer=deepinfer_dot_protos_dot_common__pb2.AbortResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=protos_dot_common__pb2.HealthRequest.FromString,
-                    response_serializer=protos_dot_common__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=deepinfer_dot_protos_dot_common__pb2.HealthRequest.FromString,
+                    response_serializer=deepinfer_dot_protos_dot_common__pb2.HealthResponse.SerializeToString,
             ),
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
-                    request_deserializer=protos_dot_common__pb2.DrainRequest.FromString,
-                    response_serializer=protos_dot_common__pb2.DrainResponse.SerializeToString,
+                    request_deserializer=deepinfer_dot_protos_dot_common__pb2.DrainRequest.FromString,
+                    response_serializer=deepinfer_dot_protos_dot_common__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -141,8 +141,8 @@ class Prefill:
             request,
             target,
             '/deepinfer.v1.Prefill/Prefill',
-            protos_dot_prefill__pb2.PrefillRequest.SerializeToString,
-            protos_dot_prefill__pb2.PrefillResponse.FromString,
+            deepinfer_dot_protos_dot_prefill__pb2.PrefillRequest.SerializeToString,
+            deepinfer_dot_protos_dot_prefill__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -168,8 +168,8 @@ class Prefill:
             request,
             target,
             '/deepinfer.v1.Prefill/Abort',
-            protos_dot_common__pb2.AbortRequest.SerializeToString,
-            protos_dot_common__pb2.AbortResponse.FromString,
+            deepinfer_dot_protos_dot_common__pb2.AbortRequest.SerializeToString,
+            deepinfer_dot_protos_dot_common__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -195,8 +195,8 @@ class Prefill:
             request,
             target,
             '/deepinfer.v1.Prefill/Health',
-            protos_dot_common__pb2.HealthRequest.SerializeToString,
-            protos_dot_common__pb2.HealthResponse.FromString,
+            deepinfer_dot_protos_dot_common__pb2.HealthRequest.SerializeToString,
+            deepinfer_dot_protos_dot_common__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -222,8 +222,8 @@ class Prefill:
             request,
             target,
             '/deepinfer.v1.Prefill/Drain',
-            protos_dot_common__pb2.DrainRequest.SerializeToString,
-            protos_dot_common__pb2.DrainResponse.FromString,
+            deepinfer_dot_protos_dot_common__pb2.DrainRequest.SerializeToString,
+            deepinfer_dot_protos_dot_common__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from protos import common_pb2 as protos_dot_common__pb2
-from protos import vision_pb2 as protos_dot_vision__pb2
+from deepinfer.protos import common_pb2 as deepinfer_dot_protos_dot_common__pb2
+from deepinfer.protos import vision_pb2 as deepinfer_dot_protos_dot_vision__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/vision_pb2_grpc.py depends on'
+        + ' but the generated code in deepinfer/protos/vision_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,28 +38,28 @@ class VisionStub:
         """
         self.Encode = channel.unary_unary(
                 '/deepinfer.v1.Vision/Encode',
-                request_serializer=protos_dot_vision__pb2.EncodeRequest.SerializeToString,
-                response_deserializer=protos_dot_vision__pb2.EncodeResponse.FromString,
+                request_serializer=deepinfer_dot_protos_dot_vision__pb2.EncodeRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_protos_dot_vision__pb2.EncodeResponse.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/deepinfer.v1.Vision/Release',
-                request_serializer=protos_dot_vision__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=protos_dot_vision__pb2.ReleaseResponse.FromString,
+                request_serializer=deepinfer_dot_protos_dot_vision__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_protos_dot_vision__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/deepinfer.v1.Vision/Abort',
-                request_serializer=protos_dot_common__pb2.AbortRequest.SerializeToString,
-                response_deserializer=protos_dot_common__pb2.AbortResponse.FromString,
+                request_serializer=deepinfer_dot_protos_dot_common__pb2.AbortRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_protos_dot_common__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/deepinfer.v1.Vision/Health',
-                request_serializer=protos_dot_common__pb2.HealthRequest.SerializeToString,
-                response_deserializer=protos_dot_common__pb2.HealthResponse.FromString,
+                request_serializer=deepinfer_dot_protos_dot_common__pb2.HealthRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_protos_dot_common__pb2.HealthResponse.FromString,
                 _registered_method=True)
         self.Drain = channel.unary_unary(
                 '/deepinfer.v1.Vision/Drain',
-                request_serializer=protos_dot_common__pb2.DrainRequest.SerializeToString,
-                response_deserializer=protos_dot_common__pb2.DrainResponse.FromString,
+                request_serializer=deepinfer_dot_protos_dot_common__pb2.DrainRequest.SerializeToString,
+                response_deserializer=deepinfer_dot_protos_dot_common__pb2.DrainResponse.FromString,
                 _registered_method=True)
 
 
@@ -111,28 +111,28 @@ def add_VisionServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Encode': grpc.unary_unary_rpc_method_handler(
                     servicer.Encode,
-                    request_deserializer=protos_dot_vision__pb2.EncodeRequest.FromString,
-                    response_serializer=protos_dot_vision__pb2.EncodeResponse.SerializeToString,
+                    request_deserializer=deepinfer_dot_protos_dot_vision__pb2.EncodeRequest.FromString,
+                    response_serializer=deepinfer_dot_protos_dot_vision__pb2.EncodeResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
-                    request_deserializer=protos_dot_vision__pb2.ReleaseRequest.FromString,
-                    response_serializer=protos_dot_vision__pb2.ReleaseResponse.SerializeToString,
+                    request_deserializer=deepinfer_dot_protos_dot_vision__pb2.ReleaseRequest.FromString,
+                    response_serializer=deepinfer_dot_protos_dot_vision__pb2.ReleaseResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=protos_dot_common__pb2.AbortRequest.FromString,
-                    response_serializer=protos_dot_common__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=deepinfer_dot_protos_dot_common__pb2.AbortRequest.FromString,
+                    response_serializer=deepinfer_dot_protos_dot_common__pb2.AbortResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=protos_dot_common__pb2.HealthRequest.FromString,
-                    response_serializer=protos_dot_common__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=deepinfer_dot_protos_dot_common__pb2.HealthRequest.FromString,
+                    response_serializer=deepinfer_dot_protos_dot_common__pb2.HealthResponse.SerializeToString,
             ),
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
-                    request_deserializer=protos_dot_common__pb2.DrainRequest.FromString,
-                    response_serializer=protos_dot_common__pb2.DrainResponse.SerializeToString,
+                    request_deserializer=deepinfer_dot_protos_dot_common__pb2.DrainRequest.FromString,
+                    response_serializer=deepinfer_dot_protos_dot_common__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -161,8 +161,8 @@ class Vision:
             request,
             target,
             '/deepinfer.v1.Vision/Encode',
-            protos_dot_vision__pb2.EncodeRequest.SerializeToString,
-            protos_dot_vision__pb2.EncodeResponse.FromString,
+            deepinfer_dot_protos_dot_vision__pb2.EncodeRequest.SerializeToString,
+            deepinfer_dot_protos_dot_vision__pb2.EncodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -188,8 +188,8 @@ class Vision:
             request,
             target,
             '/deepinfer.v1.Vision/Release',
-            protos_dot_vision__pb2.ReleaseRequest.SerializeToString,
-            protos_dot_vision__pb2.ReleaseResponse.FromString,
+            deepinfer_dot_protos_dot_vision__pb2.ReleaseRequest.SerializeToString,
+            deepinfer_dot_protos_dot_vision__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -215,8 +215,8 @@ class Vision:
             request,
             target,
             '/deepinfer.v1.Vision/Abort',
-            protos_dot_common__pb2.AbortRequest.SerializeToString,
-            protos_dot_common__pb2.AbortResponse.FromString,
+            deepinfer_dot_protos_dot_common__pb2.AbortRequest.SerializeToString,
+            deepinfer_dot_protos_dot_common__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -242,8 +242,8 @@ class Vision:
             request,
             target,
             '/deepinfer.v1.Vision/Health',
-            protos_dot_common__pb2.HealthRequest.SerializeToString,
-            protos_dot_common__pb2.HealthResponse.FromString,
+            deepinfer_dot_protos_dot_common__pb2.HealthRequest.SerializeToString,
+            deepinfer_dot_protos_dot_common__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -269,8 +269,8 @@ class Vision:
             request,
             target,
             '/deepinfer.v1.Vision/Drain',
-            protos_dot_common__pb2.DrainRequest.SerializeToString,
-            protos_dot_common__pb2.DrainResponse.FromString,
+            deepinfer_dot_protos_dot_common__pb2.DrainRequest.SerializeToString,
+            deepinfer_dot_protos_dot_common__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

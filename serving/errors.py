@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import grpc
 
-from engine.cache.block_pool import NoFreeBlocksError, NoFreeSlotsError
-from engine.errors import InvalidRequestError
-from protos import common_pb2
+from deepinfer.engine.cache.block_pool import NoFreeBlocksError, NoFreeSlotsError
+from deepinfer.engine.errors import InvalidRequestError
+from deepinfer.protos import common_pb2
 
 
 class Aborted(Exception):

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import grpc
 
-from protos import loadbalancer_pb2, loadbalancer_pb2_grpc
+from deepinfer.protos import loadbalancer_pb2, loadbalancer_pb2_grpc
 
 
 class LoadReporter:

@@ -36,13 +36,13 @@ from typing import Any, ClassVar
 
 import grpc
 
-from kv_transfer import LOOPBACK_UCX_ENV, KVTransferAgent
-from kv_transfer.embeddings import EmbeddingAgent
-from protos import common_pb2, loadbalancer_pb2
-from protos.metadata import STATS_METADATA_KEY
-from serving.errors import Refused
-from serving.loop import EngineLoop, LoopMode
-from serving.membership import LoadReporter
+from deepinfer.kv_transfer import LOOPBACK_UCX_ENV, KVTransferAgent
+from deepinfer.kv_transfer.embeddings import EmbeddingAgent
+from deepinfer.protos import common_pb2, loadbalancer_pb2
+from deepinfer.protos.metadata import STATS_METADATA_KEY
+from deepinfer.serving.errors import Refused
+from deepinfer.serving.loop import EngineLoop, LoopMode
+from deepinfer.serving.membership import LoadReporter
 
 LOOP_CALL_TIMEOUT_S = 5.0
 """How long Health, Abort, Drain and heartbeats wait for the engine loop before calling it stuck."""
@@ -273,7 +273,7 @@ class EngineShell(WorkerShell):
     """
 
     def __init__(self, config: Any, *, send_state: bool) -> None:
-        from engine.engine import Engine
+        from deepinfer.engine.engine import Engine
 
         super().__init__(config)
         self.engine = Engine(config.engine_config())
@@ -368,7 +368,7 @@ def run_worker_process(config_cls: type, prog: str, doc: str, argv: list[str] | 
     import signal
     import sys
 
-    from serving.config_cli import config_from_args, make_parser
+    from deepinfer.serving.config_cli import config_from_args, make_parser
 
     config = config_from_args(config_cls, make_parser(config_cls, prog, doc.splitlines()[0]), argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")

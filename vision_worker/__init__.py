@@ -6,4 +6,4 @@ rows (a content-hash LRU cache) from where the decode and prefill instances READ
 
 `core.VisionCore` is the pure core (`submit` / `step` / `release`, no sockets); `server.serve_vision`
 is the process shell (the `deepinfer.v1.Vision` gRPC service, encode-loop thread, balancer
-membership); `python -m vision_worker` runs it as a process."""
+membership); `python -m deepinfer.vision_worker` runs it as a process."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.images import ImageLimits
+from deepinfer.engine.images import ImageLimits
 
 
 class VisionWorkerConfig(BaseModel):

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.images import ResolvedImage
-from kv_transfer.embeddings import EmbeddingAgent, EmbeddingSource
+from deepinfer.engine.images import ResolvedImage
+from deepinfer.kv_transfer.embeddings import EmbeddingAgent, EmbeddingSource
 
 EncodeFn = Callable[[list[ResolvedImage]], list[torch.Tensor]]
 """Blocks while encoding: preprocessed images -> one `[num_tokens, hidden]` tensor each, in order."""
@@ -257,7 +257,7 @@ class VisionCore:
 def tower_encoder(tower) -> EncodeFn:
     """The `EncodeFn` of an `engine.models.vision.VisionTower`: recipe's preprocessed images ->
     pixels (`preprocess_pixels`) -> `tower.encode` (equal sizes share a forward)."""
-    from engine.models.vision import preprocess_pixels
+    from deepinfer.engine.models.vision import preprocess_pixels
 
     def encode(images: list[ResolvedImage]) -> list[torch.Tensor]:
         return tower.encode([preprocess_pixels(im.info, tower.config) for im in images])

@@ -29,15 +29,15 @@ from functools import partial
 
 import grpc
 
-from engine.errors import InvalidRequestError
-from engine.images import ImageResolver, ImageUrlPolicy, image_source
-from kv_transfer.embeddings import EmbeddingAgent
-from protos import common_pb2, loadbalancer_pb2, vision_pb2, vision_pb2_grpc
-from serving.errors import Aborted, Refused, error_of
-from serving.loop import LoopMode, call_time_remaining
-from serving.shell import LOOP_CALL_TIMEOUT_S, ShellServicer, WorkerShell, serve_worker
-from vision_worker.config import VisionWorkerConfig
-from vision_worker.core import EncodeDone, VisionCore, tower_encoder
+from deepinfer.engine.errors import InvalidRequestError
+from deepinfer.engine.images import ImageResolver, ImageUrlPolicy, image_source
+from deepinfer.kv_transfer.embeddings import EmbeddingAgent
+from deepinfer.protos import common_pb2, loadbalancer_pb2, vision_pb2, vision_pb2_grpc
+from deepinfer.serving.errors import Aborted, Refused, error_of
+from deepinfer.serving.loop import LoopMode, call_time_remaining
+from deepinfer.serving.shell import LOOP_CALL_TIMEOUT_S, ShellServicer, WorkerShell, serve_worker
+from deepinfer.vision_worker.config import VisionWorkerConfig
+from deepinfer.vision_worker.core import EncodeDone, VisionCore, tower_encoder
 
 VISION_REFUSALS = ((ValueError, common_pb2.ERROR_CODE_INVALID_REQUEST, "images"),)
 """This stage's rows of the refusal table (`serving.errors`): an image the core cannot take is bad input."""
@@ -64,8 +64,8 @@ class VisionWorker(WorkerShell):
     drain_linger_s = 0.5
 
     def __init__(self, config: VisionWorkerConfig) -> None:
-        from engine.engine import default_model_path
-        from engine.loader import load_vision_tower
+        from deepinfer.engine.engine import default_model_path
+        from deepinfer.engine.loader import load_vision_tower
 
         super().__init__(config)
         self.tower = load_vision_tower(config.model or str(default_model_path()), config.dtype, config.device)

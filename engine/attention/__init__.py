@@ -17,8 +17,8 @@ torch reference). The metadata is the only per-step input: extend `build_attenti
 before the forward, host ints allowed) rather than computing indices inside a layer.
 """
 
-from engine.attention import torch_backend as _torch_backend  # noqa: F401  (registers "torch")
-from engine.attention.base import (
+from deepinfer.engine.attention import torch_backend as _torch_backend  # noqa: F401  (registers "torch")
+from deepinfer.engine.attention.base import (
     AttentionBackend,
     AttentionInputs,
     AttentionMetadata,

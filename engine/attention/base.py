@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.cache.layout import CacheLayout
-from engine.config import ModelConfig
+from deepinfer.engine.cache.layout import CacheLayout
+from deepinfer.engine.config import ModelConfig
 
 if TYPE_CHECKING:
-    from engine.cache.kv_cache import V4KVCache
-    from engine.forward_batch import ForwardBatch
+    from deepinfer.engine.cache.kv_cache import V4KVCache
+    from deepinfer.engine.forward_batch import ForwardBatch
 
 RopeTable = tuple[torch.Tensor, torch.Tensor]
 """(cos, sin), each `[n, rope_head_dim // 2]` (already multiplied by the flavour's attention factor)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.base import (
+from deepinfer.engine.attention.base import (
     AttentionBackend,
     AttentionInputs,
     AttentionMetadata,
@@ -27,7 +27,7 @@ from engine.attention.base import (
     PrefillChunk,
     register_attention_backend,
 )
-from engine.cache.kv_cache import V4KVCache
+from deepinfer.engine.cache.kv_cache import V4KVCache
 
 
 def _pools(spec: LayerSpec, cache: V4KVCache):

@@ -1,7 +1,7 @@
 """The compressed-KV cache: block accounting (`block_pool`), the layout (`layout`: layer kinds, block
 size, replay length and every pool's byte layout, the one owner) and the pool tensors (`kv_cache`)."""
 
-from engine.cache.block_pool import (
+from deepinfer.engine.cache.block_pool import (
     BlockPool,
     CacheConfig,
     KVCacheManager,
@@ -10,7 +10,7 @@ from engine.cache.block_pool import (
     StateSlotPool,
     hash_block_tokens,
 )
-from engine.cache.layout import CacheLayout, PoolLayout, default_block_size, exact_replay_tokens
+from deepinfer.engine.cache.layout import CacheLayout, PoolLayout, default_block_size, exact_replay_tokens
 
 __all__ = [
     "BlockPool",

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.cache.layout import CacheLayout, PoolLayout
-from engine.config import ModelConfig
+from deepinfer.engine.cache.layout import CacheLayout, PoolLayout
+from deepinfer.engine.config import ModelConfig
 
 __all__ = ["CacheLayout", "PoolLayout", "V4KVCache", "compressed_bytes_per_token"]
 

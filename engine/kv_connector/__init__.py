@@ -7,7 +7,7 @@ transfer is `kv_transfer.PDConnector` (NIXL); the persistent KV store tier goes 
 second `KVConnector`, handed to `Engine.set_kv_connector` the same way.
 """
 
-from engine.kv_connector.base import KVConnector, KVConnectorEvents, KVLoadSpec, KVSaveSpec
-from engine.kv_connector.holds import KVHold, KVHolds
+from deepinfer.engine.kv_connector.base import KVConnector, KVConnectorEvents, KVLoadSpec, KVSaveSpec
+from deepinfer.engine.kv_connector.holds import KVHold, KVHolds
 
 __all__ = ["KVConnector", "KVConnectorEvents", "KVHold", "KVHolds", "KVLoadSpec", "KVSaveSpec"]

@@ -19,14 +19,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.errors import InvalidRequestError
-from engine.kv_connector.base import KVConnector, KVLoadSpec, KVSaveSpec
-from engine.kv_connector.holds import KVHolds
+from deepinfer.engine.errors import InvalidRequestError
+from deepinfer.engine.kv_connector.base import KVConnector, KVLoadSpec, KVSaveSpec
+from deepinfer.engine.kv_connector.holds import KVHolds
 
 if TYPE_CHECKING:
-    from engine.engine import RequestOutput, _Seq
-    from engine.multimodal import ImageSpan
-    from engine.sampling import SamplingParams
+    from deepinfer.engine.engine import RequestOutput, _Seq
+    from deepinfer.engine.multimodal import ImageSpan
+    from deepinfer.engine.sampling import SamplingParams
 
 
 @dataclass

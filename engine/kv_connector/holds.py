@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.cache.block_pool import BlockPool, StateSlotPool
+from deepinfer.engine.cache.block_pool import BlockPool, StateSlotPool
 
 
 @dataclass

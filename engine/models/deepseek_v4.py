@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import (
+from deepinfer.engine.attention import (
     AttentionBackend,
     AttentionInputs,
     AttentionMetadata,
@@ -56,12 +56,12 @@ from engine.attention import (
     get_attention_backend,
     layer_specs,
 )
-from engine.cache.kv_cache import V4KVCache
-from engine.config import ModelConfig, RopeConfig
-from engine.forward_batch import ForwardBatch
-from engine.moe import Gate, MoEBackend, get_moe_backend
-from kernels import OpTable
-from kernels.sinkhorn import sinkhorn_torch
+from deepinfer.engine.cache.kv_cache import V4KVCache
+from deepinfer.engine.config import ModelConfig, RopeConfig
+from deepinfer.engine.forward_batch import ForwardBatch
+from deepinfer.engine.moe import Gate, MoEBackend, get_moe_backend
+from deepinfer.kernels import OpTable
+from deepinfer.kernels.sinkhorn import sinkhorn_torch
 
 # --------------------------------------------------------------------------- small pieces
 
@@ -512,7 +512,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.vision = None
         """The `VisionTower` of a checkpoint with a `vision_config` (image -> input embeddings), else None."""
         if config.vision is not None:
-            from engine.models.vision import VisionTower
+            from deepinfer.engine.models.vision import VisionTower
 
             tower = VisionTower(config.vision, config.hidden_size)
             # NOTE: its two children are registered here under their checkpoint names, so state_dict()

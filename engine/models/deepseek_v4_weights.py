@@ -57,7 +57,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.config import ModelConfig
+from deepinfer.engine.config import ModelConfig
 
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """Model dtypes deepinfer runs, by name (the fp32-kept tensors stay float32 under either)."""

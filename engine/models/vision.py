@@ -61,8 +61,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import IMAGE_PIXELS_PER_TOKEN, IMAGE_TOKEN_ID, VisionConfig
-from engine.errors import InvalidRequestError
+from deepinfer.engine.config import IMAGE_PIXELS_PER_TOKEN, IMAGE_TOKEN_ID, VisionConfig
+from deepinfer.engine.errors import InvalidRequestError
 
 __all__ = [
     "IMAGE_TOKEN_ID",

@@ -12,8 +12,8 @@ results gathered back) are new `MoEBackend` subclasses in their own modules here
 and imported below; the model picks one by name at construction (`moe_backend=`).
 """
 
-from engine.moe import torch_backend as _torch_backend  # noqa: F401  (registers "torch" and "torch_loop")
-from engine.moe.base import MoEBackend, get_moe_backend, moe_backend_names, register_moe_backend
-from engine.moe.router import Gate
+from deepinfer.engine.moe import torch_backend as _torch_backend  # noqa: F401  (registers "torch" and "torch_loop")
+from deepinfer.engine.moe.base import MoEBackend, get_moe_backend, moe_backend_names, register_moe_backend
+from deepinfer.engine.moe.router import Gate
 
 __all__ = ["Gate", "MoEBackend", "get_moe_backend", "moe_backend_names", "register_moe_backend"]

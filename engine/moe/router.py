@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
+from deepinfer.engine.config import ModelConfig
 
 
 def _sqrtsoftplus(logits: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.moe.base import MoEBackend, register_moe_backend
+from deepinfer.engine.moe.base import MoEBackend, register_moe_backend
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:

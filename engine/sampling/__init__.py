@@ -1,7 +1,7 @@
 """Sampling: per-request parameters, the batched sampler, detokenization and stop conditions."""
 
-from engine.sampling.params import MAX_LOGPROBS, SamplingParams, StructuredOutputParams
-from engine.sampling.sampler import (
+from deepinfer.engine.sampling.params import MAX_LOGPROBS, SamplingParams, StructuredOutputParams
+from deepinfer.engine.sampling.sampler import (
     LogprobsTensors,
     Sampler,
     SamplerOutput,
@@ -9,7 +9,7 @@ from engine.sampling.sampler import (
     TokenLogprobs,
     compute_logprobs,
 )
-from engine.sampling.stop import (
+from deepinfer.engine.sampling.stop import (
     FinishReason,
     IncrementalDetokenizer,
     StopChecker,

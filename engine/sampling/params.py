@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import InvalidRequestError
+from deepinfer.engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 """Largest `logprobs` / `prompt_logprobs` a request may ask for."""

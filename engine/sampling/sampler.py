@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.sampling.params import SamplingParams
+from deepinfer.engine.sampling.params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
 # Philox4x32 round multipliers and Weyl key increments (Salmon et al., SC'11 / Random123).
@@ -431,7 +431,7 @@ class Sampler:
         if batch.output_token_ids is not None:
             logits = self._apply_penalties(logits, batch)
         if batch.token_bitmask is not None:
-            from engine.structured_output import apply_bitmask
+            from deepinfer.engine.structured_output import apply_bitmask
 
             apply_bitmask(logits, batch.token_bitmask, batch.token_bitmask_row_ids)
         return logits

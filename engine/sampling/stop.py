@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.sampling.params import SamplingParams
+from deepinfer.engine.sampling.params import SamplingParams
 
 INITIAL_DECODE_WINDOW = 5
 """Prompt tokens that seed the decode window, so the first output token is decoded in context."""

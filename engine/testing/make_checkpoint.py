@@ -1,6 +1,6 @@
 """Write random-weight DeepSeek-V4 checkpoints for tests and benchmarks.
 
-    python -m engine.testing.make_checkpoint DIR --preset tiny [--seed 0] [--dtype float32|bfloat16]
+    python -m deepinfer.engine.testing.make_checkpoint DIR --preset tiny [--seed 0] [--dtype float32|bfloat16]
         [--writer ours|hf] [--max-shard-size 5MB] [--overwrite] [--vision]
 
 or `make_checkpoint(dir, preset="tiny", seed=0, dtype="float32", writer="ours", vision=False)` from Python.
@@ -37,9 +37,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from engine.config import ModelConfig
-from engine.models.deepseek_v4_weights import TensorSpec, checkpoint_spec, parse_dtype
-from engine.testing.presets import PRESETS, get_preset
+from deepinfer.engine.config import ModelConfig
+from deepinfer.engine.models.deepseek_v4_weights import TensorSpec, checkpoint_spec, parse_dtype
+from deepinfer.engine.testing.presets import PRESETS, get_preset
 
 WRITERS = ("ours", "hf")
 DEFAULT_MAX_SHARD_SIZE = 4 << 30
@@ -250,7 +250,7 @@ def num_parameters(preset: str, vision: bool = False) -> int:
 
 def main(argv: list[str] | None = None) -> Path:
     """Command-line entry point (see the module docstring)."""
-    parser = argparse.ArgumentParser(prog="python -m engine.testing.make_checkpoint", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m deepinfer.engine.testing.make_checkpoint", description=__doc__.split("\n")[0])
     parser.add_argument("directory", type=Path, help="output directory (created)")
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="architecture (engine/testing/presets.py)")
     parser.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same weights")

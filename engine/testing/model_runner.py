@@ -7,7 +7,7 @@ Each sequence gets its own slot and a contiguous run of blocks; `run` takes a li
 
 from __future__ import annotations
 
-from engine.model_runner import ScratchModelRunner
+from deepinfer.engine.model_runner import ScratchModelRunner
 
 
 class ModelRunnerForTests(ScratchModelRunner):

@@ -35,7 +35,7 @@ class Preset:
     """A named test architecture: a transformers-style DeepSeek-V4 config dict plus what it is for."""
 
     name: str
-    """Registry key, also the `--preset` choice of `python -m engine.testing.make_checkpoint`."""
+    """Registry key, also the `--preset` choice of `python -m deepinfer.engine.testing.make_checkpoint`."""
     description: str
     """What the preset exercises."""
     config: dict[str, Any]

@@ -2,11 +2,11 @@
 Messages, token-level /v1/generate) in front of the token-level gRPC entrypoint, through deepseek-recipe.
 
 ```bash
-python -m entrypoint.http --entrypoint 127.0.0.1:50051 --host 127.0.0.1 --port 8000 --model CKPT \
+python -m deepinfer.entrypoint.http --entrypoint 127.0.0.1:50051 --host 127.0.0.1 --port 8000 --model CKPT \
     [--served-model-name NAME] [--api-key KEY]
 ```
 ```python
-from entrypoint.http import HttpConfig, create_app, serve
+from deepinfer.entrypoint.http import HttpConfig, create_app, serve
 ```
 
 - `conversion`: recipe's request -> conversation -> prompt token ids, and the image URL allow-list.
@@ -17,7 +17,7 @@ from entrypoint.http import HttpConfig, create_app, serve
 - `metrics`: Prometheus metrics (`/metrics`).
 """
 
-from entrypoint.http.app import create_app, serve
-from entrypoint.http.config import HttpConfig
+from deepinfer.entrypoint.http.app import create_app, serve
+from deepinfer.entrypoint.http.config import HttpConfig
 
 __all__ = ["HttpConfig", "create_app", "serve"]

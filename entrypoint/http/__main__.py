@@ -1,4 +1,4 @@
-"""Run the HTTP front: `python -m entrypoint.http --entrypoint HOST:PORT [--host 127.0.0.1] [--port 8000]
+"""Run the HTTP front: `python -m deepinfer.entrypoint.http --entrypoint HOST:PORT [--host 127.0.0.1] [--port 8000]
 [--model DIR] [--served-model-name NAME] [--api-key KEY] ...` (one flag per `HttpConfig` field).
 
 Prints one JSON line on stdout once it listens: `{"address": "http://127.0.0.1:8000"}`; logs go to
@@ -11,17 +11,17 @@ import json
 import logging
 import sys
 
-from entrypoint.http.config import HttpConfig
-from serving.config_cli import config_from_args, make_parser
+from deepinfer.entrypoint.http.config import HttpConfig
+from deepinfer.serving.config_cli import config_from_args, make_parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = make_parser(HttpConfig, "python -m entrypoint.http", "Run the HTTP front of the token entrypoint.")
+    parser = make_parser(HttpConfig, "python -m deepinfer.entrypoint.http", "Run the HTTP front of the token entrypoint.")
     config = config_from_args(HttpConfig, parser, argv)
     if not config.entrypoint:
         parser.error("give --entrypoint HOST:PORT (the token-level gRPC entrypoint)")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from entrypoint.http.app import serve
+    from deepinfer.entrypoint.http.app import serve
 
     serve(config, on_ready=lambda address: print(json.dumps({"address": address}), flush=True))
     return 0

@@ -30,11 +30,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.config import read_config_json
-from entrypoint.http import completions
-from entrypoint.http.backend import TokenBackend, TokenCall
-from entrypoint.http.config import HttpConfig
-from entrypoint.http.conversion import (
+from deepinfer.engine.config import read_config_json
+from deepinfer.entrypoint.http import completions
+from deepinfer.entrypoint.http.backend import TokenBackend, TokenCall
+from deepinfer.entrypoint.http.config import HttpConfig
+from deepinfer.entrypoint.http.conversion import (
     CHAT,
     MESSAGES,
     RESPONSE_CLS,
@@ -44,9 +44,9 @@ from entrypoint.http.conversion import (
     RecipeFront,
     RecipeStream,
 )
-from entrypoint.http.errors import ApiError
-from entrypoint.http.metrics import HttpMetrics
-from protos import entrypoint_pb2
+from deepinfer.entrypoint.http.errors import ApiError
+from deepinfer.entrypoint.http.metrics import HttpMetrics
+from deepinfer.protos import entrypoint_pb2
 
 logger = logging.getLogger("entrypoint.http")
 
@@ -105,7 +105,7 @@ class Front:
 
 
 def _default_model_dir() -> Path:
-    from engine.testing.default_model import ensure_default_model
+    from deepinfer.engine.builtin_model import builtin_model_path as ensure_default_model
 
     return Path(ensure_default_model())
 

@@ -11,8 +11,8 @@ import json
 import grpc
 from grpc import aio
 
-from entrypoint.http.errors import ApiError, from_grpc
-from protos import (
+from deepinfer.entrypoint.http.errors import ApiError, from_grpc
+from deepinfer.protos import (
     common_pb2,
     decode_pb2_grpc,
     entrypoint_pb2,
@@ -22,7 +22,7 @@ from protos import (
     prefill_pb2_grpc,
     vision_pb2_grpc,
 )
-from protos.metadata import ERROR_FIELD_METADATA_KEY, STATS_METADATA_KEY
+from deepinfer.protos.metadata import ERROR_FIELD_METADATA_KEY, STATS_METADATA_KEY
 
 
 class TokenCall:

@@ -16,10 +16,10 @@ from typing import Any
 import deepseek_recipe as recipe
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from entrypoint.client import FINISH_REASONS, sampling_params_proto
-from entrypoint.http.errors import invalid, json_object
-from entrypoint.http.structured import response_format_constraint
-from protos import common_pb2, entrypoint_pb2
+from deepinfer.entrypoint.client import FINISH_REASONS, sampling_params_proto
+from deepinfer.entrypoint.http.errors import invalid, json_object
+from deepinfer.entrypoint.http.structured import response_format_constraint
+from deepinfer.protos import common_pb2, entrypoint_pb2
 
 
 def parse(cls: type[BaseModel], body: bytes) -> Any:

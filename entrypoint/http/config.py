@@ -1,4 +1,4 @@
-"""The HTTP front's configuration (frozen, validated); `python -m entrypoint.http` generates its CLI from it."""
+"""The HTTP front's configuration (frozen, validated); `python -m deepinfer.entrypoint.http` generates its CLI from it."""
 
 from __future__ import annotations
 

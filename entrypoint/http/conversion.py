@@ -17,11 +17,11 @@ from typing import Any
 
 import deepseek_recipe as recipe
 
-from engine.config import read_config_json
-from engine.images import IMAGE_PLACEHOLDER_ID, ImageUrlPolicy, InvalidImageError, image_descriptor
-from entrypoint.http import structured
-from entrypoint.http.errors import ApiError, invalid, json_object
-from protos import common_pb2
+from deepinfer.engine.config import read_config_json
+from deepinfer.engine.images import IMAGE_PLACEHOLDER_ID, ImageUrlPolicy, InvalidImageError, image_descriptor
+from deepinfer.entrypoint.http import structured
+from deepinfer.entrypoint.http.errors import ApiError, invalid, json_object
+from deepinfer.protos import common_pb2
 
 __all__ = ["ImageUrlPolicy", "Prepared", "RecipeFront", "RecipeStream", "image_urls"]
 """`ImageUrlPolicy` lives in `engine.images` (shared with the vision worker) and is re-exported here."""
@@ -43,7 +43,7 @@ _ID_PREFIX = {CHAT: "chatcmpl-", RESPONSES: "resp_", MESSAGES: "msg_"}
 def chat_encoding(model_dir: str | Path) -> str:
     """The checkpoint's prompt encoding: config.json's `chat_encoding` (top level or in its `deepinfer`
     section), "v4" (default) or "v4.1" (`engine.tokenizer.chat_encoding_name`, the one reader of that key)."""
-    from engine.tokenizer import chat_encoding_name
+    from deepinfer.engine.tokenizer import chat_encoding_name
 
     return chat_encoding_name(model_dir)
 
@@ -53,7 +53,7 @@ def tokenizer_path(model_dir: str | Path) -> Path:
     own = Path(model_dir) / "tokenizer.json"
     if own.exists():
         return own
-    from engine.tokenizer import default_tokenizer_path
+    from deepinfer.engine.tokenizer import default_tokenizer_path
 
     return default_tokenizer_path()
 

@@ -33,8 +33,8 @@ from typing import Any
 
 import deepseek_recipe as recipe
 
-from entrypoint.http.errors import invalid
-from protos import common_pb2
+from deepinfer.entrypoint.http.errors import invalid
+from deepinfer.protos import common_pb2
 
 REASONING_END = "</think>"
 """The text that closes the reasoning block of a thinking-mode answer (V4 and V4.1)."""

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_serving_benchmark_minimal_sweep(tmp_path):
     out = tmp_path / "serving.json"
-    cmd = [sys.executable, "-m", "benchmarks.serving", "--preset", "tiny", "--rates", "8", "--num-requests", "4",
+    cmd = [sys.executable, "-m", "deepinfer.benchmarks.serving", "--preset", "tiny", "--rates", "8", "--num-requests", "4",
            "--prompt-len", "8:40", "--output-len", "3:6", "--warmup", "1", "--colocated-threads", "1",
            "--overhead-requests", "2", "--overhead-prompt-len", "16", "--nixl-mb", "0.5", "--nixl-reps", "1",
            "--json", str(out), "--plot-dir", str(tmp_path)]

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_vision_benchmark_minimal_run(tmp_path):
     out = tmp_path / "vision.json"
-    cmd = [sys.executable, "-m", "benchmarks.vision", "--images", "2", "--ttft-repeats", "1", "--requests", "2",
+    cmd = [sys.executable, "-m", "deepinfer.benchmarks.vision", "--images", "2", "--ttft-repeats", "1", "--requests", "2",
            "--concurrency", "2", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=300)

@@ -7,11 +7,11 @@ import os
 import subprocess
 import sys
 
-from engine.testing.make_checkpoint import make_checkpoint
+from deepinfer.engine.testing.make_checkpoint import make_checkpoint
 
 
 def _cli(*args: str, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True, timeout=600,
+    return subprocess.run([sys.executable, "-m", "deepinfer.deploy.cli", *args], capture_output=True, text=True, timeout=600,
                           env={**os.environ, **(env or {})})
 
 

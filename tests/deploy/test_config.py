@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from deploy import cli
-from deploy.config import ClusterConfig, datacenter_resource
-from deploy.controller import ClusterController
-from deploy.launcher import read_state, remove_state, write_state
+from deepinfer.deploy import cli
+from deepinfer.deploy.config import ClusterConfig, datacenter_resource
+from deepinfer.deploy.controller import ClusterController
+from deepinfer.deploy.launcher import read_state, remove_state, write_state
 
 CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
 

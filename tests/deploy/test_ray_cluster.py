@@ -25,17 +25,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 # NOTE: deploy first: it picks Ray's token-auth mode before ray is imported (deploy/__init__.py)
-from deploy.config import ClusterConfig, datacenter_resource  # isort: skip
-from deploy.controller import NAMESPACE  # isort: skip
-from deploy.launcher import connect_ray, start_cluster, stop_cluster  # isort: skip
+from deepinfer.deploy.config import ClusterConfig, datacenter_resource  # isort: skip
+from deepinfer.deploy.controller import NAMESPACE  # isort: skip
+from deepinfer.deploy.launcher import connect_ray, start_cluster, stop_cluster  # isort: skip
 
 import grpc
 import pytest
 import ray
 import torch
 
-from entrypoint.client import Client, GenerateError
-from protos import common_pb2, decode_pb2_grpc, loadbalancer_pb2, loadbalancer_pb2_grpc, prefill_pb2_grpc
+from deepinfer.entrypoint.client import Client, GenerateError
+from deepinfer.protos import common_pb2, decode_pb2_grpc, loadbalancer_pb2, loadbalancer_pb2_grpc, prefill_pb2_grpc
 
 pytest.importorskip("nixl")
 
@@ -114,8 +114,8 @@ def _wait_for(what: str, fn, timeout_s: float = 60.0, interval_s: float = 0.1):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from engine import LLM, SamplingParams
-    from engine.testing.make_checkpoint import make_checkpoint
+    from deepinfer.engine import LLM, SamplingParams
+    from deepinfer.engine.testing.make_checkpoint import make_checkpoint
 
     ckpt = str(make_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny", seed=7))
     g = torch.Generator().manual_seed(0)
@@ -199,7 +199,7 @@ def test_32_concurrent_requests_equal_offline_and_kv_moved_by_nixl(cluster):
 def test_prefix_aware_routing_lands_on_the_instance_with_the_cache(cluster):
     """Requests sharing a long prefix go to the prefill instance that has it cached (2 instances,
     prefix_aware) and report cached prompt tokens; their outputs still equal the offline engine's."""
-    from engine import LLM, SamplingParams
+    from deepinfer.engine import LLM, SamplingParams
 
     g = torch.Generator().manual_seed(123)
     prefix = torch.randint(2, 512, (6 * cluster.block_size,), generator=g).tolist()
@@ -241,7 +241,7 @@ def test_cli_finds_the_cluster(cluster, tmp_path):
     env = {**os.environ, "DEEPINFER_HOME": str(tmp_path)}
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "deepinfer.deploy.cli", *args], capture_output=True, text=True,
                               timeout=120, env=env)
 
     r = cli("status", "--address", cluster.gcs_address, "--name", CLUSTER_NAME)
@@ -276,7 +276,7 @@ def test_cli_up_detached_then_down(cluster, tmp_path):
     env = {**os.environ, "DEEPINFER_HOME": str(tmp_path)}
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "deepinfer.deploy.cli", *args], capture_output=True, text=True,
                               timeout=180, env=env)
 
     config = tmp_path / "empty.yaml"

@@ -13,15 +13,15 @@ import signal
 import time
 
 # NOTE: deploy first: it picks Ray's token-auth mode before ray is imported (deploy/__init__.py)
-from deploy.config import ClusterConfig  # isort: skip
-from deploy.controller import NAMESPACE  # isort: skip
-from deploy.launcher import connect_ray, start_cluster, stop_cluster  # isort: skip
+from deepinfer.deploy.config import ClusterConfig  # isort: skip
+from deepinfer.deploy.controller import NAMESPACE  # isort: skip
+from deepinfer.deploy.launcher import connect_ray, start_cluster, stop_cluster  # isort: skip
 
 import grpc
 import pytest
 import ray
 
-from entrypoint.client import Client, GenerateError
+from deepinfer.entrypoint.client import Client, GenerateError
 
 pytest.importorskip("nixl")
 pytest.importorskip("PIL")
@@ -56,7 +56,7 @@ def _wait_for(what, fn, timeout_s=90.0, interval_s=0.2):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from engine.testing.make_checkpoint import make_checkpoint
+    from deepinfer.engine.testing.make_checkpoint import make_checkpoint
 
     ckpt = str(make_checkpoint(tmp_path_factory.mktemp("tiny-vision"), preset="tiny", seed=13, vision=True))
     config = ClusterConfig.model_validate({
@@ -97,7 +97,7 @@ def _image_request(client, color=(255, 0, 0)):
 
 
 def test_up_starts_a_vision_instance_and_images_match_offline(cluster):
-    from engine import LLM, SamplingParams
+    from deepinfer.engine import LLM, SamplingParams
 
     ckpt, controller, addresses, client = cluster
     assert "vision_lb" in addresses

@@ -19,9 +19,9 @@ import grpc
 import pytest
 import torch
 
-from deploy.processes import ServiceProcesses
-from entrypoint.client import Client, GenerateError
-from protos import common_pb2, decode_pb2_grpc, loadbalancer_pb2, loadbalancer_pb2_grpc, prefill_pb2_grpc
+from deepinfer.deploy.processes import ServiceProcesses
+from deepinfer.entrypoint.client import Client, GenerateError
+from deepinfer.protos import common_pb2, decode_pb2_grpc, loadbalancer_pb2, loadbalancer_pb2_grpc, prefill_pb2_grpc
 
 pytest.importorskip("nixl")
 
@@ -59,7 +59,7 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from engine.testing.make_checkpoint import make_checkpoint
+    from deepinfer.engine.testing.make_checkpoint import make_checkpoint
 
     logdir = tmp_path_factory.mktemp("logs")
     ckpt = str(make_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny", seed=7))
@@ -109,7 +109,7 @@ def _blocks_freed(cluster: Cluster) -> bool:
 
 
 def test_outputs_equal_offline_engine_and_kv_moved_by_nixl(cluster):
-    from engine import LLM, SamplingParams
+    from deepinfer.engine import LLM, SamplingParams
 
     g = torch.Generator().manual_seed(0)
     lengths = (5, 17, 33, 64, 65, 100, 130, 9)
@@ -236,7 +236,7 @@ def test_call_without_a_deadline_is_served(cluster):
 def test_structured_output_is_honoured_by_prefill_and_decode_like_offline(cluster):
     """The prefill samples the first token under the constraint, decode replays it into its own matcher
     and constrains the rest: outputs equal the offline engine's, and they match the constraint."""
-    from engine import LLM, SamplingParams
+    from deepinfer.engine import LLM, SamplingParams
 
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 99,
               "minimum": 0}}, "required": ["ok", "n"], "additionalProperties": False}

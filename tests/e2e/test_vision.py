@@ -19,9 +19,9 @@ import time
 import grpc
 import pytest
 
-from deploy.processes import ServiceProcesses
-from entrypoint.client import Client, GenerateError
-from protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, vision_pb2_grpc
+from deepinfer.deploy.processes import ServiceProcesses
+from deepinfer.entrypoint.client import Client, GenerateError
+from deepinfer.protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, vision_pb2_grpc
 
 pytest.importorskip("nixl")
 pytest.importorskip("PIL")
@@ -84,7 +84,7 @@ class VisionCluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from engine.testing.make_checkpoint import make_checkpoint
+    from deepinfer.engine.testing.make_checkpoint import make_checkpoint
 
     ckpt = str(make_checkpoint(tmp_path_factory.mktemp("tiny-vision"), preset="tiny", seed=11, vision=True))
     processes = ServiceProcesses(tmp_path_factory.mktemp("logs"),
@@ -116,7 +116,7 @@ RED, BLUE = png((255, 0, 0)), png((0, 0, 255), "triangle")
 
 
 def test_image_outputs_equal_offline_engine_and_embeddings_moved_by_nixl(cluster):
-    from engine import LLM, SamplingParams
+    from deepinfer.engine import LLM, SamplingParams
 
     cases = [
         ([5, 6, PLACEHOLDER, 7, 8], [RED]),
@@ -251,7 +251,7 @@ def test_vision_instance_lost_before_prefill_read_is_encoded_again(cluster):
         prefill.send_signal(signal.SIGCONT)
     thread.join(60)
     assert "error" not in result, result.get("error")
-    from engine import LLM, SamplingParams
+    from deepinfer.engine import LLM, SamplingParams
 
     expected = LLM(model=cluster.checkpoint, num_blocks=256, max_num_seqs=8).generate(
         [{"prompt_token_ids": [5, PLACEHOLDER, 6], "multi_modal_data": {"image": [image]}}],
@@ -293,7 +293,7 @@ def test_vision_instance_lost_before_the_decode_read_is_encoded_again(cluster):
         decode.send_signal(signal.SIGCONT)
     thread.join(60)
     assert "error" not in result, result.get("error")
-    from engine import LLM, SamplingParams
+    from deepinfer.engine import LLM, SamplingParams
 
     expected = LLM(model=cluster.checkpoint, num_blocks=256, max_num_seqs=8).generate(
         [{"prompt_token_ids": [7, PLACEHOLDER, 8], "multi_modal_data": {"image": [image]}}],

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import ModelConfig, read_config_json
-from engine.loader import CheckpointError, read_checkpoint_config
-from engine.testing.make_checkpoint import make_checkpoint
+from deepinfer.engine.config import ModelConfig, read_config_json
+from deepinfer.engine.loader import CheckpointError, read_checkpoint_config
+from deepinfer.engine.testing.make_checkpoint import make_checkpoint
 
 
 @pytest.fixture(scope="module")

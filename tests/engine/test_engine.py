@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-from engine import LLM, InvalidRequestError, SamplingParams
-from engine.engine import Engine, EngineConfig
-from engine.model_runner import exact_replay_tokens
-from engine.testing.make_checkpoint import make_checkpoint
-from engine.testing.model_runner import ModelRunnerForTests
-from engine.testing.presets import PRESETS
+from deepinfer.engine import LLM, InvalidRequestError, SamplingParams
+from deepinfer.engine.engine import Engine, EngineConfig
+from deepinfer.engine.model_runner import exact_replay_tokens
+from deepinfer.engine.testing.make_checkpoint import make_checkpoint
+from deepinfer.engine.testing.model_runner import ModelRunnerForTests
+from deepinfer.engine.testing.presets import PRESETS
 
 TINY = [p for p in PRESETS if p != "small"]
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from engine import SamplingParams
-from engine.engine import Engine, EngineConfig
-from engine.executor import (
+from deepinfer.engine import SamplingParams
+from deepinfer.engine.engine import Engine, EngineConfig
+from deepinfer.engine.executor import (
     EXECUTORS,
     Executor,
     InProcessExecutor,
@@ -20,8 +20,8 @@ from engine.executor import (
     executor_name,
     make_executor,
 )
-from engine.sampling import Sampler, SamplingBatch
-from engine.testing.make_checkpoint import make_checkpoint
+from deepinfer.engine.sampling import Sampler, SamplingBatch
+from deepinfer.engine.testing.make_checkpoint import make_checkpoint
 
 
 @pytest.fixture(scope="module")

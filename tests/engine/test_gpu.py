@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.loader import load_checkpoint
-from engine.testing.make_checkpoint import make_checkpoint
-from engine.testing.model_runner import ModelRunnerForTests
+from deepinfer.engine.loader import load_checkpoint
+from deepinfer.engine.testing.make_checkpoint import make_checkpoint
+from deepinfer.engine.testing.model_runner import ModelRunnerForTests
 
 pytestmark = pytest.mark.gpu
 
@@ -55,7 +55,7 @@ def test_cuda_matches_cpu_incremental_and_batched(tmp_path, preset):
 
 
 def test_llm_generate_on_cuda_equals_cpu(tmp_path):
-    from engine import LLM, SamplingParams
+    from deepinfer.engine import LLM, SamplingParams
 
     path = str(make_checkpoint(tmp_path / "tiny", preset="tiny", seed=3))
     prompts = [{"prompt_token_ids": _prompt(n, 512, seed=n)} for n in (3, 30, 90, 150)]

@@ -21,15 +21,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-import engine.loader as loader_mod
-from engine.config import ModelConfig
-from engine.loader import CheckpointError, WeightLoader, load_checkpoint, load_weights, meta_parameters
-from engine.models.deepseek_v4_weights import FP32_KEPT_PATTERNS, checkpoint_spec, is_fp32_kept
-from engine.testing.make_checkpoint import main as make_checkpoint_main
-from engine.testing.make_checkpoint import make_checkpoint
-from engine.testing.presets import CSA, HCA, PRESETS, SLIDING
+import deepinfer.engine.loader as loader_mod
+from deepinfer.engine.config import ModelConfig
+from deepinfer.engine.loader import CheckpointError, WeightLoader, load_checkpoint, load_weights, meta_parameters
+from deepinfer.engine.models.deepseek_v4_weights import FP32_KEPT_PATTERNS, checkpoint_spec, is_fp32_kept
+from deepinfer.engine.testing.make_checkpoint import main as make_checkpoint_main
+from deepinfer.engine.testing.make_checkpoint import make_checkpoint
+from deepinfer.engine.testing.presets import CSA, HCA, PRESETS, SLIDING
 
-HAS_MODEL = importlib.util.find_spec("engine.models.deepseek_v4") is not None
+HAS_MODEL = importlib.util.find_spec("deepinfer.engine.models.deepseek_v4") is not None
 needs_model = pytest.mark.skipif(not HAS_MODEL, reason="engine/models/deepseek_v4.py does not exist yet")
 needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers not installed")
 
@@ -458,7 +458,7 @@ def test_model_that_disagrees_with_the_spec(tiny):
 @needs_model
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_model_state_dict_is_the_spec(preset):
-    from engine.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from deepinfer.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 
     config = ModelConfig.from_hf_dict(PRESETS[preset].hf_config())
     with meta_parameters():

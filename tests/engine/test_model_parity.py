@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.loader import load_checkpoint
-from engine.testing.make_checkpoint import make_checkpoint
-from engine.testing.model_runner import ModelRunnerForTests
-from engine.testing.presets import PRESETS
+from deepinfer.engine.loader import load_checkpoint
+from deepinfer.engine.testing.make_checkpoint import make_checkpoint
+from deepinfer.engine.testing.model_runner import ModelRunnerForTests
+from deepinfer.engine.testing.presets import PRESETS
 
 transformers = pytest.importorskip("transformers")
 
@@ -145,7 +145,7 @@ def test_hf_full_forward_is_not_causal_under_index_ties(tmp_path):
     effect vanishes. Our indexer breaks ties by entry index (a stable sort), so a query's
     selection depends only on what it can see; this test pins both facts.
     """
-    from engine.testing.presets import get_preset
+    from deepinfer.engine.testing.presets import get_preset
 
     cfg = get_preset("tiny").hf_config()
     cfg.update(index_n_heads=1, index_topk=2)  # one head: about half of all scores are exact zeros

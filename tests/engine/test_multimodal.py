@@ -9,10 +9,10 @@ import io
 import pytest
 import torch
 
-from engine import LLM, InvalidRequestError, SamplingParams
-from engine.models.vision import preprocess_pixels
-from engine.multimodal import IMAGE_PLACEHOLDER_ID, ImageSpan, expand_image_placeholders, image_content_hash
-from engine.testing.make_checkpoint import make_checkpoint
+from deepinfer.engine import LLM, InvalidRequestError, SamplingParams
+from deepinfer.engine.models.vision import preprocess_pixels
+from deepinfer.engine.multimodal import IMAGE_PLACEHOLDER_ID, ImageSpan, expand_image_placeholders, image_content_hash
+from deepinfer.engine.testing.make_checkpoint import make_checkpoint
 
 recipe = pytest.importorskip("deepseek_recipe")
 Image = pytest.importorskip("PIL.Image")

@@ -9,9 +9,9 @@ from collections import Counter, deque
 
 import pytest
 
-from engine.cache.block_pool import BlockPool, KVCacheManager, StateSlotPool
-from engine.errors import InvalidRequestError
-from engine.scheduler import (
+from deepinfer.engine.cache.block_pool import BlockPool, KVCacheManager, StateSlotPool
+from deepinfer.engine.errors import InvalidRequestError
+from deepinfer.engine.scheduler import (
     ImageSpan,
     Request,
     RequestStatus,

@@ -13,11 +13,11 @@ import re
 import pytest
 import torch
 
-from engine import LLM, InvalidRequestError, SamplingParams
-from engine.sampling import Sampler, SamplingBatch, StructuredOutputParams
-from engine.structured_output import GrammarCompiler, allocate_bitmask
-from engine.testing.make_checkpoint import make_checkpoint
-from engine.tokenizer import load_tokenizer
+from deepinfer.engine import LLM, InvalidRequestError, SamplingParams
+from deepinfer.engine.sampling import Sampler, SamplingBatch, StructuredOutputParams
+from deepinfer.engine.structured_output import GrammarCompiler, allocate_bitmask
+from deepinfer.engine.testing.make_checkpoint import make_checkpoint
+from deepinfer.engine.tokenizer import load_tokenizer
 
 xgrammar = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")

@@ -11,12 +11,12 @@ import random
 import pytest
 import torch
 
-from engine.config import ModelConfig, VisionConfig
-from engine.errors import InvalidRequestError
-from engine.loader import CheckpointError, load_checkpoint, load_vision_tower
-from engine.models.deepseek_v4_weights import checkpoint_spec, vision_checkpoint_spec
-from engine.models.vision import VisionProjector, VisionTower, image_token_count, preprocess_pixels
-from engine.testing.make_checkpoint import TINY_VISION_CONFIG, make_checkpoint
+from deepinfer.engine.config import ModelConfig, VisionConfig
+from deepinfer.engine.errors import InvalidRequestError
+from deepinfer.engine.loader import CheckpointError, load_checkpoint, load_vision_tower
+from deepinfer.engine.models.deepseek_v4_weights import checkpoint_spec, vision_checkpoint_spec
+from deepinfer.engine.models.vision import VisionProjector, VisionTower, image_token_count, preprocess_pixels
+from deepinfer.engine.testing.make_checkpoint import TINY_VISION_CONFIG, make_checkpoint
 
 recipe = pytest.importorskip("deepseek_recipe")
 Image = pytest.importorskip("PIL.Image")

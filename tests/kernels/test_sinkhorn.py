@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import OpTable, default_impl, get_op, op_impl_names
-from kernels.sinkhorn import sinkhorn_numpy_cpu, sinkhorn_torch
+from deepinfer.kernels import OpTable, default_impl, get_op, op_impl_names
+from deepinfer.kernels.sinkhorn import sinkhorn_numpy_cpu, sinkhorn_torch
 
 ROOT = Path(__file__).resolve().parents[2]
 ITERS, EPS = 20, 1e-6
@@ -73,7 +73,7 @@ def test_op_table_picks_once_per_device():
 
 _INTERPRETED = textwrap.dedent("""
     import torch
-    from kernels.sinkhorn import sinkhorn_torch, sinkhorn_triton
+    from deepinfer.kernels.sinkhorn import sinkhorn_torch, sinkhorn_triton
     for num_rows, hc, seed in [(0, 4, 0), (1, 4, 1), (5, 4, 2), (64, 4, 3), (130, 4, 4), (9, 2, 5), (9, 8, 6)]:
         g = torch.Generator().manual_seed(seed)
         comb = torch.softmax(torch.randn(num_rows, hc, hc, generator=g) * 3, dim=-1) + 1e-6

@@ -18,9 +18,9 @@ NUM_SLOTS = 4
 
 def tiny_cache(num_blocks: int):
     """A `V4KVCache` for the `tiny` preset, float32 on the CPU."""
-    from engine.cache.kv_cache import V4KVCache
-    from engine.config import ModelConfig
-    from engine.testing.presets import get_preset
+    from deepinfer.engine.cache.kv_cache import V4KVCache
+    from deepinfer.engine.config import ModelConfig
+    from deepinfer.engine.testing.presets import get_preset
 
     config = ModelConfig.from_hf_dict(get_preset("tiny").hf_config())
     return V4KVCache(config, num_blocks=num_blocks, block_size=BLOCK_SIZE, num_slots=NUM_SLOTS)
@@ -39,7 +39,7 @@ def serve(conn, name: str, num_blocks: int, ucx_env: dict[str, str], send_state:
     """Worker main: build the cache and agent, then answer `(op, args)` messages until 'exit'."""
     import torch
 
-    from kv_transfer import KVTransferAgent
+    from deepinfer.kv_transfer import KVTransferAgent
 
     torch.set_num_threads(1)
     cache = tiny_cache(num_blocks)
@@ -94,7 +94,7 @@ class Worker:
 
     def __init__(self, name: str, num_blocks: int = 16, ucx_env: dict[str, str] | None = None,
                  send_state: bool = False) -> None:
-        from kv_transfer import LOOPBACK_UCX_ENV
+        from deepinfer.kv_transfer import LOOPBACK_UCX_ENV
 
         ctx = mp.get_context("spawn")
         self.name = name

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from kv_transfer import LOOPBACK_UCX_ENV
-from kv_transfer.embeddings import EmbeddingAgent, RowAllocator
+from deepinfer.kv_transfer import LOOPBACK_UCX_ENV
+from deepinfer.kv_transfer.embeddings import EmbeddingAgent, RowAllocator
 
 pytest.importorskip("nixl")
 

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from kv_transfer import LOOPBACK_UCX_ENV, KVTransferAgent, block_runs, decode_notif, encode_notif
+from deepinfer.kv_transfer import LOOPBACK_UCX_ENV, KVTransferAgent, block_runs, decode_notif, encode_notif
 from tests.kv_transfer.nixl_worker import Worker, fill_cache, tiny_cache
 
 SRC_BLOCKS, DST_BLOCKS = [3, 4, 5], [10, 7, 2]
@@ -240,8 +240,8 @@ def test_bad_arguments_are_refused(local_agents):
 def test_wire_layout_is_the_cache_layout(local_agents):
     """`layout()` (the `deepinfer.v1.KVLayout` a decode instance publishes) carries the same regions as
     `pool_layout()`, built from the cache layout's descriptors, and a peer added from its bytes works."""
-    from kv_transfer import layout_from_wire
-    from protos import kv_transfer_pb2
+    from deepinfer.kv_transfer import layout_from_wire
+    from deepinfer.protos import kv_transfer_pb2
 
     a, b = local_agents
     wire = b.layout().SerializeToString()

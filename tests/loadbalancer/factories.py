@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loadbalancer import InstanceInfo, InstanceLoad, Membership, Stage
+from deepinfer.loadbalancer import InstanceInfo, InstanceLoad, Membership, Stage
 
 
 class FakeClock:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from loadbalancer import Balancer, InstanceLoad, InsufficientCapacity, NoHealthyInstance, RequestInfo, Stage
-from loadbalancer.policies import make_policy
+from deepinfer.loadbalancer import Balancer, InstanceLoad, InsufficientCapacity, NoHealthyInstance, RequestInfo, Stage
+from deepinfer.loadbalancer.policies import make_policy
 from tests.loadbalancer.factories import add, make_membership
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadbalancer import DEFAULT_HEARTBEAT_TIMEOUT_S, InstanceInfo, InstanceLoad, Membership, Stage
+from deepinfer.loadbalancer import DEFAULT_HEARTBEAT_TIMEOUT_S, InstanceInfo, InstanceLoad, Membership, Stage
 from tests.loadbalancer.factories import add, make_membership
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from loadbalancer import POLICIES, InstanceLoad, Policy, RequestInfo, Stage, make_policy, register_policy
-from loadbalancer.policies import matched_prefix_tokens, num_kv_blocks_needed
+from deepinfer.loadbalancer import POLICIES, InstanceLoad, Policy, RequestInfo, Stage, make_policy, register_policy
+from deepinfer.loadbalancer.policies import matched_prefix_tokens, num_kv_blocks_needed
 from tests.loadbalancer.factories import add, make_membership
 
 

@@ -8,8 +8,8 @@ import time
 import grpc
 import pytest
 
-from loadbalancer.server import start_server
-from protos import common_pb2, loadbalancer_pb2, loadbalancer_pb2_grpc
+from deepinfer.loadbalancer.server import start_server
+from deepinfer.protos import common_pb2, loadbalancer_pb2, loadbalancer_pb2_grpc
 
 TIMEOUT_S = 0.5
 RPC_TIMEOUT_S = 5.0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loadbalancer import Balancer, RequestInfo, Stage, make_policy
+from deepinfer.loadbalancer import Balancer, RequestInfo, Stage, make_policy
 from tests.loadbalancer.factories import add, make_membership
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import InvalidRequestError
-from engine.sampling.params import SamplingParams
-from protos import common_pb2
-from protos.convert import sampling_params_from_proto, sampling_params_to_proto
+from deepinfer.engine.errors import InvalidRequestError
+from deepinfer.engine.sampling.params import SamplingParams
+from deepinfer.protos import common_pb2
+from deepinfer.protos.convert import sampling_params_from_proto, sampling_params_to_proto
 
 CASES = [
     SamplingParams(),

@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-from protos import generate
+from deepinfer.protos import generate
 
 grpc_tools = pytest.importorskip("grpc_tools")
 
@@ -35,9 +35,9 @@ def _committed_stubs() -> dict[str, bytes]:
 def test_committed_stubs_match_regeneration(tmp_path):
     fresh = {p.name: p.read_bytes() for p in generate.generate(tmp_path)}
     committed = _committed_stubs()
-    assert sorted(fresh) == sorted(committed), "stale or missing stubs: run `python -m protos.generate`"
+    assert sorted(fresh) == sorted(committed), "stale or missing stubs: run `python -m deepinfer.protos.generate`"
     stale = [name for name in fresh if fresh[name] != committed[name]]
-    assert not stale, f"stubs out of date: {stale}; run `python -m protos.generate` (with the pinned grpcio-tools)"
+    assert not stale, f"stubs out of date: {stale}; run `python -m deepinfer.protos.generate` (with the pinned grpcio-tools)"
 
 
 def test_every_proto_has_stubs():
@@ -50,8 +50,8 @@ def test_every_proto_has_stubs():
 
 @pytest.mark.parametrize("module", sorted(SERVICES))
 def test_services_import_and_have_their_methods(module):
-    pb2 = importlib.import_module(f"protos.{module}_pb2")
-    pb2_grpc = importlib.import_module(f"protos.{module}_pb2_grpc")
+    pb2 = importlib.import_module(f"deepinfer.protos.{module}_pb2")
+    pb2_grpc = importlib.import_module(f"deepinfer.protos.{module}_pb2_grpc")
     service_name, methods = SERVICES[module]
     service = pb2.DESCRIPTOR.services_by_name[service_name]
     assert service.full_name == f"deepinfer.v1.{service_name}"
@@ -103,13 +103,14 @@ def test_every_element_is_commented(tmp_path):
     from google.protobuf import descriptor_pb2
 
     out = tmp_path / "set.pb"
-    sources = [str(p) for p in generate.proto_files()]
     # NOTE: protoc runs in a child process (see protos/generate.py: in-process it can segfault next to torch)
-    code = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{generate.ROOT_DIR}", "--include_source_info",
-                           f"--descriptor_set_out={out}", *sources], check=False).returncode
+    with generate.include_root() as include:
+        code = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{include}", "--include_source_info",
+                               f"--descriptor_set_out={out}", *generate.proto_sources()], check=False,
+                              cwd=include).returncode
     assert code == 0
     fds = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
-    assert sorted(f.name for f in fds.file) == sorted(f"protos/{p.name}" for p in generate.proto_files())
+    assert sorted(f.name for f in fds.file) == sorted(generate.proto_sources())
     missing = []
     for f in fds.file:
         assert f.package == "deepinfer.v1", f.name

@@ -5,10 +5,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from engine.cache.block_pool import NoFreeBlocksError, NoFreeSlotsError
-from engine.errors import InvalidRequestError
-from protos import common_pb2
-from serving.errors import RETRYABLE_ERRORS, STATUS_OF_ERROR, Aborted, Refused, error_of, refusal, status_of
+from deepinfer.engine.cache.block_pool import NoFreeBlocksError, NoFreeSlotsError
+from deepinfer.engine.errors import InvalidRequestError
+from deepinfer.protos import common_pb2
+from deepinfer.serving.errors import RETRYABLE_ERRORS, STATUS_OF_ERROR, Aborted, Refused, error_of, refusal, status_of
 
 
 @pytest.mark.parametrize("exc, code, field", [

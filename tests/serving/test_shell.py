@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from protos import common_pb2, loadbalancer_pb2, prefill_pb2, prefill_pb2_grpc
-from protos.metadata import STATS_METADATA_KEY
-from serving.errors import Refused
-from serving.loop import LoopMode
-from serving.shell import ShellServicer, WorkerShell, serve_worker
+from deepinfer.protos import common_pb2, loadbalancer_pb2, prefill_pb2, prefill_pb2_grpc
+from deepinfer.protos.metadata import STATS_METADATA_KEY
+from deepinfer.serving.errors import Refused
+from deepinfer.serving.loop import LoopMode
+from deepinfer.serving.shell import ShellServicer, WorkerShell, serve_worker
 
 
 def _config(**overrides):

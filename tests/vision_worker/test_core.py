@@ -10,8 +10,15 @@ import io
 import pytest
 import torch
 
-from engine.images import ImageLimits, ImageResolver, ImageUrlPolicy, InvalidImageError, image_descriptor, image_source
-from kv_transfer import LOOPBACK_UCX_ENV
+from deepinfer.engine.images import (
+    ImageLimits,
+    ImageResolver,
+    ImageUrlPolicy,
+    InvalidImageError,
+    image_descriptor,
+    image_source,
+)
+from deepinfer.kv_transfer import LOOPBACK_UCX_ENV
 
 pytest.importorskip("nixl")
 PIL = pytest.importorskip("PIL")
@@ -37,8 +44,8 @@ def data_url(data: bytes) -> str:
 
 @pytest.fixture(scope="module")
 def tower(tmp_path_factory):
-    from engine.loader import load_vision_tower
-    from engine.testing.make_checkpoint import make_checkpoint
+    from deepinfer.engine.loader import load_vision_tower
+    from deepinfer.engine.testing.make_checkpoint import make_checkpoint
 
     ckpt = make_checkpoint(tmp_path_factory.mktemp("vis"), preset="tiny", seed=3, vision=True)
     return load_vision_tower(str(ckpt))
@@ -46,8 +53,8 @@ def tower(tmp_path_factory):
 
 @pytest.fixture
 def core_factory(tower):
-    from kv_transfer.embeddings import EmbeddingAgent
-    from vision_worker.core import VisionCore, tower_encoder
+    from deepinfer.kv_transfer.embeddings import EmbeddingAgent
+    from deepinfer.vision_worker.core import VisionCore, tower_encoder
 
     made = []
 
@@ -69,7 +76,7 @@ def resolve(*pngs):
 
 
 def test_encodes_batch_across_requests_once_per_image(core_factory, tower):
-    from engine.models.vision import preprocess_pixels
+    from deepinfer.engine.models.vision import preprocess_pixels
 
     core = core_factory()
     red, blue = resolve(png((255, 0, 0)), png((0, 0, 255), shape="triangle"))

@@ -10,8 +10,8 @@ import time
 import grpc
 import pytest
 
-from loadbalancer import RequestInfo, Stage
-from protos import common_pb2, vision_pb2, vision_pb2_grpc
+from deepinfer.loadbalancer import RequestInfo, Stage
+from deepinfer.protos import common_pb2, vision_pb2, vision_pb2_grpc
 from tests.vision_worker.test_core import data_url, png
 
 pytest.importorskip("nixl")
@@ -19,10 +19,10 @@ pytest.importorskip("nixl")
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from engine.testing.make_checkpoint import make_checkpoint
-    from loadbalancer.server import start_server
-    from vision_worker.config import VisionWorkerConfig
-    from vision_worker.server import serve_vision
+    from deepinfer.engine.testing.make_checkpoint import make_checkpoint
+    from deepinfer.loadbalancer.server import start_server
+    from deepinfer.vision_worker.config import VisionWorkerConfig
+    from deepinfer.vision_worker.server import serve_vision
 
     ckpt = make_checkpoint(tmp_path_factory.mktemp("vis-srv"), preset="tiny", seed=5, vision=True)
     lb = start_server("127.0.0.1:0", Stage.VISION, "image_affinity")
@@ -75,7 +75,7 @@ def test_encode_release_and_bad_images(stack):
 
 
 def test_balancer_sends_a_repeated_image_to_the_instance_that_cached_it(stack):
-    from entrypoint.server import image_pick_keys
+    from deepinfer.entrypoint.server import image_pick_keys
 
     lb, _, stubs = stack
     blue = data_url(png((0, 0, 255)))
@@ -98,11 +98,11 @@ def test_balancer_sends_a_repeated_image_to_the_instance_that_cached_it(stack):
 def test_an_emptied_queue_is_reported_at_once(tmp_path):
     """With a 30 s heartbeat, the balancer still learns within seconds that an encode finished: the
     worker reports when its pending image tokens drop to zero (and the newly cached image with it)."""
-    from engine.testing.make_checkpoint import make_checkpoint
-    from entrypoint.server import image_pick_keys
-    from loadbalancer.server import start_server
-    from vision_worker.config import VisionWorkerConfig
-    from vision_worker.server import serve_vision
+    from deepinfer.engine.testing.make_checkpoint import make_checkpoint
+    from deepinfer.entrypoint.server import image_pick_keys
+    from deepinfer.loadbalancer.server import start_server
+    from deepinfer.vision_worker.config import VisionWorkerConfig
+    from deepinfer.vision_worker.server import serve_vision
 
     ckpt = make_checkpoint(tmp_path / "ckpt", preset="tiny", seed=5, vision=True)
     lb = start_server("127.0.0.1:0", Stage.VISION, "image_affinity", heartbeat_timeout_s=90)
