@@ -413,8 +413,7 @@ def direct_latencies(cluster: LocalCluster, prompts: list[list[int]]) -> dict:
                                                       destination=dest, num_kv_tokens=len(prompt)), timeout=30)
             assert not pf.error.code, pf.error.message
             t2 = time.monotonic()
-            chunks = list(d.Start(decode_pb2.StartRequest(request_id=rid, transfer_id=r.transfer_id,
-                                                          first_token_id=pf.first_token_id), timeout=30))
+            chunks = list(d.Start(decode_pb2.StartRequest(request_id=rid, transfer_id=r.transfer_id), timeout=30))
             t3 = time.monotonic()
             assert chunks and chunks[-1].finish_reason and sum(len(c.token_ids) for c in chunks) == 1, chunks
             for k, v in (("total", t3 - t0), ("reserve", t1 - t0), ("prefill", t2 - t1), ("start", t3 - t2)):

@@ -6,7 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deepinfer.engine.attention import attention_backend_names
 from deepinfer.engine.engine import EngineConfig
+from deepinfer.engine.moe import moe_backend_names
 
 
 class DecodeWorkerConfig(BaseModel):
@@ -59,8 +61,14 @@ class DecodeWorkerConfig(BaseModel):
     max_rpc_threads: int = Field(256, gt=0)
     """gRPC handler threads (each Start stream holds one until its request finishes)."""
 
+    attention_backend: str = Field("torch", json_schema_extra={"cli_choices": attention_backend_names()})
+    """Attention backend of the engine (a name of `engine.attention`'s registry)."""
+    moe_backend: str = Field("torch", json_schema_extra={"cli_choices": moe_backend_names()})
+    """MoE backend of the engine (a name of `engine.moe`'s registry)."""
+
     def engine_config(self) -> EngineConfig:
         """The engine part of this config."""
         return EngineConfig(model=self.model, dtype=self.dtype, device=self.device, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, num_blocks=self.num_blocks,
-                            max_model_len=self.max_model_len)
+                            max_model_len=self.max_model_len, attention_backend=self.attention_backend,
+                            moe_backend=self.moe_backend)
