@@ -93,13 +93,15 @@ if triton is not None:
 
     @triton.jit
     def _sinkhorn_kernel(comb_ptr, out_ptr, num_rows, eps, ITERS: tl.constexpr, HC: tl.constexpr,
-                         BLOCK_T: tl.constexpr):
+                         HC_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+        # NOTE: each matrix is held as [HC_PAD, HC_PAD] (the next power of two); padded entries are 0 and
+        # stay 0, and `_ordered_sum` adds only the HC real indices, so padding changes no bit.
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        i = tl.arange(0, HC)[None, :, None]  # [1, hc, 1] row index
-        j = tl.arange(0, HC)[None, None, :]  # [1, 1, hc] column index
-        offs = rows[:, None, None] * (HC * HC) + i * HC + j  # [BLOCK_T, hc, hc]
-        mask = (rows < num_rows)[:, None, None]
-        a = tl.load(comb_ptr + offs, mask=mask, other=1.0)
+        i = tl.arange(0, HC_PAD)[None, :, None]  # [1, hc_pad, 1] row index
+        j = tl.arange(0, HC_PAD)[None, None, :]  # [1, 1, hc_pad] column index
+        offs = rows[:, None, None] * (HC * HC) + i * HC + j  # [BLOCK_T, hc_pad, hc_pad]
+        mask = (rows < num_rows)[:, None, None] & (i < HC) & (j < HC)
+        a = tl.load(comb_ptr + offs, mask=mask, other=0.0)
         a = tl.math.div_rn(a, _ordered_sum(a, i, 1, HC) + eps)
         for _ in range(ITERS - 1):
             a = tl.math.div_rn(a, _ordered_sum(a, j, 2, HC) + eps)
@@ -108,18 +110,18 @@ if triton is not None:
 
     @register_op("sinkhorn", "triton")
     def sinkhorn_triton(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-        """Triton Sinkhorn of `comb` [T, hc, hc]: float32, contiguous, hc a power of two, iters >= 1.
+        """Triton Sinkhorn of `comb` [T, hc, hc]: float32, contiguous, hc >= 1, iters >= 1.
 
         On CUDA, or on the CPU under `TRITON_INTERPRET=1`. No autograd; `ITERS` is a compile-time
         constant (one compile per distinct `iters`). On either device its result equals
-        `sinkhorn_torch` on the CPU bit for bit (hc <= 4); torch on CUDA differs by float32 rounding,
-        so it is not the CUDA default: pick it with `DeepseekV4ForCausalLM(..., op_impls={"sinkhorn": "triton"})`.
+        `sinkhorn_torch` on the CPU bit for bit (hc <= 4); torch on CUDA differs by float32 rounding
+        (see the module docstring for why it is the CUDA default all the same).
         """
         if comb.dim() != 3 or comb.shape[1] != comb.shape[2]:
             raise ValueError(f"sinkhorn_triton: comb must be [T, hc, hc], got {list(comb.shape)}")
         hc = comb.shape[1]
-        if hc < 1 or hc & (hc - 1):
-            raise ValueError(f"sinkhorn_triton: hc must be a power of two, got {hc}")
+        if hc < 1:
+            raise ValueError(f"sinkhorn_triton: hc must be >= 1, got {hc}")
         if comb.dtype != torch.float32:
             raise ValueError(f"sinkhorn_triton: comb must be float32, got {comb.dtype}")
         if not comb.is_contiguous():
@@ -134,5 +136,5 @@ if triton is not None:
         num_rows = comb.shape[0]
         if num_rows:
             _sinkhorn_kernel[(triton.cdiv(num_rows, BLOCK_T),)](comb, out, num_rows, eps, ITERS=iters, HC=hc,
-                                                                BLOCK_T=BLOCK_T)
+                                                                HC_PAD=triton.next_power_of_2(hc), BLOCK_T=BLOCK_T)
         return out

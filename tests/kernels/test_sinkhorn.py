@@ -76,7 +76,7 @@ def test_op_table_picks_once_per_device():
 _INTERPRETED = textwrap.dedent("""
     import torch
     from deepinfer.kernels.sinkhorn import sinkhorn_torch, sinkhorn_triton
-    for num_rows, hc, seed in [(0, 4, 0), (1, 4, 1), (5, 4, 2), (64, 4, 3), (130, 4, 4), (9, 2, 5), (9, 8, 6)]:
+    for num_rows, hc, seed in [(0, 4, 0), (1, 4, 1), (5, 4, 2), (64, 4, 3), (130, 4, 4), (9, 2, 5), (9, 8, 6), (70, 3, 7), (5, 1, 8)]:
         g = torch.Generator().manual_seed(seed)
         comb = torch.softmax(torch.randn(num_rows, hc, hc, generator=g) * 3, dim=-1) + 1e-6
         for iters in (1, 20):
@@ -86,7 +86,7 @@ _INTERPRETED = textwrap.dedent("""
             else:
                 torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
     for bad, msg in [(torch.ones(3, 4, 4, dtype=torch.float64), "float32"), (torch.ones(3, 4, 3), "[T, hc, hc]"),
-                     (torch.ones(3, 3, 3), "power of two"), (torch.ones(3, 4, 4).transpose(1, 2), "contiguous")]:
+                     (torch.ones(3, 0, 0), "hc must be >= 1"), (torch.ones(3, 4, 4).transpose(1, 2), "contiguous")]:
         try:
             sinkhorn_triton(bad, 20, 1e-6)
         except ValueError as e:
@@ -106,12 +106,12 @@ def test_triton_kernel_under_interpreter_is_bit_identical():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_rows", [1, 64, 1000, 8192])
-def test_triton_kernel_on_cuda(num_rows):
+@pytest.mark.parametrize("num_rows,hc", [(1, 4), (64, 4), (1000, 4), (8192, 4), (77, 3)])
+def test_triton_kernel_on_cuda(num_rows, hc):
     pytest.importorskip("triton")
     if "triton" not in op_impl_names("sinkhorn"):
         pytest.skip("triton did not import")
-    comb = _comb(num_rows, seed=num_rows)
+    comb = _comb(num_rows, seed=num_rows, hc=hc)
     ref_cpu = sinkhorn_torch(comb, ITERS, EPS)
     comb = comb.cuda()
     out, ref = get_op("sinkhorn", "triton")(comb, ITERS, EPS), sinkhorn_torch(comb, ITERS, EPS)
