@@ -24,6 +24,7 @@ import torch
 
 from deepinfer.engine.cache.layout import CacheLayout
 from deepinfer.engine.config import ModelConfig
+from deepinfer.engine.registry import Registry
 
 if TYPE_CHECKING:
     from deepinfer.engine.cache.kv_cache import V4KVCache
@@ -394,31 +395,20 @@ class AttentionBackend(ABC):
         `[num_tokens, num_heads, head_dim]`, row t for token t of the flat batch."""
 
 
-_BACKENDS: dict[str, type[AttentionBackend]] = {}
+ATTENTION_BACKENDS: Registry[type[AttentionBackend]] = Registry("attention backend")
+"""The attention backends by name."""
 
 
 def register_attention_backend(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
     """Class decorator: make an `AttentionBackend` subclass available as `name`."""
-
-    def deco(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-        if name in _BACKENDS and _BACKENDS[name] is not cls:
-            raise ValueError(f"attention backend {name!r} is already registered ({_BACKENDS[name].__name__})")
-        cls.name = name
-        _BACKENDS[name] = cls
-        return cls
-
-    return deco
+    return ATTENTION_BACKENDS.register(name)
 
 
 def get_attention_backend(name: str) -> type[AttentionBackend]:
     """The backend class registered as `name`; a ValueError listing the known names otherwise."""
-    try:
-        return _BACKENDS[name]
-    except KeyError:
-        known = ", ".join(sorted(_BACKENDS)) or "(none)"
-        raise ValueError(f"unknown attention backend {name!r}; known backends: {known}") from None
+    return ATTENTION_BACKENDS.get(name)
 
 
 def attention_backend_names() -> list[str]:
     """Registered backend names, sorted (CLI choices)."""
-    return sorted(_BACKENDS)
+    return ATTENTION_BACKENDS.names()

@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from deepinfer.engine.registry import Registry
+
 
 class MoEBackend(ABC):
     """Routed-expert computation for one MoE layer. Subclasses register with `register_moe_backend`."""
@@ -53,29 +55,20 @@ class MoEBackend(ABC):
         return self.forward(x, topk_weights, topk_ids)
 
 
-_BACKENDS: dict[str, type[MoEBackend]] = {}
+MOE_BACKENDS: Registry[type[MoEBackend]] = Registry("MoE backend")
+"""The MoE backends by name."""
 
 
 def register_moe_backend(name: str) -> Callable[[type[MoEBackend]], type[MoEBackend]]:
     """Class decorator: register a `MoEBackend` subclass under `name`."""
-
-    def wrap(cls: type[MoEBackend]) -> type[MoEBackend]:
-        if name in _BACKENDS and _BACKENDS[name] is not cls:
-            raise ValueError(f"a MoE backend named {name!r} is already registered ({_BACKENDS[name].__name__})")
-        cls.name = name
-        _BACKENDS[name] = cls
-        return cls
-
-    return wrap
+    return MOE_BACKENDS.register(name)
 
 
 def moe_backend_names() -> list[str]:
     """The registered backend names, sorted (CLI choices)."""
-    return sorted(_BACKENDS)
+    return MOE_BACKENDS.names()
 
 
 def get_moe_backend(name: str) -> type[MoEBackend]:
     """The backend class registered as `name`; a ValueError listing the known names otherwise."""
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown MoE backend {name!r}; known: {', '.join(moe_backend_names())}")
-    return _BACKENDS[name]
+    return MOE_BACKENDS.get(name)
