@@ -17,7 +17,9 @@ class DecodeWorkerConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     model: str | None = None
-    """Checkpoint directory; None = the built-in default model."""
+    """Checkpoint directory or Hugging Face repo id; None = the built-in default model."""
+    revision: str | None = None
+    """Hugging Face revision (branch, tag or commit) when `model` is a repo id; None = main."""
     dtype: str = "float32"
     """Weights and cache dtype: float32 or bfloat16 (must match the prefill instances')."""
     device: str = "cpu"
@@ -68,7 +70,7 @@ class DecodeWorkerConfig(BaseModel):
 
     def engine_config(self) -> EngineConfig:
         """The engine part of this config."""
-        return EngineConfig(model=self.model, dtype=self.dtype, device=self.device, max_num_seqs=self.max_num_seqs,
+        return EngineConfig(model=self.model, revision=self.revision, dtype=self.dtype, device=self.device, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, num_blocks=self.num_blocks,
                             max_model_len=self.max_model_len, attention_backend=self.attention_backend,
                             moe_backend=self.moe_backend)

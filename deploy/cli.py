@@ -37,7 +37,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in model)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory or Hugging Face repo id (default: the built-in model)")
+    p.add_argument("--revision", default=None, help="hub revision (branch, tag, commit) of a repo id --model")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-tokens", type=int, default=16)
@@ -52,7 +54,7 @@ def _run(args, prompts: list) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                                 structured_output=getattr(args, "structured_output", None))
         t0 = time.perf_counter()
-        llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
+        llm = LLM(model=args.model, dtype=args.dtype, device=args.device, revision=args.revision)
         t1 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
     except InvalidRequestError as e:
@@ -101,11 +103,11 @@ def _cmd_demo(args) -> int:
 
     from deepinfer.deploy.config import ClusterConfig
     from deepinfer.deploy.launcher import connect_ray, start_cluster, stop_cluster
-    from deepinfer.engine.builtin_model import builtin_model_path as ensure_default_model
+    from deepinfer.engine.hub import resolve_model
     from deepinfer.engine.tokenizer import load_chat_encoding, load_tokenizer
     from deepinfer.entrypoint.client import Client
 
-    model = args.model or str(ensure_default_model())
+    model = str(resolve_model(args.model, args.revision))  # a repo id: its snapshot, which the workers then find cached
     encoding = load_chat_encoding(model)
     tokenizer = load_tokenizer(model)
     config = ClusterConfig.model_validate({"name": "deepinfer-demo", "model": model, "http": {"enabled": False}})
@@ -224,8 +226,9 @@ def _cmd_up(args, parser) -> int:
         parser.error("--detach needs --address: a local Ray cluster started by `up` lives only as long as `up`")
     try:
         config = ClusterConfig.load(args.config) if args.config else ClusterConfig()
-        if args.model:
-            config = ClusterConfig.model_validate({**config.model_dump(), "model": args.model})
+        if args.model or args.revision:
+            update = {k: v for k, v in (("model", args.model), ("revision", args.revision)) if v}
+            config = ClusterConfig.model_validate({**config.model_dump(), **update})
     except ValueError as e:
         parser.error(str(e))
     needed = sum(g.num_instances * g.num_ranks * g.resources_per_rank.get("CPU", 0)
@@ -328,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     up = sub.add_parser("up", help="launch a cluster on Ray (default: local, built-in model, 1 prefill + 1 decode)")
     up.add_argument("--config", default=None, help="cluster YAML (deploy/configs/*.yaml); default: laptop layout")
     up.add_argument("--address", default=None, help="join this Ray cluster (host:port or auto) instead of a local one")
-    up.add_argument("--model", default=None, help="checkpoint directory (overrides the config's model)")
+    up.add_argument("--model", default=None,
+                    help="checkpoint directory or Hugging Face repo id (overrides the config's model)")
+    up.add_argument("--revision", default=None, help="hub revision of a repo id --model (overrides the config's)")
     up.add_argument("--detach", action="store_true", help="return once up (needs --address); `deepinfer down` stops it")
     up.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of a local Ray cluster")
     up.add_argument("--resources", type=json.loads, default=None,

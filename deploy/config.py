@@ -44,7 +44,7 @@ STAGES = ("vision", "prefill", "decode")
 """The stages the launcher runs, front to back; vision only for models with a vision tower
 (`ClusterConfig.active_stages`)."""
 
-LAUNCHER_SET_FIELDS = frozenset({"model", "dtype", "device", "host", "port", "advertise_host", "lb_address",
+LAUNCHER_SET_FIELDS = frozenset({"model", "revision", "dtype", "device", "host", "port", "advertise_host", "lb_address",
                                  "instance_id", "agent_name", "datacenter", "loopback_ucx",
                                  "prefill_lb_address", "decode_lb_address", "vision_lb_address", "stage"})
 """Role-config fields the launcher fills in itself; a YAML file must not set them per role."""
@@ -184,17 +184,14 @@ def _default_vision() -> StageConfig:
     return StageConfig(balancer=BalancerSettings(policy="image_affinity"))
 
 
-def model_has_vision(model: str | None) -> bool:
-    """Whether a checkpoint (None = the built-in default model) has a vision tower: a `vision_config`
-    in its config.json. Reads only that file."""
-    if model is None:
-        from deepinfer.engine.engine import default_model_path
-
-        model = str(default_model_path())
+def model_has_vision(model: str | None, revision: str | None = None) -> bool:
+    """Whether a checkpoint (None = the built-in default model; a Hugging Face repo id: its cached or
+    downloaded snapshot) has a vision tower: a `vision_config` in its config.json. Reads only that file."""
     try:
         from deepinfer.engine.config import read_config_json
+        from deepinfer.engine.hub import resolve_model
 
-        return "vision_config" in read_config_json(model)
+        return "vision_config" in read_config_json(resolve_model(model, revision))
     except (OSError, ValueError):
         return False  # not readable here (e.g. a path on other nodes): the workers will say
 
@@ -205,7 +202,10 @@ class ClusterConfig(_Frozen):
     name: str = "deepinfer"
     """Cluster name: the controller is the detached Ray actor `<name>-controller` in namespace `deepinfer`."""
     model: str | None = None
-    """Checkpoint directory on every node; None = the built-in default model."""
+    """Checkpoint directory on every node, or a Hugging Face repo id (each node resolves it in its own
+    cache); None = the built-in default model."""
+    revision: str | None = None
+    """Hugging Face revision (branch, tag or commit) when `model` is a repo id; None = main."""
     dtype: str = "float32"
     """Weights and cache dtype of every worker."""
     device: str = "cpu"
@@ -258,7 +258,7 @@ class ClusterConfig(_Frozen):
 
     def active_stages(self) -> tuple[str, ...]:
         """The stages this deployment runs: vision only when the model has a vision tower."""
-        return STAGES if model_has_vision(self.model) else tuple(s for s in STAGES if s != "vision")
+        return STAGES if model_has_vision(self.model, self.revision) else tuple(s for s in STAGES if s != "vision")
 
     def role_config(self, role: str, *, instance_id: str = "", lb_address: str = "", datacenter: str = "",
                     lb_addresses: tuple[str, str] = ("", ""), advertise_host: str | None = None,
@@ -268,7 +268,8 @@ class ClusterConfig(_Frozen):
         common = dict(host=self.host, port=0, advertise_host=advertise_host)
         if role in STAGES:
             cls = {"vision": VisionWorkerConfig, "prefill": PrefillWorkerConfig, "decode": DecodeWorkerConfig}[role]
-            return cls(**self.stage(role).worker, **common, model=self.model, dtype=self.dtype, device=self.device,
+            return cls(**self.stage(role).worker, **common, model=self.model, revision=self.revision, dtype=self.dtype,
+                       device=self.device,
                        lb_address=lb_address, instance_id=instance_id, agent_name=instance_id, datacenter=datacenter,
                        loopback_ucx=loopback)
         if role.endswith("_lb"):
@@ -277,7 +278,8 @@ class ClusterConfig(_Frozen):
             return LoadBalancerConfig(stage=stage, policy=b.policy, host=self.host, port=b.port,
                                       advertise_host=advertise_host, heartbeat_timeout_s=b.heartbeat_timeout_s)
         if role == "entrypoint":
-            return EntrypointConfig(**{**common, **self.entrypoint}, model=self.model, instance_id=instance_id,
+            return EntrypointConfig(**{**common, **self.entrypoint}, model=self.model, revision=self.revision,
+                                    instance_id=instance_id,
                                     prefill_lb_address=lb_addresses[0], decode_lb_address=lb_addresses[1],
                                     vision_lb_address=vision_lb_address)
         raise KeyError(f"unknown role {role!r}")

@@ -123,6 +123,8 @@ class ClusterController:
                     args += ["--vision-lb-address", self.addresses["vision_lb"]]
                 if c.model:
                     args += ["--model", c.model]
+                if c.revision:
+                    args += ["--revision", c.revision]
                 hosts = c.vision.worker.get("image_url_allowed_hosts", "") if "vision" in c.active_stages() else ""
                 if hosts:  # the HTTP front checks image URLs against the vision stage's allow-list early
                     args += ["--image-url-allowed-hosts", hosts]

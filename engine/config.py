@@ -1,8 +1,10 @@
 """Model configuration for DeepSeek-V4-family checkpoints.
 
 `ModelConfig` reads the `config.json` that Hugging Face transformers' `DeepseekV4Config` writes
-(and the official checkpoints ship), normalises the legacy keys exactly as transformers does, and
-validates every field that changes the math. A field we do not implement is rejected with an
+and the one DeepSeek's published checkpoints ship (the official spelling: `compress_ratios` with one
+extra entry per MTP layer, `num_hash_layers`, `qk_rope_head_dim`, `topk_method: noaux_tc`,
+`rope_scaling` with `type: yarn`, `torch_dtype`, `expert_dtype`), normalises the legacy keys exactly
+as transformers does, and validates every field that changes the math. A field we do not implement is rejected with an
 error that names it and says what value we accept; nothing is silently ignored, except
 `quantization_config`: how the weights are stored is the loader's decision alone
 (`engine.loader.read_checkpoint_config`). `read_config_json` parses a file once per process.
@@ -345,8 +347,16 @@ class ModelConfig(BaseModel):
         if model_type not in ("deepseek_v4", "deepseek_v41"):
             raise ValueError(f"`model_type` {model_type!r} is not a DeepSeek-V4 model; expected 'deepseek_v4'.")
         d.pop("quantization_config", None)  # NOTE: how weights are stored is the loader's decision alone
-        if d.get("expert_dtype") in (None, "bf16", "bfloat16"):  # other values fall to the unknown-field error
+        # V4 states `expert_dtype` at the top level (V4.1 inside quantization_config): storage, so the
+        # loader checks it against the tensors; other values fall to the unknown-field error.
+        if d.get("expert_dtype") in (None, "bf16", "bfloat16", "fp4", "fp8"):
             d.pop("expert_dtype", None)
+        topk_method = d.pop("topk_method", "noaux_tc")
+        if topk_method != "noaux_tc":
+            raise ValueError(
+                f"`topk_method`={topk_method!r} is not supported: DeepSeek-V4 routes with 'noaux_tc' (top-k of "
+                "bias-corrected scores; hash layers by tid2eid); set topk_method to 'noaux_tc' or remove it."
+            )
         for key, must in (
             ("num_key_value_heads", 1),
             ("n_shared_experts", 1),
@@ -368,6 +378,13 @@ class ModelConfig(BaseModel):
             rates["heavily_compressed_attention"] = v
         layer_types = d.pop("layer_types", None)
         ratios = d.pop("compress_ratios", None)
+        if ratios is not None:
+            n_mtp = int(d.get("num_nextn_predict_layers", 1))
+            if len(ratios) not in (n, n + n_mtp):
+                raise ValueError(
+                    f"`compress_ratios` has {len(ratios)} entries; give one per layer ({n}), optionally followed by "
+                    f"one per MTP layer ({n + n_mtp} in all)."
+                )
         if layer_types is None and ratios is not None:
             try:
                 layer_types = [_RATIO_TO_LAYER_TYPE[r] for r in ratios]

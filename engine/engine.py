@@ -45,7 +45,9 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: str | None = None
-    """Checkpoint directory; None means the built-in default model."""
+    """Checkpoint directory or Hugging Face repo id (`engine.hub.resolve_model`); None means the built-in default model."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) when `model` is a repo id; None = main."""
     dtype: str = "float32"
     """Weights and cache dtype: float32 or bfloat16."""
     device: str = "cpu"
@@ -188,14 +190,25 @@ class Engine(ExternalKVMixin):
     """The pure engine core (no sockets): `add_request` / `abort_request` / `step`."""
 
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
-        from deepinfer.engine.loader import load_checkpoint
+        from deepinfer.engine.fit import check_fit
+        from deepinfer.engine.hub import resolve_model
+        from deepinfer.engine.loader import load_checkpoint, read_checkpoint_config
+        from deepinfer.engine.models.deepseek_v4_weights import parse_dtype
         from deepinfer.engine.tokenizer import load_tokenizer
 
         config = config or EngineConfig(**kwargs)
         self.config = config
-        path = Path(config.model) if config.model else default_model_path()
+        path = resolve_model(config.model, config.revision)  # a repo id: the cached (or downloaded) snapshot
         self.model_path = path
-        """The checkpoint directory this engine serves (the built-in demo model's when none was given)."""
+        """The checkpoint directory this engine serves (the built-in demo model's when none was given; a
+        repo id's snapshot in the Hugging Face cache)."""
+        mc, _ = read_checkpoint_config(path)
+        self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
+        block_size = config.block_size or default_block_size(mc.compress_rates.values())  # the layout decides
+        self.fit = check_fit(path, mc, dtype=parse_dtype(config.dtype), device=config.device,
+                             max_model_len=self.max_model_len, block_size=block_size,
+                             max_num_seqs=config.max_num_seqs, num_blocks=config.num_blocks)
+        """The start-up memory plan (`engine.fit`): checked before loading; refuses a model that cannot fit."""
         self.model, self.model_config = load_checkpoint(path, dtype=config.dtype, device=config.device,
                                                        attention_backend=config.attention_backend,
                                                        moe_backend=config.moe_backend)
@@ -209,10 +222,8 @@ class Engine(ExternalKVMixin):
                     "model (num_layers * (sliding_window - 1) + 2 * max compress rate); raise it or leave it unset"
                 )
             self.replay_tokens = config.replay_tokens
-        self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
-        block_size = config.block_size or default_block_size(mc.compress_rates.values())  # the layout decides
         blocks_per_seq = -(-self.max_model_len // block_size)
-        num_blocks = config.num_blocks or min(blocks_per_seq * config.max_num_seqs, 1 << 16)
+        num_blocks = config.num_blocks or min(blocks_per_seq * config.max_num_seqs, 1 << 16, self.fit.max_num_blocks)
         dtype = self.model.model.embed_tokens.weight.dtype
         self.cache = V4KVCache(mc, num_blocks, block_size, config.max_num_seqs, dtype=dtype, device=config.device)
         self.kv_manager = KVCacheManager(BlockPool(num_blocks, block_size, config.enable_prefix_caching))

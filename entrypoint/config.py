@@ -11,8 +11,10 @@ class EntrypointConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     model: str | None = None
-    """Checkpoint directory whose config.json gives the vocabulary and context length to validate
-    against; None = the built-in default model."""
+    """Checkpoint directory or Hugging Face repo id whose config.json gives the vocabulary and context
+    length to validate against; None = the built-in default model."""
+    revision: str | None = None
+    """Hugging Face revision (branch, tag or commit) when `model` is a repo id; None = main."""
     host: str = "127.0.0.1"
     """Interface the gRPC server binds."""
     port: int = Field(0, ge=0, le=65535)

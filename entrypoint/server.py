@@ -619,11 +619,11 @@ class EntrypointServer:
         if not config.prefill_lb_address or not config.decode_lb_address:
             raise ValueError("the entrypoint needs prefill_lb_address and decode_lb_address (--prefill-lb-address, "
                              "--decode-lb-address)")
-        from deepinfer.engine.engine import default_model_path
+        from deepinfer.engine.hub import resolve_model
         from deepinfer.engine.loader import read_checkpoint_config
 
         # NOTE: the loader's own check: the entrypoint accepts exactly the checkpoints the workers load
-        model_config, _ = read_checkpoint_config(config.model or default_model_path())
+        model_config, _ = read_checkpoint_config(resolve_model(config.model, config.revision))
         self.config = config
         self.instance_id = config.instance_id or f"entrypoint-{uuid.uuid4().hex[:8]}"
         max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 8192)

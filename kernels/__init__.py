@@ -5,6 +5,10 @@
 file beside its torch reference (the oracle) and a wrapper that checks shapes, dtypes and contiguity:
 
   * `kernels.sinkhorn`: the mHC Sinkhorn normalisation ("torch", "numpy_cpu", "triton").
+  * `kernels.fp8_gemm`, `kernels.fp4_gemm`: the quantized GEMMs behind `engine.quant.Fp8Linear` / `Fp4Linear`
+    and the "fp4" MoE backend ("torch" exact block-wise references, "triton"). They are *module ops*
+    (`register_op(..., in_op_table=False)`): the modules pick them per device, a model's `OpTable` does not
+    list them; they register when `deepinfer.engine.quant` is imported.
 
 A new kernel (Triton, TileLang) goes into the op's file, or a new `kernels/<op>.py` imported below.
 """

@@ -24,12 +24,21 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 _IMPLS: dict[str, dict[str, Callable[..., Any]]] = {}
 _DEFAULTS: dict[str, Callable[[torch.device], str]] = {}
+_MODULE_OPS: set[str] = set()
+"""Ops picked by the modules that use them (per device, e.g. a quantized linear), not by a model's `OpTable`."""
 
 
-def register_op(op_name: str, impl_name: str) -> Callable[[F], F]:
-    """Decorator: register `fn` as implementation `impl_name` of op `op_name`."""
+def register_op(op_name: str, impl_name: str, *, in_op_table: bool = True) -> Callable[[F], F]:
+    """Decorator: register `fn` as implementation `impl_name` of op `op_name`.
+
+    `in_op_table=False` marks a *module op*: the modules that run it (e.g. `engine.quant.Fp8Linear`) pick its
+    implementation once per device with `default_impl` / `get_op` themselves, and a model's `OpTable`
+    does not list it.
+    """
 
     def wrap(fn: F) -> F:
+        if not in_op_table:
+            _MODULE_OPS.add(op_name)
         impls = _IMPLS.setdefault(op_name, {})
         if impl_name in impls and impls[impl_name] is not fn:
             raise ValueError(f"op {op_name!r} already has an implementation named {impl_name!r}")
@@ -99,6 +108,8 @@ class OpTable:
     def select(self, device: torch.device | str) -> None:
         """Pick every op's implementation for `device` (overrides win)."""
         for op_name in op_names():
+            if op_name in _MODULE_OPS:
+                continue
             impl = self.overrides.get(op_name) or default_impl(op_name, device)
             setattr(self, op_name, get_op(op_name, impl))
             self.impl_names[op_name] = impl

@@ -13,7 +13,9 @@ class VisionWorkerConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     model: str | None = None
-    """Checkpoint directory (must have a `vision_config`); None = the built-in default model."""
+    """Checkpoint directory or Hugging Face repo id (must have a `vision_config`); None = the built-in default model."""
+    revision: str | None = None
+    """Hugging Face revision (branch, tag or commit) when `model` is a repo id; None = main."""
     dtype: str = "float32"
     """Tower dtype and embedding dtype: float32 or bfloat16 (must match the prefill instances')."""
     device: str = "cpu"

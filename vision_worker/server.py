@@ -64,11 +64,11 @@ class VisionWorker(WorkerShell):
     drain_linger_s = 0.5
 
     def __init__(self, config: VisionWorkerConfig) -> None:
-        from deepinfer.engine.engine import default_model_path
+        from deepinfer.engine.hub import resolve_model
         from deepinfer.engine.loader import load_vision_tower
 
         super().__init__(config)
-        self.tower = load_vision_tower(config.model or str(default_model_path()), config.dtype, config.device)
+        self.tower = load_vision_tower(resolve_model(config.model, config.revision), config.dtype, config.device)
         self.agent = EmbeddingAgent(self.agent_name, config.embedding_rows, self.tower.lm_hidden_size,
                                     self.tower.dtype, config.device, ucx_env=self.ucx_env)
         self.core = VisionCore(tower_encoder(self.tower), self.agent, max_batch_images=config.max_batch_images)

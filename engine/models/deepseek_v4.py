@@ -311,9 +311,47 @@ class Attention(nn.Module):
         # rotate the rope channels of the output back by the query position
         out = apply_rope(out, cos, -sin)
         grouped = out.reshape(T, self.o_groups, -1).transpose(0, 1)  # [G, T, NH*D/G]
+        if type(self.wo_a) is not nn.Linear:  # kept quantized (engine.quant, chosen by the loader)
+            views = _row_group_views(self, "wo_a", self.o_groups)
+            if views is not None:  # group g's rows as an FP8 linear of its own (views, no copy)
+                y = torch.cat([view(grouped[g]) for g, view in enumerate(views)], dim=-1)  # [T, G*R]
+            else:
+                # NOTE: groups that do not start on a scale-block row (tiny test models): the whole module
+                # per group, keeping the group's own R outputs: exact, G times the work
+                R = self.wo_a.out_features // self.o_groups
+                y = torch.cat([self.wo_a(grouped[g])[:, g * R:(g + 1) * R] for g in range(self.o_groups)], dim=-1)
+            return self.wo_b(y)  # [T, H]
         w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])  # [G, R, NH*D/G]
         y = torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(T, -1)  # [T, G*R]
         return self.wo_b(y)
+
+
+def _row_group_views(owner: nn.Module, name: str, groups: int) -> list[nn.Module] | None:
+    """`groups` FP8 linears over consecutive row blocks of the kept-quantized linear `owner.<name>`
+    (views of its weight and scale: no copy, no extra resident bytes), or None when it is not an
+    `Fp8Linear` or a group does not start on a scale-block row. Cached on `owner` (outside its
+    state_dict) and rebuilt when the weight moves or is replaced.
+    """
+    from deepinfer.engine.quant.linear import Fp8Linear
+
+    lin = getattr(owner, name)
+    key = (lin.weight.data_ptr(), lin.weight.device, lin.scale.data_ptr())
+    cached = owner.__dict__.get("_row_views_" + name)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    R = lin.out_features // groups
+    views = None
+    if type(lin) is Fp8Linear and R % lin.block[0] == 0:
+        rb = R // lin.block[0]
+        views = []
+        for g in range(groups):
+            with torch.device("meta"):
+                view = Fp8Linear(lin.in_features, R, block=lin.block, scale_dtype=lin.scale.dtype)
+            view.weight = nn.Parameter(lin.weight[g * R:(g + 1) * R], requires_grad=False)  # [R, in]
+            view.scale = nn.Parameter(lin.scale[g * rb:(g + 1) * rb], requires_grad=False)  # [R/bn, in/bk]
+            views.append(view)
+    owner.__dict__["_row_views_" + name] = (key, views)
+    return views
 
 
 # --------------------------------------------------------------------------- MoE
@@ -330,6 +368,9 @@ class Expert(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if type(self.w1) is not nn.Linear:  # kept-quantized linears (engine.quant): only the modules compute
+            g, u = self.w1(x).clamp(max=self.limit), self.w3(x).clamp(min=-self.limit, max=self.limit)
+            return self.w2(F.silu(g) * u)
         # NOTE: F.linear on the weights skips three nn.Module calls per expert (decode steps are op-bound)
         g = F.linear(x, self.w1.weight).clamp(max=self.limit)
         u = F.linear(x, self.w3.weight).clamp(min=-self.limit, max=self.limit)
@@ -434,10 +475,17 @@ class HyperHead(nn.Module):
         self.eps, self.norm_eps = config.hc_eps, config.rms_norm_eps
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        T = streams.shape[0]
-        flat = rms_norm(streams.reshape(T, -1).float(), None, self.norm_eps)
-        pre = torch.sigmoid(F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float()) + self.eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return hc_collapse(streams, self.hc_fn, self.hc_base, self.hc_scale, self.eps, self.norm_eps)
+
+
+def hc_collapse(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
+                norm_eps: float) -> torch.Tensor:
+    """Collapse the hc streams [T, hc, H] into one hidden vector [T, H] (a hyper head's math; the MTP
+    layer's `hc_head_*` use it too). fn: [hc, hc*H], base: [hc], scale: [1]."""
+    T = streams.shape[0]
+    flat = rms_norm(streams.reshape(T, -1).float(), None, norm_eps)
+    pre = torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + eps  # [T, hc]
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
 
 # --------------------------------------------------------------------------- the model
@@ -479,8 +527,10 @@ class DeepseekV4Model(nn.Module):
         rope_fns = {"main": self.rotary_main, "compress": self.rotary_compress}
         return build_attention_metadata(batch, self.layer_specs, rope_fns, cache.block_size)
 
-    def forward(self, batch: ForwardBatch, cache: V4KVCache, meta: AttentionMetadata | None = None) -> torch.Tensor:
-        """Run the flat batch through every layer, updating `cache`; returns final hidden [T, H].
+    def forward(self, batch: ForwardBatch, cache: V4KVCache, meta: AttentionMetadata | None = None,
+                return_streams: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Run the flat batch through every layer, updating `cache`; returns final hidden [T, H], and with
+        `return_streams` also the last layer's hc streams before `hc_head` [T, hc, H] (the MTP layer's input).
 
         `meta`: the step's attention metadata; else `batch.attn_metadata`, else built here from `batch`.
         """
@@ -492,17 +542,19 @@ class DeepseekV4Model(nn.Module):
         streams = h.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()  # [T, hc, H]
         for layer in self.layers:
             streams = layer(streams, batch, cache, meta)
-        return self.norm(self.hc_head(streams))
+        hidden = self.norm(self.hc_head(streams))
+        return (hidden, streams) if return_streams else hidden
 
 
 class DeepseekV4ForCausalLM(nn.Module):
     """The causal LM: `model` + `head`. `state_dict()` keys equal the checkpoint's keys."""
 
     def __init__(self, config: ModelConfig, *, attention_backend: str = "torch", moe_backend: str = "torch",
-                 op_impls: Mapping[str, str] | None = None) -> None:
+                 op_impls: Mapping[str, str] | None = None, num_mtp_layers: int | None = None) -> None:
         """`attention_backend`: an `engine.attention` backend name; `moe_backend`: an `engine.moe` backend
         name; `op_impls`: `kernels` op name -> implementation, overriding the device's default
-        (e.g. {"sinkhorn": "triton"})."""
+        (e.g. {"sinkhorn": "triton"}); `num_mtp_layers`: MTP layers to build (`mtp.{k}`), None for
+        config.num_nextn_predict_layers (the loader passes 0 for a checkpoint that ships none)."""
         super().__init__()
         self.config = config
         self.model = DeepseekV4Model(config, attention_backend=attention_backend, moe_backend=moe_backend,
@@ -519,11 +571,24 @@ class DeepseekV4ForCausalLM(nn.Module):
             # stays the checkpoint format; `self.vision` is a plain attribute sharing those modules.
             self.vision_tower, self.vision_projector = tower.vision_tower, tower.vision_projector
             self.__dict__["vision"] = tower
+        n_mtp = config.num_nextn_predict_layers if num_mtp_layers is None else num_mtp_layers
+        self.mtp: nn.ModuleList | None = None
+        """The multi-token-prediction layers `mtp.{k}` (`engine.models.mtp.MTPLayer`), or None without any."""
+        if n_mtp > 0:
+            from deepinfer.engine.models.mtp import MTPLayer
+
+            self.mtp = nn.ModuleList(
+                MTPLayer(config, attention_backend=self.model.attention_backend, moe_backend=moe_backend,
+                         ops=self.model.ops)
+                for _ in range(n_mtp)
+            )
 
     def prepare_for_inference(self) -> None:
         """Once after the weights are loaded (`engine.loader.load_checkpoint` calls it): pick the small-op
         implementations for the weights' device and prepare the MoE backends (expert packing)."""
         self.model.prepare_for_inference()
+        for layer in self.mtp or ():
+            layer.ffn.prepare()
 
     def head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.head.weight
@@ -532,9 +597,35 @@ class DeepseekV4ForCausalLM(nn.Module):
         """The step's `AttentionMetadata` (see `DeepseekV4Model.build_attention_metadata`)."""
         return self.model.build_attention_metadata(batch, cache)
 
-    def forward(self, batch: ForwardBatch, cache: V4KVCache, meta: AttentionMetadata | None = None) -> torch.Tensor:
-        """Hidden states [T, H] for the flat batch (cache updated in place)."""
-        return self.model(batch, cache, meta)
+    def forward(self, batch: ForwardBatch, cache: V4KVCache, meta: AttentionMetadata | None = None,
+                return_streams: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states [T, H] for the flat batch (cache updated in place); with `return_streams`, also
+        the pre-`hc_head` streams [T, hc, H] the MTP layer reads (`mtp_forward`)."""
+        return self.model(batch, cache, meta, return_streams)
+
+    def mtp_forward(self, streams: torch.Tensor, batch: ForwardBatch, cache: V4KVCache,
+                    meta: AttentionMetadata | None = None, k: int = 0) -> torch.Tensor:
+        """MTP layer `k`: hidden [T, H] (before the shared head) predicting the token after the next.
+
+        `streams` [T, hc, H]: the main model's pre-`hc_head` streams at the batch's positions
+        (`forward(..., return_streams=True)`); `batch.input_ids`: the next token at each of those
+        positions; `cache`: the MTP layer's own window cache (`self.mtp[k].make_cache`); `meta`: as in
+        `forward`, over that cache (`self.mtp[k].build_attention_metadata`)."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP layer (the checkpoint ships no `mtp.*` weights)")
+        layer = self.mtp[k]
+        if meta is None:
+            meta = layer.build_attention_metadata(batch, cache, self.model.rotary_main, self.model.rotary_compress)
+        return layer(streams, batch, cache, meta, self.model.embed_tokens)
+
+    @torch.inference_mode()
+    def mtp_step(self, streams: torch.Tensor, batch: ForwardBatch, cache: V4KVCache,
+                 meta: AttentionMetadata | None = None, k: int = 0) -> torch.Tensor:
+        """`mtp_forward` + the shared head's logits at `batch.logits_indices` (float32 [num_logits, vocab])."""
+        hidden = self.mtp_forward(streams, batch, cache, meta, k)
+        if batch.logits_indices is not None:
+            hidden = hidden[batch.logits_indices]
+        return self.compute_logits(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, H] -> float32 logits [n, vocab]."""

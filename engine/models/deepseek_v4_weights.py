@@ -4,7 +4,9 @@
 holds and what `engine.models.deepseek_v4.DeepseekV4ForCausalLM.state_dict()` must contain, key for
 key. The names are the official DeepSeek ones, exactly as Hugging Face transformers'
 `DeepseekV4ForCausalLM.save_pretrained` writes them (transformers renames them to its own module
-names on load and back on save; we never use its internal names):
+names on load and back on save; we never use its internal names). DeepSeek's published checkpoints
+spell a few of them differently (`embed.weight`, `layers.{i}.attn.kv_norm.weight`, ...: see
+`PUBLISHED_NAME_MAP`) and store some linears FP8/FP4 (`published_storage`); the loader reads both.
 
 ```
 head.weight                       [V, H]            absent when tie_word_embeddings
@@ -104,6 +106,28 @@ _OFFICIAL_TOP_LEVEL = {
 }
 
 
+_PUBLISHED_KV_NORM, _SPEC_KV_NORM = ".attn.kv_norm.weight", ".attn.norm.weight"
+
+PUBLISHED_NAME_MAP: tuple[tuple[str, str], ...] = (
+    ("embed.weight", "model.embed_tokens.weight"),
+    ("head.weight", "head.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("hc_head_{fn,base,scale}", "model.hc_head.hc_{fn,base,scale}"),
+    ("layers.{i}.attn.kv_norm.weight", "model.layers.{i}.attn.norm.weight"),
+    ("layers.{i}.<rest>", "model.layers.{i}.<rest>"),
+    ("mtp.{k}.attn.kv_norm.weight", "mtp.{k}.attn.norm.weight"),
+    ("mtp.{k}.<rest>", "mtp.{k}.<rest>"),
+    ("<name>.scale", "<name>.scale  (FP8/FP4 block scales of <name>.weight, same rule as <name>)"),
+)
+"""The one name map between DeepSeek's published checkpoints (left) and this spec / the model's
+`state_dict` (right), as `(published, spec)` patterns. It agrees with transformers' rename table for
+`deepseek_v4` (conversion_mapping.py), which maps both `attn.kv_norm` and our `attn.norm` to its
+`self_attn.kv_norm`. Everything else (the `attn.*`, `ffn.*`, `hc_{attn,ffn}_*` leaves, routed experts
+`ffn.experts.{e}.w{1,2,3}` with w1 gate, w3 up, w2 down) is spelled the same on both sides.
+`official_to_spec_name` applies it left to right, `spec_to_published_name` right to left; loading
+also accepts transformers' `save_pretrained` spelling (the right column itself)."""
+
+
 class TensorSpec(NamedTuple):
     """Shape and dtype of one tensor as the model holds it after loading."""
 
@@ -133,8 +157,9 @@ def is_fp32_kept(name: str) -> bool:
 
 
 def official_to_spec_name(name: str) -> str:
-    """Map a key of DeepSeek's own checkpoint layout (`embed.weight`, `layers.0...`, `hc_head_fn`)
-    to this spec's name; names already in the spec's layout come back unchanged.
+    """Map a key of DeepSeek's own checkpoint layout (`embed.weight`, `layers.0...`, `hc_head_fn`,
+    `layers.{i}.attn.kv_norm.weight`) to this spec's name; names already in the spec's layout come
+    back unchanged. The inverse is `spec_to_published_name` (see `PUBLISHED_NAME_MAP`).
 
     Vision keys written as `vision_tower.` + a transformers-5 `SiglipVisionModel.state_dict()` key
     (which lacks the `vision_model.` level) gain it: `vision_tower.embeddings...` ->
@@ -142,11 +167,26 @@ def official_to_spec_name(name: str) -> str:
     """
     if name in _OFFICIAL_TOP_LEVEL:
         return _OFFICIAL_TOP_LEVEL[name]
+    if name.endswith(_PUBLISHED_KV_NORM):  # the attention's kv norm (the compressors' `norm` keeps its name)
+        name = name.removesuffix(_PUBLISHED_KV_NORM) + _SPEC_KV_NORM
     if name.startswith("layers."):
         return "model." + name
     if name.startswith("vision_tower.") and not name.startswith(_VIT_PREFIX):
         return _VIT_PREFIX + name.removeprefix("vision_tower.")
     return name
+
+
+_SPEC_TOP_LEVEL = {v: k for k, v in _OFFICIAL_TOP_LEVEL.items()}
+
+
+def spec_to_published_name(name: str) -> str:
+    """This spec's name (or a model `state_dict` key, `.scale` companions included) -> the name in
+    DeepSeek's published checkpoints (`PUBLISHED_NAME_MAP`, right to left)."""
+    if name in _SPEC_TOP_LEVEL:
+        return _SPEC_TOP_LEVEL[name]
+    if name.endswith(_SPEC_KV_NORM) and (name.startswith(("model.layers.", "mtp."))):
+        name = name.removesuffix(_SPEC_KV_NORM) + _PUBLISHED_KV_NORM
+    return name.removeprefix("model.") if name.startswith("model.layers.") else name
 
 
 def checkpoint_spec(config: ModelConfig, dtype: str | torch.dtype = torch.float32) -> dict[str, TensorSpec]:
@@ -291,6 +331,42 @@ def mtp_checkpoint_spec(config: ModelConfig, dtype: str | torch.dtype = torch.fl
         spec[p + "hc_head_base"] = TensorSpec((m,), torch.float32)
         spec[p + "hc_head_scale"] = TensorSpec((1,), torch.float32)
     return spec
+
+
+_LAYER = r"(?:model\.layers|mtp)\.\d+\."
+_PUBLISHED_FP8_RE = re.compile(
+    _LAYER + r"(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])\.weight"
+    r"|mtp\.\d+\.[eh]_proj\.weight"
+)
+_PUBLISHED_EXPERT_RE = re.compile(_LAYER + r"ffn\.experts\.\d+\.w[123]\.weight")
+_PUBLISHED_FP32_RE = re.compile(
+    r"model\.hc_head\.hc_\w+|mtp\.\d+\.hc_head_\w+|" + _LAYER
+    + r"(?:hc_(?:attn|ffn)_\w+|attn\.attn_sink|attn\.(?:indexer\.)?compressor\.ape|ffn\.gate\.bias)"
+)
+PUBLISHED_STORAGE_KINDS = ("fp8", "fp4", "bf16", "fp32", "int")
+
+
+def published_storage(name: str, expert_dtype: str = "fp4") -> str:
+    """How DeepSeek's published checkpoints store spec tensor `name` (one of `PUBLISHED_STORAGE_KINDS`):
+
+    - `fp8`: float8_e4m3fn weight + `.scale` over 128x128 blocks: the attention projections
+      (`wq_a`, `wq_b`, `wkv`, `wo_a`, `wo_b`, `indexer.wq_b`), the shared experts, MTP `e_proj`/`h_proj`,
+      and the routed experts when `expert_dtype` is `"fp8"` (the `*-Base` checkpoints);
+    - `fp4`: the routed experts when `expert_dtype` is `"fp4"`: int8 [out, in/2] (two E2M1 codes a
+      byte) + `.scale` UE8M0 [out, in/32];
+    - `fp32`: hyper-connection weights, attention sinks, compressor `ape`, router `gate.bias`;
+    - `int`: `gate.tid2eid`; `bf16`: everything else (embedding, head, norms, router weight,
+      compressor `wkv`/`wgate`, indexer `weights_proj`).
+    """
+    if _PUBLISHED_EXPERT_RE.fullmatch(name):
+        return expert_dtype
+    if _PUBLISHED_FP8_RE.fullmatch(name):
+        return "fp8"
+    if _PUBLISHED_FP32_RE.fullmatch(name):
+        return "fp32"
+    if name.endswith(".tid2eid"):
+        return "int"
+    return "bf16"
 
 
 def _compressor(prefix: str, hidden: int, width: int, norm_dim: int, rate: int) -> dict[str, tuple[int, ...]]:

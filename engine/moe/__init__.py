@@ -5,6 +5,8 @@
     step; `register_moe_backend` / `get_moe_backend` / `moe_backend_names` (CLI choices).
   * `torch_backend`: `"torch"` (grouped matmuls over packed weights where supported) and `"torch_loop"`,
     the readable reference and the oracle for every other backend.
+  * `fp4_backend`: `"fp4"`, routed experts kept as published FP4 (`engine.quant.Fp4Linear`), run as two
+    grouped FP4 GEMMs (Triton on CUDA).
 
 Where a new backend goes: quantized experts (FP8 block-scaled, FP4 weights kept quantized, a fused
 MoE kernel) or expert-parallel dispatch/combine (tokens sent to the rank that owns each expert and the
@@ -12,6 +14,7 @@ results gathered back) are new `MoEBackend` subclasses in their own modules here
 and imported below; the model picks one by name at construction (`moe_backend=`).
 """
 
+from deepinfer.engine.moe import fp4_backend as _fp4_backend  # noqa: F401  (registers "fp4")
 from deepinfer.engine.moe import torch_backend as _torch_backend  # noqa: F401  (registers "torch" and "torch_loop")
 from deepinfer.engine.moe.base import MoEBackend, get_moe_backend, moe_backend_names, register_moe_backend
 from deepinfer.engine.moe.router import Gate

@@ -9,13 +9,18 @@ Both take the single-token path for a batch of one token (decode of one sequence
 the chosen experts summed in ascending expert id, which is the order the general paths add in, so the
 paths give bit-identical sums.
 
+Quantized experts (w1/w2/w3 are `engine.quant` modules: `Fp8Linear`, `Fp4Linear`) run through both
+backends by calling those modules (`module_swiglu`), never their `.weight`; `"torch"` then takes the
+per-expert loop (`_grouped_mm` is for plain float weights only). The `"fp4"` backend
+(`engine.moe.fp4_backend`) runs FP4 experts grouped.
+
 NOTE: the grouped path is validated on the CPU only; on CUDA `"torch"` keeps the per-expert loop until
 it is validated there (`grouped_mm_supported`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +32,32 @@ from deepinfer.engine.moe.base import MoEBackend, register_moe_backend
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the `"torch"` backend uses `torch._grouped_mm` for expert weights on `device` in `dtype`."""
     return device.type == "cpu"
+
+
+def has_plain_weights(expert: nn.Module) -> bool:
+    """Whether an expert's w1/w2/w3 are plain `nn.Linear`s (float weights), not quantized modules."""
+    return all(isinstance(getattr(expert, w), nn.Linear) for w in ("w1", "w2", "w3"))
+
+
+def module_swiglu(expert: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x [n, H] -> [n, H]: the expert's clamped SwiGLU through its linear *modules* (quantized or not)."""
+    g = expert.w1(x).clamp(max=expert.limit)
+    u = expert.w3(x).clamp(min=-expert.limit, max=expert.limit)
+    return expert.w2(F.silu(g) * u)
+
+
+def call_expert(expert: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x [n, H] -> [n, H]: the expert's own forward (plain float weights)."""
+    return expert(x)
+
+
+ExpertFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+"""How a backend runs one expert on its tokens: `call_expert` or `module_swiglu`, picked in `prepare`."""
+
+
+def expert_fn_for(experts: Sequence[nn.Module]) -> ExpertFn:
+    """`call_expert` for plain float experts, `module_swiglu` for quantized ones."""
+    return call_expert if has_plain_weights(experts[0]) else module_swiglu
 
 
 def pack_experts(experts: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,13 +80,13 @@ def pack_experts(experts: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Tens
 
 
 def single_token_forward(experts: Sequence[nn.Module], x: torch.Tensor, topk_weights: torch.Tensor,
-                         topk_ids: torch.Tensor) -> torch.Tensor:
+                         topk_ids: torch.Tensor, fn: ExpertFn = call_expert) -> torch.Tensor:
     """x: [1, H] -> [1, H]: the chosen experts in ascending id, each scaled by its weight, summed in that order."""
     ids = topk_ids[0].tolist()
     w = topk_weights.to(x.dtype)
     out = None
     for k in sorted(range(len(ids)), key=ids.__getitem__):
-        y = experts[ids[k]](x) * w[:, k:k + 1]
+        y = fn(experts[ids[k]], x) * w[:, k:k + 1]
         out = y if out is None else out + y
     return out
 
@@ -69,7 +100,7 @@ def _route(topk_weights: torch.Tensor, topk_ids: torch.Tensor):
 
 
 def loop_forward(experts: Sequence[nn.Module], x: torch.Tensor, topk_weights: torch.Tensor,
-                 topk_ids: torch.Tensor) -> torch.Tensor:
+                 topk_ids: torch.Tensor, fn: ExpertFn = call_expert) -> torch.Tensor:
     """x: [T, H] -> [T, H]: one SwiGLU per expert over its tokens, scattered back with `index_add_`."""
     out = torch.zeros_like(x)
     flat_e, tok, wsorted = _route(topk_weights, topk_ids)
@@ -79,7 +110,7 @@ def loop_forward(experts: Sequence[nn.Module], x: torch.Tensor, topk_weights: to
         if c == 0:
             continue
         t = tok[off:off + c]
-        y = experts[e](x[t]) * wsorted[off:off + c, None].to(x.dtype)
+        y = fn(experts[e], x[t]) * wsorted[off:off + c, None].to(x.dtype)
         out.index_add_(0, t, y)
         off += c
     return out
@@ -107,14 +138,15 @@ class TorchLoopMoEBackend(MoEBackend):
 
     def __init__(self) -> None:
         self.experts: Sequence[nn.Module] = ()
+        self.expert_fn: ExpertFn = call_expert
 
     def prepare(self, experts: Sequence[nn.Module]) -> None:
-        self.experts = experts
+        self.experts, self.expert_fn = experts, expert_fn_for(experts)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1:
-            return single_token_forward(self.experts, x, topk_weights, topk_ids)
-        return loop_forward(self.experts, x, topk_weights, topk_ids)
+            return single_token_forward(self.experts, x, topk_weights, topk_ids, self.expert_fn)
+        return loop_forward(self.experts, x, topk_weights, topk_ids, self.expert_fn)
 
 
 @register_moe_backend("torch")
@@ -131,16 +163,19 @@ class TorchMoEBackend(MoEBackend):
         self.packed: tuple[torch.Tensor, torch.Tensor] | None = None
         """(w13 [E, H, 2*inter], w2 [E, inter, H]) views of the experts' storage, or None (loop)."""
         self.limit = 0.0
+        self.expert_fn: ExpertFn = call_expert
 
     def prepare(self, experts: Sequence[nn.Module]) -> None:
         self.experts, self.limit, self.packed = experts, experts[0].limit, None
+        self.expert_fn = expert_fn_for(experts)
         first = experts[0].w1.weight
-        if grouped_mm_supported(first.device, first.dtype) and not (first.requires_grad and torch.is_grad_enabled()):
+        if (self.expert_fn is call_expert and grouped_mm_supported(first.device, first.dtype)
+                and not (first.requires_grad and torch.is_grad_enabled())):
             self.packed = pack_experts(experts)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1:
-            return single_token_forward(self.experts, x, topk_weights, topk_ids)
+            return single_token_forward(self.experts, x, topk_weights, topk_ids, self.expert_fn)
         if self.packed is None or torch.is_grad_enabled() and self.experts[0].w1.weight.requires_grad:
-            return loop_forward(self.experts, x, topk_weights, topk_ids)
+            return loop_forward(self.experts, x, topk_weights, topk_ids, self.expert_fn)
         return grouped_forward(*self.packed, self.limit, x, topk_weights, topk_ids)

@@ -2,6 +2,8 @@
 
     python -m deepinfer.engine.testing.make_checkpoint DIR --preset tiny [--seed 0] [--dtype float32|bfloat16]
         [--writer ours|hf] [--max-shard-size 5MB] [--overwrite] [--vision]
+        [--format transformers|published] [--expert-dtype fp4|fp8] [--expert-dtype-in top|quantization_config]
+        [--base] [--mtp-layers 1]
 
 or `make_checkpoint(dir, preset="tiny", seed=0, dtype="float32", writer="ours", vision=False)` from Python.
 
@@ -20,11 +22,24 @@ Writers (both give the same tensor names, shapes, dtypes and values):
   config.json.
 - `hf`: the `ours` checkpoint loaded by transformers' `DeepseekV4ForCausalLM.from_pretrained` and
   written back with `save_pretrained` (needs transformers; a test-only dependency).
+
+`format="published"` (`--format published`, writer `ours` only) writes instead exactly the layout and
+dtypes of DeepSeek's published checkpoints (`write_published`): published names
+(`deepseek_v4_weights.PUBLISHED_NAME_MAP`), FP8 e4m3 weights with UE8M0 128x128 block scales for the
+FP8 linears, FP4 routed experts (int8 [out, in/2] + UE8M0 [out, in/32]) when `expert_dtype` is "fp4",
+BF16 and FP32 parts as `published_storage` lists, shards plus `model.safetensors.index.json`, an MTP
+layer (`mtp.0.*`, `mtp_layers`), and config.json in the official spelling (`compress_ratios` with the
+MTP entry, `num_hash_layers`, `qk_rope_head_dim`, `topk_method`, `rope_scaling` with `type`,
+`torch_dtype`, `quantization_config`, `expert_dtype` at the top level or inside quantization_config).
+`base=True` (`--base`) is the `*-Base` variant: FP8 everywhere (experts too) with float32 block scales.
+`write_dequantized` turns such a checkpoint into the float one it stands for (the exact dequantization,
+in the transformers layout) for reference models.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import re
@@ -38,10 +53,20 @@ import torch
 from safetensors.torch import save_file
 
 from deepinfer.engine.config import ModelConfig
-from deepinfer.engine.models.deepseek_v4_weights import TensorSpec, checkpoint_spec, parse_dtype
+from deepinfer.engine.models.deepseek_v4_weights import (
+    TensorSpec,
+    checkpoint_spec,
+    mtp_checkpoint_spec,
+    official_to_spec_name,
+    parse_dtype,
+    published_storage,
+    spec_to_published_name,
+)
 from deepinfer.engine.testing.presets import PRESETS, get_preset
 
 WRITERS = ("ours", "hf")
+FORMATS = ("transformers", "published")
+EXPERT_DTYPE_PLACES = ("top", "quantization_config")
 DEFAULT_MAX_SHARD_SIZE = 4 << 30
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
@@ -79,15 +104,22 @@ _INIT_RULES: tuple[tuple[str, Init], ...] = (
     (r".*\.gate\.bias", _normal(lambda _: 0.1)),  # score correction: changes some top-k picks
     (r".*(hc_attn|hc_ffn)_base|.*hc_head\.hc_base", _normal(lambda _: 0.5)),
     (r".*(hc_attn|hc_ffn)_scale|.*hc_head\.hc_scale", _uniform(0.5, 1.5)),
+    (r"mtp\.\d+\.hc_head_base", _normal(lambda _: 0.5)),
+    (r"mtp\.\d+\.hc_head_scale", _uniform(0.5, 1.5)),
     (r".*", _FAN_IN),  # every other matrix, hyper-connection `fn`s included
 )
 """(regex over the full tensor name, initializer): the first match draws the tensor."""
 _INIT_RES = [(re.compile(p), init) for p, init in _INIT_RULES]
 
 
-def random_weights(config: ModelConfig, dtype: str | torch.dtype = "float32", seed: int = 0) -> dict[str, torch.Tensor]:
-    """A random state dict for `config`, keyed and typed like `checkpoint_spec(config, dtype)`."""
+def random_weights(
+    config: ModelConfig, dtype: str | torch.dtype = "float32", seed: int = 0, *, mtp: bool = False
+) -> dict[str, torch.Tensor]:
+    """A random state dict for `config`, keyed and typed like `checkpoint_spec(config, dtype)` (then,
+    with `mtp`, `mtp_checkpoint_spec`: drawn after the main tensors, so those do not change)."""
     spec = checkpoint_spec(config, dtype)
+    if mtp:
+        spec.update(mtp_checkpoint_spec(config, dtype))
     g = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     for name, s in spec.items():
@@ -150,11 +182,37 @@ def make_checkpoint(
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     overwrite: bool = False,
     vision: bool = False,
+    format: str = "transformers",
+    expert_dtype: str = "fp4",
+    expert_dtype_in: str = "top",
+    base: bool = False,
+    mtp_layers: int = 1,
 ) -> Path:
     """Write a random-weight checkpoint of `preset` (a preset name or a transformers-style config
-    dict) to `directory` and return its path; `vision=True` adds a vision tower (`with_vision`)."""
+    dict) to `directory` and return its path; `vision=True` adds a vision tower (`with_vision`).
+
+    `format="published"`: DeepSeek's published layout (module docstring; `dtype` is ignored: the
+    formats are the published ones), with `expert_dtype` ("fp4" or "fp8") stated at `expert_dtype_in`
+    ("top" as V4 does, or "quantization_config" as V4.1 does), `mtp_layers` MTP layers, and `base`
+    for the `*-Base` variant (FP8 experts, float32 scales).
+    """
     if writer not in WRITERS:
         raise ValueError(f"unknown writer {writer!r}; choose one of {WRITERS}.")
+    if format not in FORMATS:
+        raise ValueError(f"unknown format {format!r}; choose one of {FORMATS}.")
+    if format == "published":
+        if writer != "ours" or vision:
+            raise ValueError("format 'published' is written by writer 'ours' alone, without a vision tower.")
+        hf_config = get_preset(preset).hf_config() if isinstance(preset, str) else dict(preset)
+        out = Path(directory)
+        if out.exists() and any(out.iterdir()):
+            if not overwrite:
+                raise FileExistsError(f"{out} is not empty; pass overwrite=True (--overwrite) or pick another directory.")
+            shutil.rmtree(out)
+        write_published(out, hf_config, seed=seed, expert_dtype="fp8" if base else expert_dtype,
+                        expert_dtype_in=expert_dtype_in, base=base, mtp_layers=mtp_layers,
+                        max_shard_size=parse_size(max_shard_size))
+        return out
     hf_config = get_preset(preset).hf_config() if isinstance(preset, str) else dict(preset)
     if vision:
         hf_config = with_vision(hf_config)
@@ -204,6 +262,147 @@ def _write_ours(
     config = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", **hf_config}
     config["dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def official_config(hf_config: Mapping[str, Any], mtp_layers: int = 1) -> dict[str, Any]:
+    """A transformers-style config dict respelled as DeepSeek's published config.json spells it:
+    `compress_ratios` (0 sliding, 4 CSA, 128 HCA per layer, then 0 per MTP layer; `compress_rates` kept
+    only when a preset's rates are not V4's 4 and 128), `num_hash_layers` (when the hash layers come
+    first), `qk_rope_head_dim`, `topk_method`, `rope_scaling` with `type`, `n_shared_experts`, ..."""
+    c = copy.deepcopy(dict(hf_config))
+    codes = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+    c["compress_ratios"] = [codes[t] for t in c.pop("layer_types")] + [0] * mtp_layers
+    rates = c.pop("compress_rates", None)
+    if rates and rates != {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}:
+        c["compress_rates"] = rates  # NOTE: tiny presets' rates; the real checkpoints need no override
+    mlp = c.pop("mlp_layer_types")
+    n_hash = mlp.count("hash_moe")
+    if mlp == ["hash_moe"] * n_hash + ["moe"] * (len(mlp) - n_hash):
+        c["num_hash_layers"] = n_hash
+    else:
+        c["mlp_layer_types"] = mlp
+    c["qk_rope_head_dim"] = int(c["head_dim"] * c.pop("partial_rotary_factor"))
+    rp = c.pop("rope_parameters", None)
+    if rp:
+        rp = dict(rp)
+        rp["type"] = rp.pop("rope_type")
+        c["rope_scaling"] = rp
+    c.update(topk_method="noaux_tc", n_shared_experts=1, norm_topk_prob=True, hidden_act="silu",
+             num_key_value_heads=1, num_nextn_predict_layers=mtp_layers, torch_dtype="bfloat16")
+    return {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", **c}
+
+
+def write_published(
+    out: str | Path,
+    hf_config: Mapping[str, Any],
+    *,
+    seed: int = 0,
+    expert_dtype: str = "fp4",
+    expert_dtype_in: str = "top",
+    base: bool = False,
+    mtp_layers: int = 1,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+) -> Path:
+    """Write random weights for `hf_config` in DeepSeek's published layout (module docstring) to `out`.
+
+    The values are `random_weights(config, float32, seed, mtp=...)` quantized with
+    `engine.quant.formats` (so the main tensors are those of the float checkpoint of the same seed,
+    up to quantization). Returns `out`.
+    """
+    from deepinfer.engine.quant.formats import quantize_fp4, quantize_fp8_block
+
+    if expert_dtype not in ("fp4", "fp8") or expert_dtype_in not in EXPERT_DTYPE_PLACES:
+        raise ValueError(f"expert_dtype must be 'fp4' or 'fp8' and expert_dtype_in one of {EXPERT_DTYPE_PLACES}.")
+    out = Path(out)
+    config_json = official_config(hf_config, mtp_layers)
+    quant: dict[str, Any] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                             "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
+    if expert_dtype_in == "top":
+        config_json["expert_dtype"] = expert_dtype
+    else:
+        quant["expert_dtype"] = expert_dtype
+    config_json["quantization_config"] = quant
+    config = ModelConfig.from_hf_dict({**config_json, "quantization_config": None})  # validate first
+    scale_dtype = torch.float32 if base else torch.float8_e8m0fnu
+    tensors: dict[str, torch.Tensor] = {}
+    for name, w in random_weights(config, torch.float32, seed, mtp=mtp_layers > 0).items():
+        if name.startswith("mtp.") and int(name.split(".")[1]) >= mtp_layers:
+            continue
+        kind = published_storage(name, expert_dtype)
+        published = spec_to_published_name(name)
+        module = published.removesuffix(".weight")
+        if kind == "fp8":
+            tensors[published], tensors[module + ".scale"] = quantize_fp8_block(w, (128, 128), scale_dtype=scale_dtype)
+        elif kind == "fp4":
+            tensors[published], tensors[module + ".scale"] = quantize_fp4(w, 32)
+        elif kind == "fp32":
+            tensors[published] = w.float()
+        elif kind == "int":
+            tensors[published] = w.to(torch.int64)
+        else:
+            tensors[published] = w.to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    _save_sharded(out, tensors, max_shard_size)
+    (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+    return out
+
+
+def _save_sharded(out: Path, tensors: Mapping[str, torch.Tensor], shard_bytes: int) -> None:
+    """`model-0000i-of-0000n.safetensors` shards of at most `shard_bytes` (one tensor may exceed it)
+    plus `model.safetensors.index.json`, always (the published layout has an index even for one shard)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.contiguous()
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, out / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+    )
+
+
+def write_dequantized(src: str | Path, out: str | Path, dtype: str | torch.dtype = "float32") -> Path:
+    """The float checkpoint a published-format checkpoint `src` stands for, written to `out` in the
+    transformers layout (spec names, one file, no quantization_config): every FP8/FP4 weight is
+    dequantized exactly (`engine.quant.formats`), then cast to `dtype` with the rest (fp32-kept
+    tensors stay float32). A reference for parity tests."""
+    from safetensors import safe_open
+
+    from deepinfer.engine.models.deepseek_v4_weights import is_fp32_kept
+    from deepinfer.engine.quant.formats import dequant_fp4, dequant_fp8_block
+
+    src, out, torch_dtype = Path(src), Path(out), parse_dtype(dtype)
+    raw_config = json.loads((src / "config.json").read_text())
+    block = tuple(raw_config["quantization_config"]["weight_block_size"])
+    stored: dict[str, torch.Tensor] = {}
+    for file in sorted(src.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            stored.update({n: f.get_tensor(n) for n in f.keys()})
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in stored.items():
+        if name.endswith(".scale"):
+            continue
+        scale = stored.get(name.removesuffix(".weight") + ".scale") if name.endswith(".weight") else None
+        if scale is not None:
+            t = dequant_fp8_block(t, scale, block) if t.dtype == torch.float8_e4m3fn else dequant_fp4(t, scale, 32)
+        spec_name = official_to_spec_name(name)
+        if t.is_floating_point():
+            t = t.float() if is_fp32_kept(spec_name) else t.to(torch_dtype)
+        tensors[spec_name] = t.contiguous()
+    config_json = {k: v for k, v in raw_config.items() if k not in ("quantization_config", "expert_dtype")}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+    return out
 
 
 def _write_hf(
@@ -259,16 +458,26 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--max-shard-size", default=str(DEFAULT_MAX_SHARD_SIZE), help="shard above this size, e.g. 5MB")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     parser.add_argument("--vision", action="store_true", help="add a random vision tower (TINY_VISION_CONFIG)")
+    parser.add_argument("--format", default="transformers", choices=FORMATS,
+                        help="transformers: save_pretrained layout; published: DeepSeek's FP8/FP4 layout")
+    parser.add_argument("--expert-dtype", default="fp4", choices=["fp4", "fp8"], help="published: routed experts")
+    parser.add_argument("--expert-dtype-in", default="top", choices=EXPERT_DTYPE_PLACES,
+                        help="published: where config.json states expert_dtype (V4: top, V4.1: quantization_config)")
+    parser.add_argument("--base", action="store_true", help="published: the *-Base variant (FP8 experts, fp32 scales)")
+    parser.add_argument("--mtp-layers", type=int, default=1, help="published: MTP layers to write")
     args = parser.parse_args(argv)
     try:
         out = make_checkpoint(
             args.directory, args.preset, seed=args.seed, dtype=args.dtype, writer=args.writer,
             max_shard_size=args.max_shard_size, overwrite=args.overwrite, vision=args.vision,
+            format=args.format, expert_dtype=args.expert_dtype, expert_dtype_in=args.expert_dtype_in,
+            base=args.base, mtp_layers=args.mtp_layers,
         )
     except (ValueError, FileExistsError) as e:
         parser.error(str(e))
     num = num_parameters(args.preset, args.vision)
-    print(f"wrote {args.preset}{' + vision' if args.vision else ''} checkpoint ({num:,} parameters, {args.dtype}) to {out}")
+    what = f"published, experts {'fp8, Base' if args.base else args.expert_dtype}" if args.format == "published" else args.dtype
+    print(f"wrote {args.preset}{' + vision' if args.vision else ''} checkpoint ({num:,} parameters, {what}) to {out}")
     return out
 
 

@@ -77,11 +77,14 @@ class Front:
     def __init__(self, config: HttpConfig) -> None:
         if not config.entrypoint:
             raise ValueError("the HTTP front needs the token entrypoint's address (--entrypoint HOST:PORT)")
-        model_dir = Path(config.model) if config.model else _default_model_dir()
+        from deepinfer.engine.hub import looks_like_repo_id, resolve_model
+
+        model_dir = resolve_model(config.model, config.revision)  # a repo id: its cached snapshot, as the workers
         model_cfg = read_config_json(model_dir)
         self.config = config
         self.api_key = config.api_key or os.environ.get("DEEPINFER_API_KEY") or None
-        self.served_model_name = config.served_model_name or model_dir.name
+        is_repo = config.model is not None and looks_like_repo_id(config.model) and not Path(config.model).is_dir()
+        self.served_model_name = config.served_model_name or (config.model.split("/")[-1] if is_repo else model_dir.name)
         self.max_model_len = config.max_model_len or min(model_cfg["max_position_embeddings"], 8192)
         policy = ImageUrlPolicy(config.image_url_allowed_hosts.split(","))
         self.recipe = RecipeFront(model_dir, self.served_model_name, self.max_model_len, policy)
@@ -102,12 +105,6 @@ class Front:
     def release(self) -> None:
         self.num_inflight -= 1
         self.metrics.inflight.set(self.num_inflight)
-
-
-def _default_model_dir() -> Path:
-    from deepinfer.engine.builtin_model import builtin_model_path as ensure_default_model
-
-    return Path(ensure_default_model())
 
 
 class _Run:

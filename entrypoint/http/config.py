@@ -17,10 +17,13 @@ class HttpConfig(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     """HTTP port; 0 = an ephemeral port (the bound address is printed)."""
     model: str | None = None
-    """Checkpoint directory: its config.json (context length, `chat_encoding`) and tokenizer.json;
-    None = the built-in default model."""
+    """Checkpoint directory or Hugging Face repo id: its config.json (context length, `chat_encoding`)
+    and tokenizer.json; None = the built-in default model."""
+    revision: str | None = None
+    """Hugging Face revision (branch, tag or commit) when `model` is a repo id; None = main."""
     served_model_name: str | None = None
-    """Model name clients send and /v1/models lists; None = the checkpoint directory's name. Recipe's
+    """Model name clients send and /v1/models lists; None = the checkpoint directory's name (a repo id's
+    name part for a hub model). Recipe's
     official API names (DeepSeek-V4-Pro, DeepSeek-V4.1-Flash) are accepted as aliases of it."""
     api_key: str | None = None
     """Key every route but /health requires (`Authorization: Bearer KEY` or `x-api-key: KEY`);

@@ -1,0 +1,216 @@
+"""Will the model fit? Checked at start-up, before any weight is read.
+
+From config.json and the checkpoint's safetensors headers (the index and each shard's header; no
+tensor data), `plan_fit` works out:
+
+* the resident weight bytes: float tensors at the engine dtype (the fp32-kept set at float32),
+  quantized tensors (FP8, packed FP4, their scales) as stored; split into the routed experts and the
+  rest, so an expert-parallel layout can be sized;
+* the KV cost (`engine.cache.layout`): compressed bytes per token, bytes per cache block, the
+  bounded state of one sequence, hence the bytes of one sequence of `max_model_len`;
+* the budget: the device's memory (CUDA: free bytes from `torch.cuda.mem_get_info`; CPU:
+  `MemAvailable` of /proc/meminfo) times `MEMORY_UTILIZATION`, minus the weights;
+* how many sequences of `max_model_len` fit, the most cache blocks the engine may allocate, and
+  for a model too big for one device, how many devices an expert-parallel layout needs (routed
+  experts split evenly, everything else replicated).
+
+`check_fit` raises `ModelDoesNotFitError` with those numbers when not even one sequence of
+`max_model_len` fits (or a requested `num_blocks` exceeds the budget). `Engine` calls it before
+`load_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deepinfer.engine.cache.layout import CacheLayout
+from deepinfer.engine.config import ModelConfig
+
+MEMORY_UTILIZATION = 0.9
+"""Fraction of the device's available memory the weights plus the cache may use (the rest: activations,
+allocator slack, the CUDA context)."""
+
+_EXPERT_RE = re.compile(r"(^|\.)ffn\.experts\.\d+\.")
+_FLOAT_TAGS = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+_GIB = 1 << 30
+
+
+class ModelDoesNotFitError(MemoryError):
+    """The model (or the requested cache) does not fit the device; the message gives the numbers."""
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """Resident bytes of a checkpoint's weights, routed experts apart (they are what expert parallelism splits)."""
+
+    expert_bytes: int
+    """The routed experts (`*.ffn.experts.{e}.*`, MTP layers included), scales included."""
+    other_bytes: int
+    """Everything else (attention, shared experts, router, norms, embedding, head, vision tower)."""
+
+    @property
+    def total(self) -> int:
+        return self.expert_bytes + self.other_bytes
+
+    def per_device(self, num_devices: int) -> int:
+        """Bytes on each of `num_devices` devices with the routed experts split evenly, the rest replicated."""
+        return self.other_bytes + -(-self.expert_bytes // num_devices)
+
+
+def checkpoint_weight_bytes(path: str | Path, dtype: torch.dtype) -> WeightBytes:
+    """Resident bytes of the checkpoint at `path` once loaded at `dtype`, from its headers only."""
+    from deepinfer.engine.loader import scan_checkpoint
+    from deepinfer.engine.models.deepseek_v4_weights import is_fp32_kept, official_to_spec_name
+
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    expert = other = 0
+    for name, stored in scan_checkpoint(path).items():
+        numel = math.prod(stored.shape)
+        if stored.dtype in _FLOAT_TAGS:  # cast at load: the engine dtype, or float32 for the kept set
+            nbytes = numel * (4 if is_fp32_kept(official_to_spec_name(name)) else itemsize)
+        else:  # integers, FP8 / packed FP4 weights and their scales stay as stored
+            nbytes = stored.num_bytes
+        if _EXPERT_RE.search(name):
+            expert += nbytes
+        else:
+            other += nbytes
+    return WeightBytes(expert, other)
+
+
+def available_device_bytes(device: str | torch.device) -> int:
+    """Memory the engine may take on `device`: free CUDA memory, or the host's MemAvailable on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """The start-up memory plan of one engine (all byte counts per device)."""
+
+    weights: WeightBytes
+    device: str
+    device_bytes: int
+    """Available memory of the device (before the utilization fraction)."""
+    usable_bytes: int
+    """`device_bytes * MEMORY_UTILIZATION`."""
+    kv_bytes_per_token: float
+    """Compressed KV bytes one token adds (all layers)."""
+    block_bytes: int
+    """Bytes of one cache block (every paged pool, every layer)."""
+    state_bytes_per_seq: int
+    """Bounded state of one sequence slot (window ring and compressor rings, every layer)."""
+    max_model_len: int
+    block_size: int
+    max_num_seqs: int
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def bytes_per_seq(self) -> int:
+        """Cache bytes of one sequence of `max_model_len` (its blocks plus its state slot)."""
+        return self.blocks_per_seq * self.block_bytes + self.state_bytes_per_seq
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        """What is left for the cache after the weights (negative: the weights alone do not fit)."""
+        return self.usable_bytes - self.weights.total
+
+    @property
+    def num_seqs_fit(self) -> int:
+        """Sequences of `max_model_len` the cache budget holds."""
+        return max(0, self.kv_budget_bytes // self.bytes_per_seq) if self.bytes_per_seq else 0
+
+    @property
+    def max_num_blocks(self) -> int:
+        """Most cache blocks the budget holds beside `max_num_seqs` state slots."""
+        left = self.kv_budget_bytes - self.max_num_seqs * self.state_bytes_per_seq
+        return max(0, left // self.block_bytes) if self.block_bytes else 1 << 62
+
+    @property
+    def fits(self) -> bool:
+        """At least one sequence of `max_model_len` fits beside the weights."""
+        return self.num_seqs_fit >= 1 and self.max_num_blocks >= self.blocks_per_seq
+
+    def expert_parallel_devices(self) -> int | None:
+        """Fewest devices like this one on which an expert-parallel layout (routed experts split, the rest
+        replicated) holds the weights plus one sequence; None when the replicated part alone is too big."""
+        room = self.usable_bytes - self.weights.other_bytes - self.bytes_per_seq
+        if room <= 0:
+            return None
+        return max(1, -(-self.weights.expert_bytes // room))
+
+    def summary(self) -> str:
+        """The numbers, in one paragraph."""
+        w = self.weights
+        text = (f"weights {w.total / _GIB:.2f} GiB ({w.expert_bytes / _GIB:.2f} GiB routed experts, "
+                f"{w.other_bytes / _GIB:.2f} GiB the rest); {self.device} has {self.device_bytes / _GIB:.2f} GiB "
+                f"available, {MEMORY_UTILIZATION:.0%} usable = {self.usable_bytes / _GIB:.2f} GiB; KV "
+                f"{self.kv_bytes_per_token:.0f} B/token + {self.state_bytes_per_seq / 2**20:.2f} MiB state per "
+                f"sequence = {self.bytes_per_seq / 2**20:.2f} MiB per sequence of max_model_len "
+                f"{self.max_model_len}; KV budget {self.kv_budget_bytes / _GIB:.2f} GiB holds {self.num_seqs_fit} "
+                "such sequences")
+        if w.total + self.bytes_per_seq > self.usable_bytes:
+            n = self.expert_parallel_devices()
+            text += (f"; an expert-parallel layout needs {n} such devices (routed experts split "
+                     f"{w.expert_bytes / _GIB:.2f} GiB / {n}, {w.other_bytes / _GIB:.2f} GiB replicated)" if n else
+                     "; even the non-expert weights do not fit one device, so expert parallelism alone cannot place it")
+        return text
+
+
+def plan_fit(config: ModelConfig, weights: WeightBytes, *, dtype: torch.dtype, device: str, device_bytes: int,
+             max_model_len: int, block_size: int, max_num_seqs: int) -> FitReport:
+    """The memory plan from known numbers (no I/O): what `check_fit` evaluates."""
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    layout = CacheLayout.from_config(config)
+    pools = layout.pools(1, block_size, 1, itemsize)  # one block, one slot
+    block_bytes = sum(p.nbytes for p in pools.values() if not p.is_state)
+    state_bytes = sum(p.nbytes for p in pools.values() if p.is_state)
+    return FitReport(
+        weights=weights, device=str(device), device_bytes=device_bytes,
+        usable_bytes=int(device_bytes * MEMORY_UTILIZATION),
+        kv_bytes_per_token=layout.compressed_bytes_per_token(itemsize), block_bytes=block_bytes,
+        state_bytes_per_seq=state_bytes, max_model_len=max_model_len, block_size=block_size,
+        max_num_seqs=max_num_seqs,
+    )
+
+
+def check_fit(path: str | Path, config: ModelConfig, *, dtype: torch.dtype, device: str, max_model_len: int,
+              block_size: int, max_num_seqs: int, num_blocks: int | None = None,
+              device_bytes: int | None = None) -> FitReport:
+    """The memory plan for serving checkpoint `path` on `device`; raises `ModelDoesNotFitError` (with the
+    numbers, and the expert-parallel device count when the weights are the problem) when not one
+    sequence of `max_model_len` fits, or a requested `num_blocks` exceeds the budget.
+    `device_bytes`: the available memory (None: measured)."""
+    report = plan_fit(config, checkpoint_weight_bytes(path, dtype), dtype=dtype, device=device,
+                      device_bytes=available_device_bytes(device) if device_bytes is None else device_bytes,
+                      max_model_len=max_model_len, block_size=block_size, max_num_seqs=max_num_seqs)
+    if not report.fits:
+        raise ModelDoesNotFitError(
+            f"{path} does not fit on {device}: {report.summary()}. Use more devices, a smaller max_model_len or "
+            "max_num_seqs, or a bfloat16 / quantized checkpoint."
+        )
+    if num_blocks is not None and num_blocks > report.max_num_blocks:
+        raise ModelDoesNotFitError(
+            f"num_blocks={num_blocks} does not fit on {device}: the budget holds {report.max_num_blocks} blocks of "
+            f"{report.block_bytes / 2**20:.2f} MiB beside {max_num_seqs} state slots ({report.summary()}). "
+            "Lower num_blocks or leave it unset."
+        )
+    return report
