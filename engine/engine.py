@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -80,6 +81,9 @@ class EngineConfig(BaseModel):
     """Attention backend by registry name (`engine.attention.attention_backend_names()`)."""
     moe_backend: str = "torch"
     """MoE backend by registry name (`engine.moe.moe_backend_names()`)."""
+    fp8_activations: Literal["bf16", "fp8"] = "bf16"
+    """Activations of the FP8 linears: "bf16" as they come (matches transformers), or "fp8" per token per 128
+    channels with power-of-two scales as the official DeepSeek reference (`engine.quant.act_quant`)."""
 
     @model_validator(mode="after")
     def _check_choices(self) -> EngineConfig:
@@ -211,7 +215,8 @@ class Engine(ExternalKVMixin):
         """The start-up memory plan (`engine.fit`): checked before loading; refuses a model that cannot fit."""
         self.model, self.model_config = load_checkpoint(path, dtype=config.dtype, device=config.device,
                                                        attention_backend=config.attention_backend,
-                                                       moe_backend=config.moe_backend)
+                                                       moe_backend=config.moe_backend,
+                                                       fp8_activations=config.fp8_activations)
         mc = self.model_config
         self.tokenizer = load_tokenizer(path)
         self.replay_tokens = exact_replay_tokens(mc)

@@ -12,7 +12,8 @@ tensor data), `plan_fit` works out:
   `MemAvailable` of /proc/meminfo) times `MEMORY_UTILIZATION`, minus the weights;
 * how many sequences of `max_model_len` fit, the most cache blocks the engine may allocate, and
   for a model too big for one device, how many devices an expert-parallel layout needs (routed
-  experts split evenly, everything else replicated).
+  experts split evenly, everything else replicated), with the per-device weight bytes and the
+  sequences that then fit per device for that count and for 8 devices (one node).
 
 `check_fit` raises `ModelDoesNotFitError` with those numbers when not even one sequence of
 `max_model_len` fits (or a requested `num_blocks` exceeds the budget). `Engine` calls it before
@@ -157,6 +158,22 @@ class FitReport:
             return None
         return max(1, -(-self.weights.expert_bytes // room))
 
+    def expert_parallel_bytes(self, num_devices: int) -> int:
+        """Weight bytes on each of `num_devices` devices like this one with the routed experts split evenly and
+        everything else replicated."""
+        return self.weights.per_device(num_devices)
+
+    def expert_parallel_num_seqs(self, num_devices: int) -> int:
+        """Sequences of `max_model_len` each device's cache budget holds with the weights expert-parallel over
+        `num_devices` devices (0 when even the weights do not fit)."""
+        budget = self.usable_bytes - self.expert_parallel_bytes(num_devices)
+        return max(0, budget // self.bytes_per_seq) if self.bytes_per_seq else 0
+
+    def expert_parallel_text(self, num_devices: int) -> str:
+        """One expert-parallel layout in words: per-device weight bytes and the sequences that then fit."""
+        return (f"EP over {num_devices}: {self.expert_parallel_bytes(num_devices) / _GIB:.2f} GiB weights per device, "
+                f"{self.expert_parallel_num_seqs(num_devices)} sequences of max_model_len per device")
+
     def summary(self) -> str:
         """The numbers, in one paragraph."""
         w = self.weights
@@ -172,6 +189,9 @@ class FitReport:
             text += (f"; an expert-parallel layout needs {n} such devices (routed experts split "
                      f"{w.expert_bytes / _GIB:.2f} GiB / {n}, {w.other_bytes / _GIB:.2f} GiB replicated)" if n else
                      "; even the non-expert weights do not fit one device, so expert parallelism alone cannot place it")
+            # NOTE: per-device figures for the smallest layout that fits and for one 8-device node.
+            text += "; on " + self.device + ": " + "; ".join(
+                self.expert_parallel_text(k) for k in sorted({n, 8} if n else {8}))
         return text
 
 

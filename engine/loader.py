@@ -743,9 +743,11 @@ def load_checkpoint(
     progress: bool | None = None,
     attention_backend: str = "torch",
     moe_backend: str = "torch",
+    fp8_activations: str = "bf16",
 ) -> tuple[nn.Module, ModelConfig]:
     """Blocks while reading: build `DeepseekV4ForCausalLM` from checkpoint `path` and load its weights.
-    (`attention_backend`: an `engine.attention` backend name; `moe_backend`: an `engine.moe` backend name.)
+    (`attention_backend`: an `engine.attention` backend name; `moe_backend`: an `engine.moe` backend name;
+    `fp8_activations`: "bf16" or "fp8", the activations of the FP8 linears, `engine.quant.linear.set_fp8_activations`.)
 
     Returns `(model, config)` with the model in eval mode, without gradients, on `device`, floats in
     `dtype` except the fp32-kept set. Raises `CheckpointError` (naming the culprit) before reading any tensor data if
@@ -762,6 +764,9 @@ def load_checkpoint(
         model = DeepseekV4ForCausalLM(config, attention_backend=attention_backend, moe_backend=moe_backend,
                                       num_mtp_layers=num_mtp)
     _load_into(model, root, config, quant, torch_dtype, device, progress)
+    from deepinfer.engine.quant.linear import set_fp8_activations
+
+    set_fp8_activations(model, fp8_activations)
     model.eval().requires_grad_(False)
     model.prepare_for_inference()  # once, on the loaded weights: small-op picks, MoE backend packing
     return model, config

@@ -7,6 +7,11 @@ without memory). `forward` calls the `"fp8_gemm"` / `"fp4_gemm"` kernel op, whos
 picked once per device (`deepinfer.kernels.registry.default_impl`: the exact torch reference on the
 CPU, Triton on CUDA) and again when the weights move to another device.
 
+`Fp8Linear(act_quant=True)` (or `set_fp8_activations(model, "fp8")`) first rounds each token's activations
+onto the FP8 grid the official reference uses (`engine.quant.act_quant`: per 128 channels, power-of-two
+scales, E4M3) and then calls the same `"fp8_gemm"` op; the default keeps activations as they come (bf16 /
+float32), which is what matches transformers (it dequantizes the weights and runs plain matmuls).
+
 NOTE: `module.to(dtype)` / `.half()` / `.float()` leave these modules' tensors in their stored dtypes
 (a dtype change would silently drop the scales); device moves apply as usual (`_apply`).
 """
@@ -18,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from deepinfer.engine.quant.act_quant import FP8_ACTIVATION_MODES, fp8_round_activations
 from deepinfer.engine.quant.formats import (
     FP4_BLOCK,
     FP8_BLOCK,
@@ -45,6 +51,8 @@ class _QuantLinear(nn.Module):
         self._gemm: Callable[..., torch.Tensor] | None = None
         self.impl_name = ""
         """The kernel implementation picked for the weights' device ("" until the first forward)."""
+        self._prepare_input: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """Applied to the [M, in] activations before the GEMM (None: they go in as they are)."""
 
     def select_impl(self, impl_name: str | None = None) -> None:
         """Pick the GEMM implementation for the weights' device (`impl_name` overrides the device default)."""
@@ -67,7 +75,10 @@ class _QuantLinear(nn.Module):
         """x [..., in_features] -> [..., out_features] in x's dtype."""
         if self._impl_device != self.weight.device:
             self.select_impl()
-        y = self._gemm(x.reshape(-1, self.in_features).contiguous(), self.weight, self.scale, self.block)
+        x2 = x.reshape(-1, self.in_features).contiguous()  # [M, in]
+        if self._prepare_input is not None:
+            x2 = self._prepare_input(x2)
+        y = self._gemm(x2, self.weight, self.scale, self.block).to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
     def resident_nbytes(self) -> int:
@@ -76,7 +87,7 @@ class _QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}, "
-                f"scale_dtype={self.scale.dtype}")
+                f"scale_dtype={self.scale.dtype}" + (", act_quant=True" if getattr(self, "act_quant", False) else ""))
 
 
 class Fp8Linear(_QuantLinear):
@@ -85,12 +96,18 @@ class Fp8Linear(_QuantLinear):
     `weight` float8_e4m3fn [out, in]; `scale` [ceil(out/bn), ceil(in/bk)] float8_e8m0fnu (V4) or float32
     (`*-Base`); `W = weight * scale[n // bn, k // bk]`. Forward: `kernels.fp8_gemm` (exact block-wise
     torch reference on the CPU, Triton on CUDA), computing in float32 and returning x's dtype.
+
+    `act_quant=True`: the activations are first rounded onto the official reference's FP8 grid (per token
+    per 128 channels, power-of-two scales, E4M3; `engine.quant.act_quant`), so the GEMM's products are
+    those of the official FP8 x FP8 GEMM with both scales. Off by default (bf16 activations match
+    transformers).
     """
 
     op_name = "fp8_gemm"
 
     def __init__(self, in_features: int, out_features: int, block: tuple[int, int] = FP8_BLOCK,
-                 scale_dtype: torch.dtype = torch.float8_e8m0fnu, device: torch.device | str | None = None) -> None:
+                 scale_dtype: torch.dtype = torch.float8_e8m0fnu, device: torch.device | str | None = None,
+                 act_quant: bool = False) -> None:
         super().__init__()
         if scale_dtype not in (torch.float8_e8m0fnu, torch.float32):
             raise ValueError(f"Fp8Linear: scale_dtype must be float8_e8m0fnu or float32, got {scale_dtype}")
@@ -100,6 +117,12 @@ class Fp8Linear(_QuantLinear):
         self.scale = nn.Parameter(torch.ones(fp8_scale_shape(out_features, in_features, self.block), dtype=scale_dtype,
                                              device=device), requires_grad=False)  # [ceil(out/bn), ceil(in/bk)]
         self._init_impl()
+        self.set_act_quant(act_quant)
+
+    def set_act_quant(self, act_quant: bool) -> None:
+        """FP8 activations as the official reference quantizes them (True) or activations as they come (False)."""
+        self.act_quant = bool(act_quant)
+        self._prepare_input = fp8_round_activations if self.act_quant else None
 
     @classmethod
     def from_float(cls, w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK,
@@ -148,3 +171,14 @@ class Fp4Linear(_QuantLinear):
     def dequantized(self) -> torch.Tensor:
         """The full float32 weight [out, in] (for references and tests only: the forward never builds it)."""
         return dequant_fp4(self.weight, self.scale, self.block)
+
+
+def set_fp8_activations(model: nn.Module, mode: str) -> int:
+    """Set every `Fp8Linear` of `model` to `mode` ("bf16": activations as they come; "fp8": the official
+    per-token-per-128 FP8 activations); returns how many modules were set."""
+    if mode not in FP8_ACTIVATION_MODES:
+        raise ValueError(f"fp8_activations must be one of {list(FP8_ACTIVATION_MODES)}, got {mode!r}")
+    mods = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    for m in mods:
+        m.set_act_quant(mode == "fp8")
+    return len(mods)

@@ -4,6 +4,11 @@ token API's sampling params; token ids back -> recipe's `StreamProcessor` -> pro
 Recipe defines the behaviour (thinking mode, reasoning effort, tools and DSML tool calls, JSON mode,
 stop sequences, `resolve_max_tokens`, usage with `prompt_cache_hit_tokens`); this module only feeds
 it the model's tokenizer, the chat encoding the checkpoint names, and our accepted model names.
+
+A checkpoint that ships its own chat template and names no recipe encoding (`engine.tokenizer.load_chat_encoding`,
+the rule `LLM.chat` follows) is rendered with that template instead: recipe still parses the request, resolves
+max_tokens and turns tokens into events, but thinking defaults off and what only recipe's DeepSeek-V4 encoding
+can render (tools and DSML tool calls, thinking, assistant prefixes, images) is refused with a 400 that says why.
 """
 
 from __future__ import annotations
@@ -182,6 +187,21 @@ class RecipeStream:
             self.processor.close()
 
 
+TEMPLATE_ENCODING = "template"
+"""`RecipeFront.encoding_name` of a checkpoint rendered with its own chat template."""
+
+
+def _template_encoding(model_dir: str | Path):
+    """The checkpoint's own chat template (`engine.tokenizer.TemplateChatEncoding`) when `LLM.chat` would use it
+    (the checkpoint ships one and names no recipe encoding), else None."""
+    from deepinfer.engine.tokenizer import TemplateChatEncoding, checkpoint_chat_template, load_chat_encoding
+
+    if checkpoint_chat_template(model_dir) is None:
+        return None
+    encoding = load_chat_encoding(model_dir)
+    return encoding if isinstance(encoding, TemplateChatEncoding) else None
+
+
 class RecipeFront:
     """Converts protocol requests with recipe for one model (tokenizer, chat encoding, names, context)."""
 
@@ -204,6 +224,12 @@ class RecipeFront:
             version = recipe.ModelVersion.DeepseekV41Flash
         self.model_names = (served_model_name, *[n for n in RECIPE_MODEL_NAMES if n != served_model_name])
         self.options = recipe.ConversionOptions().with_model_versions_by_name({n: version for n in self.model_names})
+        template = _template_encoding(model_dir)
+        self.is_template = template is not None
+        """The checkpoint's own chat template renders prompts (not recipe's encoding); see the module docstring."""
+        if template is not None:
+            self.encoding_name, self.encoding = TEMPLATE_ENCODING, template
+            self.options = self.options.with_default_thinking_mode(False)  # a template has no thinking mode
 
     def check_model(self, model: str) -> None:
         """Raises 404 for a model name this server does not serve."""
@@ -238,10 +264,16 @@ class RecipeFront:
             raise invalid(str(e)) from None
         if converted.inference_options.logprobs or converted.inference_options.top_logprobs:
             raise invalid("logprobs are not served yet; leave logprobs / top_logprobs unset", param="logprobs")
+        if self.is_template:
+            _check_template_request(converted, has_images=bool(image_urls(parsed)))
         try:
             prompt_token_ids = self.encoding.encode(converted.conversation)
         except RuntimeError as e:
             raise invalid(f"the conversation cannot be encoded: {e}") from None
+        except Exception as e:  # jinja2's TemplateError (a template's raise_exception) and its kin
+            if not self.is_template:
+                raise
+            raise invalid(f"the checkpoint's chat template cannot render this conversation: {e}") from None
         images = _image_refs(converted.conversation, prompt_token_ids)
         if not images and image_urls(parsed):
             raise invalid("this model takes no images (its checkpoint has no vision tower); send text only",
@@ -258,6 +290,25 @@ class RecipeFront:
                             converted, self.encoding_name, parallel_tool_calls=parsed.get("parallel_tool_calls"),
                             prompt_token_ids=prompt_token_ids, tokenizer=self.tokenizer),
                         penalties=penalties)
+
+
+def _check_template_request(converted: recipe.ConversationRequest, has_images: bool) -> None:
+    """Raises 400 for what a checkpoint's own chat template cannot render (recipe's V4 encoding features)."""
+    why = "this model renders prompts with its checkpoint's chat template, not DeepSeek-V4's encoding"
+    conversation = converted.conversation
+    if conversation.tools:
+        raise invalid(f"tools are not supported: {why} (tool definitions and DSML tool calls need it); "
+                      "remove tools / tool_choice", param="tools", code="tools_not_supported")
+    if any(m.tool_calls or m.role == "tool" for m in conversation.messages):
+        raise invalid(f"tool calls and tool results in messages are not supported: {why}; send plain "
+                      "user / assistant / system messages", param="messages", code="tools_not_supported")
+    if conversation.thinking_mode:
+        raise invalid(f"thinking mode is not supported: {why}; leave thinking / reasoning unset or disabled",
+                      param="thinking", code="thinking_not_supported")
+    if any(m.prefix for m in conversation.messages):
+        raise invalid(f"assistant prefix continuation is not supported: {why}", param="messages")
+    if has_images:
+        raise invalid(f"images are not supported: {why}; send text only", code="images_not_supported")
 
 
 def _conversion_error(e: recipe.ConversionError, param: str | None = None) -> ApiError:

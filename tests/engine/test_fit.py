@@ -93,3 +93,22 @@ def test_engine_refuses_before_loading(monkeypatch):
     monkeypatch.setattr(loader, "load_checkpoint", lambda *a, **k: pytest.fail("loaded before the fit check"))
     with pytest.raises(ModelDoesNotFitError, match="does not fit"):
         Engine(max_num_seqs=2, max_model_len=256)
+
+
+def test_refusal_lists_expert_parallel_layouts_per_device():
+    per_seq = _plan(WeightBytes(0, 0), 1 << 40).bytes_per_seq
+    weights = WeightBytes(expert_bytes=800 * MIB, other_bytes=40 * MIB)
+    usable = 180 * MIB + 3 * per_seq  # 40 + 800/n MiB of weights beside >= 1 sequence: n = 6
+    r = _plan(weights, int(usable / MEMORY_UTILIZATION) + 1)
+    assert not r.fits and r.expert_parallel_devices() == 6
+    assert r.expert_parallel_bytes(6) == 40 * MIB + -(-800 * MIB // 6)
+    assert r.expert_parallel_bytes(8) == 140 * MIB
+    assert r.expert_parallel_num_seqs(8) == (r.usable_bytes - 140 * MIB) // per_seq
+    assert r.expert_parallel_num_seqs(6) >= 1 and r.expert_parallel_num_seqs(5) == 0
+    text = r.summary()
+    assert "on cuda:0: EP over 6: 0.17 GiB weights per device" in text
+    assert f"EP over 8: 0.14 GiB weights per device, {r.expert_parallel_num_seqs(8)} sequences" in text
+    big = _plan(WeightBytes(expert_bytes=8000 * MIB, other_bytes=40 * MIB), int(usable / MEMORY_UTILIZATION) + 1)
+    n = big.expert_parallel_devices()
+    assert n > 8 and big.summary().index("EP over 8:") < big.summary().index(f"EP over {n}:")
+    assert big.expert_parallel_num_seqs(8) == 0
