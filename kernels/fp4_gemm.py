@@ -18,8 +18,9 @@ Implementations:
 Grouped op `"fp4_grouped_gemm"`, `(x [R, K], packed [E, N, K/2], scale [E, N, K/32], counts [E], block)
 -> [R, N]`: the rows of x sorted by expert, `counts[e]` rows for expert e, each row times its expert's W.T
 (the FP4 MoE backend's two projections). `"torch"`: one `fp4_gemm_torch` per expert with rows (exact).
-`"triton"`: one launch; a tile map built on the device (no host sync) sends each program a BLOCK_M slice
-of one expert's rows, and programs past the last tile exit at once.
+`"triton"`: one launch, no host sync: each program finds its BLOCK_M slice of one expert's rows from
+`counts` itself (`grouped_tile_map` is the same map on the host); experts without rows get no program,
+and the few programs past the last tile exit at once.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ import os
 import torch
 
 from deepinfer.engine.quant.formats import dequant_fp4, fp4_scale_shape
-from deepinfer.kernels.fp8_gemm import num_sms, pick_split_k
+
+# NOTE: the module, not its names: fp8_gemm -> engine.quant -> linear -> this module can run while
+# fp8_gemm is still initialising (its helpers are looked up at call time).
+from deepinfer.kernels import fp8_gemm as _fp8
 from deepinfer.kernels.registry import register_default_impl, register_op
 
 try:
@@ -86,102 +90,129 @@ def _default_fp4_gemm(device: torch.device) -> str:
 
 
 def fp4_gemm_config(m: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_KP packed columns, num_warps) for M rows."""
-    if m <= 16:
-        return 16, 64, 64, 4
-    if m <= 64:
-        return 64, 64, 64, 4
-    return 128, 128, 32, 8
+    """(BLOCK_M, BLOCK_N, BLOCK_KP packed columns, num_warps) for M rows: the first (untuned) candidate."""
+    return fp4_gemm_candidates(m)[0][:4]
+
+
+def fp4_gemm_candidates(m: int) -> list[tuple[int, int, int, int, int, int]]:
+    """Configs tried for M rows (per expert in the grouped GEMM): (BLOCK_M, BLOCK_N, BLOCK_KP packed
+    columns, num_warps, num_stages, waves), `waves` as in `fp8_gemm_candidates` (the grouped GEMM does
+    not split K). The first one is the default without tuning."""
+    bm = _fp8.m_bucket(m)
+    if bm:
+        return [(bm, 64, 128, 4, 3, 2), (bm, 32, 128, 4, 4, 4), (bm, 64, 64, 4, 4, 4), (bm, 128, 128, 4, 3, 2)]
+    return [(128, 128, 64, 8, 3, 1), (64, 128, 64, 4, 3, 1)]
 
 
 if triton is not None:
+    from deepinfer.kernels.fp8_gemm import _store_split_k, split_k_buffers
 
     @triton.jit
-    def _e2m1_decode(c):
-        """4-bit E2M1 codes (int32) -> float32: bit 3 sign, bits 1-2 exponent (bias 1), bit 0 mantissa."""
-        e = (c >> 1) & 3
-        m = c & 1
-        normal = (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)  # (1 + m/2) * 2**(e-1)
-        mag = tl.where(e == 0, m.to(tl.float32) * 0.5, normal)
-        return tl.where((c & 8) != 0, -mag, mag)
+    def _fp4_step(acc, x_ptr, w_ptr, s_ptr, rm, rn, m_ok, n_ok, j0, K, stride_xm, stride_wn, stride_sn,
+                  SCALE_BLOCK: tl.constexpr, IEEE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_KP: tl.constexpr):
+        """acc [BLOCK_M, BLOCK_N] += x[rm, 2*j0 : 2*(j0 + BLOCK_KP)] @ W[rn, same k].T, W decoded from packed
+        columns [j0, j0 + BLOCK_KP) of w_ptr (rows rn) and their scales.
+
+        The packed bytes load as [BLOCK_N, BLOCK_KP] (16-byte runs along K), each row's BLOCK_KP / (SCALE_BLOCK / 2)
+        scales once as [BLOCK_N, G] and are broadcast over their SCALE_BLOCK / 2 bytes. E2M1 decode by bits:
+        a nibble s|e1 e0 m placed as s at bit 15 and e1 e0 m at bits 9-11 of a float16 is the E2M1 value
+        times 2**-14 (normal and subnormal alike), so W = f16 * 2**(scale - 127 + 14), exact. x loads as
+        contiguous [BLOCK_M, 2 * BLOCK_KP] and splits into even / odd columns (low / high nibbles).
+        NOTE: j0 is a multiple of SCALE_BLOCK / 2, which divides BLOCK_KP; scale bytes above 240 (2**113)
+        would overflow the folded 2**14 (real FP4 checkpoints use scales far below 1).
+        """
+        HALF: tl.constexpr = SCALE_BLOCK // 2
+        G: tl.constexpr = BLOCK_KP // HALF
+        KP = K // 2
+        jj = j0 + tl.arange(0, BLOCK_KP)
+        j_ok = jj < KP
+        b = tl.load(w_ptr + rn[:, None] * stride_wn + jj[None, :], mask=n_ok[:, None] & j_ok[None, :],
+                    other=0).to(tl.int32)  # [BLOCK_N, BLOCK_KP] bytes
+        sg = j0 // HALF + tl.arange(0, G)
+        sb = tl.load(s_ptr + rn[:, None] * stride_sn + sg[None, :], mask=n_ok[:, None] & (sg < (K + SCALE_BLOCK - 1)
+                     // SCALE_BLOCK)[None, :], other=127).to(tl.int32)  # [BLOCK_N, G]
+        sf = ((sb + 14) << 23).to(tl.float32, bitcast=True)  # 2**(scale - 127) * 2**14 (normal for any byte <= 240)
+        sf = tl.reshape(tl.broadcast_to(sf[:, :, None], (BLOCK_N, G, HALF)), (BLOCK_N, BLOCK_KP))
+        lo = (((b & 8) << 12) | ((b & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (((b & 128) << 8) | ((b & 112) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
+        kk = 2 * j0 + tl.arange(0, 2 * BLOCK_KP)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
+        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_KP, 2)))
+        w_lo = (lo.to(tl.float32) * sf).to(x.dtype)  # [BLOCK_N, BLOCK_KP], exact
+        w_hi = (hi.to(tl.float32) * sf).to(x.dtype)
+        if IEEE_DOT:
+            acc += tl.dot(x_even, tl.trans(w_lo), input_precision="ieee")
+            acc += tl.dot(x_odd, tl.trans(w_hi), input_precision="ieee")
+        else:
+            acc += tl.dot(x_even, tl.trans(w_lo))
+            acc += tl.dot(x_odd, tl.trans(w_hi))
+        return acc
 
     @triton.jit
-    def _e8m0_to_f32(b):
-        f = (b << 23).to(tl.float32, bitcast=True)
-        return tl.where(b == 0, 5.877471754111438e-39, f)
-
-    @triton.jit
-    def _fp4_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, KP_SLICE: tl.constexpr, stride_xm, stride_wn,
-                         stride_sn, stride_os, stride_om, SCALE_BLOCK: tl.constexpr, IEEE_DOT: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr):
-        # NOTE: program_id(2) takes packed columns [s * KP_SLICE, (s + 1) * KP_SLICE); with a split, out_ptr
-        # is a float32 [split, M, N] partial-sum buffer. Loop trip counts are compile-time constants
-        # (KP_SLICE here, KP = K/2 in the grouped kernel): one compile per distinct value, and triton 3.6's CPU
+    def _fp4_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, KP_SLICE: tl.constexpr,
+                         stride_xm, stride_wn, stride_sn, stride_om, SCALE_BLOCK: tl.constexpr,
+                         IEEE_DOT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_KP: tl.constexpr):
+        # NOTE: program_id(2) takes packed columns [s * KP_SLICE, (s + 1) * KP_SLICE) (SPLIT of them;
+        # `_store_split_k` adds their partial sums). Loop trip counts are compile-time constants (KP_SLICE
+        # here, KP = K/2 in the grouped kernel): one compile per distinct value, and triton 3.6's CPU
         # interpreter (with numpy 2.5) cannot loop to a runtime bound.
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rj = tl.arange(0, BLOCK_KP)
         m_ok, n_ok = rm < M, rn < N
-        KP = K // 2
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         j_lo = tl.program_id(2) * KP_SLICE
         for step in range(0, KP_SLICE, BLOCK_KP):  # NOTE: a compile-time trip count; steps past K/2 load nothing
-            jj = j_lo + step + rj  # packed column j holds k = 2j (low nibble) and 2j + 1 (high nibble)
-            j_ok = jj < KP
-            wmask = j_ok[:, None] & n_ok[None, :]
-            b = tl.load(w_ptr + rn[None, :] * stride_wn + jj[:, None], mask=wmask, other=0).to(tl.int32)
-            s = _e8m0_to_f32(tl.load(s_ptr + rn[None, :] * stride_sn + (2 * jj[:, None]) // SCALE_BLOCK,
-                                     mask=wmask, other=127).to(tl.int32))  # [BLOCK_KP, BLOCK_N]
-            xmask = m_ok[:, None] & j_ok[None, :]
-            x_even = tl.load(x_ptr + rm[:, None] * stride_xm + 2 * jj[None, :], mask=xmask, other=0.0)
-            x_odd = tl.load(x_ptr + rm[:, None] * stride_xm + 2 * jj[None, :] + 1, mask=xmask, other=0.0)
-            w_lo = (_e2m1_decode(b & 15) * s).to(x_even.dtype)  # [BLOCK_KP, BLOCK_N], exact
-            w_hi = (_e2m1_decode((b >> 4) & 15) * s).to(x_even.dtype)
-            if IEEE_DOT:
-                acc += tl.dot(x_even, w_lo, input_precision="ieee")
-                acc += tl.dot(x_odd, w_hi, input_precision="ieee")
-            else:
-                acc += tl.dot(x_even, w_lo)
-                acc += tl.dot(x_odd, w_hi)
-        out_ptr += tl.program_id(2) * stride_os
-        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
+            acc = _fp4_step(acc, x_ptr, w_ptr, s_ptr, rm, rn, m_ok, n_ok, j_lo + step, K, stride_xm, stride_wn,
+                            stride_sn, SCALE_BLOCK, IEEE_DOT, BLOCK_M, BLOCK_N, BLOCK_KP)
+        _store_split_k(acc, out_ptr, part_ptr, lock_ptr, rm, rn, M, N, stride_om, SPLIT)
 
     @register_op("fp4_gemm", "triton", in_op_table=False)
     def fp4_gemm_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, block: int = 32,
-                        split_k: int | None = None) -> torch.Tensor:
+                        split_k: int | None = None, config: tuple | None = None) -> torch.Tensor:
         """Triton FP4 GEMM: x [M, K] (bf16/fp16/fp32, rows contiguous) @ dequant(packed, scale).T -> [M, N].
 
-        packed int8 [N, K/2] and scale float8_e8m0fnu [N, ceil(K/block)] contiguous, block even. On CUDA, or
-        the CPU under `TRITON_INTERPRET=1`. Returns x's dtype. `split_k` as in `fp8_gemm_triton`.
+        packed int8 [N, K/2] and scale float8_e8m0fnu [N, ceil(K/block)] contiguous, block a power of two
+        >= 2. On CUDA, or the CPU under `TRITON_INTERPRET=1`. Returns x's dtype. `split_k`, the tuned
+        tile config and `config` (one of `fp4_gemm_candidates`) as in `fp8_gemm_triton`.
         """
         check_fp4_gemm_args("fp4_gemm_triton", x, packed, scale, block)
         if x.stride(1) != 1 or not packed.is_contiguous() or not scale.is_contiguous():
             raise ValueError("fp4_gemm_triton: x's rows, packed and scale must be contiguous (call .contiguous())")
-        if block % 2:
-            raise ValueError(f"fp4_gemm_triton: the scale block must be even, got {block}")
+        if block < 2 or block & (block - 1):
+            raise ValueError(f"fp4_gemm_triton: the scale block must be a power of two >= 2, got {block}")
         if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"fp4_gemm_triton needs a CUDA tensor (or TRITON_INTERPRET=1), got {x.device}")
         m, n = x.shape[0], packed.shape[0]
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         if m == 0 or n == 0:
             return out
-        block_m, block_n, block_kp, warps = fp4_gemm_config(m)
         kp = packed.shape[1]
-        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-        kp_steps = triton.cdiv(kp, block_kp)
-        split = split_k or pick_split_k(tiles, kp_steps, num_sms(x.device))
-        kp_slice = triton.cdiv(kp_steps, split) * block_kp
-        split = triton.cdiv(kp, kp_slice)
-        dst = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
-        _fp4_gemm_kernel[grid](x, packed.view(torch.uint8), scale.view(torch.uint8), dst, m, n, x.shape[1],
-                               kp_slice, x.stride(0), packed.stride(0), scale.stride(0),
-                               dst.stride(0) if split > 1 else 0, dst.stride(-2), SCALE_BLOCK=block,
-                               IEEE_DOT=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
-                               BLOCK_KP=block_kp, num_warps=warps)
-        if split > 1:
-            out.copy_(dst.sum(0))  # [split, M, N] float32 -> x.dtype
+        sms = _fp8.num_sms(x.device)
+
+        def launch(cfg):
+            block_m, block_n, block_kp, warps, stages, waves = cfg
+            if x.dtype == torch.float32:  # float32 operands: 4-byte tiles; the bf16 configs overflow shared memory
+                block_kp, stages = min(block_kp, 32), 2
+            block_kp = max(block_kp, block // 2)  # NOTE: a scale block never straddles two K steps
+            grid_mn = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+            kp_steps = triton.cdiv(kp, block_kp)
+            # NOTE: the float32 partials written (split x M x N x 4 bytes) stay <= half of the packed bytes
+            split = split_k or _fp8.pick_split_k(grid_mn[0] * grid_mn[1], kp_steps, sms, waves, min_steps=2,
+                                            max_split=max(1, kp // (8 * m)))
+            kp_slice = triton.cdiv(kp_steps, split) * block_kp
+            split = triton.cdiv(kp, kp_slice)
+            part, lock = split_k_buffers(grid_mn, split, m, n, out)
+            _fp4_gemm_kernel[grid_mn + (split,)](
+                x, packed.view(torch.uint8), scale.view(torch.uint8), out, part, lock, m, n, x.shape[1], kp_slice,
+                x.stride(0), packed.stride(0), scale.stride(0), out.stride(0), SCALE_BLOCK=block,
+                IEEE_DOT=x.dtype == torch.float32, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n,
+                BLOCK_KP=block_kp, num_warps=warps, num_stages=stages)
+
+        idx = x.device.index if x.device.type == "cuda" else -1
+        key = ("fp4_gemm", idx, _fp8.m_bucket(m), n, kp, block, x.dtype, split_k)
+        launch(config or _fp8.tune_pick(key, fp4_gemm_candidates(m), launch, x.device))
         return out
 
 
@@ -221,13 +252,14 @@ def _default_fp4_grouped_gemm(device: torch.device) -> str:
 def grouped_tile_map(counts: torch.Tensor, block_m: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor,
                                                                                  torch.Tensor]:
     """Per program of a grouped launch: (expert id, first row, end row) as int32 [max_tiles] each, where
-    max_tiles = ceil(num_rows / block_m) + E bounds the real tile count without reading `counts` on the host;
-    a tile past the last one gets expert id E (the kernel returns at once)."""
+    max_tiles = ceil(num_rows / block_m) + min(E, num_rows) bounds the real tile count without reading
+    `counts` on the host (each expert with rows adds at most one partial tile; experts without rows get
+    none); a tile past the last one gets expert id E (the kernel returns at once)."""
     counts = counts.to(torch.int64)
     num_experts = counts.shape[0]
     tiles = (counts + block_m - 1) // block_m  # [E]
     tile_end = tiles.cumsum(0)  # [E]
-    max_tiles = -(-num_rows // block_m) + num_experts
+    max_tiles = -(-num_rows // block_m) + min(num_experts, num_rows)
     t = torch.arange(max_tiles, device=counts.device)
     e = torch.searchsorted(tile_end, t, right=True)  # [max_tiles], E past the end
     ec = e.clamp(max=num_experts - 1)
@@ -240,68 +272,76 @@ def grouped_tile_map(counts: torch.Tensor, block_m: int, num_rows: int) -> tuple
 if triton is not None:
 
     @triton.jit
-    def _fp4_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, E, N,
-                                 KP: tl.constexpr, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    def _fp4_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, counts_ptr, E, N, KP: tl.constexpr, stride_xm,
+                                 stride_we, stride_wn, stride_se, stride_sn, stride_om, E_POW2: tl.constexpr,
                                  SCALE_BLOCK: tl.constexpr, IEEE_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                                  BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr):
-        tile = tl.program_id(0)
-        e = tl.load(tile_e_ptr + tile)
+        # NOTE: program_id(0) is the row tile (fastest varying: the tiles of one expert and N block run side
+        # by side and share its weights in L2), program_id(1) the N block. Each program derives its tile
+        # from counts [E] itself, as `grouped_tile_map` does on the host (same numbers): expert e owns tiles
+        # [sum_{i<e} ceil(c_i / BLOCK_M), sum_{i<=e} ...); experts without rows own none; past the end: exit.
+        t = tl.program_id(0)
+        ie = tl.arange(0, E_POW2)
+        cnt = tl.load(counts_ptr + ie, mask=ie < E, other=0).to(tl.int32)  # [E_POW2]
+        ntiles = (cnt + BLOCK_M - 1) // BLOCK_M
+        e = tl.sum((tl.cumsum(ntiles, 0) <= t).to(tl.int32), 0)  # the expert owning tile t (E: none)
         if e >= E:
             return
-        r0 = tl.load(tile_r0_ptr + tile)
-        r1 = tl.load(tile_r1_ptr + tile)
+        before = ie < e
+        r0 = tl.sum(tl.where(before, cnt, 0), 0) + (t - tl.sum(tl.where(before, ntiles, 0), 0)) * BLOCK_M
+        r1 = tl.sum(tl.where(before | (ie == e), cnt, 0), 0)
         rm = r0 + tl.arange(0, BLOCK_M)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rj = tl.arange(0, BLOCK_KP)
         m_ok, n_ok = rm < r1, rn < N
         w_base = w_ptr + e.to(tl.int64) * stride_we
         s_base = s_ptr + e.to(tl.int64) * stride_se
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for j0 in range(0, KP, BLOCK_KP):
-            jj = j0 + rj
-            j_ok = jj < KP
-            wmask = j_ok[:, None] & n_ok[None, :]
-            b = tl.load(w_base + rn[None, :] * stride_wn + jj[:, None], mask=wmask, other=0).to(tl.int32)
-            s = _e8m0_to_f32(tl.load(s_base + rn[None, :] * stride_sn + (2 * jj[:, None]) // SCALE_BLOCK,
-                                     mask=wmask, other=127).to(tl.int32))  # [BLOCK_KP, BLOCK_N]
-            xmask = m_ok[:, None] & j_ok[None, :]
-            x_even = tl.load(x_ptr + rm[:, None] * stride_xm + 2 * jj[None, :], mask=xmask, other=0.0)
-            x_odd = tl.load(x_ptr + rm[:, None] * stride_xm + 2 * jj[None, :] + 1, mask=xmask, other=0.0)
-            w_lo = (_e2m1_decode(b & 15) * s).to(x_even.dtype)
-            w_hi = (_e2m1_decode((b >> 4) & 15) * s).to(x_even.dtype)
-            if IEEE_DOT:
-                acc += tl.dot(x_even, w_lo, input_precision="ieee")
-                acc += tl.dot(x_odd, w_hi, input_precision="ieee")
-            else:
-                acc += tl.dot(x_even, w_lo)
-                acc += tl.dot(x_odd, w_hi)
+            acc = _fp4_step(acc, x_ptr, w_base, s_base, rm, rn, m_ok, n_ok, j0, 2 * KP, stride_xm, stride_wn,
+                            stride_sn, SCALE_BLOCK, IEEE_DOT, BLOCK_M, BLOCK_N, BLOCK_KP)
         tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
     @register_op("fp4_grouped_gemm", "triton", in_op_table=False)
     def fp4_grouped_gemm_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, counts: torch.Tensor,
-                                block: int = 32) -> torch.Tensor:
+                                block: int = 32, config: tuple | None = None) -> torch.Tensor:
         """Triton grouped FP4 GEMM: x [R, K] rows sorted by expert (`counts[e]` rows each, counts on x's
         device), packed int8 [E, N, K/2] and scale float8_e8m0fnu [E, N, K/block] contiguous -> [R, N] in
-        x's dtype. One launch, no host sync. On CUDA, or the CPU under `TRITON_INTERPRET=1`."""
+        x's dtype. One launch, no host sync; the tile config is timed per (rows-per-expert bucket, N, K)
+        on the first call on CUDA (`config`, one of `fp4_gemm_candidates`, forces one). On CUDA, or the CPU
+        under `TRITON_INTERPRET=1`."""
         check_fp4_grouped_args("fp4_grouped_gemm_triton", x, packed, scale, counts, block)
         if x.stride(1) != 1 or not packed.is_contiguous() or not scale.is_contiguous():
             raise ValueError("fp4_grouped_gemm_triton: x's rows, packed and scale must be contiguous")
-        if block % 2:
-            raise ValueError(f"fp4_grouped_gemm_triton: the scale block must be even, got {block}")
+        if block < 2 or block & (block - 1):
+            raise ValueError(f"fp4_grouped_gemm_triton: the scale block must be a power of two >= 2, got {block}")
         if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"fp4_grouped_gemm_triton needs a CUDA tensor (or TRITON_INTERPRET=1), got {x.device}")
         num_rows, n = x.shape[0], packed.shape[1]
         out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
         if num_rows == 0 or n == 0:
             return out
-        # NOTE: rows per expert are ~num_rows * k / E on average: size the tile from that, not from num_rows.
-        block_m, block_n, block_kp, warps = fp4_gemm_config(max(1, num_rows // packed.shape[0]))
-        tile_e, tile_r0, tile_r1 = grouped_tile_map(counts.to(x.device), block_m, num_rows)
-        grid = (tile_e.shape[0], triton.cdiv(n, block_n))
-        _fp4_grouped_gemm_kernel[grid](x, packed.view(torch.uint8), scale.view(torch.uint8), out, tile_e, tile_r0,
-                                       tile_r1, packed.shape[0], n, packed.shape[2], x.stride(0), packed.stride(0),
-                                       packed.stride(1), scale.stride(0), scale.stride(1), out.stride(0),
-                                       SCALE_BLOCK=block, IEEE_DOT=x.dtype == torch.float32, BLOCK_M=block_m,
-                                       BLOCK_N=block_n, BLOCK_KP=block_kp, num_warps=warps)
+        # NOTE: rows per expert are ~num_rows / E on average (num_rows = tokens x top-k): size the tile from
+        # that, not from num_rows.
+        per_expert = max(1, num_rows // packed.shape[0])
+        counts = counts.to(x.device)
+        num_experts = packed.shape[0]
+
+        def launch(cfg):
+            block_m, block_n, block_kp, warps, stages, _ = cfg
+            if x.dtype == torch.float32:  # float32 operands: 4-byte tiles; the bf16 configs overflow shared memory
+                block_kp, stages = min(block_kp, 32), 2
+            block_kp = max(block_kp, block // 2)  # NOTE: a scale block never straddles two K steps
+            max_tiles = triton.cdiv(num_rows, block_m) + min(num_experts, num_rows)  # as `grouped_tile_map`
+            grid = (max_tiles, triton.cdiv(n, block_n))
+            _fp4_grouped_gemm_kernel[grid](x, packed.view(torch.uint8), scale.view(torch.uint8), out, counts,
+                                           num_experts, n, packed.shape[2], x.stride(0), packed.stride(0),
+                                           packed.stride(1), scale.stride(0), scale.stride(1), out.stride(0),
+                                           E_POW2=triton.next_power_of_2(num_experts), SCALE_BLOCK=block,
+                                           IEEE_DOT=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
+                                           BLOCK_KP=block_kp, num_warps=warps, num_stages=stages)
+
+        idx = x.device.index if x.device.type == "cuda" else -1
+        key = ("fp4_grouped_gemm", idx, _fp8.m_bucket(per_expert), packed.shape[0], n, packed.shape[2], block, x.dtype)
+        launch(config or _fp8.tune_pick(key, fp4_gemm_candidates(per_expert), launch, x.device))
         return out

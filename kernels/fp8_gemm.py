@@ -20,7 +20,9 @@ Implementations:
 NOTE: activations stay in their dtype here (bf16 on the GPU). The official reference quantizes
 activations to FP8 per token per 128 with power-of-two scales before its FP8 GEMM; transformers'
 loader dequantizes the weights and runs the model in bf16/fp32, so bf16 activations are what matches
-transformers. The FP8-activation variant is not implemented yet.
+transformers. The official FP8-activation numbers are available as an option of `Fp8Linear`
+(`engine/quant/act_quant.py`: activations rounded onto the FP8 grid, then this same GEMM; exact
+products, no FP8 tensor-core speed-up yet).
 """
 
 from __future__ import annotations
@@ -84,13 +86,30 @@ def _default_fp8_gemm(device: torch.device) -> str:
     return "triton" if device.type == "cuda" and triton is not None else "torch"
 
 
+_TUNE_ENV = "DEEPINFER_QGEMM_TUNE"
+"""Set to 0 to skip the first-call timing of candidate configs (then the first candidate is used)."""
+TUNED: dict[tuple, tuple] = {}
+"""(op, device index, key...) -> the config `tune_pick` chose (read by `benchmarks/quantized_gemm.py`)."""
+
+
+def m_bucket(m: int) -> int:
+    """Row-count bucket of a tuning key: 16, 32 or 64 at decode sizes, 0 (one bucket) above 64 rows."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 0
+
+
 def fp8_gemm_config(m: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for M rows: small tiles at decode sizes (more programs)."""
-    if m <= 16:
-        return 16, 64, 128, 4
-    if m <= 64:
-        return 64, 64, 128, 4
-    return 128, 128, 64, 8
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for M rows: the first (untuned) candidate of `fp8_gemm_candidates`."""
+    return fp8_gemm_candidates(m)[0][:4]
+
+
+def fp8_gemm_candidates(m: int) -> list[tuple[int, int, int, int, int, int]]:
+    """Configs tried for M rows: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, waves), where `waves` is
+    the number of 132-SM waves of programs a K split aims at (decode: few output tiles, so K is split
+    until ~waves x SMs programs stream the weights). The first one is the default without tuning."""
+    bm = m_bucket(m)
+    if bm:
+        return [(bm, 64, 128, 4, 3, 2), (bm, 128, 128, 4, 4, 2), (bm, 64, 128, 4, 4, 4), (bm, 128, 128, 8, 4, 4)]
+    return [(128, 128, 64, 8, 3, 1)]
 
 
 def num_sms(device: torch.device) -> int:
@@ -98,13 +117,54 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def pick_split_k(num_programs: int, k_steps: int, sms: int) -> int:
-    """How many slices to split K into so that a launch of `num_programs` output tiles fills ~2 waves of
-    `sms` multiprocessors (decode: few rows, few tiles), keeping >= 4 `BLOCK_K` steps per slice; a power of two."""
+def pick_split_k(num_programs: int, k_steps: int, sms: int, waves: int = 2, min_steps: int = 4,
+                 max_split: int = 1 << 30) -> int:
+    """How many slices to split K into so that a launch of `num_programs` output tiles fills ~`waves` waves of
+    `sms` multiprocessors (decode: few rows, few tiles), keeping >= `min_steps` `BLOCK_K` steps per slice and
+    at most `max_split` slices; a power of two."""
     split = 1
-    while num_programs * split < 2 * sms and k_steps // (split * 2) >= 4:
+    while num_programs * split < waves * sms and k_steps // (split * 2) >= min_steps and split * 2 <= max_split:
         split *= 2
     return split
+
+
+def _time_launches(fn, reps: int = 10) -> float:
+    """Milliseconds of one `fn()` (CUDA events around `reps` calls queued behind a sleep kernel, so the
+    host's launch overhead is not timed: the calls run back to back, as in a captured graph)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time: the host queues the calls meanwhile
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def tune_pick(key: tuple, candidates: list, launch, device: torch.device):
+    """The candidate config for `key` that ran fastest on `device` (each run by `launch(cfg)`, timed twice,
+    best of two), cached in `TUNED`. Untimed (first candidate, not cached) on the CPU interpreter, during
+    a CUDA graph capture, for a single candidate, or with DEEPINFER_QGEMM_TUNE=0.
+
+    NOTE: timing launches the kernel (writing its output) a few dozen times on the first call per key;
+    a config changes only the summation order (float32), never which products are summed.
+    """
+    if key in TUNED:
+        return TUNED[key]
+    if (len(candidates) == 1 or device.type != "cuda" or os.environ.get(_TUNE_ENV) == "0"
+            or torch.cuda.is_current_stream_capturing()):
+        return candidates[0]
+    ok = []
+    for cfg in candidates:  # compile and warm up every candidate first; one the device cannot run is skipped
+        try:
+            launch(cfg)
+            ok.append(cfg)
+        except Exception as exc:  # noqa: BLE001 - e.g. triton's OutOfResources (shared memory) for one config
+            print(f"# tune_pick {key}: config {cfg} skipped ({type(exc).__name__})")
+    candidates = ok or candidates[:1]
+    times = [min(_time_launches(lambda c=cfg: launch(c)) for _ in range(2)) for cfg in candidates]
+    TUNED[key] = candidates[min(range(len(candidates)), key=times.__getitem__)]
+    return TUNED[key]
 
 
 if triton is not None:
@@ -116,29 +176,54 @@ if triton is not None:
         return tl.where(b == 0, 5.877471754111438e-39, f)  # byte 0: 2**-127, a subnormal
 
     @triton.jit
-    def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_SLICE: tl.constexpr, stride_xm, stride_wn, stride_sn,
-                         stride_os, stride_om, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
-                         SCALE_E8M0: tl.constexpr, IEEE_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _store_split_k(acc, out_ptr, part_ptr, lock_ptr, rm, rn, M, N, stride_om, SPLIT: tl.constexpr):
+        """Store a program's [BLOCK_M, BLOCK_N] float32 sums: directly (no split), or as split
+        program_id(2)'s partial, the last split of the tile to finish adding all SPLIT partials in split
+        order (deterministic) and writing out_ptr. One launch, no second reduction kernel.
+
+        NOTE: part_ptr is float32 [SPLIT, M, N] contiguous, lock_ptr int32 [tiles] zeroed by the caller;
+        the barrier before the release orders every thread's partial store before the counter's increment,
+        and the partials are read past L1 (.cg).
+        """
+        mask = (rm < M)[:, None] & (rn < N)[None, :]
+        if SPLIT == 1:
+            tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            off = rm[:, None] * N + rn[None, :]
+            tl.store(part_ptr + tl.program_id(2) * M * N + off, acc, mask=mask)
+            tl.debug_barrier()
+            tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            if tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+                total = tl.zeros_like(acc)
+                for s in tl.static_range(SPLIT):
+                    total += tl.load(part_ptr + s * M * N + off, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], total.to(out_ptr.dtype.element_ty),
+                         mask=mask)
+
+    @triton.jit
+    def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, K_SLICE: tl.constexpr,
+                         stride_xm, stride_wn, stride_sn, stride_om, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
+                         SCALE_E8M0: tl.constexpr, IEEE_DOT: tl.constexpr, SPLIT: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # NOTE: BLOCK_K divides BK_SCALE (one K step lies in one scale column) and K_SLICE, the K range of
-        # program_id(2)'s split; with a split, out_ptr is a float32 [split, M, N] partial-sum buffer.
+        # program_id(2)'s split (SPLIT of them; `_store_split_k` adds their partial sums).
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         m_ok, n_ok = rm < M, rn < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k_lo = tl.program_id(2) * K_SLICE
+        s_row = s_ptr + (rn // BN_SCALE) * stride_sn  # [BLOCK_N] scale row pointers, one per output column
         for step in range(0, K_SLICE, BLOCK_K):  # NOTE: a compile-time trip count; steps past K load nothing
             k0 = k_lo + step
             kk = k0 + rk
             k_ok = kk < K
             x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w_bits = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None], mask=k_ok[:, None] & n_ok[None, :],
-                             other=0)  # [BLOCK_K, BLOCK_N] e4m3 bytes
+                             other=0)  # [BLOCK_K, BLOCK_N] e4m3 bytes, 16-byte runs along K
             w = w_bits.to(tl.float8e4nv, bitcast=True).to(x.dtype)  # exact
             # a step past K (last split) reads a valid scale column and multiplies zero partial sums
-            s = tl.load(s_ptr + (rn // BN_SCALE) * stride_sn + tl.minimum(k0, K - 1) // BK_SCALE, mask=n_ok,
-                        other=0)  # [BLOCK_N]
+            s = tl.load(s_row + tl.minimum(k0, K - 1) // BK_SCALE, mask=n_ok, other=0)  # [BLOCK_N], once per step
             if SCALE_E8M0:
                 s = _e8m0_decode(s.to(tl.int32))
             if IEEE_DOT:
@@ -146,19 +231,28 @@ if triton is not None:
             else:
                 part = tl.dot(x, w)
             acc += part * s[None, :]
-        out_ptr += tl.program_id(2) * stride_os
-        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
+        _store_split_k(acc, out_ptr, part_ptr, lock_ptr, rm, rn, M, N, stride_om, SPLIT)
+
+    def split_k_buffers(grid_mn: tuple[int, int], split: int, m: int, n: int, out: torch.Tensor):
+        """(part, lock) buffers for a launch over grid_mn output tiles and `split` K slices:
+        float32 [split, M, N] partial sums and zeroed int32 tile counters (dummies without a split)."""
+        if split == 1:
+            return out, out
+        part = torch.empty(split, m, n, dtype=torch.float32, device=out.device)
+        lock = torch.zeros(grid_mn[0] * grid_mn[1], dtype=torch.int32, device=out.device)
+        return part, lock
 
     @register_op("fp8_gemm", "triton", in_op_table=False)
     def fp8_gemm_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-                        split_k: int | None = None) -> torch.Tensor:
+                        split_k: int | None = None, config: tuple | None = None) -> torch.Tensor:
         """Triton FP8 block-scaled GEMM: x [M, K] (bf16/fp16/fp32, rows contiguous) @ dequant(w8, scale).T.
 
         w8 float8_e4m3fn [N, K] and scale [ceil(N/bn), ceil(K/bk)] (UE8M0 or float32) contiguous; bk a power
         of two >= 16. On CUDA, or the CPU under `TRITON_INTERPRET=1`. Returns [M, N] in x's dtype.
-        `split_k` (default: `pick_split_k`) splits K across programs when there are few output tiles
-        (decode); the float32 partial sums are then added in split order (deterministic).
+        `split_k` (default: from the tuned config, `pick_split_k`) splits K across programs when there are
+        few output tiles (decode); the float32 partial sums are then added in split order (deterministic)
+        by the tile's last program, in the same launch. The tile config is timed per (M bucket, N, K,
+        dtype) on the first call on CUDA (`tune_pick`); `config` (one of `fp8_gemm_candidates`) forces one.
         """
         check_fp8_gemm_args("fp8_gemm_triton", x, w8, scale, block)
         if x.stride(1) != 1 or not w8.is_contiguous() or not scale.is_contiguous():
@@ -173,21 +267,27 @@ if triton is not None:
         if m == 0 or n == 0:
             return out
         k = x.shape[1]
-        block_m, block_n, block_k, warps = fp8_gemm_config(m)
-        block_k = min(block_k, bk)
-        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-        k_steps = triton.cdiv(k, block_k)
-        split = split_k or pick_split_k(tiles, k_steps, num_sms(x.device))
-        k_slice = triton.cdiv(k_steps, split) * block_k
-        split = triton.cdiv(k, k_slice)
-        dst = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
         is_e8m0 = scale.dtype == torch.float8_e8m0fnu
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
-        _fp8_gemm_kernel[grid](x, w8.view(torch.uint8), scale.view(torch.uint8) if is_e8m0 else scale, dst,
-                               m, n, k, k_slice, x.stride(0), w8.stride(0), scale.stride(0),
-                               dst.stride(0) if split > 1 else 0, dst.stride(-2),
-                               BN_SCALE=bn, BK_SCALE=bk, SCALE_E8M0=is_e8m0, IEEE_DOT=x.dtype == torch.float32,
-                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
-        if split > 1:
-            out.copy_(dst.sum(0))  # [split, M, N] float32 -> x.dtype
+        sms = num_sms(x.device)
+
+        def launch(cfg):
+            block_m, block_n, block_k, warps, stages, waves = cfg
+            block_k = min(block_k, bk)
+            grid_mn = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+            k_steps = triton.cdiv(k, block_k)
+            # NOTE: the float32 partials written (split x M x N x 4 bytes) stay <= half of w8's bytes
+            split = split_k or pick_split_k(grid_mn[0] * grid_mn[1], k_steps, sms, waves, min_steps=2,
+                                            max_split=max(1, k // (8 * m)))
+            k_slice = triton.cdiv(k_steps, split) * block_k
+            split = triton.cdiv(k, k_slice)
+            part, lock = split_k_buffers(grid_mn, split, m, n, out)
+            _fp8_gemm_kernel[grid_mn + (split,)](
+                x, w8.view(torch.uint8), scale.view(torch.uint8) if is_e8m0 else scale, out, part, lock, m, n, k,
+                k_slice, x.stride(0), w8.stride(0), scale.stride(0), out.stride(0), BN_SCALE=bn, BK_SCALE=bk,
+                SCALE_E8M0=is_e8m0, IEEE_DOT=x.dtype == torch.float32, SPLIT=split, BLOCK_M=block_m,
+                BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+
+        idx = x.device.index if x.device.type == "cuda" else -1
+        key = ("fp8_gemm", idx, m_bucket(m), n, k, bk, x.dtype, split_k)
+        launch(config or tune_pick(key, fp8_gemm_candidates(m), launch, x.device))
         return out

@@ -25,7 +25,7 @@ from torch import nn
 
 from deepinfer.engine.moe.base import MoEBackend, register_moe_backend
 from deepinfer.engine.moe.torch_backend import _route
-from deepinfer.engine.quant.linear import Fp4Linear
+from deepinfer.engine.quant.linear import Fp4Linear, register_gemm_ops
 from deepinfer.kernels.registry import default_impl, get_op
 
 
@@ -76,6 +76,7 @@ class Fp4MoEBackend(MoEBackend):
     def prepare(self, experts: Sequence[nn.Module]) -> None:
         self.packed = pack_fp4_experts(experts)
         self.experts, self.limit, self.block = experts, experts[0].limit, experts[0].w1.block
+        register_gemm_ops()
         self.impl_name = default_impl("fp4_grouped_gemm", self.packed[0].device)
         self._gemm = get_op("fp4_grouped_gemm", self.impl_name)
 

@@ -34,9 +34,17 @@ from deepinfer.engine.quant.formats import (
     quantize_fp4,
     quantize_fp8_block,
 )
-from deepinfer.kernels import fp4_gemm as _fp4_gemm  # noqa: F401  (registers the "fp4_gemm" op)
-from deepinfer.kernels import fp8_gemm as _fp8_gemm  # noqa: F401  (registers the "fp8_gemm" op)
 from deepinfer.kernels.registry import default_impl, get_op
+
+
+def register_gemm_ops() -> None:
+    """Import the quantized-GEMM kernel modules, which register the "fp8_gemm", "fp4_gemm" and
+    "fp4_grouped_gemm" ops (idempotent).
+
+    NOTE: imported on first use, not at module level: the kernel modules import
+    `engine.quant.formats`, whose package imports this module.
+    """
+    from deepinfer.kernels import fp4_gemm, fp8_gemm  # noqa: F401
 
 
 class _QuantLinear(nn.Module):
@@ -57,6 +65,7 @@ class _QuantLinear(nn.Module):
     def select_impl(self, impl_name: str | None = None) -> None:
         """Pick the GEMM implementation for the weights' device (`impl_name` overrides the device default)."""
         device = self.weight.device
+        register_gemm_ops()
         self.impl_name = impl_name or default_impl(self.op_name, device)
         self._gemm = get_op(self.op_name, self.impl_name)
         self._impl_device = device

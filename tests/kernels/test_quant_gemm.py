@@ -102,6 +102,22 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
     counts = torch.tensor([3, 0, 20, 1])
     x = torch.randn(24, 96, generator=g)
     check(fp4_grouped_gemm_triton(x, packed, scale, counts), fp4_grouped_gemm_torch(x, packed, scale, counts), 1e-5)
+    # every tile config the CUDA tuner may pick (decode and prefill buckets), K split where it applies;
+    # float32 rounding of sums over K = 320 in another order: 5e-5
+    from deepinfer.kernels.fp4_gemm import fp4_gemm_candidates
+    from deepinfer.kernels.fp8_gemm import fp8_gemm_candidates
+    w8, s8 = quantize_fp8_block(torch.randn(70, 320, generator=g), (128, 128))
+    p, s = quantize_fp4(torch.randn(70, 320, generator=g))
+    for m in (3, 40, 70):
+        x = torch.randn(m, 320, generator=g)
+        for cfg in fp8_gemm_candidates(m):
+            check(fp8_gemm_triton(x, w8, s8, (128, 128), config=cfg), fp8_gemm_torch(x, w8, s8, (128, 128)), 5e-5)
+        for cfg in fp4_gemm_candidates(m):
+            check(fp4_gemm_triton(x, p, s, config=cfg), fp4_gemm_torch(x, p, s), 5e-5)
+    x = torch.randn(24, 96, generator=g)
+    for cfg in fp4_gemm_candidates(1) + fp4_gemm_candidates(100):
+        check(fp4_grouped_gemm_triton(x, packed, scale, counts, config=cfg),
+              fp4_grouped_gemm_torch(x, packed, scale, counts), 5e-5)
     print("OK", worst)
 """)
 
@@ -115,6 +131,12 @@ def test_triton_kernels_under_the_interpreter():
 
 
 # ---------------------------------------------------------------------------- CUDA
+
+
+@pytest.fixture(autouse=True)
+def _no_tuning(monkeypatch):
+    """The CUDA tests run each op's first (default) config; `test_every_tuning_candidate_on_cuda` runs the rest."""
+    monkeypatch.setenv("DEEPINFER_QGEMM_TUNE", "0")
 
 
 @pytest.mark.gpu
@@ -177,3 +199,31 @@ def test_quantized_linears_pick_triton_on_cuda():
         out = lin(x.cuda())
         assert lin.impl_name == "triton" and lin.weight.dtype != torch.float32
         torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 40, 200])
+def test_every_tuning_candidate_on_cuda(m):
+    """Each config the first-call tuner may pick (K split included) against the CPU reference, bf16."""
+    from deepinfer.kernels.fp4_gemm import fp4_gemm_candidates, fp4_gemm_triton, fp4_grouped_gemm_triton
+    from deepinfer.kernels.fp8_gemm import fp8_gemm_candidates, fp8_gemm_triton
+
+    def close(out, ref):
+        torch.testing.assert_close(out.cpu().float(), ref, atol=1e-2 * ref.abs().max().item(), rtol=1e-2)
+
+    x = _x(m, 2048).to(torch.bfloat16)
+    w8, s8 = _fp8(1000, 2048)
+    ref8 = fp8_gemm_torch(x.float(), w8, s8, (128, 128))
+    p, s = _fp4(1000, 2048)
+    ref4 = fp4_gemm_torch(x.float(), p, s)
+    for cfg in fp8_gemm_candidates(m):
+        close(fp8_gemm_triton(x.cuda(), w8.cuda(), s8.cuda(), (128, 128), config=cfg), ref8)
+    for cfg in fp4_gemm_candidates(m):
+        close(fp4_gemm_triton(x.cuda(), p.cuda(), s.cuda(), config=cfg), ref4)
+    ps = [_fp4(300, 512, seed=e) for e in range(8)]
+    packed, scale = torch.stack([q for q, _ in ps]), torch.stack([t for _, t in ps])
+    counts = torch.tensor([0, m, 2 * m + 1, 3, 0, 17, 1, 0])
+    xg = torch.randn(int(counts.sum()), 512, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    refg = fp4_grouped_gemm_torch(xg.float(), packed, scale, counts)
+    for cfg in fp4_gemm_candidates(m):
+        close(fp4_grouped_gemm_triton(xg.cuda(), packed.cuda(), scale.cuda(), counts.cuda(), config=cfg), refg)
