@@ -202,11 +202,22 @@ class Compressor(nn.Module):
 def topk_mask(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
     """Boolean mask of the `k` best visible entries per row; ties go to the lower entry index.
 
-    NOTE: ties are frequent (an entry whose every head has ReLU(q.k) = 0 scores exactly 0) and
-    torch.topk breaks them in an order that depends on the tensor's shape, which is why HF's
-    logits at a position change with the total forward length. Breaking ties by entry index (a
-    stable descending sort) makes the choice depend only on the entries the query can see, so
-    it is causal and invariant to chunking, batching and decoding.
+    NOTE: the tie rule (issue 21 item 3; pinned by tests/engine/attention/test_indexer_ties.py).
+    Ties are frequent with few indexer heads: an entry whose every head has ReLU(q.k) = 0 scores
+    exactly 0 (the sum of those zero terms is +0.0, on the CPU and on CUDA). DeepSeek's reference
+    inference code (`Indexer.forward` in its inference/model.py) adds nothing to the scores, sets
+    the entries a prefill query cannot see to -inf, takes `index_score.topk(min(index_topk,
+    end_pos // ratio))` and then drops the picks past the query's visible count (-1); decode rows
+    see every entry. It runs on CUDA, whose torch.topk keeps the lowest indices among the values
+    tied at the k-th place (measured on an H200, torch 2.11: single- and multi-block paths,
+    2^3..2e5 entries, sorted or not), i.e. this rule: larger score first, then lower entry index.
+    That depends only on the entries the query can see, so it is causal and the same under any
+    chunking, batching or decoding, and a stable descending sort gives the same set on the CPU
+    and on CUDA. (CUDA's topk ranks +0.0 above -0.0 by their bits, a value sort keeps them equal;
+    no indexer row mixes them: its all-zero entries compute one and the same sum.) transformers
+    runs torch.topk on the CPU, whose tie order depends on the tensor's shape (partial sort /
+    nth_element), so its logits at a position change with the length of the forward that holds
+    them: we cannot match that, and do not try.
     """
     if scores.shape[-1] <= k:
         return visible

@@ -6,9 +6,14 @@ prefix, last position. Our model keeps the FP8/FP4 weights quantized and dequant
 inside each matmul; transformers dequantizes the whole checkpoint at load; both compute in float32.
 
 NOTE: where the lightning indexer's scores tie exactly at the top-k boundary (every head's ReLU zero
-for several entries), we and transformers break the tie differently (issue 21 item 3, a separate
-change). The prompts are therefore the first seeds whose forward (or greedy run) meets no such tie
-in our indexer; rows are causal, so every prefix of a tie-free prompt is tie-free too.
+for several entries), we and transformers break the tie differently, and no causal rule could agree
+with transformers there: it takes torch.topk on the CPU, whose tie order depends on the tensor's
+shape, so its logits at a position change with the length of the forward that holds them. Ours is
+the official reference's on CUDA (lower entry index first; `topk_mask`'s NOTE, issue 21 item 3), and
+tests/engine/attention/test_indexer_ties.py checks that we agree with transformers on a tie-prone
+model once its indexer breaks ties that way. The prompts here are therefore still the first seeds
+whose forward (or greedy run) meets no such tie in our indexer; rows are causal, so every prefix of
+a tie-free prompt is tie-free too.
 """
 
 from __future__ import annotations
