@@ -239,26 +239,7 @@ def _write_ours(
     out: Path, hf_config: dict[str, Any], tensors: dict[str, torch.Tensor], dtype: torch.dtype, shard_bytes: int
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, start=1):
-            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, out / file, metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, file))
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    _save_sharded(out, tensors, shard_bytes, single_file=True)
     config = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", **hf_config}
     config["dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -347,9 +328,12 @@ def write_published(
     return out
 
 
-def _save_sharded(out: Path, tensors: Mapping[str, torch.Tensor], shard_bytes: int) -> None:
+def _save_sharded(out: Path, tensors: Mapping[str, torch.Tensor], shard_bytes: int, *,
+                  single_file: bool = False) -> None:
     """`model-0000i-of-0000n.safetensors` shards of at most `shard_bytes` (one tensor may exceed it)
-    plus `model.safetensors.index.json`, always (the published layout has an index even for one shard)."""
+    plus `model.safetensors.index.json`: always by default (the published layout has an index even for
+    one shard); with `single_file`, what fits in one shard is written as `model.safetensors`, no index
+    (as transformers' `save_pretrained` does)."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():
@@ -359,6 +343,9 @@ def _save_sharded(out: Path, tensors: Mapping[str, torch.Tensor], shard_bytes: i
             size = 0
         shards[-1][name] = t.contiguous()
         size += nbytes
+    if single_file and len(shards) == 1:
+        save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
+        return
     weight_map = {}
     for i, shard in enumerate(shards, start=1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
