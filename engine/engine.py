@@ -84,6 +84,10 @@ class EngineConfig(BaseModel):
     fp8_activations: Literal["bf16", "fp8"] = "bf16"
     """Activations of the FP8 linears: "bf16" as they come (matches transformers), or "fp8" per token per 128
     channels with power-of-two scales as the official DeepSeek reference (`engine.quant.act_quant`)."""
+    indexer_numerics: Literal["transformers", "reference"] = "transformers"
+    """The lightning indexer's queries and compressed keys: "transformers" as they come (matches transformers), or
+    "reference": Hadamard-rotated and FP4-simulated (blocks of 32, power-of-two scales) after their RoPE, as the
+    official DeepSeek reference (`engine.attention.indexer_quant`)."""
 
     @model_validator(mode="after")
     def _check_choices(self) -> EngineConfig:
@@ -216,7 +220,8 @@ class Engine(ExternalKVMixin):
         self.model, self.model_config = load_checkpoint(path, dtype=config.dtype, device=config.device,
                                                        attention_backend=config.attention_backend,
                                                        moe_backend=config.moe_backend,
-                                                       fp8_activations=config.fp8_activations)
+                                                       fp8_activations=config.fp8_activations,
+                                                       indexer_numerics=config.indexer_numerics)
         mc = self.model_config
         self.tokenizer = load_tokenizer(path)
         self.replay_tokens = exact_replay_tokens(mc)

@@ -744,10 +744,12 @@ def load_checkpoint(
     attention_backend: str = "torch",
     moe_backend: str = "torch",
     fp8_activations: str = "bf16",
+    indexer_numerics: str = "transformers",
 ) -> tuple[nn.Module, ModelConfig]:
     """Blocks while reading: build `DeepseekV4ForCausalLM` from checkpoint `path` and load its weights.
     (`attention_backend`: an `engine.attention` backend name; `moe_backend`: an `engine.moe` backend name;
-    `fp8_activations`: "bf16" or "fp8", the activations of the FP8 linears, `engine.quant.linear.set_fp8_activations`.)
+    `fp8_activations`: "bf16" or "fp8", the activations of the FP8 linears, `engine.quant.linear.set_fp8_activations`;
+    `indexer_numerics`: "transformers" or "reference", `engine.attention.indexer_quant.set_indexer_numerics`.)
 
     Returns `(model, config)` with the model in eval mode, without gradients, on `device`, floats in
     `dtype` except the fp32-kept set. Raises `CheckpointError` (naming the culprit) before reading any tensor data if
@@ -767,6 +769,9 @@ def load_checkpoint(
     from deepinfer.engine.quant.linear import set_fp8_activations
 
     set_fp8_activations(model, fp8_activations)
+    from deepinfer.engine.attention.indexer_quant import set_indexer_numerics
+
+    set_indexer_numerics(model, indexer_numerics)
     model.eval().requires_grad_(False)
     model.prepare_for_inference()  # once, on the loaded weights: small-op picks, MoE backend packing
     return model, config

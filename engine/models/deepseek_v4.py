@@ -56,6 +56,7 @@ from deepinfer.engine.attention import (
     get_attention_backend,
     layer_specs,
 )
+from deepinfer.engine.attention.indexer_quant import rotate_and_quant
 from deepinfer.engine.cache.kv_cache import V4KVCache
 from deepinfer.engine.config import ModelConfig, RopeConfig
 from deepinfer.engine.forward_batch import ForwardBatch
@@ -153,6 +154,9 @@ class Compressor(nn.Module):
         self.wgate = nn.Linear(hidden, width, bias=False)
         self.ape = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32))
         self.norm = RMSNorm(dim, eps)
+        self.rotate_quant = False
+        """The official reference's Hadamard rotation + FP4 simulation of each emitted entry (the indexer's
+        compressor under `indexer_numerics="reference"`, `engine.attention.indexer_quant`); False: transformers'."""
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token kv and gate projections. x: [n, H] -> ([n, width], [n, width])."""
@@ -196,7 +200,10 @@ class Compressor(nn.Module):
             kv_all, g_all = cur_kv, g_cur
         w = g_all.softmax(dim=1).to(kv_all.dtype)
         entries = self.norm((kv_all * w).sum(dim=1))  # [nw, d]
-        return apply_rope(entries, *rope)
+        entries = apply_rope(entries, *rope)
+        if self.rotate_quant:  # after the norm and the RoPE, as the reference's Compressor.forward(rotate=True)
+            entries = rotate_and_quant(entries)
+        return entries
 
 
 def topk_mask(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
@@ -239,6 +246,14 @@ class Indexer(nn.Module):
         self.compressor = Compressor(config.hidden_size, self.head_dim, rate, True, config.rms_norm_eps)
         self.wq_b = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
         self.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+        self.numerics = "transformers"
+        """"transformers" or "reference": the latter rotates and FP4-simulates the queries after their RoPE
+        (and the compressor its keys), as DeepSeek's `Indexer.forward`; see `engine.attention.indexer_quant`."""
+
+    def _queries(self, q_res: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Index queries [n, heads, index_head_dim]: wq_b, RoPE, then (reference numerics) rotation + FP4."""
+        q = apply_rope(self.wq_b(q_res).view(q_res.shape[0], self.num_heads, self.head_dim), cos, sin)
+        return rotate_and_quant(q) if self.numerics == "reference" else q
 
     def select(
         self,
@@ -250,9 +265,7 @@ class Indexer(nn.Module):
         sin: torch.Tensor,
     ) -> torch.Tensor:
         """Boolean [n, C]: the entries each query attends to."""
-        n = x.shape[0]
-        q = self.wq_b(q_res).view(n, self.num_heads, self.head_dim)
-        q = apply_rope(q, cos, sin)
+        q = self._queries(q_res, cos, sin)
         scores = torch.einsum("nhd,cd->nhc", q.float(), keys.float())
         scores = F.relu(scores) * (self.head_dim**-0.5)
         weights = self.weights_proj(x).float() * (self.num_heads**-0.5)  # [n, heads]
@@ -261,8 +274,7 @@ class Indexer(nn.Module):
 
     def score_batched(self, q_res, x, keys, cos, sin) -> torch.Tensor:
         """Decode rows, each with its own keys: keys [B, C, index_head_dim] -> scores [B, C]."""
-        B = x.shape[0]
-        q = apply_rope(self.wq_b(q_res).view(B, self.num_heads, self.head_dim), cos, sin)
+        q = self._queries(q_res, cos, sin)
         scores = F.relu(torch.einsum("bhd,bcd->bhc", q.float(), keys.float())) * (self.head_dim**-0.5)
         weights = self.weights_proj(x).float() * (self.num_heads**-0.5)  # [B, heads]
         return (scores * weights[:, :, None]).sum(dim=1)
