@@ -69,10 +69,13 @@ class DecodeWorkerConfig(BaseModel):
     """MoE backend of the engine (a name of `engine.moe`'s registry)."""
     fp8_activations: Literal["bf16", "fp8"] = "bf16"
     """Activations of FP8 linears: bf16 (matches transformers) or FP8 per token per 128 (the official reference's)."""
+    indexer_numerics: Literal["transformers", "reference"] = "transformers"
+    """Lightning-indexer numerics: transformers' (plain) or the official reference's (Hadamard + FP4 simulation)."""
 
     def engine_config(self) -> EngineConfig:
         """The engine part of this config."""
         return EngineConfig(model=self.model, revision=self.revision, dtype=self.dtype, device=self.device, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, num_blocks=self.num_blocks,
                             max_model_len=self.max_model_len, attention_backend=self.attention_backend,
-                            moe_backend=self.moe_backend, fp8_activations=self.fp8_activations)
+                            moe_backend=self.moe_backend, fp8_activations=self.fp8_activations,
+                            indexer_numerics=self.indexer_numerics)
