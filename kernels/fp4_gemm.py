@@ -25,8 +25,6 @@ and the few programs past the last tile exit at once.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from deepinfer.engine.quant.formats import dequant_fp4, fp4_scale_shape
@@ -34,7 +32,7 @@ from deepinfer.engine.quant.formats import dequant_fp4, fp4_scale_shape
 # NOTE: the module, not its names: fp8_gemm -> engine.quant -> linear -> this module can run while
 # fp8_gemm is still initialising (its helpers are looked up at call time).
 from deepinfer.kernels import fp8_gemm as _fp8
-from deepinfer.kernels.registry import register_default_impl, register_op
+from deepinfer.kernels.registry import check_triton_launch, register_default_impl, register_op
 
 try:
     import triton
@@ -178,12 +176,7 @@ if triton is not None:
         tile config and `config` (one of `fp4_gemm_candidates`) as in `fp8_gemm_triton`.
         """
         check_fp4_gemm_args("fp4_gemm_triton", x, packed, scale, block)
-        if x.stride(1) != 1 or not packed.is_contiguous() or not scale.is_contiguous():
-            raise ValueError("fp4_gemm_triton: x's rows, packed and scale must be contiguous (call .contiguous())")
-        if block < 2 or block & (block - 1):
-            raise ValueError(f"fp4_gemm_triton: the scale block must be a power of two >= 2, got {block}")
-        if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"fp4_gemm_triton needs a CUDA tensor (or TRITON_INTERPRET=1), got {x.device}")
+        check_triton_launch("fp4_gemm_triton", x, "x's rows, packed and scale", packed, scale, block=block)
         m, n = x.shape[0], packed.shape[0]
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         if m == 0 or n == 0:
@@ -311,12 +304,7 @@ if triton is not None:
         on the first call on CUDA (`config`, one of `fp4_gemm_candidates`, forces one). On CUDA, or the CPU
         under `TRITON_INTERPRET=1`."""
         check_fp4_grouped_args("fp4_grouped_gemm_triton", x, packed, scale, counts, block)
-        if x.stride(1) != 1 or not packed.is_contiguous() or not scale.is_contiguous():
-            raise ValueError("fp4_grouped_gemm_triton: x's rows, packed and scale must be contiguous")
-        if block < 2 or block & (block - 1):
-            raise ValueError(f"fp4_grouped_gemm_triton: the scale block must be a power of two >= 2, got {block}")
-        if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"fp4_grouped_gemm_triton needs a CUDA tensor (or TRITON_INTERPRET=1), got {x.device}")
+        check_triton_launch("fp4_grouped_gemm_triton", x, "x's rows, packed and scale", packed, scale, block=block)
         num_rows, n = x.shape[0], packed.shape[1]
         out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
         if num_rows == 0 or n == 0:

@@ -32,7 +32,7 @@ import os
 import torch
 
 from deepinfer.engine.quant.formats import e8m0_to_float, fp8_scale_shape
-from deepinfer.kernels.registry import register_default_impl, register_op
+from deepinfer.kernels.registry import check_triton_launch, register_default_impl, register_op
 
 try:
     import triton
@@ -255,13 +255,9 @@ if triton is not None:
         dtype) on the first call on CUDA (`tune_pick`); `config` (one of `fp8_gemm_candidates`) forces one.
         """
         check_fp8_gemm_args("fp8_gemm_triton", x, w8, scale, block)
-        if x.stride(1) != 1 or not w8.is_contiguous() or not scale.is_contiguous():
-            raise ValueError("fp8_gemm_triton: x's rows, w8 and scale must be contiguous (call .contiguous())")
         bn, bk = block
-        if bk < 16 or bk & (bk - 1):
-            raise ValueError(f"fp8_gemm_triton: the K block must be a power of two >= 16, got {bk}")
-        if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"fp8_gemm_triton needs a CUDA tensor (or TRITON_INTERPRET=1), got {x.device}")
+        check_triton_launch("fp8_gemm_triton", x, "x's rows, w8 and scale", w8, scale, block=bk,
+                            block_what="K block", min_block=16)
         m, n = x.shape[0], w8.shape[0]
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         if m == 0 or n == 0:

@@ -15,6 +15,7 @@ also under `TRITON_INTERPRET=1` on the CPU); and make it the op's device default
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -116,3 +117,17 @@ class OpTable:
 
     def __repr__(self) -> str:
         return f"OpTable({self.impl_names})"
+
+
+def check_triton_launch(name: str, x: torch.Tensor, operands: str, *weights: torch.Tensor, block: int,
+                        block_what: str = "scale block", min_block: int = 2) -> None:
+    """The checks every quantized-GEMM Triton wrapper makes before a launch, with messages naming `name`:
+    x's rows contiguous and `weights` contiguous (`operands` names them), `block` a power of two
+    >= `min_block`, and x on CUDA (or the CPU under `TRITON_INTERPRET=1`)."""
+    if x.stride(1) != 1 or not all(w.is_contiguous() for w in weights):
+        raise ValueError(f"{name}: {operands} must be contiguous (call .contiguous())")
+    if block < min_block or block & (block - 1):
+        raise ValueError(f"{name}: the {block_what} must be a power of two >= {min_block}, got {block}")
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{name} needs a CUDA tensor (or TRITON_INTERPRET=1), got {x.device}")
+
