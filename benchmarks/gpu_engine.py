@@ -1,6 +1,10 @@
 """Engine throughput on a CUDA GPU with a larger random-weight V4 preset in bf16.
 
     python -m deepinfer.benchmarks.gpu_engine [--preset-scale medium] [--batches 1,32,128] [--skip-hf] [--json OUT]
+        [--attention-backend NAME] [--moe-backend NAME] [--enforce-eager]
+
+The engine runs with its CUDA defaults: overlapped scheduling (the threaded executor) and, when the
+backends are graph-safe, CUDA-graph decode (`--enforce-eager` turns graphs off).
 
 1. Decode tokens/s at fixed batch sizes: B requests (prompt 128 random tokens) are prefilled,
    then `--decode-steps` engine steps that each decode one token for all B are timed
@@ -49,9 +53,10 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def decode_rate(path: str, batch: int, steps: int, dtype: str, device: str) -> dict:
+def decode_rate(path: str, batch: int, steps: int, dtype: str, device: str, **engine_kw) -> dict:
     eng = Engine(EngineConfig(model=path, dtype=dtype, device=device, max_num_seqs=max(batch, 1),
-                              max_num_batched_tokens=8192, max_model_len=1024, enable_prefix_caching=False))
+                              max_num_batched_tokens=8192, max_model_len=1024, enable_prefix_caching=False,
+                              **engine_kw))
     g = random.Random(batch)
     vocab = eng.model_config.vocab_size
     for i in range(batch):
@@ -65,8 +70,11 @@ def decode_rate(path: str, batch: int, steps: int, dtype: str, device: str) -> d
         eng.step()
     sync()
     dt = time.perf_counter() - t0
+    graphs = eng.runner.cuda_graphs
+    eng.shutdown()
     return {"batch": batch, "steps": steps, "seconds": dt, "tokens_per_s": batch * steps / dt,
-            "ms_per_step": 1000 * dt / steps}
+            "ms_per_step": 1000 * dt / steps, "cuda_graphs": dict(graphs.stats) if graphs is not None else None,
+            "cuda_graph_blockers": eng.runner.cuda_graph_blockers}
 
 
 def workload(n: int = 64, seed: int = 0, vocab: int = 32768):
@@ -76,8 +84,9 @@ def workload(n: int = 64, seed: int = 0, vocab: int = 32768):
     return prompts, outs
 
 
-def offline_ours(path: str, prompts, outs, dtype: str, device: str) -> dict:
-    llm = LLM(path, dtype=dtype, device=device, max_num_seqs=64, max_num_batched_tokens=8192, max_model_len=1024)
+def offline_ours(path: str, prompts, outs, dtype: str, device: str, **engine_kw) -> dict:
+    llm = LLM(path, dtype=dtype, device=device, max_num_seqs=64, max_num_batched_tokens=8192, max_model_len=1024,
+              **engine_kw)
     llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warmup
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in outs]
     sync()
@@ -125,20 +134,25 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip-offline", action="store_true")
     ap.add_argument("--preset", default=None, help="use a named preset instead of the medium config (smoke runs)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--attention-backend", default="torch")
+    ap.add_argument("--moe-backend", default="torch")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     args = ap.parse_args(argv)
+    engine_kw = {"attention_backend": args.attention_backend, "moe_backend": args.moe_backend,
+                 "enforce_eager": args.enforce_eager}
     tmp = Path(tempfile.mkdtemp())
     t0 = time.perf_counter()
     path = str(make_checkpoint(tmp / "medium", preset=args.preset or medium_config(), seed=0, dtype=args.dtype))
     print(f"checkpoint written in {time.perf_counter() - t0:.1f}s", flush=True)
     report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              "torch": torch.__version__, "dtype": args.dtype, "decode": []}
+              "torch": torch.__version__, "dtype": args.dtype, "decode": [], **engine_kw}
     for b in [int(x) for x in args.batches.split(",")]:
-        r = decode_rate(path, b, args.decode_steps, args.dtype, args.device)
+        r = decode_rate(path, b, args.decode_steps, args.dtype, args.device, **engine_kw)
         print(f"decode batch {b:4d}: {r['tokens_per_s']:10.1f} tok/s  ({r['ms_per_step']:.2f} ms/step)", flush=True)
         report["decode"].append(r)
     if not args.skip_offline:
         prompts, outs = workload()
-        ours = offline_ours(path, prompts, outs, args.dtype, args.device)
+        ours = offline_ours(path, prompts, outs, args.dtype, args.device, **engine_kw)
         print(f"offline ours: {ours['output_tokens_per_s']:.1f} output tok/s in {ours['seconds']:.1f}s "
               f"timings {ours['timings']}", flush=True)
         report["offline_ours"] = ours

@@ -71,6 +71,11 @@ class DecodeWorkerConfig(BaseModel):
     """Activations of FP8 linears: bf16 (matches transformers) or FP8 per token per 128 (the official reference's)."""
     indexer_numerics: Literal["transformers", "reference"] = "transformers"
     """Lightning-indexer numerics: transformers' (plain) or the official reference's (Hadamard + FP4 simulation)."""
+    enforce_eager: bool = False
+    """Run every engine step eagerly: no CUDA graphs for decode steps (they are used on CUDA when the backends allow)."""
+    batch_invariant: bool = False
+    """Batch-invariant numerics (`engine.batch_invariant`): a request's logits do not depend on its batch, chunking or
+    cache hits; set it on the prefill and the decode instances alike."""
 
     def engine_config(self) -> EngineConfig:
         """The engine part of this config."""
@@ -78,4 +83,5 @@ class DecodeWorkerConfig(BaseModel):
                             max_num_batched_tokens=self.max_num_batched_tokens, num_blocks=self.num_blocks,
                             max_model_len=self.max_model_len, attention_backend=self.attention_backend,
                             moe_backend=self.moe_backend, fp8_activations=self.fp8_activations,
-                            indexer_numerics=self.indexer_numerics)
+                            indexer_numerics=self.indexer_numerics, enforce_eager=self.enforce_eager,
+                            batch_invariant=self.batch_invariant)

@@ -186,6 +186,10 @@ class DecodeWorker(EngineShell):
         st = self._streams.get(request_id)
         self.core.abort(request_id)
         if st is None or st.is_finished:
+            if st is not None and not st.is_started:
+                # a reservation that already failed (e.g. its KV load) and that nobody will Start now: free
+                # its request id so that a retry of the request may reserve here again
+                self._streams.pop(request_id, None)
             return False
         self.logger.info("aborted %s: %s", request_id, reason)
         self._finish(st, common_pb2.FINISH_REASON_ABORT, code, f"request {request_id!r} was aborted: {reason}",

@@ -4,7 +4,11 @@
              answers chat requests end to end, then goes down; `--offline` runs the offline engine instead
   generate   generation: on the running cluster's entrypoint, or offline on a checkpoint
   up         launch a cluster on Ray: balancers, (vision +) prefill + decode instances, entrypoint (+ HTTP front)
-  status     a table of the cluster's instances: state, health, load, KV cache use
+  serve      `serve MODEL`: `up` with the model as its argument (vLLM-style flags: --host --port --api-key
+             --served-model-name --max-model-len --prefill N --decode N), one instance per stage by default
+  ls         the recorded clusters and whether each is up, starting or stale
+  logs       the log tail of a stage's processes (`deepinfer logs decode`), on the cluster's head node
+  status     a table of the cluster's instances (state, health, load, KV cache use) and services (address, pid)
   scale      change instance counts live: `deepinfer scale prefill=2 decode=3 vision=2` (`decode.GROUP=N` per group)
   down       stop the cluster
 
@@ -12,7 +16,14 @@
 prefill and one decode instance (plus one vision instance when the model has a vision tower), the
 stage balancers, the entrypoint and (when `entrypoint.http` is installed) the HTTP front; `--config FILE.yaml` describes other layouts (`deploy/configs/`), and
 `--address HOST:PORT|auto` joins a running Ray cluster instead. It prints one JSON line with the
-addresses and records them in `$DEEPINFER_HOME/cluster.json` for the other commands.
+addresses and records them in `$DEEPINFER_HOME/clusters/<name>.json` for the other commands, which
+pick a cluster by `--name` (default: $DEEPINFER_CLUSTER, else the only recorded one, else
+`deepinfer`). Before starting anything `up` checks the model path, that no cluster of that name
+runs and that its fixed ports are free, and refuses with the reason; it reports success only once
+the entrypoint is healthy and the HTTP front answers /health. Other commands answer within seconds
+when the named cluster is not recorded, still starting, or gone (a stale record is removed). Each
+start generates a cluster secret that every internal gRPC call carries (`serving.auth`); it is
+kept in the (user-only) record so that `generate` can reach the entrypoint.
 
 Attached or detached: `up` stays attached by default — it serves until Ctrl-C / SIGTERM, then
 takes the cluster down (a local Ray cluster started by `up` lives exactly as long as `up`). With
@@ -154,20 +165,18 @@ def _print_result(prompt_token_ids: list[int], out: dict) -> None:
                       "finish_reason": out["finish_reason"], "usage": out["usage"]}, ensure_ascii=False))
 
 
-def _run_remote(args, address: str, prompts: list) -> int:
-    """Generate each prompt on the entrypoint at `address` (concurrently); one JSON line per prompt."""
+def _run_remote(args, address: str, prompts: list, secret: str | None = None) -> int:
+    """Generate each prompt (token ids) on the entrypoint at `address` (concurrently); one JSON line per
+    prompt. `secret`: the cluster's (from its record); None = this process's (`serving.auth`)."""
     import grpc
 
     from deepinfer.entrypoint.client import Client, GenerateError
 
-    if any(not isinstance(p, dict) for p in prompts):
-        print(json.dumps({"error": "the entrypoint takes token ids: give --prompt-ids (or --offline for text)",
-                          "field": "prompt"}), file=sys.stderr)
-        return 2
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                   structured_output=args.structured_output)
     t0 = time.perf_counter()
-    with Client(address, timeout_s=REMOTE_TIMEOUT_S) as client, ThreadPoolExecutor(min(32, len(prompts))) as pool:
+    with Client(address, timeout_s=REMOTE_TIMEOUT_S, secret=secret) as client, \
+            ThreadPoolExecutor(min(32, len(prompts))) as pool:
         futures = [pool.submit(client.generate, p["prompt_token_ids"], **kwargs) for p in prompts]
         code = 0
         for prompt, fut in zip(prompts, futures):
@@ -180,83 +189,349 @@ def _run_remote(args, address: str, prompts: list) -> int:
     return code
 
 
-def _running_entrypoint() -> str | None:
-    """The entrypoint recorded by `deepinfer up`, if it answers Health within a second."""
+def _recorded_cluster(name: str | None) -> dict | None:
+    """The recorded cluster `generate` may use: live and answering Health within a second, else None
+    (saying why on stderr when one is recorded)."""
     import grpc
 
-    from deepinfer.deploy.launcher import read_state
+    from deepinfer.deploy.launcher import ClusterNotFound, default_cluster_name, find_state
     from deepinfer.protos import common_pb2, entrypoint_pb2_grpc
 
-    state = read_state()
-    address = (state or {}).get("entrypoint")
+    cluster_name = default_cluster_name(name)
+    try:
+        state = find_state(cluster_name)
+    except ClusterNotFound as e:
+        if "no cluster named" not in str(e):
+            print(f"# {e}; generating offline", file=sys.stderr)
+        return None
+    address = state.get("entrypoint")
     if not address:
         return None
     try:
-        with grpc.insecure_channel(address) as channel:
+        with grpc.insecure_channel(address) as channel:  # Health needs no cluster secret
             entrypoint_pb2_grpc.EntrypointStub(channel).Health(common_pb2.HealthRequest(), timeout=1.0)
-        return address
+        return state
     except grpc.RpcError:
-        print(f"# the cluster recorded in the state file ({address}) does not answer; generating offline",
-              file=sys.stderr)
+        print(f"# the cluster {cluster_name!r} recorded in {_state_file(cluster_name)} ({address}) does not answer; "
+              "generating offline", file=sys.stderr)
         return None
+
+
+def _running_entrypoint(name: str | None = None) -> str | None:
+    """The entrypoint of the recorded cluster, if it answers Health within a second."""
+    state = _recorded_cluster(name)
+    return None if state is None else state["entrypoint"]
+
+
+def _state_file(name: str) -> str:
+    from deepinfer.deploy.launcher import state_path
+
+    return str(state_path(name))
+
+
+def _tokenize_prompts(prompts: list, model: str | None, revision: str | None) -> list:
+    """Text prompts as token ids of the cluster's model (the entrypoint takes token ids)."""
+    if all(isinstance(p, dict) for p in prompts):
+        return prompts
+    from deepinfer.engine.engine import default_model_path
+    from deepinfer.engine.hub import resolve_model
+    from deepinfer.engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model(model, revision) if model else default_model_path())
+    # NOTE: as the offline engine encodes a text prompt (`LLM`): no special tokens added
+    return [p if isinstance(p, dict) else {"prompt_token_ids": tokenizer.encode(p, add_special_tokens=False).ids}
+            for p in prompts]
 
 
 def _add_ray_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=None,
-                   help="Ray cluster (host:port or auto); default: the one `deepinfer up` recorded, else auto")
-    p.add_argument("--name", default=None, help="cluster name (default: the recorded one, else deepinfer)")
+                   help="Ray cluster (host:port or auto); default: the one `deepinfer up` recorded for --name")
+    p.add_argument("--name", default=None,
+                   help="cluster name (default: $DEEPINFER_CLUSTER, else the only recorded cluster, else deepinfer)")
 
 
 def _connect(args):
-    """Join the Ray cluster that runs the named controller; returns the controller handle."""
-    from deepinfer.deploy.launcher import connect_ray, find_controller, read_state
+    """Join the Ray cluster that runs the named controller; returns (controller handle, cluster name).
 
-    state = read_state() or {}
-    connect_ray(args.address or state.get("ray_address") or "auto")
-    return find_controller(args.name or state.get("name") or "deepinfer")
+    Raises ClusterNotFound within seconds when no cluster of that name is recorded, it is still
+    starting, its record is stale, or the given --address does not answer.
+    """
+    from deepinfer.deploy.launcher import (
+        ClusterNotFound,
+        accepts,
+        connect_ray,
+        default_cluster_name,
+        find_controller,
+        find_state,
+    )
+
+    name = default_cluster_name(args.name)
+    if args.address:
+        if args.address != "auto" and not accepts(args.address):
+            raise ClusterNotFound(f"no Ray cluster answers at {args.address}")
+        address = args.address
+    else:
+        address = find_state(name)["ray_address"]
+    connect_ray(address)
+    return find_controller(name), name
+
+
+def _config_from_args(args, parser):
+    """The cluster config of `up` / `serve`: the YAML (or the default layout) with the flags applied."""
+    from deepinfer.deploy.config import ClusterConfig
+
+    try:
+        config = ClusterConfig.load(args.config) if args.config else ClusterConfig()
+    except ValueError as e:
+        parser.error(str(e))
+    data = config.model_dump()
+    for key in ("name", "model", "revision"):
+        if getattr(args, key, None):
+            data[key] = getattr(args, key)
+    if args.host:
+        data["host"] = data["http"]["host"] = args.host
+    if args.port is not None:
+        data["http"]["port"] = args.port
+    if args.api_key:
+        data["http"]["api_keys"] = [k.strip() for keys in args.api_key for k in keys.split(",") if k.strip()]
+    if args.no_http:
+        data["http"]["enabled"] = False
+    if getattr(args, "batch_invariant", False):
+        data["batch_invariant"] = True
+    thinking = None if args.default_thinking is None else args.default_thinking == "on"
+    front = {k: v for k, v in (("served_model_name", args.served_model_name), ("max_model_len", args.max_model_len),
+                               ("log_level", args.log_level), ("default_thinking", thinking))
+             if v is not None}
+    if front:
+        data["http"]["settings"] = {**data["http"]["settings"], **front}
+    for stage in ("prefill", "decode"):
+        count = getattr(args, stage)
+        if count is not None:
+            if len(data[stage]["groups"]) != 1:
+                parser.error(f"--{stage} N: the config has several {stage} groups; set their num_instances in the YAML")
+            data[stage]["groups"][0]["num_instances"] = count
+    if args.cluster_secret_file:
+        data["cluster_secret_file"] = args.cluster_secret_file
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def _check_model(model: str | None, revision: str | None) -> str | None:
+    """Why `model` cannot be served (checked before anything starts), or None."""
+    if model is None:
+        return None
+    from pathlib import Path
+
+    from deepinfer.engine.hub import looks_like_repo_id
+
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return None if (path / "config.json").is_file() else f"--model {model}: the directory has no config.json"
+    if path.exists():
+        return f"--model {model}: not a checkpoint directory"
+    if not looks_like_repo_id(model):
+        return f"--model {model}: no such directory (and not a Hugging Face repo id like org/name)"
+    try:
+        from deepinfer.engine.hub import resolve_model
+
+        resolve_model(model, revision)
+    except Exception as e:  # not cached and not downloadable: the hub's own message says what to do
+        return f"--model {model}: {e}"
+    return None
+
+
+def _refusal(config, is_local: bool) -> str | None:
+    """Why `up` must not start this cluster now (a live one of that name, a taken port), or None."""
+    from deepinfer.deploy.launcher import is_port_free, read_state, remove_state, state_liveness
+
+    state = read_state(config.name)
+    if state is not None:
+        liveness = state_liveness(state)
+        if liveness in ("up", "starting"):
+            return (f"a cluster named {config.name!r} is {'running' if liveness == 'up' else 'starting'} "
+                    f"(`deepinfer up`, pid {state.get('pid')}; entrypoint {state.get('entrypoint', '-')}, "
+                    f"HTTP {state.get('http', '-')}); stop it with `deepinfer down --name {config.name}` or "
+                    "start this one with another --name")
+        remove_state(config.name)  # stale: its `up` is gone
+    if is_local:
+        ports = [("the HTTP front", config.http.host, config.http.port)] if config.http.enabled else []
+        ports += [(f"the {s} balancer", config.host, config.stage(s).balancer.port) for s in ("prefill", "decode")]
+        ports += [("the entrypoint", config.host, int(config.entrypoint.get("port", 0)))]
+        for what, host, port in ports:
+            if port and not is_port_free(host, port):
+                return (f"port {port} on {host} (for {what}) is taken, by another cluster or program; "
+                        "pick another with --port (HTTP) or in the config, or stop what holds it")
+    return None
+
+
+def _cluster_secret(config) -> str:
+    """The secret of this cluster's internal calls: the YAML's file, else a fresh random one."""
+    import secrets
+    from pathlib import Path
+
+    if config.cluster_secret_file:
+        try:
+            secret = Path(config.cluster_secret_file).read_text().strip()
+        except OSError as e:
+            raise ValueError(f"cluster_secret_file {config.cluster_secret_file}: {e.strerror}") from None
+        if not secret:
+            raise ValueError(f"cluster_secret_file {config.cluster_secret_file} is empty")
+        return secret
+    return secrets.token_urlsafe(32)
+
+
+def _role_secrets(config, secret: str, is_local: bool) -> dict:
+    """How the roles get the cluster secret and the front its API keys (`start_cluster` arguments).
+
+    NOTE: as file paths where the files can be read by every role: the YAML's `cluster_secret_file`
+    (on every node), or user-only files `up` writes for a local cluster. Only a generated secret for a
+    cluster `up` joined with --address travels as a value (Ray's runtime-env agent logs it; give
+    `cluster_secret_file` there).
+    """
+    from deepinfer.deploy.controller import API_KEY_FILE_ENV
+    from deepinfer.deploy.launcher import write_private_file
+    from deepinfer.serving.auth import SECRET_FILE_ENV
+
+    env: dict[str, str] = {}
+    if config.cluster_secret_file:
+        env[SECRET_FILE_ENV] = str(config.cluster_secret_file)
+    elif is_local:
+        env[SECRET_FILE_ENV] = write_private_file(config.name, "secret", secret)
+    if is_local and config.http.api_keys:
+        env[API_KEY_FILE_ENV] = write_private_file(config.name, "api_keys", ",".join(config.http.api_keys))
+    return {"secret": None if SECRET_FILE_ENV in env else secret, "role_env": env}
+
+
+def _wait_healthy(addresses: dict, secret: str, expect_healthy: bool, timeout_s: float = 120.0) -> str | None:
+    """Blocks until the entrypoint answers Health, healthy when `expect_healthy` (every stage has an
+    instance: each serves), and the HTTP front answers /health; returns what did not, or None."""
+    import urllib.request
+
+    from deepinfer.entrypoint.client import Client
+
+    deadline = time.monotonic() + timeout_s
+    with Client(addresses["entrypoint"], secret=secret) as client:
+        while True:
+            try:
+                health = client.health()
+                if health["is_healthy"] or not expect_healthy:
+                    break
+                why = health.get("message") or "not healthy"
+            except Exception as e:
+                why = str(e)
+            if time.monotonic() > deadline:
+                return f"the entrypoint did not report healthy within {timeout_s:.0f} s: {why}"
+            time.sleep(0.5)
+    if "http" in addresses:
+        base = addresses["http"] if "://" in addresses["http"] else "http://" + addresses["http"]
+        url = base.rstrip("/") + "/health"
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=2.0) as r:
+                    if r.status == 200:
+                        return None
+            except (OSError, ValueError) as e:
+                why = str(e)
+            if time.monotonic() > deadline:
+                return f"the HTTP front ({url}) did not answer within {timeout_s:.0f} s: {why}"
+            time.sleep(0.5)
+    return None
+
+
+def _ray_log_dir() -> str | None:
+    """This Ray session's log folder (every role's stdout / stderr), when Ray runs on this host."""
+    try:
+        import ray
+
+        return os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs")
+    except Exception:
+        return None
 
 
 def _cmd_up(args, parser) -> int:
     import ray
 
-    from deepinfer.deploy.config import ClusterConfig
-    from deepinfer.deploy.launcher import connect_ray, remove_state, start_cluster, stop_cluster, write_state
+    from deepinfer.deploy.launcher import (
+        connect_ray,
+        is_loopback,
+        remove_private_files,
+        remove_state,
+        start_cluster,
+        stop_cluster,
+        write_state,
+    )
 
     if args.detach and args.address is None:
         parser.error("--detach needs --address: a local Ray cluster started by `up` lives only as long as `up`")
+    config = _config_from_args(args, parser)
+    why = _check_model(config.model, config.revision)
+    if why is not None:
+        print(f"deepinfer {args.cmd}: {why}", file=sys.stderr)
+        return 2
+    is_local = args.address is None or is_loopback(args.address)
+    why = _refusal(config, is_local)
+    if why is not None:
+        print(f"deepinfer {args.cmd}: {why}", file=sys.stderr)
+        return 1
     try:
-        config = ClusterConfig.load(args.config) if args.config else ClusterConfig()
-        if args.model or args.revision:
-            update = {k: v for k, v in (("model", args.model), ("revision", args.revision)) if v}
-            config = ClusterConfig.model_validate({**config.model_dump(), **update})
+        secret = _cluster_secret(config)
     except ValueError as e:
-        parser.error(str(e))
+        print(f"deepinfer {args.cmd}: {e}", file=sys.stderr)
+        return 2
+    pid = os.getpid()
+    write_state({"name": config.name, "status": "starting", "pid": pid, "is_detached": bool(args.detach)})
     needed = sum(g.num_instances * g.num_ranks * g.resources_per_rank.get("CPU", 0)
                  for s in config.active_stages() for g in config.stage(s).groups)
     num_cpus = args.num_cpus or max(os.cpu_count() or 1, 2 * int(needed + 0.999), 8)
-    started_ray = connect_ray(args.address, num_cpus=num_cpus, resources=args.resources)
-    controller = start_cluster(config)
-    stopped = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopped.set())
+    # NOTE: during start-up SIGTERM interrupts like Ctrl-C, so the half-started cluster is taken down
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    stages = " + ".join(f"{n} {s}" for s, n in config.num_instances().items())
+    started_ray = controller = None
     try:
+        print(f"# starting cluster {config.name!r}: Ray, balancers, {stages} (loading weights), entrypoint"
+              + (", HTTP front" if config.http.enabled else ""), file=sys.stderr, flush=True)
+        started_ray = connect_ray(args.address, num_cpus=num_cpus, resources=args.resources)
+        controller = start_cluster(config, **_role_secrets(config, secret, is_local))
         addresses = ray.get(controller.up.remote())
-    except ray.exceptions.RayTaskError as e:
-        stop_cluster(controller)
-        print(f"deepinfer up: {e.cause if isinstance(e.cause, Exception) else e}", file=sys.stderr)
-        return 1
-    except BaseException:
-        stop_cluster(controller)
+        print("# every role serves; waiting for health checks", file=sys.stderr, flush=True)
+        why = _wait_healthy(addresses, secret, expect_healthy=all(n > 0 for n in config.num_instances().values()))
+        if why is not None:
+            raise RuntimeError(why)
+    except BaseException as e:
+        if controller is not None:
+            try:
+                stop_cluster(controller)
+            except Exception:
+                pass
+        remove_state(config.name, pid)
+        remove_private_files(config.name)
+        if started_ray:
+            ray.shutdown()
+        if isinstance(e, KeyboardInterrupt):
+            print(f"deepinfer {args.cmd}: interrupted; everything started was stopped", file=sys.stderr)
+            return 130
+        if isinstance(e, ray.exceptions.RayTaskError):
+            e = e.cause if isinstance(e.cause, Exception) else e
+        if isinstance(e, Exception):
+            print(f"deepinfer {args.cmd}: {e}", file=sys.stderr)
+            return 1
         raise
-    state = {"name": config.name, "ray_address": ray.get_runtime_context().gcs_address, **addresses,
-             "pid": os.getpid(), "is_detached": bool(args.detach)}
-    write_state(state)
+    state = {"name": config.name, "status": "up", "ray_address": ray.get_runtime_context().gcs_address,
+             **addresses, "pid": pid, "is_detached": bool(args.detach), "model": config.model,
+             "revision": config.revision, "log_dir": _ray_log_dir()}
+    write_state({**state, "cluster_secret": secret})
     print(json.dumps(state), flush=True)
     print(f"# deepinfer cluster {config.name!r} up: entrypoint {addresses['entrypoint']}"
-          + (f", HTTP {addresses['http']}" if "http" in addresses else ""), file=sys.stderr, flush=True)
+          + (f", HTTP {addresses['http']}" if "http" in addresses else "")
+          + (f"; logs in {state['log_dir']} (`deepinfer logs`)" if state["log_dir"] else ""), file=sys.stderr, flush=True)
     if args.detach:
         return 0
     print("# attached: Ctrl-C (or `deepinfer down`) takes it down", file=sys.stderr, flush=True)
+    stopped = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopped.set())
     is_alive = True
     try:
         while is_alive and not stopped.wait(2.0):
@@ -269,9 +544,69 @@ def _cmd_up(args, parser) -> int:
     finally:
         if is_alive:
             stop_cluster(controller)
-        remove_state(config.name)
+        remove_state(config.name, pid)
+        remove_private_files(config.name)
         if started_ray:
             ray.shutdown()
+    return 0
+
+
+def _cmd_ls() -> int:
+    from deepinfer.deploy.launcher import list_states, state_liveness
+
+    states = list_states()
+    if not states:
+        print("# no cluster recorded; start one with `deepinfer up` or `deepinfer serve MODEL`", file=sys.stderr)
+        return 0
+    rows = [["NAME", "STATUS", "PID", "ENTRYPOINT", "HTTP", "MODEL"]]
+    for st in states:
+        rows.append([st["name"], state_liveness(st), str(st.get("pid", "-")), st.get("entrypoint", "-"),
+                     st.get("http", "-"), str(st.get("model") or "-")])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+    return 0
+
+
+def _cmd_logs(args) -> int:
+    """Print the log tail of a stage's processes (every role when no stage is given), on this host."""
+    from pathlib import Path
+
+    from deepinfer.deploy.launcher import ClusterNotFound, default_cluster_name, find_state
+
+    name = default_cluster_name(args.name)
+    try:
+        state = find_state(name)
+    except ClusterNotFound as e:
+        print(f"deepinfer logs: {e}", file=sys.stderr)
+        return 1
+    log_dir = state.get("log_dir")
+    if not log_dir or not Path(log_dir).is_dir():
+        print(f"deepinfer logs: the logs of {name!r} are not on this host (Ray session logs of its head node)",
+              file=sys.stderr)
+        return 1
+    import ray
+
+    try:
+        controller, _ = _connect(argparse.Namespace(address=None, name=name))
+        status = ray.get(controller.status.remote(), timeout=30)
+    except Exception as e:
+        print(f"deepinfer logs: {e}", file=sys.stderr)
+        return 1
+    services = [(r["stage"], r["instance_id"], r.get("pid")) for r in status["instances"]]
+    services += [(s["role"], s["role"], s.get("pid")) for s in status.get("services", [])]
+    wanted = [x for x in services if args.stage in (None, x[0], x[1], x[0].removesuffix("_lb"))]
+    if not wanted:
+        print(f"deepinfer logs: no process of {args.stage!r}; stages and roles: "
+              f"{sorted({x[0] for x in services})}", file=sys.stderr)
+        return 2
+    for _stage, instance_id, pid in wanted:
+        files = sorted(Path(log_dir).glob(f"worker-*-{pid}.err")) + sorted(Path(log_dir).glob(f"worker-*-{pid}.out"))
+        files += [Path(s["log"]) for s in status.get("services", []) if s.get("pid") == pid and s.get("log")]
+        print(f"==> {instance_id} (pid {pid}): {', '.join(str(f) for f in files) or 'no log file found'}")
+        for f in files:
+            lines = f.read_text(errors="replace").splitlines()[-args.lines:]
+            print("\n".join(lines))
     return 0
 
 
@@ -294,7 +629,10 @@ def _fmt_status(status: dict) -> str:
         counts = sum(r["stage"] == stage and r["state"] == "serving" for r in status["instances"])
         shown = "unreachable" if value is None else f"{value:.2f}"
         lines.append(f"{stage}: {counts} serving, balance (max/mean load) {shown}")
-    lines += [f"{role}: {address}" for role, address in status["addresses"].items()]
+    services = {s["role"]: s for s in status.get("services", [])}
+    for role, address in status["addresses"].items():
+        svc = services.get(role)
+        lines.append(f"{role}: {address}" + (f" (pid {svc.get('pid') or '-'}, {svc.get('state')})" if svc else ""))
     return "\n".join(lines)
 
 
@@ -313,7 +651,42 @@ def _parse_targets(parser, items: list[str]) -> dict[str, int]:
     return targets
 
 
-def main(argv: list[str] | None = None) -> int:
+def _add_up_args(p: argparse.ArgumentParser, *, is_serve: bool) -> None:
+    if is_serve:
+        p.add_argument("model", help="checkpoint directory or Hugging Face repo id")
+    else:
+        p.add_argument("--model", default=None,
+                       help="checkpoint directory or Hugging Face repo id (overrides the config's model)")
+    p.add_argument("--config", default=None, help="cluster YAML (deploy/configs/*.yaml); default: laptop layout")
+    p.add_argument("--name", default=None, help="cluster name (overrides the config's; default deepinfer)")
+    p.add_argument("--address", default=None, help="join this Ray cluster (host:port or auto) instead of a local one")
+    p.add_argument("--revision", default=None, help="hub revision of a repo id --model (overrides the config's)")
+    p.add_argument("--host", default=None, help="interface every server binds, the HTTP front's included")
+    p.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's, 8000)")
+    p.add_argument("--api-key", action="append", default=[],
+                   help="API key the HTTP front requires (repeatable or comma-separated: any one is accepted)")
+    p.add_argument("--served-model-name", default=None, help="model name clients send and /v1/models lists")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length the HTTP front accepts")
+    p.add_argument("--prefill", type=int, default=None, metavar="N", help="prefill instances")
+    p.add_argument("--decode", type=int, default=None, metavar="N", help="decode instances")
+    p.add_argument("--default-thinking", choices=["on", "off"], default=None,
+                   help="thinking mode of chat requests that name none (default on, as DeepSeek's API)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None,
+                   help="log level of the HTTP front")
+    p.add_argument("--no-http", action="store_true", help="no HTTP front (the token entrypoint only)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="batch-invariant numerics on every prefill and decode worker (bit-identical outputs whatever "
+                        "the batch; slower)")
+    p.add_argument("--cluster-secret-file", default=None,
+                   help="file holding the secret of internal calls (default: a fresh one per start)")
+    p.add_argument("--detach", action="store_true", help="return once up (needs --address); `deepinfer down` stops it")
+    p.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of a local Ray cluster")
+    p.add_argument("--resources", type=json.loads, default=None,
+                   help='custom resources of a local Ray cluster (JSON), e.g. \'{"datacenter_dc-a": 100}\'')
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `deepinfer` argument parser (every subcommand)."""
     parser = argparse.ArgumentParser(prog="deepinfer", description="Disaggregated serving for DeepSeek-V4 models")
     sub = parser.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="a local cluster with the built-in model answers chat requests, then stops")
@@ -321,24 +694,26 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--offline", action="store_true", help="generate with the offline engine instead of a cluster")
     gen = sub.add_parser("generate", help="generate on the running cluster, or offline on a checkpoint")
     _add_engine_args(gen)
-    gen.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable; offline only)")
+    gen.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
     gen.add_argument("--prompt-ids", action="append", default=[], help="comma-separated token ids (repeatable)")
     gen.add_argument("--entrypoint", default=None, help="host:port of a cluster's entrypoint (wins over the rest)")
+    gen.add_argument("--name", default=None, help="the recorded cluster to use (default: as `status`)")
     gen.add_argument("--offline", action="store_true", help="run the offline engine even when a cluster is up")
     gen.add_argument("--structured-output", type=json.loads, default=None, metavar="JSON",
                      help='constrain the output, e.g. \'{"json_schema": "{\\"type\\": \\"object\\"}"}\' or '
                           '\'{"regex": "[0-9]+"}\' (fields of SamplingParams.structured_output)')
     up = sub.add_parser("up", help="launch a cluster on Ray (default: local, built-in model, 1 prefill + 1 decode)")
-    up.add_argument("--config", default=None, help="cluster YAML (deploy/configs/*.yaml); default: laptop layout")
-    up.add_argument("--address", default=None, help="join this Ray cluster (host:port or auto) instead of a local one")
-    up.add_argument("--model", default=None,
-                    help="checkpoint directory or Hugging Face repo id (overrides the config's model)")
-    up.add_argument("--revision", default=None, help="hub revision of a repo id --model (overrides the config's)")
-    up.add_argument("--detach", action="store_true", help="return once up (needs --address); `deepinfer down` stops it")
-    up.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of a local Ray cluster")
-    up.add_argument("--resources", type=json.loads, default=None,
-                    help='custom resources of a local Ray cluster (JSON), e.g. \'{"datacenter_dc-a": 100}\'')
-    status = sub.add_parser("status", help="instances per stage: state, health, load, KV cache use")
+    _add_up_args(up, is_serve=False)
+    serve = sub.add_parser("serve", help="serve MODEL: a local cluster (1 prefill + 1 decode) and the HTTP front")
+    _add_up_args(serve, is_serve=True)
+    sub.add_parser("ls", help="the recorded clusters: name, status (up / starting / stale), addresses")
+    logs = sub.add_parser("logs", help="the log tail of a stage's processes (all when no stage is given)")
+    logs.add_argument("stage", nargs="?", default=None, help="vision, prefill, decode, an instance id, a balancer, "
+                      "entrypoint or http")
+    logs.add_argument("--name", default=None, help="cluster name (default: as `status`)")
+    logs.add_argument("-n", "--lines", type=int, default=40, help="lines per file")
+    status = sub.add_parser("status", help="every service: instances per stage (state, health, load, KV cache use), "
+                            "balancers, entrypoint, HTTP front")
     _add_ray_args(status)
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
     scale = sub.add_parser("scale", help="set instance counts live: prefill=N decode=M (or STAGE.GROUP=N)")
@@ -346,21 +721,30 @@ def main(argv: list[str] | None = None) -> int:
     scale.add_argument("targets", nargs="+", metavar="STAGE=N")
     down = sub.add_parser("down", help="stop the cluster")
     _add_ray_args(down)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
 
-    if args.cmd == "up":
+    if args.cmd in ("up", "serve"):
         return _cmd_up(args, parser)
+    if args.cmd == "ls":
+        return _cmd_ls()
+    if args.cmd == "logs":
+        return _cmd_logs(args)
     if args.cmd in ("status", "scale", "down"):
-        import ray
-
         from deepinfer.deploy.launcher import ClusterNotFound, remove_state, stop_cluster
 
         targets = _parse_targets(parser, args.targets) if args.cmd == "scale" else None
         try:
-            controller = _connect(args)
+            controller, name = _connect(args)
         except (ClusterNotFound, ConnectionError) as e:
             print(f"deepinfer {args.cmd}: {e}", file=sys.stderr)
             return 1
+        import ray
+
         if args.cmd == "status":
             st = ray.get(controller.status.remote())
             print(json.dumps(st) if args.json else _fmt_status(st))
@@ -373,7 +757,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2 if isinstance(cause, (ValueError, KeyError)) else 1
         else:
             stop_cluster(controller)
-            remove_state(args.name)
+            remove_state(name)
             print("# cluster down", file=sys.stderr)
         return 0
     if args.cmd == "demo":
@@ -389,12 +773,18 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--prompt-ids {s!r}: give comma-separated integers")
     if not prompts:
         parser.error("give at least one --prompt or --prompt-ids")
+    if args.model is not None:
+        why = _check_model(args.model, args.revision)
+        if why is not None:
+            print(json.dumps({"error": why, "field": "model"}), file=sys.stderr)
+            return 2
     if args.entrypoint:
-        return _run_remote(args, args.entrypoint, prompts)
+        return _run_remote(args, args.entrypoint, _tokenize_prompts(prompts, None, None))
     if not args.offline and args.model is None:
-        address = _running_entrypoint()
-        if address is not None:
-            return _run_remote(args, address, prompts)
+        state = _recorded_cluster(args.name)
+        if state is not None:
+            prompts = _tokenize_prompts(prompts, state.get("model"), state.get("revision"))
+            return _run_remote(args, state["entrypoint"], prompts, secret=state.get("cluster_secret"))
     return _run(args, prompts)
 
 

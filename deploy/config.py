@@ -46,7 +46,8 @@ STAGES = ("vision", "prefill", "decode")
 
 LAUNCHER_SET_FIELDS = frozenset({"model", "revision", "dtype", "device", "host", "port", "advertise_host", "lb_address",
                                  "instance_id", "agent_name", "datacenter", "loopback_ucx",
-                                 "prefill_lb_address", "decode_lb_address", "vision_lb_address", "stage"})
+                                 "prefill_lb_address", "decode_lb_address", "vision_lb_address", "stage",
+                                 "batch_invariant"})
 """Role-config fields the launcher fills in itself; a YAML file must not set them per role."""
 
 DATACENTER_RESOURCE_PREFIX = "datacenter_"
@@ -161,6 +162,11 @@ class StageConfig(_Frozen):
         raise KeyError(f"no group {name!r}; groups: {[g.name for g in self.groups]}")
 
 
+HTTP_LAUNCHER_SET_FIELDS = frozenset({"entrypoint", "host", "port", "model", "revision", "api_key",
+                                      "prefill_lb_address", "decode_lb_address", "vision_lb_address"})
+"""Fields of the HTTP front's own config (`entrypoint.http.config.HttpConfig`) the launcher sets itself."""
+
+
 class HttpConfig(_Frozen):
     """The HTTP front (`python -m deepinfer.entrypoint.http`), started when that module exists."""
 
@@ -170,6 +176,34 @@ class HttpConfig(_Frozen):
     """Interface it binds."""
     port: int = Field(8000, ge=0, le=65535)
     """HTTP port."""
+    api_keys: list[str] = Field(default_factory=list)
+    """API keys the front accepts (any one; `Authorization: Bearer KEY` or `x-api-key`); empty = no key.
+    Handed to the front through its environment, never on a command line."""
+    settings: dict[str, Any] = Field(default_factory=dict)
+    """More settings of the front (fields of `entrypoint.http.config.HttpConfig`: served_model_name,
+    max_model_len, default_thinking, thinking_sampling, log_level, log_format, max_inflight_requests, ...)."""
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, value: list[str]) -> list[str]:
+        for key in value:
+            if not key or "," in key or key != key.strip():
+                raise ValueError("an API key must be non-empty, without commas or surrounding spaces")
+        return value
+
+    @field_validator("settings")
+    @classmethod
+    def _front_settings(cls, value: dict[str, Any]) -> dict[str, Any]:
+        from deepinfer.entrypoint.http.config import HttpConfig as FrontConfig
+
+        taken = sorted(HTTP_LAUNCHER_SET_FIELDS & set(value))
+        if taken:
+            raise ValueError(f"http settings {taken} are set by the launcher (host/port/api_keys are http fields)")
+        try:
+            FrontConfig(**value)
+        except ValidationError as e:
+            raise ValueError(f"http settings: {e}") from None
+        return value
 
 
 def _default_prefill() -> StageConfig:
@@ -214,6 +248,9 @@ class ClusterConfig(_Frozen):
     """Interface every server binds; 0.0.0.0 = all, advertised as the node's IP."""
     loopback_ucx: bool | None = None
     """Keep NIXL's UCX on loopback; None = true exactly when `host` is a loopback address."""
+    batch_invariant: bool = False
+    """Batch-invariant numerics on every prefill and decode worker (`engine.batch_invariant`): a request's output
+    does not depend on its batch, chunking, cache hits or placement; slower. One switch for both stages."""
     vision: StageConfig = Field(default_factory=_default_vision)
     """The vision stage (started only when the model has a vision tower)."""
     prefill: StageConfig = Field(default_factory=_default_prefill)
@@ -224,6 +261,9 @@ class ClusterConfig(_Frozen):
     """Entrypoint settings (fields of `EntrypointConfig` the launcher does not set)."""
     http: HttpConfig = Field(default_factory=HttpConfig)
     """The HTTP front."""
+    cluster_secret_file: str | None = None
+    """File (on every node) holding the secret every internal gRPC call carries and every server checks
+    (`serving.auth`); None = `deepinfer up` generates a fresh one for each start."""
 
     @field_validator("entrypoint")
     @classmethod
@@ -271,7 +311,8 @@ class ClusterConfig(_Frozen):
             return cls(**self.stage(role).worker, **common, model=self.model, revision=self.revision, dtype=self.dtype,
                        device=self.device,
                        lb_address=lb_address, instance_id=instance_id, agent_name=instance_id, datacenter=datacenter,
-                       loopback_ucx=loopback)
+                       loopback_ucx=loopback,
+                       **({"batch_invariant": self.batch_invariant} if role != "vision" else {}))
         if role.endswith("_lb"):
             stage = role.removesuffix("_lb")
             b = self.stage(stage).balancer

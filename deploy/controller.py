@@ -24,6 +24,7 @@ import dataclasses
 import importlib.util
 import json
 import logging
+import os
 import socket
 import threading
 
@@ -43,6 +44,7 @@ from deepinfer.protos import (
     vision_pb2_grpc,
 )
 from deepinfer.protos.metadata import STATS_METADATA_KEY
+from deepinfer.serving.auth import secure_channel
 
 logger = logging.getLogger("deploy")
 
@@ -53,6 +55,8 @@ STARTUP_TIMEOUT_S = 300.0
 PLACEMENT_TIMEOUT_S = 60.0
 """How long a placement group may wait for resources before `up`/`scale` fail."""
 RPC_TIMEOUT_S = 3.0
+API_KEY_FILE_ENV = "DEEPINFER_API_KEY_FILE"
+"""The HTTP front reads its API keys (comma-separated) from this file when set (`entrypoint.http`)."""
 
 
 def controller_name(cluster_name: str) -> str:
@@ -128,8 +132,12 @@ class ClusterController:
                 hosts = c.vision.worker.get("image_url_allowed_hosts", "") if "vision" in c.active_stages() else ""
                 if hosts:  # the HTTP front checks image URLs against the vision stage's allow-list early
                     args += ["--image-url-allowed-hosts", hosts]
+                args += _flags(c.http.settings)
+                if getattr(c, "batch_invariant", False):  # reported by the front's /health
+                    args.append("--batch-invariant")
                 self._roles["http"] = ProcessActor.options(
                     num_cpus=0, max_concurrency=2, max_restarts=-1, namespace=NAMESPACE, name=f"{c.name}-http",
+                    runtime_env={"env_vars": _front_env(c.http.api_keys)},
                     scheduling_strategy=self._this_node()).remote("http", "deepinfer.entrypoint.http", args, c.http.host,
                                                                   c.http.port)
                 self.addresses["http"] = self._wait_roles(["http"])["http"]["address"]
@@ -209,7 +217,8 @@ class ClusterController:
     # ------------------------------------------------------------------ status
 
     def status(self) -> dict:
-        """Blocks for a few RPCs: {"addresses", "instances": [row per instance], "balance": {stage: ...}}.
+        """Blocks for a few RPCs: {"addresses", "instances": [row per instance], "balance": {stage: ...},
+        "services": [balancers, entrypoint, HTTP front: role, address, pid]}.
 
         A row: stage, group, instance_id, datacenter, state (serving / draining / not registered /
         unreachable), the balancer's load view (is_healthy, running, waiting, KV blocks used/total,
@@ -222,7 +231,7 @@ class ClusterController:
         balance: dict[str, float | None] = {}
         for stage in self.config.active_stages():
             try:
-                with grpc.insecure_channel(addresses[f"{stage}_lb"]) as channel:
+                with secure_channel(addresses[f"{stage}_lb"]) as channel:
                     reply = loadbalancer_pb2_grpc.LoadBalancerStub(channel).ListInstances(
                         loadbalancer_pb2.ListInstancesRequest(), timeout=RPC_TIMEOUT_S)
                 listed.update({i.instance_id: i for i in reply.instances})
@@ -231,7 +240,23 @@ class ClusterController:
                 balance[stage] = None
         with concurrent.futures.ThreadPoolExecutor(max(1, len(instances))) as pool:
             rows = list(pool.map(lambda inst: self._row(inst, listed.get(inst.instance_id)), instances))
-        return {"addresses": addresses, "instances": rows, "balance": balance}
+        return {"addresses": addresses, "instances": rows, "balance": balance, "services": self._services()}
+
+    def _services(self) -> list[dict]:
+        """The balancers, the entrypoint and the HTTP front: role, address, pid (and the front's log file)."""
+        with self._lock:
+            roles = dict(self._roles)
+        out = []
+        for role in ("vision_lb", "prefill_lb", "decode_lb", "entrypoint", "http"):
+            if role not in roles:
+                continue
+            try:
+                info = ray.get(roles[role].info.remote(), timeout=RPC_TIMEOUT_S)
+                out.append({"role": role, "address": info.get("address"), "pid": info.get("pid"),
+                            "log": info.get("log"), "state": "serving"})
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+                out.append({"role": role, "address": self.addresses.get(role), "pid": None, "state": "restarting"})
+        return out
 
     def _row(self, inst: _Instance, seen: loadbalancer_pb2.Instance | None) -> dict:
         row = {"stage": inst.stage, "group": inst.group, "instance_id": inst.instance_id,
@@ -252,7 +277,7 @@ class ClusterController:
         stub_cls = {"vision": vision_pb2_grpc.VisionStub, "prefill": prefill_pb2_grpc.PrefillStub,
                     "decode": decode_pb2_grpc.DecodeStub}[inst.stage]
         try:
-            with grpc.insecure_channel(seen.address) as channel:
+            with secure_channel(seen.address) as channel:
                 reply, call = stub_cls(channel).Health.with_call(common_pb2.HealthRequest(), timeout=RPC_TIMEOUT_S)
             row["stats"] = json.loads(dict(call.trailing_metadata()).get(STATS_METADATA_KEY, "{}"))
             row["is_healthy"] = row["is_healthy"] and reply.is_healthy
@@ -273,6 +298,7 @@ class ClusterController:
             config = config.model_copy(update={"port": _free_port(config.host)})
         self._roles[role] = ServiceActor.options(
             num_cpus=0, max_concurrency=4, max_restarts=-1, namespace=NAMESPACE, name=f"{self.config.name}-{role}",
+            runtime_env=_role_runtime_env(),
             scheduling_strategy=self._this_node()).remote(role, config.model_dump())
 
     @staticmethod
@@ -305,7 +331,7 @@ class ClusterController:
             actor = ServiceActor.options(
                 num_cpus=bundle.pop("CPU", 0), num_gpus=bundle.pop("GPU", 0), resources=bundle,
                 max_restarts=c.stage(stage).max_restarts, max_concurrency=4, namespace=NAMESPACE,
-                name=f"{c.name}-{instance_id}",
+                name=f"{c.name}-{instance_id}", runtime_env=_role_runtime_env(),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
             ).remote(stage, role_config.model_dump())
             started.append(_Instance(instance_id, stage, group.name, group.datacenter, actor, pg))
@@ -347,6 +373,43 @@ class ClusterController:
     @staticmethod
     def _index_of(instance_id: str) -> int:
         return int(instance_id.rsplit("-", 1)[1])
+
+
+def _flags(settings: dict) -> list[str]:
+    """Command-line flags of config fields (`serving.config_cli`'s spelling: --name-with-dashes, --[no-]bool)."""
+    out: list[str] = []
+    for name, value in settings.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + name.replace("_", "-"))
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def _secret_env() -> dict[str, str]:
+    """The cluster secret this controller got (`serving.auth`: its value or its file's path)."""
+    from deepinfer.serving.auth import SECRET_ENV, SECRET_FILE_ENV
+
+    return {k: os.environ[k] for k in (SECRET_ENV, SECRET_FILE_ENV) if os.environ.get(k)}
+
+
+def _role_runtime_env() -> dict | None:
+    """Ray runtime environment of a role actor: the cluster secret, given explicitly rather than left
+    to Ray's inheritance; None when the cluster has none."""
+    env = _secret_env()
+    return {"env_vars": env} if env else None
+
+
+def _front_env(api_keys: list[str]) -> dict[str, str]:
+    """The HTTP front's environment: its API keys (never on its command line, which `ps` shows: the
+    path of a user-only file `deepinfer up` wrote, else the keys) and the cluster secret."""
+    env = _secret_env()
+    if os.environ.get(API_KEY_FILE_ENV):
+        env[API_KEY_FILE_ENV] = os.environ[API_KEY_FILE_ENV]
+    elif api_keys:
+        env["DEEPINFER_API_KEY"] = ",".join(api_keys)
+    return env
 
 
 def _free_port(host: str) -> int:

@@ -13,6 +13,7 @@ procs.stop()   # front to back, SIGTERM then SIGKILL
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -43,12 +44,17 @@ class ServiceProcesses:
         self.procs: dict[str, subprocess.Popen] = {}
         self.info: dict[str, dict] = {}
 
-    def spawn(self, name: str, args: Sequence[str]) -> subprocess.Popen:
+    def spawn(self, name: str, args: Sequence[str], netns: str | None = None,
+              env: Mapping[str, str] | None = None) -> subprocess.Popen:
         """Start `python -m deepinfer.<args[0]> *args[1:]` as `name` (not waiting for it); `args[0]` is a
-        module of the deepinfer namespace (`loadbalancer`, `prefill_worker`, `entrypoint.http`, ...)."""
+        module of the deepinfer namespace (`loadbalancer`, `prefill_worker`, `entrypoint.http`, ...).
+        `netns`: run it inside that network namespace (`deploy.netns`; `ip netns exec` execs, so the
+        pid is the process's own); `env`: variables added to this one's environment."""
         module = args[0] if args[0].startswith("deepinfer.") else f"deepinfer.{args[0]}"
+        prefix = ["ip", "netns", "exec", netns] if netns else []
+        proc_env = self.env if env is None else {**(self.env if self.env is not None else os.environ), **env}
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", module, *args[1:]], cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL,
+            [*prefix, sys.executable, "-m", module, *args[1:]], cwd=ROOT, env=proc_env, stdin=subprocess.DEVNULL,
             stdout=open(self.logdir / f"{name}.out", "w"), stderr=open(self.logdir / f"{name}.err", "w"))
         return self.procs[name]
 

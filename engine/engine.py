@@ -69,8 +69,9 @@ class EngineConfig(BaseModel):
     """Admission policy: fcfs or priority."""
     seed: int | None = 0
     """Seed of the sampler's generator for unseeded requests (None: nondeterministic)."""
-    async_scheduling: bool = False
-    """Overlap scheduling and output processing with the model run (a worker thread: the `threaded` executor)."""
+    async_scheduling: bool | None = None
+    """Overlap scheduling and output processing with the model run (a worker thread: the `threaded` executor);
+    None = on for CUDA devices, off on the CPU."""
     executor: str | None = None
     """Executor by registry name (`engine.executor.EXECUTORS`: inprocess, threaded); None = picked from
     async_scheduling (threaded when on, else inprocess). An explicit name must agree with async_scheduling."""
@@ -88,15 +89,56 @@ class EngineConfig(BaseModel):
     """The lightning indexer's queries and compressed keys: "transformers" as they come (matches transformers), or
     "reference": Hadamard-rotated and FP4-simulated (blocks of 32, power-of-two scales) after their RoPE, as the
     official DeepSeek reference (`engine.attention.indexer_quant`)."""
+    batch_invariant: bool = False
+    """Batch-invariant numerics: a request's logits, logprobs and seeded samples are bit-identical whatever shares
+    its batch, however its prompt is chunked or cached, on prefill or decode (`engine.batch_invariant`; slower).
+    Refused at start-up, naming the op, with a backend or device that cannot give it."""
+    enforce_eager: bool = False
+    """Run every step eagerly: no CUDA graphs for decode steps (`engine.cuda_graph`)."""
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    """Decode batch sizes captured as CUDA graphs (a batch runs padded to the next one); None = 1, 2, 4, 8,
+    16, 24, 32, 48, 64, 96, 128, ... up to max_num_seqs (which is always one)."""
+
+    speculative_tokens: int = Field(0, ge=0)
+    """Draft tokens proposed per request per step and verified in the next one (speculative decoding,
+    `engine.spec_decode`; lossless); 0 = off. At most the model's smallest state ring minus one."""
+    speculative_method: Literal["mtp"] = "mtp"
+    """Drafter of speculative decoding: "mtp" (the checkpoint's multi-token-prediction layer, chained)."""
+    verify_schedule: Literal["full", "confidence"] = "full"
+    """Drafts verified per request (speculative decoding): "full" all of them, "confidence" a prefix chosen over
+    the whole batch from the drafts' confidences (`engine.spec_decode.verify_schedule`)."""
+    expert_parallel_size: int = Field(1, ge=1)
+    """Ranks of the instance (`engine.distributed`): attention data-parallel over the ranks, routed experts split
+    over them (expert parallelism); 1 = one process (today's engine). With N > 1 the engine's process is rank 0 and
+    starts N - 1 rank processes (gloo on the CPU, NCCL on GPUs); prefix caching is then off."""
+    num_redundant_experts: int = Field(0, ge=0)
+    """Extra replicas of hot routed experts per MoE layer (EPLB, `engine.moe.eplb`), with expert_parallel_size > 1;
+    n_routed_experts + num_redundant_experts must divide by expert_parallel_size."""
+    eplb_interval_steps: int = Field(0, ge=0)
+    """Re-place the experts (EPLB) from the loads measured over the last this-many steps; 0 = never by itself."""
 
     @model_validator(mode="after")
     def _check_choices(self) -> EngineConfig:
-        executor_name(self.executor, self.async_scheduling)  # raises ValueError saying how to fix the choice
+        if self.speculative_tokens and (self.async_scheduling or self.executor not in (None, "inprocess")
+                                        or self.expert_parallel_size > 1):
+            raise ValueError("speculative_tokens > 0 runs steps in one process (spec_decode.SpecExecutor); set "
+                             "async_scheduling=False, expert_parallel_size=1 and leave executor unset, or set "
+                             "speculative_tokens=0")
+        if self.expert_parallel_size > 1:
+            from deepinfer.engine.distributed import check_config as check_multi_rank
+
+            check_multi_rank(self)  # raises ValueError saying how to fix it
+        else:
+            executor_name(self.executor, self.async_scheduling, self.device)  # raises ValueError saying how to fix it
         from deepinfer.engine.attention import get_attention_backend
         from deepinfer.engine.moe import get_moe_backend
 
         get_attention_backend(self.attention_backend)  # raises ValueError listing the known names
         get_moe_backend(self.moe_backend)
+        if self.batch_invariant:
+            from deepinfer.engine.batch_invariant import check_config
+
+            check_config(self.attention_backend, self.moe_backend, self.device)  # names the op it cannot make invariant
         return self
 
 
@@ -222,9 +264,16 @@ class Engine(ExternalKVMixin):
                                                        moe_backend=config.moe_backend,
                                                        fp8_activations=config.fp8_activations,
                                                        indexer_numerics=config.indexer_numerics)
+        if config.batch_invariant:
+            from deepinfer.engine.batch_invariant import enable_batch_invariant
+
+            enable_batch_invariant(self.model)  # once: invariant backends and the model's numerics mode
         mc = self.model_config
         self.tokenizer = load_tokenizer(path)
         self.replay_tokens = exact_replay_tokens(mc)
+        # NOTE: block ids are shared by all ranks of a multi-rank instance, so a prefix hit could name another
+        # rank's KV (`engine.distributed.plan`): prefix caching is off there
+        self._prefix_caching = config.enable_prefix_caching and config.expert_parallel_size == 1
         if config.replay_tokens is not None:
             if config.replay_tokens < self.replay_tokens:
                 raise ValueError(
@@ -236,7 +285,7 @@ class Engine(ExternalKVMixin):
         num_blocks = config.num_blocks or min(blocks_per_seq * config.max_num_seqs, 1 << 16, self.fit.max_num_blocks)
         dtype = self.model.model.embed_tokens.weight.dtype
         self.cache = V4KVCache(mc, num_blocks, block_size, config.max_num_seqs, dtype=dtype, device=config.device)
-        self.kv_manager = KVCacheManager(BlockPool(num_blocks, block_size, config.enable_prefix_caching))
+        self.kv_manager = KVCacheManager(BlockPool(num_blocks, block_size, self._prefix_caching))
         self.slots = StateSlotPool(config.max_num_seqs)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -249,7 +298,11 @@ class Engine(ExternalKVMixin):
             self.slots,
             replay_tokens_fn=lambda hit: self.replay_tokens,
         )
-        self.runner = ModelRunner(self.model, self.cache)
+        # NOTE: speculative steps run their own forward (`engine.spec_decode`) on unpadded batches: eager
+        self.runner = ModelRunner(self.model, self.cache, enforce_eager=config.enforce_eager or bool(config.speculative_tokens)
+                                  or config.expert_parallel_size > 1,
+                                  cuda_graph_batch_sizes=config.cuda_graph_batch_sizes, max_num_seqs=config.max_num_seqs)
+        self.runner.capture_cuda_graphs()  # decode buckets, when the model and device allow graphs
         self.vision = getattr(self.model, "vision", None)
         """The model's `VisionTower` (encodes images given without embeddings), or None: text only."""
         self.sampler = Sampler(seed=config.seed)
@@ -264,7 +317,15 @@ class Engine(ExternalKVMixin):
         self.bytes_per_token = compressed_bytes_per_token(mc, dtype)
         self.timings = {"schedule": 0.0, "model": 0.0, "sample": 0.0, "steps": 0, "tokens": 0}
         """Seconds spent scheduling, in the model and sampling; steps run; tokens computed (replay included)."""
-        self.executor = make_executor(config, self.runner, self.sampler)
+        self.spec = None
+        """Speculative decoding (`engine.spec_decode.SpecDecoding`: drafter, rollback, metrics), or None when off."""
+        if config.speculative_tokens:
+            from deepinfer.engine.spec_decode import SpecDecoding
+
+            self.spec = SpecDecoding(self.model, self.cache, self.sampler, config.max_num_seqs,
+                                     config.speculative_tokens, config.speculative_method, config.verify_schedule)
+        self.executor = self.spec.executor if self.spec is not None else make_executor(config, self.runner,
+                                                                                       self.sampler)
         """Runs each prepared step (model forward + sampling); chosen once, here (`engine.executor`)."""
         self._inflight: deque[_InflightStep] = deque()
         """Steps submitted to the executor and not yet postprocessed, oldest first (at most `max_inflight`)."""
@@ -336,6 +397,9 @@ class Engine(ExternalKVMixin):
             grammar = self.grammar_compiler.new_state(child.structured_output) if child.structured_output else None
             parent.seqs.append(_Seq(parent, i, child, stop, logprobs=[] if child.logprobs is not None else None,
                                     grammar=grammar))
+        if params.prompt_logprobs is not None and self.config.expert_parallel_size > 1:
+            raise InvalidRequestError("prompt_logprobs is not supported with expert_parallel_size > 1 yet",
+                                      field="prompt_logprobs")
         if params.prompt_logprobs is not None:
             # NOTE: computed by a separate scratch pass over the prompt (not inside the batched
             # prefill), so it costs one extra prompt forward for the requests that ask for it.
@@ -344,7 +408,7 @@ class Engine(ExternalKVMixin):
         self._parents[request_id] = parent
         # NOTE: with n > 1 the first sequence runs alone until its prompt is cached; the others then
         # start from the cached prefix blocks (shared copy-free) instead of recomputing the prompt.
-        share = params.n > 1 and self.config.enable_prefix_caching
+        share = params.n > 1 and self._prefix_caching
         first = parent.seqs[:1] if share else parent.seqs
         parent.pending_children = parent.seqs[1:] if share else []
         for seq in first:
@@ -479,6 +543,11 @@ class Engine(ExternalKVMixin):
     def num_unfinished_requests(self) -> int:
         return len(self._parents)
 
+    def speculative_stats(self) -> dict | None:
+        """Speculative decoding's counters and rates since start (acceptance rate overall and per draft position,
+        mean accepted length, verified tokens per step; `spec_decode.SpecDecodeMetrics.as_dict`); None when off."""
+        return None if self.spec is None else self.spec.metrics.as_dict()
+
     def shutdown(self) -> None:
         """Blocks until the step in flight (if any) has run, then stops the executor (its worker thread).
 
@@ -557,6 +626,8 @@ class Engine(ExternalKVMixin):
             req = self.scheduler.get_request(rid)
             ids = req.all_token_ids
             token_ids_of[rid] = ids + pending[rid] if rid in pending else ids
+            if rid in out.scheduled_spec_token_ids:  # speculative decoding: the drafts it verifies follow
+                token_ids_of[rid] = token_ids_of[rid] + out.scheduled_spec_token_ids[rid]
         batch = self.runner.prepare(out, token_ids_of)
         sbatch = None
         if out.sampling_req_ids:
@@ -566,10 +637,23 @@ class Engine(ExternalKVMixin):
                 params.append(req.sampling_params)
                 outs.append(req.output_token_ids + pending[rid] if rid in pending else req.output_token_ids)
                 prompts.append(req.prompt_token_ids)
+            bitmask = self._grammar_bitmask(out.sampling_req_ids, outs)
+            if out.scheduled_spec_token_ids:  # one sampling row per verified position (`engine.spec_decode`)
+                from deepinfer.engine.spec_decode import expand_bitmask, expand_verify_rows
+
+                drafts = [out.scheduled_spec_token_ids.get(rid, []) for rid in out.sampling_req_ids]
+                params, outs, prompts, first_rows = expand_verify_rows(params, outs, prompts, drafts)
+                bitmask = expand_bitmask(*bitmask, first_rows, len(params))
+            else:
+                first_rows = list(range(len(params)))
             sbatch = SamplingBatch.build(params, outs, prompts, device=self.runner.device,
                                          eos_token_ids=self.eos_token_ids)
-            sbatch.token_bitmask, sbatch.token_bitmask_row_ids = self._grammar_bitmask(out.sampling_req_ids, outs)
+            sbatch.token_bitmask, sbatch.token_bitmask_row_ids = bitmask
         self.num_computed_tokens_total += out.total_num_scheduled_tokens
+        if self.spec is not None:
+            return self.spec.prepare(PreparedStep(batch, sbatch), out, token_ids_of,
+                                     first_rows if out.sampling_req_ids else [],
+                                     lambda rid: rid in self._seqs and self._seqs[rid].grammar is None)
         return PreparedStep(batch, sbatch)
 
     def _grammar_bitmask(self, sampling_req_ids: list[str], output_token_ids: list[list[int]]):
@@ -620,15 +704,17 @@ class Engine(ExternalKVMixin):
             self.timings["sample"] += result.sample_s
             for rid, tok, lp in zip(out.sampling_req_ids, result.token_ids, result.logprobs):
                 seq = self._seqs.get(rid)
-                new_tokens[rid] = [tok]
+                # a list with speculative decoding (the tokens a verification emits), else one token
+                toks, lps = (tok, lp) if isinstance(tok, list) else ([tok], [lp])
+                new_tokens[rid] = toks
                 if seq is None or seq.req.is_finished or seq.stop.is_finished:
                     continue  # finished (stop string, abort) while this step was in flight
                 if seq.save is not None and seq.pinned_block_ids is None:
-                    self._pin_for_save(seq, [tok])  # the blocks (and slot) outlive the request until saved
-                upd = seq.stop.append([tok])
-                accepted = [tok][: upd.num_accepted_tokens]
+                    self._pin_for_save(seq, toks)  # the blocks (and slot) outlive the request until saved
+                upd = seq.stop.append(toks)
+                accepted = toks[: upd.num_accepted_tokens]
                 if seq.logprobs is not None and lp is not None and accepted:
-                    seq.logprobs.append(lp)
+                    seq.logprobs.extend(lps[: len(accepted)])
                 deltas[rid] = (accepted, upd.text_delta)
                 grammar_finish = self._advance_grammar(seq, seq.req.output_token_ids + accepted)
                 if upd.finish_reason is not None:
@@ -639,6 +725,10 @@ class Engine(ExternalKVMixin):
                     finished[rid] = grammar_finish
         t0 = time.perf_counter()
         done = self.scheduler.update_from_output(out, new_tokens, finished)
+        for rid, drafts in zip(out.sampling_req_ids, getattr(result, "draft_token_ids", ())):
+            req = self.scheduler.get_request(rid)  # speculative decoding: verified with the next decode
+            if req is not None and drafts:
+                req.spec_token_ids = drafts
         self.timings["schedule"] += time.perf_counter() - t0
         self.timings["steps"] += 1
         for rid, (toks, text) in deltas.items():

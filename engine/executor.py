@@ -18,7 +18,12 @@ Implementations (`EXECUTORS`, the registry; its names feed configuration choices
   every `step()` returns the outputs of the step it ran.
 - `threaded` (`ThreadedExecutor`, async scheduling): runs steps on one worker thread;
   `max_inflight = 2`, so step N+1 is scheduled while step N runs, and step N is postprocessed while
-  step N+1 runs. `Engine.step` then returns outputs one step behind the device.
+  step N+1 runs. `Engine.step` then returns outputs one step behind the device. The default on CUDA
+  devices (`EngineConfig.async_scheduling=None`); on the CPU the default stays `inprocess`.
+
+- `multirank` (`engine.distributed.executor.MultiRankExecutor`): an instance as a group of ranks
+  (attention data-parallel, experts expert-parallel); built by `make_executor` when
+  `EngineConfig.expert_parallel_size > 1` (it needs the config, not only the runner and sampler).
 
 A new executor (the multi-rank one for expert parallelism: an instance as a group of ranks,
 attention data-parallel, experts expert-parallel, torch.distributed with gloo on CPUs and NCCL on
@@ -80,7 +85,12 @@ class StepResult:
 
 
 def run_step(runner: ModelRunner, sampler: Sampler, step: PreparedStep) -> StepResult:
-    """Blocks while the model runs `step` and the sampler samples its logits (the executors' common body)."""
+    """Blocks while the model runs `step` and the sampler samples its logits (the executors' common body).
+
+    NOTE: the copy of the sampled ids to the host (`tolist`) is the step's one host synchronisation; the
+    forward and the sampler only queue device work (tests/engine/test_cuda_graph.py checks this under
+    `torch.cuda.set_sync_debug_mode("error")`), so `model_s` is the host's time to queue the forward.
+    """
     t0 = time.perf_counter()
     logits = runner.run(step.batch)  # [num_sampling_reqs, vocab]
     t1 = time.perf_counter()
@@ -162,12 +172,22 @@ EXECUTORS: dict[str, type[Executor]] = {"inprocess": InProcessExecutor, "threade
 """The executor registry by name (`EngineConfig.executor`)."""
 
 
-def executor_name(executor: str | None, async_scheduling: bool) -> str:
+def resolve_async_scheduling(async_scheduling: bool | None, device: str = "cpu") -> bool:
+    """`async_scheduling` with None resolved for `device`: on for CUDA (the host prepares the next step while
+    the GPU runs this one), off elsewhere (on CPU cores the model and the scheduler compete for the same cores)."""
+    if async_scheduling is None:
+        return str(device).startswith("cuda")
+    return async_scheduling
+
+
+def executor_name(executor: str | None, async_scheduling: bool | None, device: str = "cpu") -> str:
     """The registry name an engine config selects; raises ValueError (saying how to fix it) for a bad choice.
 
-    `executor=None` picks `threaded` with `async_scheduling`, else `inprocess`. An explicit name must
-    agree with `async_scheduling`: overlapping executors (`max_inflight > 1`) need it on, the others off.
+    `async_scheduling=None` means the device's default (`resolve_async_scheduling`). `executor=None` picks
+    `threaded` with async scheduling, else `inprocess`. An explicit name must agree with async scheduling:
+    overlapping executors (`max_inflight > 1`) need it on, the others off.
     """
+    async_scheduling = resolve_async_scheduling(async_scheduling, device)
     if executor is None:
         return "threaded" if async_scheduling else "inprocess"
     if executor not in EXECUTORS:
@@ -182,5 +202,14 @@ def executor_name(executor: str | None, async_scheduling: bool) -> str:
 
 
 def make_executor(config: EngineConfig, runner: ModelRunner, sampler: Sampler) -> Executor:
-    """The executor `config` selects (`executor_name`), running `runner` and `sampler`."""
-    return EXECUTORS[executor_name(config.executor, config.async_scheduling)](runner, sampler)
+    """The executor `config` selects (`executor_name`), running `runner` and `sampler`.
+
+    With `expert_parallel_size > 1` it is `engine.distributed.executor.MultiRankExecutor` ("multirank"): the
+    engine's process becomes rank 0 of a group and starts the other ranks (imported here, lazily: it needs
+    torch.distributed and process spawning only then).
+    """
+    if getattr(config, "expert_parallel_size", 1) > 1:
+        from deepinfer.engine.distributed.executor import MultiRankExecutor
+
+        return MultiRankExecutor.from_config(config, runner, sampler)
+    return EXECUTORS[executor_name(config.executor, config.async_scheduling, config.device)](runner, sampler)

@@ -16,6 +16,21 @@ if TYPE_CHECKING:
     from deepinfer.engine.attention.base import AttentionMetadata
 
 
+def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`t` (a CPU tensor) on `device`, without making the host wait for the device.
+
+    NOTE: a plain `.to("cuda")` of pageable memory copies synchronously: the calling thread waits for
+    every kernel already queued on the stream. When the engine thread prepares step N+1 while step N
+    runs (overlapped scheduling), that wait would undo the overlap; a pinned staging copy lets the
+    transfer queue behind step N instead. The pinned block is recycled only after the copy has run
+    (torch's caching host allocator records the stream).
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class SeqChunk:
     """One request's share of a step."""
@@ -56,6 +71,9 @@ class ForwardBatch:
     attn_metadata: AttentionMetadata | None = None
     """The step's `engine.attention.AttentionMetadata`, set by the model runner when it prepares the step
     (None: the model builds it at the start of the forward)."""
+    num_dummy_rows: int = 0
+    """Trailing padding rows added to reach a CUDA-graph bucket (`engine.cuda_graph`): the cache's dummy slot
+    and block at position 0, touching no request's state; no `logits_indices` entry points at them."""
 
     def __post_init__(self) -> None:
         n = sum(s.num_new_tokens for s in self.seqs)
@@ -69,7 +87,7 @@ class ForwardBatch:
             pos.append(torch.arange(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens))
             off += s.num_new_tokens
         self.starts = starts
-        self.positions = torch.cat(pos).to(self.input_ids.device) if pos else self.input_ids.new_zeros(0)
+        self.positions = host_to_device(torch.cat(pos), self.input_ids.device) if pos else self.input_ids.new_zeros(0)
 
     @property
     def num_tokens(self) -> int:
@@ -85,7 +103,7 @@ class ForwardBatch:
     ) -> ForwardBatch:
         """Flatten per-request new token ids; `logits='last'` wants the last token of each request."""
         flat = [t for ids in token_ids for t in ids]
-        ids = torch.tensor(flat, dtype=torch.long, device=device)
+        ids = host_to_device(torch.tensor(flat, dtype=torch.long), device)
         if logits == "last":
             idx, off = [], 0
             for s in seqs:
@@ -95,4 +113,4 @@ class ForwardBatch:
             idx = list(range(len(flat)))
         else:
             idx = list(logits)
-        return cls(input_ids=ids, seqs=seqs, logits_indices=torch.tensor(idx, dtype=torch.long, device=device))
+        return cls(input_ids=ids, seqs=seqs, logits_indices=host_to_device(torch.tensor(idx, dtype=torch.long), device))

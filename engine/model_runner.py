@@ -17,6 +17,7 @@ import torch
 
 from deepinfer.engine.cache.kv_cache import V4KVCache
 from deepinfer.engine.cache.layout import exact_replay_tokens  # noqa: F401  (re-export: the layout owns it)
+from deepinfer.engine.cuda_graph import CudaGraphRunner, graph_batch_sizes, graph_blockers
 from deepinfer.engine.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.engine.scheduler import SchedulerOutput
 
@@ -36,11 +37,31 @@ class _RunnerReq:
 class ModelRunner:
     """Executes scheduled steps: builds the flat batch, runs the model, returns logits to sample."""
 
-    def __init__(self, model, cache: V4KVCache) -> None:
+    def __init__(self, model, cache: V4KVCache, *, enforce_eager: bool = False,
+                 cuda_graph_batch_sizes: tuple[int, ...] | None = None, max_num_seqs: int | None = None) -> None:
+        """`enforce_eager`: never use CUDA graphs; `cuda_graph_batch_sizes`: decode buckets (None: the
+        defaults of `engine.cuda_graph`), capped at `max_num_seqs` (None: the cache's slots)."""
         self.model = model
         self.cache = cache
         self.device = cache.device
         self.reqs: dict[str, _RunnerReq] = {}
+        self.cuda_graph_blockers = ["enforce_eager"] if enforce_eager else graph_blockers(model, cache, cache.device)
+        """Why decode steps run eagerly (empty: they run as CUDA graphs)."""
+        self.cuda_graphs: CudaGraphRunner | None = None
+        """The graph runner of pure-decode steps, or None (every step eager)."""
+        if not self.cuda_graph_blockers:
+            sizes = graph_batch_sizes(max_num_seqs or cache.num_slots, cuda_graph_batch_sizes)
+            self.cuda_graphs = CudaGraphRunner(model, cache, sizes)
+
+    def capture_cuda_graphs(self, sizes: tuple[int, ...] | None = None) -> None:
+        """Blocks while every bucket (or `sizes`) is captured from all-dummy batches, largest first (start-up).
+
+        A no-op when graphs are off. The warm-up runs touch only the cache's dummy slot and block.
+        """
+        if self.cuda_graphs is None:
+            return
+        for size in sorted(sizes or self.cuda_graphs.batch_sizes, reverse=True):
+            self.cuda_graphs.capture_dummy(size)
 
     def update_states(self, out: SchedulerOutput, num_hit_tokens: dict[str, int]) -> None:
         """Drop finished/preempted requests, register new ones, extend block tables."""
@@ -65,7 +86,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Blocks while the model runs `batch`; float32 logits of its `logits_indices`."""
+        """Blocks while the model runs `batch` (a graph replay when it can); float32 logits of its `logits_indices`."""
+        if self.cuda_graphs is not None:
+            logits = self.cuda_graphs.run(batch)
+            if logits is not None:
+                return logits
         return self.model.step(batch, self.cache)
 
     def prepare(self, out: SchedulerOutput, token_ids_of: dict[str, list[int]]) -> ForwardBatch:
@@ -93,7 +118,14 @@ class ModelRunner:
             off += n
             last_index[req_id] = off - 1
         logits_idx = [last_index[r] for r in out.sampling_req_ids]
+        num_dummy_rows = 0
+        if self.cuda_graphs is not None and not image_rows and 0 < off == len(seqs):  # pure decode: pad to a bucket
+            size = self.cuda_graphs.bucket(off)
+            if size is not None:
+                num_dummy_rows = size - off
+                chunks, seqs = self.cuda_graphs.pad(chunks, seqs, size)
         batch = ForwardBatch.build(chunks, seqs, device=self.device, logits=logits_idx)
+        batch.num_dummy_rows = num_dummy_rows
         if image_rows:
             embeds = torch.zeros(off, image_rows[0][1].shape[-1], dtype=image_rows[0][1].dtype, device=self.device)
             mask = torch.zeros(off, dtype=torch.bool, device=self.device)

@@ -47,8 +47,14 @@ NOTE: with one step in flight, a request finished or preempted at update N may s
 step N+1 on the device; its freed blocks and slot can only be reused by step N+2 or later, which
 runs after N+1 in stream order. The engine must keep that order (one device stream per instance).
 Synchronous engines call `schedule()` and `update_from_output()` alternately and never see a
-placeholder. Speculative decoding (several tokens per step) is not supported yet: a sampling
-request gets exactly one token per step.
+placeholder.
+
+Speculative decoding (`engine.spec_decode`, synchronous engines only): the engine leaves a running
+request's draft tokens in `Request.spec_token_ids`; its next decode then computes its last token plus
+those drafts (trimmed so that accepting all of them plus one more token stays within `max_tokens`
+and `max_model_len`, and within the step's budget) and samples one token per computed position.
+`update_from_output` takes 1 + (accepted drafts) tokens for it and moves `num_computed_tokens` back
+over the rejected drafts (their cache rows were already rolled back by the step's run).
 """
 
 from __future__ import annotations
@@ -171,6 +177,9 @@ class Request:
     """Times the request was preempted."""
     error_message: str | None = None
     """Why the request finished with FINISHED_ERROR."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Draft tokens to verify with the request's next decode (speculative decoding; set by the engine,
+    consumed by the next `schedule()`)."""
     imported_state_start: int | None = None
     """Set when the request's bounded state was written from outside into the state slot it already
     holds (prefill -> decode with the state sent): it is admitted on that slot with no bounded
@@ -275,6 +284,9 @@ class SchedulerOutput:
     """Requests this step samples a token for (it computes their last known token)."""
     preempted_req_ids: list[str] = field(default_factory=list)
     """Requests preempted while building this step; the runner drops their state."""
+    scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Requests that verify draft tokens in this step: their drafts, computed after the last known token
+    (the request's scheduled tokens are that token plus these)."""
     finished_req_ids: list[str] = field(default_factory=list)
     """Requests finished (any reason) since the previous output; the runner drops their state."""
     error_messages: dict[str, str] = field(default_factory=dict)
@@ -288,6 +300,7 @@ class _Scheduled(NamedTuple):
     num_preemptions: int
     num_computed_tokens_after: int
     is_sampling: bool
+    num_spec_tokens: int = 0
 
 
 # ---------------------------------------------------------------------------------------- scheduler
@@ -402,9 +415,13 @@ class Scheduler:
                 num_new = min(num_remaining, step.budget)
                 if num_new < num_remaining and not self.config.enable_chunked_prefill:
                     continue
+                spec = self._spec_tokens_to_verify(req, step.budget) if is_decode_phase else []
+                num_new += len(spec)
                 num_blocks_before = self.kv_cache_manager.num_blocks_held(req)
                 if self._allocate_or_preempt(req, num_new, step):
                     step.add_running(req, num_new, num_blocks_before)
+                    if spec:
+                        step.spec_token_ids[req.req_id] = spec
 
         # 3. waiting requests
         if step.budget > 0:
@@ -423,6 +440,15 @@ class Scheduler:
             # max_model_len), and the last sampled token needs no KV: nothing left to compute.
             return 0
         return num_total - req.num_computed_tokens
+
+    def _spec_tokens_to_verify(self, req: Request, budget: int) -> list[int]:
+        """The request's drafts this decode verifies: at most `budget - 1`, and few enough that accepting
+        all of them plus the token sampled after them stays within `max_tokens` and `max_model_len`."""
+        num = min(len(req.spec_token_ids), budget - 1,
+                  self.config.max_model_len - req.num_tokens_with_placeholders - 1)
+        if req.max_tokens is not None:
+            num = min(num, req.max_tokens - req.num_output_tokens - req.num_output_placeholders - 1)
+        return list(req.spec_token_ids[:num]) if num > 0 else []
 
     def _allocate_or_preempt(self, req: Request, num_new_tokens: int, step: _StepBuilder) -> bool:
         """Allocate blocks for a running request, preempting others as needed; False if it cannot run."""
@@ -454,6 +480,7 @@ class Scheduler:
         step.unschedule(req.req_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -540,11 +567,16 @@ class Scheduler:
                     )
                 )
             req.num_computed_tokens = start + num_new
-            is_sampling = req.num_computed_tokens == req.num_tokens_with_placeholders
+            spec = step.spec_token_ids.get(req_id, [])
+            if req.spec_token_ids:
+                req.spec_token_ids = []  # consumed: the engine proposes new drafts after this step
+            is_sampling = req.num_computed_tokens - len(spec) == req.num_tokens_with_placeholders
             if is_sampling:
                 req.num_output_placeholders += 1
                 out.sampling_req_ids.append(req_id)
-            record[req_id] = _Scheduled(req, req.num_preemptions, req.num_computed_tokens, is_sampling)
+            if spec:
+                out.scheduled_spec_token_ids[req_id] = spec
+            record[req_id] = _Scheduled(req, req.num_preemptions, req.num_computed_tokens, is_sampling, len(spec))
         out.num_scheduled_tokens = dict(step.num_tokens)
         out.total_num_scheduled_tokens = sum(step.num_tokens.values())
         out.preempted_req_ids = [r for r in step.preempted_req_ids if r in self.requests]
@@ -581,10 +613,11 @@ class Scheduler:
             record = self._inflight[0][1]
         for req_id, token_ids in new_token_ids.items():
             entry = record.get(req_id)
-            if len(token_ids) > (1 if entry is not None and entry.is_sampling else 0):
+            max_num = 1 + entry.num_spec_tokens if entry is not None and entry.is_sampling else 0
+            if len(token_ids) > max_num:
                 raise ValueError(
                     f"step {scheduler_output.step_id} got {len(token_ids)} token(s) for request {req_id}, which "
-                    f"{'samples one' if entry is not None and entry.is_sampling else 'samples none'} in that step"
+                    f"{'samples none' if max_num == 0 else f'samples at most {max_num}'} in that step"
                 )
         reasons = {req_id: RequestStatus.from_finish_reason(r) for req_id, r in finished.items()}
         for req_id, entry in record.items():
@@ -604,8 +637,16 @@ class Scheduler:
             if entry.is_sampling:
                 req.num_output_placeholders -= 1
                 req.append_output_token_ids(token_ids)
-            if req.status == RequestStatus.RUNNING and req.num_preemptions == entry.num_preemptions:
-                self.kv_cache_manager.cache_full_blocks(req, min(entry.num_computed_tokens_after, req.num_tokens))
+            num_computed_after = entry.num_computed_tokens_after
+            is_same_life = req.status == RequestStatus.RUNNING and req.num_preemptions == entry.num_preemptions
+            if entry.num_spec_tokens and token_ids:
+                # rejected drafts: their positions count as not computed (the run rolled their state back)
+                num_rejected = entry.num_spec_tokens - (len(token_ids) - 1)
+                num_computed_after -= num_rejected
+                if is_same_life:
+                    req.num_computed_tokens -= num_rejected
+            if is_same_life:
+                self.kv_cache_manager.cache_full_blocks(req, min(num_computed_after, req.num_tokens))
             status = reasons.pop(req_id, None)
             if status is None and token_ids and self._reached_length_cap(req):
                 status = RequestStatus.FINISHED_LENGTH
@@ -653,6 +694,7 @@ class _StepBuilder:
         self.num_blocks_before: dict[str, int] = {}
         self.new_reqs: dict[str, tuple[int, bool, list[int]]] = {}
         self.preempted_req_ids: list[str] = []
+        self.spec_token_ids: dict[str, list[int]] = {}
 
     def add_running(self, req: Request, num_new_tokens: int, num_blocks_before: int) -> None:
         self.num_tokens[req.req_id] = num_new_tokens
@@ -671,4 +713,5 @@ class _StepBuilder:
         num_new_tokens = self.num_tokens.pop(req_id, 0)
         self.num_blocks_before.pop(req_id, None)
         self.new_reqs.pop(req_id, None)
+        self.spec_token_ids.pop(req_id, None)
         self.budget += num_new_tokens

@@ -23,6 +23,7 @@ import grpc
 
 from deepinfer.protos import common_pb2, entrypoint_pb2, entrypoint_pb2_grpc
 from deepinfer.protos.metadata import ERROR_FIELD_METADATA_KEY
+from deepinfer.serving.auth import secure_channel
 
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -100,11 +101,12 @@ def _delta(msg: entrypoint_pb2.GenerateResponse) -> dict:
 class Client:
     """Blocking client of one entrypoint (thread-safe: one gRPC channel, calls may run concurrently)."""
 
-    def __init__(self, address: str, *, timeout_s: float | None = None) -> None:
+    def __init__(self, address: str, *, timeout_s: float | None = None, secret: str | None = None) -> None:
+        """`secret`: the cluster secret the entrypoint checks (None = this process's, `serving.auth`)."""
         self.address = address
         self.timeout_s = timeout_s
         """Client-side deadline of each call (None = none); `deadline_ms` is the server-side budget."""
-        self._channel = grpc.insecure_channel(address)
+        self._channel = secure_channel(address, secret)
         self._stub = entrypoint_pb2_grpc.EntrypointStub(self._channel)
 
     def stream(self, prompt_token_ids: list[int], *, request_id: str = "", deadline_ms: int = 0,

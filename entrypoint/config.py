@@ -39,3 +39,10 @@ class EntrypointConfig(BaseModel):
     """Timeout of unary calls to balancers (Pick) and of Abort calls."""
     max_rpc_threads: int = Field(256, gt=0)
     """gRPC handler threads (each Generate stream holds one until its request finishes)."""
+    migration_limit: int = Field(3, ge=0)
+    """Times a request moves to another prefill -> decode pair when its instance dies or hangs
+    (`entrypoint.migration`); 0 = never (the request fails with UNAVAILABLE)."""
+    liveness_interval_s: float = Field(0.5, gt=0)
+    """How often the decode instances serving requests are checked at the decode balancer (missed heartbeats)."""
+    liveness_probe_timeout_s: float = Field(1.0, gt=0)
+    """Timeout of the direct Health probe of a decode instance its balancer dropped; no answer = hung: migrate."""

@@ -26,7 +26,10 @@ One `Generate` call (DESIGN.md §1):
 
 A full or draining instance (RESOURCE_EXHAUSTED / UNAVAILABLE before any work), or a decode instance
 that cannot be reached for Reserve, is excluded and the stage picked again, up to `max_attempts`
-instances; a prefill that fails mid-call is not retried (it may have written into D's blocks).
+instances. A prefill or decode instance lost mid-request (it died, or stopped answering) moves the
+request to another prefill -> decode pair, prompt plus the tokens already streamed, up to
+`migration_limit` times (`entrypoint.migration`); the failed attempt is aborted first, and D
+quarantines the reservation a lost P may still write into until its lease ends.
 Failures end the call with the gRPC status the wire `Error` maps to (`serving.errors`); a stage
 without a healthy instance gives UNAVAILABLE naming the stage. The client cancelling the call,
 `deadline_ms` (or the call's own deadline) running out, or `Abort` cancel the stage calls in flight
@@ -55,6 +58,7 @@ from deepinfer.engine.errors import InvalidRequestError
 from deepinfer.engine.images import IMAGE_TOKEN_ID
 from deepinfer.engine.sampling import SamplingParams
 from deepinfer.entrypoint.config import EntrypointConfig
+from deepinfer.entrypoint.migration import DecodeLiveness, DecodeLost, MigrationStats, run_migrating
 from deepinfer.protos import (
     common_pb2,
     decode_pb2,
@@ -70,6 +74,7 @@ from deepinfer.protos import (
 )
 from deepinfer.protos.convert import sampling_params_from_proto
 from deepinfer.protos.metadata import ERROR_FIELD_METADATA_KEY, STATS_METADATA_KEY
+from deepinfer.serving.auth import secure_channel, server_interceptors
 from deepinfer.serving.errors import RETRYABLE_ERRORS, status_of
 from deepinfer.serving.loop import MAX_DEADLINE_S, call_time_remaining
 
@@ -215,6 +220,12 @@ class _Request:
         self.is_done = False
         self.usage = common_pb2.Usage()
         """What the request used so far (the handler thread updates it)."""
+        self.lost_instance_ids: list[str] = []
+        """Instances lost by the last failed attempt, excluded from the next picks (`entrypoint.migration`)."""
+        self.lost_decode_id: str | None = None
+        """Set by `DecodeLiveness` when the decode instance stopped answering (its stream is cancelled)."""
+        self.num_resumed_tokens = 0
+        """Tokens at the end of the prompt that are the client's output (a migrated request's continuation)."""
 
     def add_call(self, call) -> None:
         """Track a cancellable stage call; cancels it at once when the request is already aborted."""
@@ -268,8 +279,11 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         self.decode_lb = loadbalancer_pb2_grpc.LoadBalancerStub(self._channel(config.decode_lb_address))
         self.vision_lb = (loadbalancer_pb2_grpc.LoadBalancerStub(self._channel(config.vision_lb_address))
                           if config.vision_lb_address else None)
+        self.migration_stats = MigrationStats()
+        self.liveness = DecodeLiveness(self.decode_lb, config.liveness_interval_s, config.liveness_probe_timeout_s)
 
     def close(self) -> None:
+        self.liveness.close()
         with self._lock:
             channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
@@ -279,7 +293,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
-                channel = self._channels[address] = grpc.insecure_channel(address)
+                channel = self._channels[address] = secure_channel(address)
             return channel
 
     # ------------------------------------------------------------------ Generate
@@ -304,7 +318,8 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         if not context.add_callback(lambda: req.abort("client disconnected", self.config.rpc_timeout_s)):
             req.abort("client disconnected", self.config.rpc_timeout_s)
         try:
-            yield from self._generate(req, request, deadline)
+            yield from run_migrating(self._generate, req, request, deadline, limit=self.config.migration_limit,
+                                     rpc_timeout_s=self.config.rpc_timeout_s, stats=self.migration_stats)
         except _Cancelled:
             if req.abort_reason == ABORT_RPC_REASON:
                 yield entrypoint_pb2.GenerateResponse(
@@ -314,6 +329,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
             req.abort(f"failed: {e}", self.config.rpc_timeout_s)
             _abort_call(context, e)
         finally:
+            self.liveness.unwatch(req)
             req.abort("generate call ended", self.config.rpc_timeout_s)  # no-op unless it ended abnormally
             with req.lock:
                 req.is_done = True
@@ -332,10 +348,10 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         images, image_embeddings = [], []
         if request.images:
             prompt, sampling, images, image_embeddings = self._encode_images(req, request, deadline, deadline_ms)
-        req.usage.prompt_tokens = len(prompt)
+        req.usage.prompt_tokens = len(prompt) - req.num_resumed_tokens
 
         reserve, d_stub = None, None
-        excluded: list[str] = []
+        excluded: list[str] = list(req.lost_instance_ids)
         for attempt in range(self.config.max_attempts):
             d_inst = self._pick(req, "decode", self.decode_lb, loadbalancer_pb2.PickRequest(
                 request_id=rid, stage=common_pb2.STAGE_DECODE, num_prompt_tokens=len(prompt),
@@ -378,7 +394,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         if reserve.HasField("state_slot"):
             destination.state_slot = reserve.state_slot
         hashes = prompt_block_hashes(prompt, reserve.block_size, images)
-        excluded = []
+        excluded = list(req.lost_instance_ids)
         for attempt in range(self.config.max_attempts):
             p_inst = self._pick(req, "prefill", self.prefill_lb, loadbalancer_pb2.PickRequest(
                 request_id=rid, stage=common_pb2.STAGE_PREFILL, prompt_block_hashes=hashes,
@@ -395,6 +411,9 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
             if not prefilled.error.code:
                 self._release_images(req)
                 break
+            if prefilled.error.code == common_pb2.ERROR_CODE_UNAVAILABLE and prefilled.error.field == "destination":
+                raise DecodeLost(req.decode[0], _Failed.of_error(prefilled.error, f"prefill instance "
+                                                                 f"{p_inst.instance_id} could not write the KV"))
             if prefilled.error.code not in RETRYABLE_ERRORS or attempt + 1 == self.config.max_attempts:
                 raise _Failed.of_error(prefilled.error, f"prefill instance {p_inst.instance_id} failed")
             if _is_images_lost(prefilled.error):
@@ -410,6 +429,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
             request_id=rid, transfer_id=reserve.transfer_id,  # the first token rides the KV transfer notice
             num_cached_prompt_tokens=prefilled.num_cached_prompt_tokens), timeout=timeout)
         req.add_call(stream)
+        self.liveness.watch(req, req.decode[0], d_stub)
         is_first = True
         try:
             for chunk in stream:
@@ -438,7 +458,11 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                 if chunk.finish_reason:
                     return
         except grpc.RpcError as e:
-            raise self._translate(req, e, "decoding") from None
+            failed = self._translate(req, e, "decoding")
+            if isinstance(failed, _Failed) and (e.code() == grpc.StatusCode.UNAVAILABLE
+                                                or req.lost_decode_id == req.decode[0]):
+                raise DecodeLost(req.decode[0], failed) from None
+            raise failed from None
         raise _Failed(grpc.StatusCode.INTERNAL, f"decode instance {req.decode[0]} ended the stream of {rid!r} "
                       "without a finish_reason")
 
@@ -589,7 +613,8 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                 found.append(f"{stage} balancer unreachable: {e.code().name}")
         with self._lock:
             num_inflight = len(self._inflight)
-        stats = {"num_inflight_requests": num_inflight, **{f"num_{s}_instances": n for s, n in counts.items()}}
+        stats = {"num_inflight_requests": num_inflight, **{f"num_{s}_instances": n for s, n in counts.items()},
+                 **self.migration_stats.as_dict()}
         if degraded:
             stats["degraded"] = [f"{d} (image requests fail until one serves)" for d in degraded]
         context.set_trailing_metadata(((STATS_METADATA_KEY, json.dumps(stats)),))
@@ -631,7 +656,8 @@ class EntrypointServer:
         if model_config.image_token_id is not None:
             self.servicer.image_token_id = model_config.image_token_id
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(
-            max_workers=config.max_rpc_threads, thread_name_prefix="entrypoint-rpc"))
+            max_workers=config.max_rpc_threads, thread_name_prefix="entrypoint-rpc"),
+            interceptors=server_interceptors())  # the cluster secret (serving.auth)
         entrypoint_pb2_grpc.add_EntrypointServicer_to_server(self.servicer, self.server)
         self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
         if self.port == 0:

@@ -32,6 +32,7 @@ from deepinfer.loadbalancer.membership import (
 )
 from deepinfer.loadbalancer.policies import Policy, RequestInfo, make_policy, matched_prefix_tokens
 from deepinfer.protos import common_pb2, loadbalancer_pb2, loadbalancer_pb2_grpc
+from deepinfer.serving.auth import server_interceptors
 
 logger = logging.getLogger("loadbalancer")
 
@@ -204,7 +205,8 @@ def start_server(
     policy = make_policy(policy, **policy_kwargs) if isinstance(policy, str) else policy
     balancer = Balancer(stage, policy, Membership(heartbeat_timeout_s, clock=clock))
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"loadbalancer-{balancer.stage.value}")
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"loadbalancer-{balancer.stage.value}"),
+        interceptors=server_interceptors(),  # the cluster secret (serving.auth): Register / Drain / Pick need it
     )
     loadbalancer_pb2_grpc.add_LoadBalancerServicer_to_server(LoadBalancerServicer(balancer), server)
     try:

@@ -56,6 +56,9 @@ class PrefillWorkerConfig(BaseModel):
     """Seconds between heartbeats (shortened when the balancer asks for more); None = what it asks for."""
     max_rpc_threads: int = Field(128, gt=0)
     """gRPC handler threads (each Prefill call holds one until its KV is sent)."""
+    max_queued_requests: int | None = Field(96, gt=0)
+    """Requests waiting for their prefill at once; more are refused with RESOURCE_EXHAUSTED and a retry hint
+    (`serving.admission`; the entrypoint tries another instance). None = unbounded."""
 
     attention_backend: str = Field("torch", json_schema_extra={"cli_choices": attention_backend_names()})
     """Attention backend of the engine (a name of `engine.attention`'s registry)."""
@@ -65,6 +68,11 @@ class PrefillWorkerConfig(BaseModel):
     """Activations of FP8 linears: bf16 (matches transformers) or FP8 per token per 128 (the official reference's)."""
     indexer_numerics: Literal["transformers", "reference"] = "transformers"
     """Lightning-indexer numerics: transformers' (plain) or the official reference's (Hadamard + FP4 simulation)."""
+    enforce_eager: bool = False
+    """Run every engine step eagerly: no CUDA graphs for decode steps (they are used on CUDA when the backends allow)."""
+    batch_invariant: bool = False
+    """Batch-invariant numerics (`engine.batch_invariant`): a request's logits do not depend on its batch, chunking or
+    cache hits; set it on the prefill and the decode instances alike."""
 
     def engine_config(self) -> EngineConfig:
         """The engine part of this config."""
@@ -72,4 +80,5 @@ class PrefillWorkerConfig(BaseModel):
                             max_num_batched_tokens=self.max_num_batched_tokens, num_blocks=self.num_blocks,
                             max_model_len=self.max_model_len, attention_backend=self.attention_backend,
                             moe_backend=self.moe_backend, fp8_activations=self.fp8_activations,
-                            indexer_numerics=self.indexer_numerics)
+                            indexer_numerics=self.indexer_numerics, enforce_eager=self.enforce_eager,
+                            batch_invariant=self.batch_invariant)

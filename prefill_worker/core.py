@@ -71,6 +71,9 @@ class PrefillDone:
     is_images_lost: bool = False
     """The error is a failed READ of image embeddings (their vision instance is gone or its hold
     ended): nothing was computed or written, so the request may be encoded again and retried."""
+    is_destination_lost: bool = False
+    """The error is a failed WRITE of the KV to the decode reservation (its instance died, or the lease
+    ran out): the entrypoint moves the request to another decode instance (`entrypoint.migration`)."""
 
 
 @dataclass
@@ -236,7 +239,7 @@ class PrefillCore:
         for rid, error in res.save_failed.items():
             self._num_bytes.pop(rid, None)
             if rid in self._reqs:
-                done.append(PrefillDone(rid, error=error))
+                done.append(PrefillDone(rid, error=error, is_destination_lost=True))
                 self._finish(rid)
         if self.engine.has_unfinished_requests():
             for out in self.engine.step():

@@ -49,6 +49,7 @@ from deepinfer.prefill_worker.core import (
 )
 from deepinfer.protos import common_pb2, loadbalancer_pb2, prefill_pb2, prefill_pb2_grpc
 from deepinfer.protos.convert import sampling_params_from_proto
+from deepinfer.serving.admission import AdmissionLimit
 from deepinfer.serving.errors import Aborted, Refused, error_of
 from deepinfer.serving.loop import LoopMode, call_time_remaining
 from deepinfer.serving.shell import EngineShell, ShellServicer, serve_worker
@@ -87,6 +88,7 @@ class PrefillWorker(EngineShell):
         # loop-thread state
         self._waiters: dict[str, _Waiter] = {}
         self._peer_digests: dict[str, bytes] = {}
+        self.admission = AdmissionLimit(config.max_queued_requests, self.stage_name, self.instance_id)
         self._bind(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(self))
 
     # ------------------------------------------------------------------ loop thread
@@ -145,6 +147,8 @@ class PrefillWorker(EngineShell):
             if work.request_id in self._waiters:
                 raise InvalidRequestError(f"request id {work.request_id!r} is already being prefilled here",
                                           field="request_id")
+            queued = [w.num_prompt_tokens for w in self._queued()]
+            self.admission.check(len(queued), sum(queued))  # bounded queue: RESOURCE_EXHAUSTED past it
             self.core.submit(work)
         except Exception as e:
             fut.set_exception(e)
@@ -211,6 +215,8 @@ class PrefillServicer(ShellServicer, prefill_pb2_grpc.PrefillServicer):
             return _refusal(rid, e)
         if done.is_images_lost:  # retryable: the entrypoint encodes the images again elsewhere
             return _refusal(rid, Refused(common_pb2.ERROR_CODE_UNAVAILABLE, done.error, "image_embeddings"))
+        if done.is_destination_lost:  # retryable: the entrypoint migrates the request to another decode
+            return _refusal(rid, Refused(common_pb2.ERROR_CODE_UNAVAILABLE, done.error, "destination"))
         if done.error:
             return _refusal(rid, Refused(common_pb2.ERROR_CODE_INTERNAL, done.error))
         return prefill_pb2.PrefillResponse(

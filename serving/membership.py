@@ -13,6 +13,7 @@ from collections.abc import Callable
 import grpc
 
 from deepinfer.protos import loadbalancer_pb2, loadbalancer_pb2_grpc
+from deepinfer.serving.auth import secure_channel
 
 
 class LoadReporter:
@@ -39,7 +40,7 @@ class LoadReporter:
         self._collect = collect
         self._interval_s = interval_s
         self._rpc_timeout_s = rpc_timeout_s
-        self._channel = grpc.insecure_channel(lb_address)
+        self._channel = secure_channel(lb_address)  # carries the cluster secret (serving.auth)
         self._stub = loadbalancer_pb2_grpc.LoadBalancerStub(self._channel)
         self._sent_hashes: frozenset[int] | None = None  # None: the next report carries the full set
         self._is_registered = False

@@ -40,6 +40,7 @@ from deepinfer.kv_transfer import LOOPBACK_UCX_ENV, KVTransferAgent
 from deepinfer.kv_transfer.embeddings import EmbeddingAgent
 from deepinfer.protos import common_pb2, loadbalancer_pb2
 from deepinfer.protos.metadata import STATS_METADATA_KEY
+from deepinfer.serving.auth import server_interceptors
 from deepinfer.serving.errors import Refused
 from deepinfer.serving.loop import EngineLoop, LoopMode
 from deepinfer.serving.membership import LoadReporter
@@ -98,7 +99,8 @@ class WorkerShell:
     def _bind(self, add_servicer: Callable[[Any, grpc.Server], None], servicer: Any) -> None:
         """Create the gRPC server with `servicer` and bind it; raises RuntimeError when the port cannot be bound."""
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(
-            max_workers=self.config.max_rpc_threads, thread_name_prefix=f"{self.name}-rpc"))
+            max_workers=self.config.max_rpc_threads, thread_name_prefix=f"{self.name}-rpc"),
+            interceptors=server_interceptors())  # the cluster secret (serving.auth)
         add_servicer(servicer, self.server)
         self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if self.port == 0:

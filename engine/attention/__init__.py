@@ -9,6 +9,9 @@ projections; everything after (writing the cache, compressing, indexing, attendi
   (built once per step by the model runner: positions, rope, decode-row index tensors, per-chunk
   geometry), `AttentionInputs` (what a layer hands its backend), `AttentionBackend` and the registry.
 * `torch_backend.py` — `"torch"`: plain PyTorch, the readable reference and the oracle.
+* `triton_backend.py` — `"triton"`: fused Triton decode kernels (`kernels.decode_attention`,
+  `kernels.indexer`, `kernels.compressor`) over static metadata, CUDA-graph safe (`cuda_graph_safe`);
+  prefill chunks as the `torch` backend.
 
 A new kernel: add a module here with a subclass of `AttentionBackend` decorated with
 `@register_attention_backend("name")`, import it below so the registry sees it, and test it against
@@ -18,6 +21,7 @@ before the forward, host ints allowed) rather than computing indices inside a la
 """
 
 from deepinfer.engine.attention import torch_backend as _torch_backend  # noqa: F401  (registers "torch")
+from deepinfer.engine.attention import triton_backend as _triton_backend  # noqa: F401  (registers "triton")
 from deepinfer.engine.attention.base import (
     AttentionBackend,
     AttentionInputs,

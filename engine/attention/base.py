@@ -7,6 +7,10 @@
   Every shape in it comes from the scheduler's host ints, never from a device value, so the decode
   path of a layer performs no host synchronisation (no `.item()`, `.tolist()`, `.nonzero()`) and no
   per-layer bookkeeping. Prefill chunks keep host ints (offsets, lengths) beside their index tensors.
+  A backend may build its own form through the `AttentionBackend.build_metadata` hook: a CUDA-graph-safe
+  backend (`cuda_graph_safe`) asks for *static* decode rows (`DecodeRows.is_static`), whose tensors have
+  shapes set by the batch size and the cache geometry alone and whose host values do not change from
+  step to step, so a captured graph can replay with the next step's tensors copied in.
 * `AttentionBackend` — takes a layer's projections (`AttentionInputs`), its spec, the cache and the
   metadata; does the cache I/O and the attention core; returns `[num_tokens, num_heads, head_dim]`.
 * The registry — `register_attention_backend(name)` / `get_attention_backend(name)` /
@@ -157,6 +161,16 @@ class DecodeRows:
     """Rate -> the entries each row sees; None while no row has one."""
     rope: dict[str, RopeTable]
     """Flavour -> the rows' cos/sin ([B, rope_head_dim // 2])."""
+    entry_rope: dict[int, RopeTable] = field(default_factory=dict)
+    """Static rows only: rate -> cos/sin ([B, rope_head_dim // 2], the 'compress' flavour) at the first
+    position of the window each row's token would complete (`((pos + 1) // rate - 1) * rate`); read only
+    where the row does complete it (decided on the device)."""
+    is_static: bool = False
+    """Static (CUDA-graph-safe) rows: `block_tables` is `[B, cache.max_blocks_per_seq]` padded with the
+    cache's `dummy_block`; `compressors` and `compressed` are empty (the backend decides on the device
+    which rows complete a window and which entries each row sees, from `pos`, `frozen` and the tables);
+    `window_valid` / `window_rows` / `rope` / `entry_rope` are filled as usual. No host value depends on
+    anything but B."""
 
 
 @dataclass
@@ -255,10 +269,16 @@ def _compressor_chunk(pos: torch.Tensor, p0: int, n: int, num_frozen: int, rate:
 
 
 def _decode_rows(batch: ForwardBatch, seq_ids: list[int], specs: tuple[LayerSpec, ...],
-                 rope: dict[str, RopeTable], rope_fns: dict[str, RopeFn], block_size: int) -> DecodeRows:
+                 rope: dict[str, RopeTable], rope_fns: dict[str, RopeFn], block_size: int,
+                 static: tuple[int, int] | None = None) -> DecodeRows:
+    """The decode rows' metadata; `static=(max_blocks_per_seq, dummy_block)` builds the static form."""
     device = batch.input_ids.device
     seqs = [batch.seqs[i] for i in seq_ids]
-    max_blocks = max(len(s.block_table) for s in seqs)
+    max_blocks = max(len(s.block_table) for s in seqs) if static is None else static[0]
+    pad = 0 if static is None else static[1]
+    if static is not None and any(s.num_computed_tokens >= max_blocks * block_size for s in seqs):
+        raise ValueError(f"a decode row's position is past max_blocks_per_seq ({max_blocks}) blocks of "
+                         f"{block_size} tokens; build the cache with the engine's max_model_len")
 
     def t(values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
@@ -267,7 +287,8 @@ def _decode_rows(batch: ForwardBatch, seq_ids: list[int], specs: tuple[LayerSpec
     pos_list = [s.num_computed_tokens for s in seqs]
     pos, slots, state_start = t(pos_list), t([s.slot for s in seqs]), t([s.state_start for s in seqs])
     frozen = t([s.num_frozen_tokens for s in seqs])
-    block_tables = t([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs])
+    # NOTE: a table may run past max_blocks (lookahead blocks); a row reads only blocks before its position
+    block_tables = t([s.block_table[:max_blocks] + [pad] * (max_blocks - len(s.block_table)) for s in seqs])
     B = len(seqs)
 
     window_valid, window_rows = {}, {}
@@ -276,6 +297,17 @@ def _decode_rows(batch: ForwardBatch, seq_ids: list[int], specs: tuple[LayerSpec
         key_pos = pos[:, None] - ((pos[:, None] - j[None, :]) % W)  # position held by ring row j
         window_valid[W] = key_pos >= state_start[:, None]
         window_rows[W] = pos % W
+
+    if static is not None:
+        entry_rope = {}
+        for rate in sorted({r for r, _ in _compressor_keys(specs)}):
+            entry_rope[rate] = rope_fns["compress"](((pos + 1) // rate - 1) * rate)
+        return DecodeRows(
+            seq_ids=seq_ids, rows=rows, pos=pos, slots=slots, state_start=state_start, frozen=frozen,
+            block_tables=block_tables, window_valid=window_valid, window_rows=window_rows, compressors={},
+            compressed={}, rope={k: (cos[rows], sin[rows]) for k, (cos, sin) in rope.items()},
+            entry_rope=entry_rope, is_static=True,
+        )
 
     compressors = {}
     for rate, is_overlap in _compressor_keys(specs):
@@ -316,16 +348,19 @@ def _decode_rows(batch: ForwardBatch, seq_ids: list[int], specs: tuple[LayerSpec
 
 
 def build_attention_metadata(batch: ForwardBatch, specs: tuple[LayerSpec, ...], rope_fns: dict[str, RopeFn],
-                             block_size: int) -> AttentionMetadata:
+                             block_size: int, static_decode: tuple[int, int] | None = None) -> AttentionMetadata:
     """The step's `AttentionMetadata` (built once per step, before the forward).
 
     `rope_fns`: flavour ('main', 'compress') -> the model's rotary of that flavour; `block_size`: the
-    cache's tokens per block (entry `w` lives in `block_table[w // (block_size // rate)]`).
+    cache's tokens per block (entry `w` lives in `block_table[w // (block_size // rate)]`);
+    `static_decode`: `(cache.max_blocks_per_seq, cache.dummy_block)` for static decode rows
+    (`DecodeRows.is_static`, what a CUDA-graph-safe backend reads), None for the host-decided form.
     """
     positions = batch.positions
     rope = {name: fn(positions) for name, fn in rope_fns.items()}
     decode_ids = [i for i, s in enumerate(batch.seqs) if s.num_new_tokens == 1]
-    decode = _decode_rows(batch, decode_ids, specs, rope, rope_fns, block_size) if decode_ids else None
+    decode = (_decode_rows(batch, decode_ids, specs, rope, rope_fns, block_size, static_decode)
+              if decode_ids else None)
     prefill = []
     windows = sorted({s.window for s in specs})
     geometries = _compressor_keys(specs)
@@ -387,6 +422,20 @@ class AttentionBackend(ABC):
     """
 
     name: str = ""
+    cuda_graph_safe: bool = False
+    """True when a pure-decode step of this backend can be captured in a CUDA graph and replayed with the
+    next step's metadata copied into the captured tensors: its `build_metadata` gives pure-decode
+    metadata whose tensor shapes depend only on the batch size and the cache geometry and whose host
+    values do not change between steps of one batch size, its decode path performs no host
+    synchronisation and decides everything else on the device, and it ignores padding rows
+    (`V4KVCache.dummy_slot` / `dummy_block`, position 0)."""
+
+    @classmethod
+    def build_metadata(cls, batch: ForwardBatch, specs: tuple[LayerSpec, ...], rope_fns: dict[str, RopeFn],
+                       cache: V4KVCache) -> AttentionMetadata:
+        """The step's `AttentionMetadata` in the form this backend reads (the model's
+        `build_attention_metadata` calls this once per step). Default: `build_attention_metadata`."""
+        return build_attention_metadata(batch, specs, rope_fns, cache.block_size)
 
     @abstractmethod
     def forward(self, spec: LayerSpec, inputs: AttentionInputs, cache: V4KVCache,

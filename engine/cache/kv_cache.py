@@ -29,6 +29,16 @@ Two anatomies live side by side:
 All pools are plain contiguous tensors so a transfer engine can register them and move blocks by
 byte range (`block_byte_ranges`). Their shapes and byte layouts come from `engine.cache.layout`
 (`CacheLayout.pools`), the one owner of the layout.
+
+**Padding rows** (CUDA-graph decode): a decode batch padded to its captured size fills its extra rows
+with `dummy_slot`, a block table of `dummy_block` and position 0. Both are ids one past the real ranges
+(`num_slots`, `num_blocks`), which the slot and block allocators never hand out.
+NOTE: they own no memory. The pools stay exactly the `PoolLayout` shapes (layer-major: one more unit
+per layer would move every layer's bytes and change the transfer layout), so a padding row must touch
+no tensor through them: a graph-safe attention backend (`AttentionBackend.cuda_graph_safe`) masks, on
+the device, every read and write of a row whose slot is `dummy_slot` or whose block is `dummy_block`
+(at position 0 a row sees no compressed entry and completes no window, so only its ring writes and the
+read of its own ring row are masked). The `torch` backend never sees padding rows.
 """
 
 from __future__ import annotations
@@ -57,7 +67,11 @@ class V4KVCache:
         num_slots: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        max_model_len: int | None = None,
     ) -> None:
+        """`max_model_len`: the longest sequence (prompt + output) a request may reach; it sets
+        `max_blocks_per_seq` (the width of a graph-safe backend's padded block tables). None: every block
+        of the pool (`num_blocks`), the bound when no limit is known (large pools: pass the limit)."""
         lay = CacheLayout.from_config(config)
         self.config = config
         self.layout = lay
@@ -70,6 +84,15 @@ class V4KVCache:
                                                              torch.tensor([], dtype=dtype).element_size())
         """Every tensor's `PoolLayout` (raises ValueError first for a block size that is no multiple of
         every compress rate): the shapes below come from these descriptors."""
+        if max_model_len is not None and max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+        self.max_blocks_per_seq = num_blocks if max_model_len is None else -(-max_model_len // block_size)
+        """Blocks one request can hold at most: `ceil(max_model_len / block_size)`, or `num_blocks` without a
+        `max_model_len`. Padded block tables (graph-safe decode metadata) are this wide."""
+        self.dummy_slot = num_slots
+        """The slot id of padding rows: no request gets it, it owns no memory (see the module docstring)."""
+        self.dummy_block = num_blocks
+        """The block id padding rows' block tables hold: no request gets it, it owns no memory."""
         self.csa_entries_per_block = block_size // lay.csa_rate
         self.hca_entries_per_block = block_size // lay.hca_rate
         for name, pool in self.pool_layouts.items():

@@ -31,7 +31,7 @@ scores, a correction bias for selection only), normalised routed weights times
 The router is `engine.moe.router.Gate`; the routed experts run on an `engine.moe` backend named at
 construction (`moe_backend=`) and prepared once after loading (`prepare_for_inference`).
 
-Small fused ops (the mHC Sinkhorn) come from the `kernels` op registry: an `OpTable` picks each op's
+Small fused ops (the mHC pre/post mixing and Sinkhorn) come from the `kernels` op registry: an `OpTable` picks each op's
 implementation once, for the weights' device; the forward never tests the device.
 
 Causality is exact by construction: nothing a position computes depends on later tokens or on
@@ -40,6 +40,7 @@ how tokens are chunked into steps or batched with other requests.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Mapping
 
@@ -52,7 +53,6 @@ from deepinfer.engine.attention import (
     AttentionInputs,
     AttentionMetadata,
     LayerSpec,
-    build_attention_metadata,
     get_attention_backend,
     layer_specs,
 )
@@ -62,7 +62,7 @@ from deepinfer.engine.config import ModelConfig, RopeConfig
 from deepinfer.engine.forward_batch import ForwardBatch
 from deepinfer.engine.moe import Gate, MoEBackend, get_moe_backend
 from deepinfer.kernels import OpTable
-from deepinfer.kernels.sinkhorn import sinkhorn_torch
+from deepinfer.kernels.mhc import hc_collapse_torch, hc_weights_torch
 
 # --------------------------------------------------------------------------- small pieces
 
@@ -421,6 +421,7 @@ class MoE(nn.Module):
     def prepare(self) -> None:
         """Hand the loaded routed experts to the backend (packing, layouts)."""
         self.backend.prepare(self.experts)
+        self.gate.set_routing_impl(self.backend.routing_impl)  # the kernel the backend asks for ("torch" mostly)
         self._prepared_ptr = self.experts[0].w1.weight.data_ptr()
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -434,21 +435,13 @@ class MoE(nn.Module):
 # --------------------------------------------------------------------------- hyper-connections
 
 
-def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-               hc: int, iters: int, eps: float, norm_eps: float, sinkhorn: Callable = sinkhorn_torch):
-    """mHC mixing weights from the streams [T, hc, H] -> pre [T, hc], post [T, hc], comb [T, hc, hc].
+hc_weights = hc_weights_torch
+"""mHC mixing weights (streams [T, hc, H] -> pre, post, comb): the reference in `kernels.mhc`, which the
+layers reach through the `OpTable` ops "mhc_pre" / "mhc_post" (fused Triton kernels on CUDA)."""
 
-    `sinkhorn` is an implementation of the `kernels` op "sinkhorn" (the model's `OpTable` picks it).
-    """
-    T = streams.shape[0]
-    flat = rms_norm(streams.reshape(T, -1).float(), None, norm_eps)
-    mix = F.linear(flat, fn.float())
-    pre_w, post_w, comb_w = mix.split([hc, hc, hc * hc], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
-    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
-    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-    comb = torch.softmax(comb_w.view(T, hc, hc) * scale[2] + comb_b.view(hc, hc), dim=-1) + eps
-    return pre, post, sinkhorn(comb, iters, eps)
+hc_collapse = hc_collapse_torch
+"""Collapse hc streams [T, hc, H] into [T, H] (a hyper head's math; the MTP layer's `hc_head_*` use it):
+the reference in `kernels.mhc` ("mhc_head" in the `OpTable`)."""
 
 
 class DecoderLayer(nn.Module):
@@ -472,14 +465,13 @@ class DecoderLayer(nn.Module):
             self.register_parameter(f"hc_{which}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
 
     def _mix(self, which: str, streams: torch.Tensor, block) -> torch.Tensor:
-        dtype = streams.dtype
-        pre, post, comb = hc_weights(streams, getattr(self, f"hc_{which}_fn"), getattr(self, f"hc_{which}_base"),
-                                     getattr(self, f"hc_{which}_scale"), self.hc, self.iters, self.hc_eps, self.eps,
-                                     self.ops.sinkhorn)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(dtype)  # [T, H]
+        # pre-mix: mixing weights and the collapsed block input [T, H] (`kernels.mhc`; fused on CUDA)
+        collapsed, post, comb = self.ops.mhc_pre(streams, getattr(self, f"hc_{which}_fn"),
+                                                 getattr(self, f"hc_{which}_base"), getattr(self, f"hc_{which}_scale"),
+                                                 self.hc, self.iters, self.hc_eps, self.eps, self.ops.sinkhorn)
         y = block(collapsed)
-        # new stream k = post_k * y + sum_j comb[j, k] * stream_j
-        return post.to(dtype).unsqueeze(-1) * y.unsqueeze(1) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+        # post-mix: new stream k = post_k * y + sum_j comb[j, k] * stream_j
+        return self.ops.mhc_post(y, streams, post, comb)
 
     def forward(self, streams, batch: ForwardBatch, cache: V4KVCache, meta: AttentionMetadata) -> torch.Tensor:
         streams = self._mix("attn", streams, lambda h: self.attn(self.attn_norm(h), cache, meta))
@@ -489,26 +481,18 @@ class DecoderLayer(nn.Module):
 class HyperHead(nn.Module):
     """Final collapse of the hc streams into one hidden vector."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: OpTable | None = None) -> None:
         super().__init__()
         hc, H = config.hc_mult, config.hidden_size
+        self.ops = ops if ops is not None else OpTable(torch.get_default_device())
+        """The model's small-op implementations ("mhc_head"), shared with the layers."""
         self.hc_fn = nn.Parameter(torch.zeros(hc, hc * H, dtype=torch.float32))
         self.hc_base = nn.Parameter(torch.zeros(hc, dtype=torch.float32))
         self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
         self.eps, self.norm_eps = config.hc_eps, config.rms_norm_eps
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        return hc_collapse(streams, self.hc_fn, self.hc_base, self.hc_scale, self.eps, self.norm_eps)
-
-
-def hc_collapse(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
-                norm_eps: float) -> torch.Tensor:
-    """Collapse the hc streams [T, hc, H] into one hidden vector [T, H] (a hyper head's math; the MTP
-    layer's `hc_head_*` use it too). fn: [hc, hc*H], base: [hc], scale: [1]."""
-    T = streams.shape[0]
-    flat = rms_norm(streams.reshape(T, -1).float(), None, norm_eps)
-    pre = torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + eps  # [T, hc]
-    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return self.ops.mhc_head(streams, self.hc_fn, self.hc_base, self.hc_scale, self.eps, self.norm_eps)
 
 
 # --------------------------------------------------------------------------- the model
@@ -533,7 +517,7 @@ class DeepseekV4Model(nn.Module):
             DecoderLayer(config, spec, attention_backend=self.attention_backend, moe_backend=moe_backend, ops=self.ops)
             for spec in self.layer_specs
         )
-        self.hc_head = HyperHead(config)
+        self.hc_head = HyperHead(config, self.ops)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         rd = config.rope_head_dim
         self.rotary_main = Rotary(config.rope_main, rd)
@@ -546,9 +530,10 @@ class DeepseekV4Model(nn.Module):
             layer.ffn.prepare()
 
     def build_attention_metadata(self, batch: ForwardBatch, cache: V4KVCache) -> AttentionMetadata:
-        """The step's `AttentionMetadata` for `batch` over `cache` (the model runner builds it once per step)."""
+        """The step's `AttentionMetadata` for `batch` over `cache` (the model runner builds it once per step),
+        in the form the attention backend reads (its `build_metadata` hook)."""
         rope_fns = {"main": self.rotary_main, "compress": self.rotary_compress}
-        return build_attention_metadata(batch, self.layer_specs, rope_fns, cache.block_size)
+        return self.attention_backend.build_metadata(batch, self.layer_specs, rope_fns, cache)
 
     def forward(self, batch: ForwardBatch, cache: V4KVCache, meta: AttentionMetadata | None = None,
                 return_streams: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -584,6 +569,11 @@ class DeepseekV4ForCausalLM(nn.Module):
                                      op_impls=op_impls)
         if not config.tie_word_embeddings:
             self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.numerics: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        """Context entered around every forward and logits computation: `nullcontext`, or the batch-invariant
+        mode's `TorchFunctionMode` (`engine.batch_invariant.enable_batch_invariant` sets it, once)."""
+        self.is_batch_invariant = False
+        """Whether `enable_batch_invariant` switched this model to batch-invariant numerics."""
         self.vision = None
         """The `VisionTower` of a checkpoint with a `vision_config` (image -> input embeddings), else None."""
         if config.vision is not None:
@@ -624,7 +614,8 @@ class DeepseekV4ForCausalLM(nn.Module):
                 return_streams: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Hidden states [T, H] for the flat batch (cache updated in place); with `return_streams`, also
         the pre-`hc_head` streams [T, hc, H] the MTP layer reads (`mtp_forward`)."""
-        return self.model(batch, cache, meta, return_streams)
+        with self.numerics():
+            return self.model(batch, cache, meta, return_streams)
 
     def mtp_forward(self, streams: torch.Tensor, batch: ForwardBatch, cache: V4KVCache,
                     meta: AttentionMetadata | None = None, k: int = 0) -> torch.Tensor:
@@ -639,7 +630,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         layer = self.mtp[k]
         if meta is None:
             meta = layer.build_attention_metadata(batch, cache, self.model.rotary_main, self.model.rotary_compress)
-        return layer(streams, batch, cache, meta, self.model.embed_tokens)
+        with self.numerics():
+            return layer(streams, batch, cache, meta, self.model.embed_tokens)
 
     @torch.inference_mode()
     def mtp_step(self, streams: torch.Tensor, batch: ForwardBatch, cache: V4KVCache,
@@ -652,7 +644,8 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, H] -> float32 logits [n, vocab]."""
-        return F.linear(hidden, self.head_weight()).float()
+        with self.numerics():
+            return F.linear(hidden, self.head_weight()).float()
 
     @torch.inference_mode()
     def step(self, batch: ForwardBatch, cache: V4KVCache, meta: AttentionMetadata | None = None) -> torch.Tensor:

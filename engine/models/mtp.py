@@ -18,8 +18,12 @@ e_proj(e) + h_proj(h), the block, then the head's hc collapse with the MTP's own
 its `norm`) and of deepinfer's demo-model training (tools/demo_model/train.py `mtp_hidden`).
 
 The block's attention keeps its keys in a window ring of its own: `MTPLayer.make_cache` builds a
-one-layer `V4KVCache` (sliding only, so it has no paged pools) whose slots the caller manages (the
-speculative-decoding work owns drafter cache slots; here a test drives it directly).
+one-layer `V4KVCache` (sliding only, so it has no paged pools) whose slots the caller manages
+(`engine.spec_decode.mtp_drafter.MTPDrafter` uses the main cache's slot ids; tests drive it directly).
+
+Chained drafting (k drafts from one layer): the block's output streams at position i (before the
+MTP's `hc_head`) stand in for the main model's streams at position i + 1, so the layer runs again at
+i + 1 with its own draft as the next token (`forward(..., return_streams=True)`).
 """
 
 from __future__ import annotations
@@ -87,10 +91,16 @@ class MTPLayer(DecoderLayer):
         return build_attention_metadata(batch, (self.attn.spec,), rope_fns, cache.block_size)
 
     def forward(self, streams: torch.Tensor, batch: ForwardBatch, cache: V4KVCache, meta: AttentionMetadata,
-                embed: nn.Embedding) -> torch.Tensor:
+                embed: nn.Embedding, return_streams: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """streams [T, hc, H] (the main model's, before its hc_head), `batch.input_ids` [T] the next
-        tokens -> hidden [T, H] after `norm` (the shared head's input); writes the layer's window ring."""
+        tokens -> hidden [T, H] after `norm` (the shared head's input); writes the layer's window ring.
+
+        With `return_streams`, also the block's output streams [T, hc, H] (before `hc_head`): chained
+        drafting feeds them back as the streams of the next position (`engine.spec_decode.mtp_drafter`),
+        in place of the main model's streams there, which do not exist yet."""
         e = self.e_proj(self.enorm(embed(batch.input_ids)))  # [T, H]
         x = e.unsqueeze(1) + self.h_proj(self.hnorm(streams.to(e.dtype)))  # [T, hc, H]
         x = super().forward(x, batch, cache, meta)  # [T, hc, H]
-        return self.norm(hc_collapse(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.hc_eps, self.eps))
+        hidden = self.norm(hc_collapse(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.hc_eps,
+                                       self.eps))
+        return (hidden, x) if return_streams else hidden

@@ -7,6 +7,8 @@
     the readable reference and the oracle for every other backend.
   * `fp4_backend`: `"fp4"`, routed experts kept as published FP4 (`engine.quant.Fp4Linear`), run as two
     grouped FP4 GEMMs (Triton on CUDA).
+  * `triton_backend`: `"triton"`, float, FP4 or FP8 experts as grouped GEMMs with no host sync (routing, grouping,
+    gate/up + SwiGLU, down + weighting, combine: `kernels.moe_routing`, `kernels.moe_gemm`); CUDA-graph safe.
 
 Where a new backend goes: quantized experts (FP8 block-scaled, FP4 weights kept quantized, a fused
 MoE kernel) or expert-parallel dispatch/combine (tokens sent to the rank that owns each expert and the
@@ -16,6 +18,7 @@ and imported below; the model picks one by name at construction (`moe_backend=`)
 
 from deepinfer.engine.moe import fp4_backend as _fp4_backend  # noqa: F401  (registers "fp4")
 from deepinfer.engine.moe import torch_backend as _torch_backend  # noqa: F401  (registers "torch" and "torch_loop")
+from deepinfer.engine.moe import triton_backend as _triton_backend  # noqa: F401  (registers "triton")
 from deepinfer.engine.moe.base import MoEBackend, get_moe_backend, moe_backend_names, register_moe_backend
 from deepinfer.engine.moe.router import Gate
 

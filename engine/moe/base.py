@@ -35,6 +35,16 @@ class MoEBackend(ABC):
     name: str = ""
     """The registry name (set by `register_moe_backend`)."""
 
+    cuda_graph_safe: bool = False
+    """Whether `forward` can be captured in a CUDA graph: no host synchronisation (`.item()`, `.tolist()`,
+    `nonzero`, `bincount` on CUDA), no data-dependent shapes or Python branches on tensor values, the same
+    launches for every routing of a given token count. A model runner captures decode steps only through
+    backends that declare it."""
+
+    routing_impl: str = "torch"
+    """The `"moe_routing"` kernel implementation (`kernels.moe_routing`) the model's router uses with this
+    backend; read by the model's `MoE.prepare` after `prepare` (so a backend may set it per device there)."""
+
     @abstractmethod
     def prepare(self, experts: Sequence[nn.Module]) -> None:
         """Adopt the loaded routed experts (packing, layouts). Called once after loading, before `forward`.

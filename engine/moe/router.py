@@ -5,6 +5,11 @@ a correction bias used for selection only) and hash routing (a token id -> exper
 the chosen experts' scores are normalised to sum to one and multiplied by `routed_scaling_factor`.
 Parameter names are the checkpoint's: `ffn.gate.weight`, `ffn.gate.bias` (learned), `ffn.gate.tid2eid`
 (hash).
+
+The logits are one `F.linear`; everything after it is the kernel op `"moe_routing"`
+(`kernels.moe_routing`): the torch reference by default (the arithmetic this module always had), or the
+one-launch Triton kernel when the MoE backend asks for it (`MoEBackend.routing_impl`, applied by the
+model's `MoE.prepare` through `set_routing_impl`).
 """
 
 from __future__ import annotations
@@ -14,18 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.engine.config import ModelConfig
+from deepinfer.kernels.moe_routing import SCORING_FUNCS, moe_routing_torch
+from deepinfer.kernels.registry import get_op
 
-
-def _sqrtsoftplus(logits: torch.Tensor) -> torch.Tensor:
-    return F.softplus(logits).sqrt()
-
-
-def _softmax(logits: torch.Tensor) -> torch.Tensor:
-    return logits.softmax(dim=-1)
-
-
-SCORING_FUNCS = {"sqrtsoftplus": _sqrtsoftplus, "sigmoid": torch.sigmoid, "softmax": _softmax}
-"""`config.scoring_func` -> logits [num_tokens, num_experts] -> scores; picked once at construction."""
+__all__ = ["SCORING_FUNCS", "Gate"]
 
 
 class Gate(nn.Module):
@@ -43,14 +40,19 @@ class Gate(nn.Module):
             self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.topk, dtype=torch.long))
         else:
             self.register_buffer("bias", torch.zeros(config.n_routed_experts, dtype=torch.float32))
+        self.routing_impl = "torch"
+        """The `"moe_routing"` implementation in use (`set_routing_impl`)."""
+        self._routing = moe_routing_torch
+
+    def set_routing_impl(self, impl_name: str) -> None:
+        """Route through implementation `impl_name` of the kernel op `"moe_routing"` ("torch", "triton")."""
+        self._routing = get_op("moe_routing", impl_name)
+        self.routing_impl = impl_name
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [num_tokens, H], input_ids: [num_tokens] -> (topk_weights [num_tokens, k], topk_ids [num_tokens, k])."""
-        scores = self.score(F.linear(x, self.weight))  # [num_tokens, num_experts]
+        logits = F.linear(x, self.weight)  # [num_tokens, num_experts]
         if self.is_hash:
-            idx = self.tid2eid[input_ids].long()
-        else:
-            idx = torch.topk(scores + self.bias, self.topk, dim=-1, sorted=False).indices
-        w = scores.gather(1, idx)
-        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return w * self.scaling, idx
+            return self._routing(logits, self.topk, self.scoring, self.scaling, tid2eid=self.tid2eid,
+                                 input_ids=input_ids)
+        return self._routing(logits, self.topk, self.scoring, self.scaling, bias=self.bias)

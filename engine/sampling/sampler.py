@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from deepinfer.engine.forward_batch import host_to_device  # pinned, non-blocking copies (no host wait)
 from deepinfer.engine.sampling.params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -130,7 +131,7 @@ def _pad_token_ids(token_ids_list: Sequence[Sequence[int]], device: torch.device
         starts = torch.cumsum(lengths, 0) - lengths  # [num_rows]
         col_ids = torch.arange(flat_ids.numel()) - torch.repeat_interleave(starts, lengths)  # [total]
         padded[row_ids, col_ids] = flat_ids
-    return padded.to(device)
+    return host_to_device(padded, device)
 
 
 def count_tokens(padded_token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -220,10 +221,10 @@ class SamplingBatch:
         uses_repetition = [p.repetition_penalty != 1.0 for p in params_list]
 
         def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32).to(device)
+            return host_to_device(torch.tensor(values, dtype=torch.float32), device)
 
         def ints(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64).to(device)
+            return host_to_device(torch.tensor(values, dtype=torch.int64), device)
 
         # Token histories only for rows with penalties; the others stay empty (all padding).
         output_token_ids = prompt_token_ids = None
@@ -257,7 +258,7 @@ class SamplingBatch:
         return cls(
             num_reqs=num_reqs,
             temperatures=floats([1.0 if g else p.temperature for p, g in zip(params_list, is_greedy)]),
-            is_greedy=torch.tensor(is_greedy, dtype=torch.bool).to(device),
+            is_greedy=host_to_device(torch.tensor(is_greedy, dtype=torch.bool), device),
             top_k=ints([max(p.top_k, 0) for p in params_list]),
             top_p=floats([p.top_p for p in params_list]),
             min_p=floats([p.min_p for p in params_list]),
@@ -265,7 +266,7 @@ class SamplingBatch:
             frequency_penalties=floats([p.frequency_penalty for p in params_list]),
             repetition_penalties=floats([p.repetition_penalty for p in params_list]),
             seeds=ints([0 if p.seed is None else _to_int64_seed(p.seed) for p in params_list]),
-            has_seed=torch.tensor([p.seed is not None for p in params_list], dtype=torch.bool).to(device),
+            has_seed=host_to_device(torch.tensor([p.seed is not None for p in params_list], dtype=torch.bool), device),
             positions=ints(list(positions)),
             output_token_ids=output_token_ids,
             prompt_token_ids=prompt_token_ids,
@@ -464,7 +465,7 @@ class Sampler:
             probs = probs.masked_fill(probs < batch.min_p[:, None] * max_probs, 0.0)
 
         step_seeds = torch.randint(0, 2**62, (num_reqs,), generator=self._generator, dtype=torch.int64)
-        seeds = torch.where(batch.has_seed, batch.seeds, step_seeds.to(logits.device))  # [num_reqs]
+        seeds = torch.where(batch.has_seed, batch.seeds, host_to_device(step_seeds, logits.device))  # [num_reqs]
         noise = exponential_noise(seeds, batch.positions, vocab_size)  # [num_reqs, vocab]
         return (probs / noise).argmax(dim=-1)
 

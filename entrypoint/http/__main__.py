@@ -2,17 +2,18 @@
 [--model DIR] [--served-model-name NAME] [--api-key KEY] ...` (one flag per `HttpConfig` field).
 
 Prints one JSON line on stdout once it listens: `{"address": "http://127.0.0.1:8000"}`; logs go to
-stderr. SIGTERM / SIGINT stop it (uvicorn's graceful shutdown).
+stderr (`--log-level`, `--log-format text|json`; one `entrypoint.http.access` line per request unless
+`--no-access-log`). SIGTERM / SIGINT stop it (uvicorn's graceful shutdown).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import sys
 
 from deepinfer.entrypoint.http.config import HttpConfig
 from deepinfer.serving.config_cli import config_from_args, make_parser
+from deepinfer.serving.logs import configure_logging
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_args(HttpConfig, parser, argv)
     if not config.entrypoint:
         parser.error("give --entrypoint HOST:PORT (the token-level gRPC entrypoint)")
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(config.log_level, config.log_format)
     from deepinfer.entrypoint.http.app import serve
 
     serve(config, on_ready=lambda address: print(json.dumps({"address": address}), flush=True))

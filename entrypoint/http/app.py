@@ -9,6 +9,11 @@ serve(HttpConfig(...))                                                   # block
 `/v1/completions` (raw prompt) and `/v1/generate` (token ids in and out) go straight to the token API.
 Every generation request holds one in-flight slot from its body being read until its last byte is
 sent; a client that disconnects cancels its token call, which aborts the request on every stage.
+
+Every answer carries `X-Request-Id` (the client's own when it sent a plain one, else the request's id:
+the answer's `id`, which its token call and every stage's log lines carry) and gets one access-log line
+(`entrypoint.http.access`). Chat / responses / messages answers say how they were sampled
+(`X-DeepInfer-Thinking`, `X-DeepInfer-Sampling`, `X-DeepInfer-Sampling-Overridden`; `conversion.Prepared`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -44,14 +50,22 @@ from deepinfer.entrypoint.http.conversion import (
     RecipeFront,
     RecipeStream,
 )
-from deepinfer.entrypoint.http.errors import ApiError
+from deepinfer.entrypoint.http.errors import ApiError, json_object
 from deepinfer.entrypoint.http.metrics import HttpMetrics
 from deepinfer.protos import entrypoint_pb2
+from deepinfer.serving.logs import REQUEST_ID
 
 logger = logging.getLogger("entrypoint.http")
+access_logger = logging.getLogger("entrypoint.http.access")
+
+REQUEST_ID_HEADER = "x-request-id"
+"""Every response carries it: the client's own id when it sent a valid one, else the request's id
+(the `id` of the answer, which every stage's log lines carry)."""
+_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
+"""What a client's X-Request-Id may look like to be echoed (anything else is replaced, not echoed)."""
 
 KNOWN_ROUTES = {"/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/completions", "/v1/generate",
-                "/v1/models", "/health", "/metrics"}
+                "/v1/models", "/health", "/metrics", "/version", "/tokenize"}
 """Paths that get their own `endpoint` metric label (others count as "other")."""
 
 
@@ -82,12 +96,16 @@ class Front:
         model_dir = resolve_model(config.model, config.revision)  # a repo id: its cached snapshot, as the workers
         model_cfg = read_config_json(model_dir)
         self.config = config
-        self.api_key = config.api_key or os.environ.get("DEEPINFER_API_KEY") or None
+        keys = config.api_key or os.environ.get("DEEPINFER_API_KEY") or _read_key_file()
+        self.api_keys = [k.strip().encode() for k in keys.split(",") if k.strip()]
+        """Accepted API keys (any one); empty = no key needed."""
         is_repo = config.model is not None and looks_like_repo_id(config.model) and not Path(config.model).is_dir()
         self.served_model_name = config.served_model_name or (config.model.split("/")[-1] if is_repo else model_dir.name)
         self.max_model_len = config.max_model_len or min(model_cfg["max_position_embeddings"], 8192)
         policy = ImageUrlPolicy(config.image_url_allowed_hosts.split(","))
-        self.recipe = RecipeFront(model_dir, self.served_model_name, self.max_model_len, policy)
+        self.recipe = RecipeFront(model_dir, self.served_model_name, self.max_model_len, policy,
+                                  default_thinking=config.default_thinking,
+                                  thinking_sampling=config.thinking_sampling)
         self.metrics = HttpMetrics()
         self.backend: TokenBackend | None = None
         """Created on the server's event loop (lifespan)."""
@@ -199,9 +217,9 @@ class _EventStream(StreamingResponse):
     NOTE: does not read `receive` itself (the run's disconnect watch does), unlike StreamingResponse.
     """
 
-    def __init__(self, chunks: AsyncIterator[bytes], run: _Run) -> None:
+    def __init__(self, chunks: AsyncIterator[bytes], run: _Run, headers: dict[str, str] | None = None) -> None:
         super().__init__(chunks, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self.run = run
 
     async def __call__(self, scope, receive, send) -> None:
@@ -262,6 +280,8 @@ async def _recipe_events(front: Front, prepared: Prepared, run: _Run,
 async def _recipe_route(front: Front, api: str, request: Request) -> Response:
     t_accept = time.monotonic()
     prepared = front.recipe.prepare(api, await _read_body(request, front.config.max_body_bytes))
+    _set_request_id(request, prepared.response_id)
+    headers = prepared.sampling_headers()
     token_request = entrypoint_pb2.GenerateRequest(
         request_id=prepared.response_id, prompt_token_ids=prepared.prompt_token_ids,
         sampling_params=prepared.sampling_params(), images=prepared.images,
@@ -269,13 +289,13 @@ async def _recipe_route(front: Front, api: str, request: Request) -> Response:
     run, first = await _start(front, request.url.path, request, t_accept, token_request)
     events = _recipe_events(front, prepared, run, first)
     if prepared.is_stream:
-        return _EventStream(_recipe_sse(api, events, run), run)
+        return _EventStream(_recipe_sse(api, events, run), run, headers)
     try:
         response = RESPONSE_CLS[api](prepared.response_id, prepared.model, prepared.created,
                                      first.usage.prompt_tokens, first.usage.cached_prompt_tokens)
         async for event in events:
             response.accumulate(event)
-        return Response(response.to_json(), media_type="application/json")
+        return Response(response.to_json(), media_type="application/json", headers=headers)
     finally:
         await events.aclose()
         run.close()
@@ -302,8 +322,27 @@ async def _recipe_sse(api: str, events: AsyncIterator[Any], run: _Run) -> AsyncI
 # ---------------------------------------------------------------------------------------- the app
 
 
+def _read_key_file() -> str:
+    """The keys in the file named by DEEPINFER_API_KEY_FILE (how `deepinfer up` hands them over), or ""."""
+    path = os.environ.get("DEEPINFER_API_KEY_FILE")
+    if not path:
+        return ""
+    try:
+        return Path(path).read_text().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read the API key file {path} (DEEPINFER_API_KEY_FILE): {e.strerror}") from None
+
+
+def _set_request_id(request: Request, request_id: str) -> None:
+    """Name the request by the id its token call carries (log lines from here on, the X-Request-Id
+    header unless the client sent its own)."""
+    request.scope.setdefault("state", {})["request_id"] = request_id
+    REQUEST_ID.set(request_id)
+
+
 class _Guard:
-    """Pure ASGI middleware: API key (all but /health), Content-Length cap, request metrics."""
+    """Pure ASGI middleware: API key (all but /health), Content-Length cap, request metrics, the
+    X-Request-Id header on every response, the access log."""
 
     def __init__(self, app, front: Front) -> None:
         self.app = app
@@ -314,14 +353,24 @@ class _Guard:
             return await self.app(scope, receive, send)
         path = scope["path"]
         status = [500]
+        headers = dict(scope["headers"])
+        given_id = headers.get(REQUEST_ID_HEADER.encode(), b"").decode("latin-1")
+        client_id = given_id if _CLIENT_REQUEST_ID.fullmatch(given_id) else None
+        state = scope.setdefault("state", {})
+        state["request_id"] = f"req-{uuid.uuid4().hex}"  # routes that start a token call rename it
+        token = REQUEST_ID.set(state["request_id"])
+        t0 = time.monotonic()
 
         async def send_and_record(message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                echoed = client_id or state["request_id"]
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (REQUEST_ID_HEADER.encode(), echoed.encode())]}
             await send(message)
 
         try:
-            error = self._refusal(path, dict(scope["headers"]))
+            error = self._refusal(path, headers)
             if error is not None:
                 await _error_response(path, error)(scope, receive, send_and_record)
                 return
@@ -329,10 +378,23 @@ class _Guard:
         finally:
             endpoint = path if path in KNOWN_ROUTES else "other"
             self.front.metrics.requests.labels(endpoint, str(status[0])).inc()
+            if self.front.config.access_log:
+                self._log_access(scope, status[0], time.monotonic() - t0, state["request_id"], client_id)
+            REQUEST_ID.reset(token)
+
+    @staticmethod
+    def _log_access(scope, status: int, duration_s: float, request_id: str, client_id: str | None) -> None:
+        client = scope.get("client") or ("-", 0)
+        fields = {"method": scope["method"], "path": scope["path"], "status": status,
+                  "duration_ms": round(duration_s * 1000, 1), "client": f"{client[0]}:{client[1]}",
+                  "client_request_id": client_id}
+        access_logger.info("%s %s %d %.1fms client=%s client_request_id=%s", scope["method"], scope["path"], status,
+                           duration_s * 1000, fields["client"], client_id or "-",
+                           extra={"request_id": request_id, "fields": fields})
 
     def _refusal(self, path: str, headers: dict[bytes, bytes]) -> ApiError | None:
-        key = self.front.api_key
-        if key is not None and path != "/health":
+        keys = self.front.api_keys
+        if keys and path != "/health":
             given = headers.get(b"x-api-key", b"").decode("latin-1")
             auth = headers.get(b"authorization", b"").decode("latin-1")
             if not given and auth[:7].lower() == "bearer ":
@@ -340,7 +402,9 @@ class _Guard:
             if not given:
                 return ApiError(401, "missing API key: send `Authorization: Bearer KEY` or `x-api-key: KEY`",
                                 code="invalid_api_key")
-            if not hmac.compare_digest(given.encode(), key.encode()):
+            # NOTE: every key is compared (no early exit), so the time taken does not tell which matched
+            matches = [hmac.compare_digest(given.encode("latin-1"), key) for key in keys]
+            if not any(matches):
                 return ApiError(401, "invalid API key", code="invalid_api_key")
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.front.config.max_body_bytes:
@@ -374,8 +438,16 @@ def create_app(config: HttpConfig) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
-        message = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
-        return _error_response(request.url.path, ApiError(e.status_code, message, code="not_found"))
+        if e.status_code == 405:
+            allow = (e.headers or {}).get("Allow") or (e.headers or {}).get("allow") or ""
+            error = ApiError(405, f"method {request.method} is not allowed on {request.url.path}"
+                             + (f"; use {allow}" if allow else ""), code="method_not_allowed",
+                             extra_headers={"Allow": allow} if allow else None)
+        elif e.status_code == 404:
+            error = ApiError(404, f"no route {request.method} {request.url.path}", code="not_found")
+        else:
+            error = ApiError(e.status_code, str(e.detail), code="invalid_request_error")
+        return _error_response(request.url.path, error)
 
     @app.exception_handler(_ClientGone)
     async def client_gone(request: Request, e: _ClientGone):
@@ -404,6 +476,7 @@ def create_app(config: HttpConfig) -> FastAPI:
         body = completions.parse(completions.CompletionBody, await _read_body(request, config.max_body_bytes))
         front.recipe.check_model(body.model)
         rid = f"cmpl-{uuid.uuid4().hex}"
+        _set_request_id(request, rid)
         prompt_ids = body.prompt_token_ids(front.recipe.tokenizer)
         token_request = entrypoint_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt_ids,
                                                        sampling_params=body.sampling_params())
@@ -420,6 +493,7 @@ def create_app(config: HttpConfig) -> FastAPI:
         if body.model is not None:
             front.recipe.check_model(body.model)
         rid = body.request_id or f"gen-{uuid.uuid4().hex}"
+        _set_request_id(request, rid)
         token_request = entrypoint_pb2.GenerateRequest(request_id=rid, prompt_token_ids=body.token_ids,
                                                        sampling_params=completions.generate_sampling_params(body))
         run, first = await _start(front, request.url.path, request, t_accept, token_request)
@@ -437,14 +511,34 @@ def create_app(config: HttpConfig) -> FastAPI:
         front.recipe.check_model(name)
         return _model_card(front, name)
 
+    @app.get("/version")
+    async def version():
+        return {"version": _version(), "model": front.served_model_name, "encoding": front.recipe.encoding_name}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """`{"prompt": TEXT}` -> its token ids, or `{"messages": [...], "model"?}` -> the chat prompt's ids
+        as the chat API renders it (recipe's encoding); `count` is their number."""
+        body = json_object(await _read_body(request, config.max_body_bytes))
+        if isinstance(body.get("prompt"), str):
+            ids = front.recipe.tokenizer.encode(body["prompt"])
+        elif isinstance(body.get("messages"), list):
+            prepared = front.recipe.prepare(CHAT, json.dumps({"model": front.served_model_name, **body}).encode())
+            ids = prepared.prompt_token_ids
+        else:
+            raise ApiError(400, "send {\"prompt\": TEXT} or {\"messages\": [...]}", param="prompt",
+                           code="invalid_request_error")
+        return {"tokens": list(ids), "count": len(ids), "max_model_len": front.max_model_len}
+
     @app.get("/health")
     async def health():
         is_healthy, message, stats = await front.backend.health()
+        flags = {"batch_invariant": config.batch_invariant}
         if not is_healthy:
-            return JSONResponse({"status": "unhealthy", "message": message}, status_code=503)
+            return JSONResponse({"status": "unhealthy", "message": message, **flags}, status_code=503)
         if stats.get("degraded"):  # serving text; image requests fail until a vision instance serves
-            return {"status": "degraded", "message": message}
-        return {"status": "ok"}
+            return {"status": "degraded", "message": message, **flags}
+        return {"status": "ok", **flags}
 
     @app.get("/metrics")
     async def metrics():
@@ -458,6 +552,15 @@ def create_app(config: HttpConfig) -> FastAPI:
         return Response(generate_latest(front.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("deepinfer")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def _model_card(front: Front, name: str) -> dict:

@@ -23,6 +23,7 @@ from deepinfer.protos import (
     vision_pb2_grpc,
 )
 from deepinfer.protos.metadata import ERROR_FIELD_METADATA_KEY, STATS_METADATA_KEY
+from deepinfer.serving.auth import secure_aio_channel
 
 
 class TokenCall:
@@ -63,7 +64,7 @@ class TokenBackend:
         self.address = address
         self.retry_after_s = retry_after_s
         self.request_timeout_s = request_timeout_s
-        self._channel = aio.insecure_channel(address)
+        self._channel = secure_aio_channel(address)  # carries the cluster secret (serving.auth)
         self._stub = entrypoint_pb2_grpc.EntrypointStub(self._channel)
         self._stage_channels: dict[str, aio.Channel] = {}
 
@@ -113,5 +114,5 @@ class TokenBackend:
 
     def _stage_channel(self, address: str) -> aio.Channel:
         if address not in self._stage_channels:
-            self._stage_channels[address] = aio.insecure_channel(address)
+            self._stage_channels[address] = secure_aio_channel(address)
         return self._stage_channels[address]

@@ -11,20 +11,25 @@ shape carrying token deltas, ending `data: [DONE]`.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import deepseek_recipe as recipe
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deepinfer.entrypoint.client import FINISH_REASONS, sampling_params_proto
+from deepinfer.entrypoint.http import fields
 from deepinfer.entrypoint.http.errors import invalid, json_object
 from deepinfer.entrypoint.http.structured import response_format_constraint
 from deepinfer.protos import common_pb2, entrypoint_pb2
+
+TokenId = Annotated[int, Field(ge=0, lt=2 ** 31)]
+"""A token id as the wire carries it (int32); the entrypoint checks it against the vocabulary."""
 
 
 def parse(cls: type[BaseModel], body: bytes) -> Any:
     """The validated body; 400 naming the first offending field otherwise."""
     parsed = json_object(body)
+    fields.check_integers(parsed)
     try:
         return cls.model_validate(parsed)
     except ValidationError as e:
@@ -56,7 +61,7 @@ class CompletionBody(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    prompt: str | list[int] | list[str]
+    prompt: str | list[TokenId] | list[str]
     max_tokens: int | None = Field(16, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -65,7 +70,7 @@ class CompletionBody(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0)
     """vLLM's extension: divides positive / multiplies negative logits of tokens seen in prompt or output."""
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 63)
     n: int = 1
     stream: bool = False
     stream_options: dict | None = None
@@ -90,12 +95,16 @@ class CompletionBody(BaseModel):
         return list(self.prompt)
 
     def sampling_params(self) -> common_pb2.SamplingParams:
+        """The token API's params; fields OpenAI's completions API (or vLLM's) defines beyond the declared
+        ones (`logit_bias`, `min_tokens`, `top_k`) are carried too, unserved ones refused (`fields`)."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        structured_output = response_format_constraint(self.response_format, self.model_extra)
+        extras = fields.sampling_extras(self.model_extra or {})
         return sampling_params_proto(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                                      repetition_penalty=self.repetition_penalty, stop=stop or None, seed=self.seed,
-                                     structured_output=response_format_constraint(self.response_format,
-                                                                                  self.model_extra))
+                                     structured_output=structured_output, logit_bias=extras.logit_bias or None,
+                                     min_tokens=extras.min_tokens or None, top_k=extras.top_k)
 
     @property
     def include_usage(self) -> bool:
@@ -143,7 +152,7 @@ class GenerateBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    token_ids: list[int] = Field(min_length=1)
+    token_ids: list[TokenId] = Field(min_length=1)
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
     model: str | None = None

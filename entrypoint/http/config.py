@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -26,8 +28,9 @@ class HttpConfig(BaseModel):
     name part for a hub model). Recipe's
     official API names (DeepSeek-V4-Pro, DeepSeek-V4.1-Flash) are accepted as aliases of it."""
     api_key: str | None = None
-    """Key every route but /health requires (`Authorization: Bearer KEY` or `x-api-key: KEY`);
-    None = the DEEPINFER_API_KEY environment variable, unset = no key."""
+    """Key every route but /health requires (`Authorization: Bearer KEY` or `x-api-key: KEY`); several keys
+    comma-separated (any one is accepted); None = the DEEPINFER_API_KEY environment variable, else the file
+    named by DEEPINFER_API_KEY_FILE; neither = no key."""
     max_model_len: int | None = Field(None, gt=1)
     """Context length of prompt + output; None = min(max_position_embeddings, 8192), as the entrypoint."""
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
@@ -48,3 +51,19 @@ class HttpConfig(BaseModel):
     """Deadline of each request's token call (the cluster aborts the request when it runs out)."""
     retry_after_s: int = Field(1, ge=0)
     """Retry-After seconds sent with 429 and 503 answers."""
+    batch_invariant: bool = False
+    """Whether the cluster's workers run batch-invariant numerics (`engine.batch_invariant`); reported by
+    /health (the launcher sets it from the cluster config)."""
+    default_thinking: bool = True
+    """Thinking mode of a chat / responses / messages request that names none (`thinking`,
+    `reasoning`): on, as DeepSeek's API (`--no-default-thinking` = off)."""
+    thinking_sampling: Literal["official", "request"] = "official"
+    """Temperature and top_p of thinking-mode requests: `official` samples at 1.0 / 1.0 whatever the
+    request asks, as DeepSeek's API (the response's X-DeepInfer-Sampling-Overridden header says so);
+    `request` honours the request's values in thinking mode too."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Log level of the front's own logs (stderr)."""
+    log_format: Literal["text", "json"] = "text"
+    """`json`: one JSON object per log line (time, level, logger, message, request_id when known)."""
+    access_log: bool = True
+    """One `entrypoint.http.access` log line per request: method, path, status, duration, request ids."""

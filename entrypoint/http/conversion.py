@@ -24,7 +24,7 @@ import deepseek_recipe as recipe
 
 from deepinfer.engine.config import read_config_json
 from deepinfer.engine.images import IMAGE_PLACEHOLDER_ID, ImageUrlPolicy, InvalidImageError, image_descriptor
-from deepinfer.entrypoint.http import structured
+from deepinfer.entrypoint.http import fields, structured
 from deepinfer.entrypoint.http.errors import ApiError, invalid, json_object
 from deepinfer.protos import common_pb2
 
@@ -106,24 +106,66 @@ class Prepared:
     """The output constraint recipe derived (JSON mode, json_schema / regex formats, tool calls)."""
     penalties: dict[str, float] = field(default_factory=dict)
     """presence_penalty / frequency_penalty from the body (recipe does not carry them)."""
+    extras: fields.SamplingExtras = field(default_factory=fields.SamplingExtras)
+    """logit_bias, min_tokens, top_k, repetition_penalty and the asked temperature / top_p (`fields`)."""
+    thinking_sampling: str = "official"
+    """`HttpConfig.thinking_sampling`: whose temperature / top_p a thinking-mode request samples with."""
 
     @property
     def is_stream(self) -> bool:
         return self.request.stream
+
+    @property
+    def is_thinking(self) -> bool:
+        return self.request.conversation.thinking_mode
+
+    def used_temperature_top_p(self) -> tuple[float | None, float | None]:
+        """The temperature and top_p the request samples with: recipe's (1.0 in thinking mode, as
+        DeepSeek's API), or the body's in thinking mode when the server honours them there."""
+        options = self.request.inference_options
+        temperature, top_p = options.temperature, options.top_p
+        if self.is_thinking and self.thinking_sampling == "request":
+            if self.extras.temperature is not None:
+                temperature = self.extras.temperature
+            if self.extras.top_p is not None:
+                top_p = self.extras.top_p
+        return temperature, top_p
+
+    def sampling_headers(self) -> dict[str, str]:
+        """Response headers that say how the request was sampled: the mode, the temperature and top_p
+        used, and which asked values the mode overrode (`X-DeepInfer-Sampling-Overridden`)."""
+        temperature, top_p = self.used_temperature_top_p()
+        headers = {"X-DeepInfer-Thinking": "enabled" if self.is_thinking else "disabled",
+                   "X-DeepInfer-Sampling": f"temperature={temperature}; top_p={top_p}"}
+        overridden = [f"{name}={asked} (used {used}: thinking mode samples with the model's defaults)"
+                      for name, asked, used in (("temperature", self.extras.temperature, temperature),
+                                                ("top_p", self.extras.top_p, top_p))
+                      if asked is not None and used is not None and abs(asked - used) > 1e-6]
+        if overridden:
+            headers["X-DeepInfer-Sampling-Overridden"] = "; ".join(overridden)
+        return headers
 
     def sampling_params(self) -> common_pb2.SamplingParams:
         """The token API's sampling params. Stop sequences stay with recipe's parser (it stops on the
         answer text, not on reasoning), which ends the call once it matched."""
         options = self.request.inference_options
         params = common_pb2.SamplingParams(max_tokens=self.max_tokens)
-        if options.temperature is not None:
-            params.temperature = options.temperature
-        if options.top_p is not None:
-            params.top_p = options.top_p
+        temperature, top_p = self.used_temperature_top_p()
+        if temperature is not None:
+            params.temperature = temperature
+        if top_p is not None:
+            params.top_p = top_p
         if options.seed is not None:
             params.seed = options.seed
         for name, value in self.penalties.items():
             setattr(params, name, value)
+        extras = self.extras
+        params.logit_bias.update(extras.logit_bias)
+        params.min_tokens = extras.min_tokens
+        if extras.top_k is not None:
+            params.top_k = extras.top_k
+        if extras.repetition_penalty is not None:
+            params.repetition_penalty = extras.repetition_penalty
         if self.structured_output is not None:
             params.structured_output.CopyFrom(self.structured_output)
         return params
@@ -206,8 +248,12 @@ class RecipeFront:
     """Converts protocol requests with recipe for one model (tokenizer, chat encoding, names, context)."""
 
     def __init__(self, model_dir: str | Path, served_model_name: str, max_model_len: int,
-                 image_policy: ImageUrlPolicy) -> None:
+                 image_policy: ImageUrlPolicy, *, default_thinking: bool = True,
+                 thinking_sampling: str = "official") -> None:
+        """`default_thinking`: the mode of a request that names none (recipe's default: on, as DeepSeek's
+        API); `thinking_sampling`: see `HttpConfig.thinking_sampling`."""
         self.served_model_name = served_model_name
+        self.thinking_sampling = thinking_sampling
         self.max_model_len = max_model_len
         self.image_policy = image_policy
         self.encoding_name = chat_encoding(model_dir)
@@ -224,6 +270,8 @@ class RecipeFront:
             version = recipe.ModelVersion.DeepseekV41Flash
         self.model_names = (served_model_name, *[n for n in RECIPE_MODEL_NAMES if n != served_model_name])
         self.options = recipe.ConversionOptions().with_model_versions_by_name({n: version for n in self.model_names})
+        if not default_thinking:
+            self.options = self.options.with_default_thinking_mode(False)
         template = _template_encoding(model_dir)
         self.is_template = template is not None
         """The checkpoint's own chat template renders prompts (not recipe's encoding); see the module docstring."""
@@ -240,28 +288,29 @@ class RecipeFront:
     def prepare(self, api: str, body: bytes) -> Prepared:
         """Convert a protocol request body; raises `ApiError` (400/404) for bad input."""
         parsed = json_object(body)
+        fields.check_integers(parsed)  # recipe's parser raises OverflowError on them
+        if api == MESSAGES:
+            fields.check_messages_body(parsed)
         try:
             for url in image_urls(parsed):
                 self.image_policy.check(url)
         except InvalidImageError as e:
             raise invalid(str(e), code=e.code) from None
-        penalties = structured.penalties(parsed)  # before recipe, whose type errors do not name the field
-        try:
-            request = _REQUEST_CLS[api](parsed)
-        except ValueError as e:
-            raise invalid(str(e)) from None
-        model = request.model
-        self.check_model(model)
-        echo = namespace_tool_map = None
-        try:
-            if api == RESPONSES:
-                echo = request.echo()
-                namespace_tool_map = request.namespace_tool_map(self.options)
-            converted = request.convert(self.options)
-        except recipe.ConversionError as e:
-            raise _conversion_error(e) from None
-        except ValueError as e:
-            raise invalid(str(e)) from None
+        # before recipe, whose type errors do not name the field
+        penalties = structured.penalties(parsed)
+        extras = fields.sampling_extras(parsed)
+        model, echo, namespace_tool_map, converted = self._convert(api, parsed)
+        # set when thinking mode needs this server to hold the answer to a tool call ("" = any declared tool)
+        required_tool: str | None = None
+        if converted is None:  # recipe refuses a required / named tool_choice in thinking mode: served here
+            required_tool = _forced_tool_name(api, parsed.get("tool_choice"))
+            auto = {"type": "auto"} if api == MESSAGES else "auto"
+            model, echo, namespace_tool_map, converted = self._convert(api, {**parsed, "tool_choice": auto})
+            if converted is None:
+                raise invalid("this tool_choice cannot be served in thinking mode", param="tool_choice")
+        elif api == MESSAGES and converted.conversation.thinking_mode and _forced_tool_name(
+                api, parsed.get("tool_choice")) is not None:  # recipe turns `any` into `auto` there
+            required_tool = _forced_tool_name(api, parsed.get("tool_choice"))
         if converted.inference_options.logprobs or converted.inference_options.top_logprobs:
             raise invalid("logprobs are not served yet; leave logprobs / top_logprobs unset", param="logprobs")
         if self.is_template:
@@ -288,8 +337,50 @@ class RecipeFront:
                         images, bool(images) and converted.inference_options.max_tokens is None, echo,
                         namespace_tool_map, structured_output=structured.structured_output(
                             converted, self.encoding_name, parallel_tool_calls=parsed.get("parallel_tool_calls"),
-                            prompt_token_ids=prompt_token_ids, tokenizer=self.tokenizer),
-                        penalties=penalties)
+                            prompt_token_ids=prompt_token_ids, tokenizer=self.tokenizer, required_tool=required_tool),
+                        penalties=penalties, extras=extras, thinking_sampling=self.thinking_sampling)
+
+    def _convert(self, api: str, parsed: dict):
+        """Recipe's conversion: (model, echo, namespace tool map, converted request); converted is None
+        when recipe refuses the body's tool_choice in thinking mode (`prepare` serves it itself)."""
+        try:
+            request = _REQUEST_CLS[api](parsed)
+        except (ValueError, OverflowError) as e:
+            raise invalid(str(e)) from None
+        model = request.model
+        self.check_model(model)
+        echo = namespace_tool_map = None
+        try:
+            if api == RESPONSES:
+                echo = request.echo()
+                namespace_tool_map = request.namespace_tool_map(self.options)
+            converted = request.convert(self.options)
+        except recipe.ConversionError as e:
+            if "does not support this tool_choice" in str(e) and _forced_tool_name(api, parsed.get("tool_choice")) is not None:
+                return model, echo, namespace_tool_map, None
+            raise _conversion_error(e) from None
+        except ValueError as e:
+            raise invalid(str(e)) from None
+        return model, echo, namespace_tool_map, converted
+
+
+def _forced_tool_name(api: str, tool_choice: Any) -> str | None:
+    """The tool a body's `tool_choice` forces: "" for any tool (`required`, Anthropic's `any`), the
+    name of a named one, None when it forces none."""
+    if tool_choice == "required":
+        return ""
+    if not isinstance(tool_choice, dict):
+        return None
+    kind = tool_choice.get("type")
+    if api == MESSAGES:
+        if kind == "any":
+            return ""
+        name = tool_choice.get("name") if kind == "tool" else None
+        return name if isinstance(name, str) and name else None
+    if kind == "function":  # chat: {"function": {"name"}}; responses: {"name"}
+        name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+        return name if isinstance(name, str) and name else None
+    return None
 
 
 def _check_template_request(converted: recipe.ConversationRequest, has_images: bool) -> None:

@@ -11,12 +11,12 @@ import grpc
 logger = logging.getLogger("entrypoint.http")
 
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                   404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error",
                    503: "overloaded_error", 504: "timeout_error"}
 """HTTP status -> Anthropic error type (anything else: api_error)."""
 
 OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error",
+                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error",
                 504: "timeout_error"}
 """HTTP status -> OpenAI error type (anything else: server_error)."""
 
@@ -28,16 +28,19 @@ class ApiError(Exception):
     """
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after_s: int | None = None) -> None:
+                 retry_after_s: int | None = None, extra_headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.retry_after_s = retry_after_s
+        self.extra_headers = dict(extra_headers or {})
+        """More response headers (e.g. `Allow` of a 405)."""
 
     def headers(self) -> dict[str, str]:
-        return {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
+        retry = {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
+        return {**self.extra_headers, **retry}
 
     def openai_body(self) -> dict:
         return {"error": {"message": self.message, "type": OPENAI_TYPES.get(self.status, "server_error"),

@@ -49,19 +49,30 @@ _STRUCTURAL_TAG_MODELS = {"v4": "deepseek_v4", "v4.1": "deepseek_v4_1"}
 
 def structured_output(request: recipe.ConversationRequest, encoding_name: str, *,
                       parallel_tool_calls: Any = None, prompt_token_ids: list[int] = (),
-                      tokenizer: recipe.Tokenizer | None = None) -> common_pb2.StructuredOutput | None:
+                      tokenizer: recipe.Tokenizer | None = None,
+                      required_tool: str | None = None) -> common_pb2.StructuredOutput | None:
     """The token API constraint of a converted request, or None when it asks for none; 400 if unsupported.
 
     `parallel_tool_calls` is the body's field (Chat Completions, Responses): `false` allows one invoke
     per tool-call block; unset or `true`, several. `prompt_token_ids` (the rendered prompt) and
     `tokenizer` let a required tool call leave out the block opener that recipe already put at the end
-    of the prompt (see `_drop_prefilled_opener`).
+    of the prompt (see `_drop_prefilled_opener`). `required_tool` (thinking mode, where recipe serves
+    no forced tool_choice): the answer after the reasoning must be a call ("" = of any declared tool,
+    else of the one named).
     """
     constraint = request.inference_options.output_constraint
     if constraint is None:
         return None
     thinking = request.conversation.thinking_mode
     kind, spec = constraint.kind, constraint.schema
+    if required_tool is not None and kind in ("tool_call", "tool_call_required"):
+        kind = "tool_call_required"
+        if required_tool:
+            tools = [t for t in json.loads(spec) if t.get("function", {}).get("name") == required_tool]
+            if not tools:
+                raise invalid(f"tool_choice names {required_tool!r}, which is not among the declared tools",
+                              param="tool_choice")
+            spec = json.dumps(tools)
     msg = common_pb2.StructuredOutput()
     if kind == "json":
         msg.json_schema = spec or JSON_MODE_SCHEMA
@@ -155,7 +166,29 @@ def _tool_call_tag(tools_json: str, is_required: bool, thinking: bool, encoding_
     except ValueError as e:
         raise invalid(f"the tool definitions cannot be enforced as tool calls: {str(e)[:300]}", param="tools",
                       code="unsupported_output_constraint") from None
-    return json.loads(tag.model_dump_json())
+    tag = json.loads(tag.model_dump_json())
+    if thinking:
+        _forbid_dsml_in_reasoning(tag)
+    return tag
+
+
+DSML_MARKER = "<｜DSML｜"
+"""The start of every DSML tag (V4 and V4.1): what a tool call begins with."""
+
+
+def _forbid_dsml_in_reasoning(tag: dict) -> None:
+    """Excludes DSML from the free reasoning part of a thinking-mode tool-call tag (in place).
+
+    NOTE: xgrammar's reasoning part excludes only `<think>` / `</think>`, so a model could open a tool
+    call inside its reasoning; recipe's parser takes such a call, unconstrained (calls of undeclared
+    tools, arguments that are not JSON). Excluding the DSML marker there leaves the tool-call grammar
+    after `</think>` as the one place a call can be written.
+    """
+    elements = tag.get("format", {}).get("elements") or []
+    for element in elements:
+        content = element.get("content") if element.get("type") == "tag" else None
+        if element.get("end") == REASONING_END and isinstance(content, dict) and content.get("type") == "any_text":
+            content["excludes"] = [*content.get("excludes", []), DSML_MARKER]
 
 
 def penalties(body: Any) -> dict[str, float]:

@@ -4,6 +4,7 @@ argument errors: no Ray cluster, no model."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -86,15 +87,17 @@ def test_cli_argument_errors(capsys):
 
 def test_generate_ignores_a_stale_cluster_record(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DEEPINFER_HOME", str(tmp_path))
+    monkeypatch.delenv("DEEPINFER_CLUSTER", raising=False)
     assert cli._running_entrypoint() is None  # nothing recorded
-    write_state({"name": "deepinfer", "entrypoint": "127.0.0.1:1"})
-    assert read_state()["entrypoint"] == "127.0.0.1:1"
+    # recorded by a live `up` (this process) whose entrypoint does not answer
+    write_state({"name": "deepinfer", "status": "up", "pid": os.getpid(), "entrypoint": "127.0.0.1:1"})
+    assert read_state("deepinfer")["entrypoint"] == "127.0.0.1:1"
     assert cli._running_entrypoint() is None
     assert "does not answer; generating offline" in capsys.readouterr().err
     remove_state("other-cluster")
-    assert read_state() is not None
+    assert read_state("deepinfer") is not None
     remove_state("deepinfer")
-    assert read_state() is None and not list(tmp_path.iterdir())
+    assert read_state("deepinfer") is None and not list((tmp_path / "clusters").iterdir())
 
 
 def test_status_table_lists_instances_and_balance():

@@ -184,7 +184,8 @@ def test_models_health_metrics(http, cluster, model_name):
     models = http.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == model_name
     assert {"DeepSeek-V4-Pro", "DeepSeek-V4.1-Flash"} <= {m["id"] for m in models["data"]}
-    assert httpx.get(cluster.http_url + "/health").json() == {"status": "ok"}  # no key needed
+    # no key needed; the numerics flag the workers run with is reported
+    assert httpx.get(cluster.http_url + "/health").json() == {"status": "ok", "batch_invariant": False}
     text = http.get("/metrics").text
     for name in ("deepinfer_http_requests_total", "deepinfer_http_time_to_first_token_seconds_bucket",
                  "deepinfer_http_inter_token_latency_seconds_bucket", "deepinfer_http_requests_in_flight",

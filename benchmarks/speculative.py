@@ -1,0 +1,121 @@
+"""Speculative decoding (MTP drafts) on the built-in model: accepted length and decode throughput.
+
+    python -m deepinfer.benchmarks.speculative [--batch-sizes 1,4,16] [--ks 0,1,2,3,3c] [--repeats 3]
+        [--max-tokens 64] [--json OUT]
+
+`--ks`: drafts per step; a trailing `c` (e.g. `3c`) runs that k with confidence-scheduled verification
+(`verify_schedule="confidence"`, the drafts' MTP probabilities as confidences) instead of full blocks.
+
+Workload (fixed by `--seed`): the built-in demo model's own tasks rendered in its chat format
+(two-digit additions, copy / reverse word lists, the weather tool call; thinking mode for half of
+them), greedy, natural stops (the outputs are the same for every k: speculation is lossless, which
+the script checks). For each batch size, every k runs `--repeats` times, interleaved (k = 0, 1, ...,
+then again), on one engine per k built up front; the best wall time of `LLM.generate` counts
+(shared CPUs make the others noisy). Reported per (batch, k): output tokens / s, the speedup over
+k = 0, the mean accepted length (tokens per verification, the sampled one included), the acceptance
+rate per draft position and the target positions verified per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import time
+
+import torch
+
+
+def workload(num: int, seed: int) -> list[list[int]]:
+    """`num` chat prompts of the demo model's tasks (token ids)."""
+    import deepseek_recipe as recipe
+
+    from deepinfer.engine.builtin_model import builtin_model_path
+    from deepinfer.engine.tokenizer import load_chat_encoding
+
+    enc = load_chat_encoding(builtin_model_path())
+    rng = random.Random(seed)
+    words = ["red", "green", "blue", "apple", "river", "stone", "cloud", "table", "music", "garden"]
+    places = ["Paris", "Lisbon", "Tokyo", "Oslo", "Cairo", "Lima"]
+    out = []
+    for i in range(num):
+        kind = i % 4
+        if kind == 0:
+            q = f"What is {rng.randint(10, 99)} + {rng.randint(10, 99)}?"
+        elif kind == 1:
+            q = "Repeat these words: " + " ".join(rng.sample(words, rng.randint(3, 5)))
+        elif kind == 2:
+            q = "Reverse these words: " + " ".join(rng.sample(words, rng.randint(3, 5)))
+        else:
+            q = f"What's the weather like in {rng.choice(places)}?"
+        out.append(enc.encode(recipe.Conversation([recipe.UserMessage(q)], thinking_mode=(i // 4) % 2 == 0)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch-sizes", default="1,4,16")
+    ap.add_argument("--ks", default="0,1,2,3,3c")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from deepinfer.engine.llm import LLM
+    from deepinfer.engine.sampling import SamplingParams
+
+    ks = args.ks.split(",")
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    llms = {k: LLM(max_num_seqs=max(sizes), speculative_tokens=int(k.rstrip("c")),
+                   verify_schedule="confidence" if k.endswith("c") else "full") for k in ks}
+    results = []
+    for b in sizes:
+        prompts = [{"prompt_token_ids": p} for p in workload(b, args.seed)]
+        best: dict[int, float] = {}
+        stats: dict[int, dict] = {}
+        ref = None
+        for _ in range(args.repeats):
+            for k in ks:
+                llm = llms[k]
+                spec = llm.engine.spec
+                if spec is not None:
+                    spec.metrics = type(spec.metrics)(spec.num_draft_tokens)
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                dt = time.perf_counter() - t0
+                ids = [o.outputs[0].token_ids for o in outs]
+                if ref is None:
+                    ref = ids
+                elif ids != ref:
+                    raise AssertionError(f"k={k} changed a greedy output at batch {b}")
+                best[k] = min(best.get(k, float("inf")), dt)
+                if spec is not None:
+                    stats[k] = spec.metrics.as_dict()
+        num_out = sum(len(x) for x in ref)
+        for k in ks:
+            row = {"batch": b, "k": k, "output_tokens": num_out, "best_s": round(best[k], 4),
+                   "tokens_per_s": round(num_out / best[k], 1), "speedup": round(best[ks[0]] / best[k], 3)}
+            if k in stats:
+                s = stats[k]
+                row.update(mean_accepted_length=round(s["mean_accepted_length"], 3),
+                           acceptance_rate_per_position=[round(x, 3) for x in s["acceptance_rate_per_position"]],
+                           verified_tokens_per_step=round(s["verified_tokens_per_step"], 2),
+                           verified_drafts=s["num_verified_drafts"], proposed_drafts=s["num_proposed_drafts"])
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    report = {"machine": platform.platform(), "cpus": os.cpu_count(), "threads": args.threads,
+              "loadavg_end": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "results": results}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    main()

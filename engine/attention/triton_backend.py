@@ -1,0 +1,135 @@
+"""The `triton` attention backend: fused decode kernels, CUDA-graph safe.
+
+Decode rows (one new token each) run in a few kernels per layer, every decision taken on the device:
+
+1. `ring_write` — the row's K=V into its window ring;
+2. `compressor_decode` (compressed layers; CSA twice: main and indexer) — the row's projected token
+   into the compressor rings and, when it ends a window that is not frozen, that window's entry into
+   the paged pool (`kernels.compressor`);
+3. `indexer_topk` (CSA) — the lightning indexer's scores over the visible index keys and the top-k
+   with `topk_mask`'s tie rule, as entry indices (`kernels.indexer`);
+4. `decode_attention` — window + entries (all visible for HCA, the selection for CSA) + the per-head
+   sink, flash-decoding over fixed-size splits (`kernels.decode_attention`).
+
+Its metadata (`build_metadata`) has static decode rows (`DecodeRows.is_static`): block tables padded
+to `cache.max_blocks_per_seq` with `cache.dummy_block`, no host value that changes between steps of
+one batch size, so a CUDA graph captured for B rows replays with the next step's metadata copied in.
+Padding rows (`cache.dummy_slot`, position 0) read and write nothing (the kernels mask them).
+
+Prefill chunks (and the prefill part of a mixed step) run the `torch` backend's per-chunk path,
+eagerly; decode rows of a mixed step still take the kernels. Decode rows of metadata built elsewhere
+(not static: the MTP layer's own builder) take the `torch` path too.
+
+Each kernel is a module op of `kernels.registry` with a torch reference: on a device without Triton
+(the CPU) the backend runs those references, the same static-metadata arithmetic in plain torch;
+`impl="triton"` forces the kernels (the CPU tests run them under `TRITON_INTERPRET=1`). The `torch`
+backend is the oracle: the tests compare the two on the same inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.engine.attention.base import (
+    AttentionInputs,
+    AttentionMetadata,
+    DecodeRows,
+    LayerSpec,
+    RopeFn,
+    build_attention_metadata,
+    register_attention_backend,
+)
+from deepinfer.engine.attention.indexer_quant import rotate_and_quant
+from deepinfer.engine.attention.torch_backend import TorchAttentionBackend, _pools
+from deepinfer.engine.cache.kv_cache import V4KVCache
+from deepinfer.kernels import compressor as _compressor  # noqa: F401  (registers the ops)
+from deepinfer.kernels import decode_attention as _decode_attention
+from deepinfer.kernels import indexer as _indexer  # noqa: F401
+from deepinfer.kernels.registry import default_impl, get_op
+
+_OPS = ("ring_write", "compressor_decode", "write_entries", "indexer_topk", "decode_attention")
+
+
+@dataclass(frozen=True)
+class _DecodeOps:
+    """The decode kernels picked for one device."""
+
+    ring_write: object
+    compressor_decode: object
+    write_entries: object
+    indexer_topk: object
+    decode_attention: object
+
+
+@register_attention_backend("triton")
+class TritonAttentionBackend(TorchAttentionBackend):
+    """Fused Triton decode kernels over static metadata; prefill chunks as the `torch` backend."""
+
+    cuda_graph_safe = True
+    split_size: int = _decode_attention.DEFAULT_SPLIT_SIZE
+    """Keys per flash-decoding split (fixed: a row's result does not depend on its batch)."""
+
+    def __init__(self, impl: str | None = None) -> None:
+        """`impl`: "triton" or "torch" for every decode op, None for each op's default on the tensors'
+        device (the kernels on CUDA, the torch references elsewhere)."""
+        self.impl = impl
+        self._ops: dict[torch.device, _DecodeOps] = {}
+
+    @classmethod
+    def build_metadata(cls, batch, specs: tuple[LayerSpec, ...], rope_fns: dict[str, RopeFn],
+                       cache: V4KVCache) -> AttentionMetadata:
+        """Static decode rows (shapes from B and the cache geometry only), prefill chunks as usual."""
+        return build_attention_metadata(batch, specs, rope_fns, cache.block_size,
+                                        static_decode=(cache.max_blocks_per_seq, cache.dummy_block))
+
+    def ops_for(self, device: torch.device) -> _DecodeOps:
+        """The decode ops used for tensors on `device` (picked once per device)."""
+        ops = self._ops.get(device)
+        if ops is None:
+            ops = _DecodeOps(*(get_op(op, self.impl or default_impl(op, device)) for op in _OPS))
+            self._ops[device] = ops
+        return ops
+
+    def _decode_batched(self, spec: LayerSpec, dm: DecodeRows, inputs: AttentionInputs, r,
+                        cache: V4KVCache) -> torch.Tensor:
+        if not dm.is_static:  # metadata of the host-decided form (the MTP layer's builder)
+            return super()._decode_batched(spec, dm, inputs, r, cache)
+        ops = self.ops_for(inputs.q.device)
+        ring = cache.window_kv[spec.layer_idx]  # [slots, W, D]
+        q = inputs.q[r].to(ring.dtype).contiguous()  # [B, NH, D]
+        ops.ring_write(ring, dm.slots, dm.pos, inputs.kv[r].contiguous())
+        pool = entries = None
+        rate = spec.compress_rate
+        if spec.is_compressed:
+            pool, buf_kv, buf_gate, ipool, ibuf_kv, ibuf_gate = _pools(spec, cache)
+            self._compress(ops, spec, dm, inputs.compressor, inputs.compressor_kv[r], inputs.compressor_gate[r],
+                           buf_kv, buf_gate, pool)
+            if spec.has_indexer:
+                indexer = inputs.indexer
+                self._compress(ops, spec, dm, indexer.compressor, inputs.index_kv[r], inputs.index_gate[r],
+                               ibuf_kv, ibuf_gate, ipool)
+                cos, sin = dm.rope[spec.rope]
+                qi = indexer._queries(inputs.q_res[r], cos, sin).to(ipool.dtype).contiguous()  # [B, IH, ID]
+                weights = (indexer.weights_proj(inputs.x[r]).float() * indexer.num_heads**-0.5).contiguous()
+                entries = ops.indexer_topk(qi, weights, ipool, dm.pos, dm.block_tables, rate, indexer.topk)
+        out = ops.decode_attention(q, ring, pool, dm.slots, dm.pos, dm.state_start, dm.block_tables, entries,
+                                   rate, inputs.sink.float(), self.split_size)
+        return out.to(inputs.q.dtype)
+
+    @staticmethod
+    def _compress(ops: _DecodeOps, spec: LayerSpec, dm: DecodeRows, comp, kv, gate, buf_kv, buf_gate,
+                  pool) -> None:
+        """One compressor's one-token update for every row (entries written where a window ends)."""
+        cos, sin = dm.entry_rope[spec.compress_rate]
+        args = (kv.to(buf_kv.dtype).contiguous(), gate.to(buf_gate.dtype).contiguous(), buf_kv, buf_gate, comp.ape,
+                comp.norm.weight, comp.norm.eps, cos, sin, dm.slots, dm.pos, dm.frozen, dm.block_tables, pool,
+                spec.compress_rate, comp.overlap)
+        if not comp.rotate_quant:
+            ops.compressor_decode(*args)
+            return
+        # the indexer's reference numerics: entries out, rotated + FP4-simulated here, then written
+        new = torch.empty((kv.shape[0], comp.dim), dtype=pool.dtype, device=pool.device)
+        done = ops.compressor_decode(*args, entries_out=new)
+        ops.write_entries(pool, rotate_and_quant(new).contiguous(), done, dm.pos, dm.block_tables, spec.compress_rate)

@@ -1,0 +1,285 @@
+"""CUDA graphs for pure-decode steps: capture once per batch-size bucket, then replay.
+
+A decode step of a V4 model launches thousands of small kernels; at small batches the host spends
+longer launching them than the GPU spends running them. A CUDA graph records one step's kernels once
+and replays them with a single launch. The graph reads its inputs from fixed ("static") device
+buffers, so a replay first copies the step's inputs into them.
+
+How a step gets here (`engine.model_runner.ModelRunner`):
+
+1. `prepare` pads a pure-decode batch of B rows to the smallest bucket `>= B` with dummy rows (state
+   slot `cache.dummy_slot`, block table `[cache.dummy_block]`, position 0, token 0; their outputs are
+   never read) and builds the step's `AttentionMetadata` for the padded batch, once.
+2. `run` hands the batch to `CudaGraphRunner.run`. The graph inputs are the batch's `input_ids`,
+   `positions` and every tensor of its metadata, found by walking dataclasses, dicts, tuples and lists
+   (`flatten`). Their *structure* — the nesting, every tensor's shape, dtype and device, and every
+   host value (ints, bools, None) — must equal the structure recorded at capture; then the tensors are
+   `copy_`-ed into the static ones and the graph replays. Any difference (a host int that changed, a
+   shape that grew) means the captured kernels would compute something else: the step then runs
+   eagerly and `stats["eager_fallbacks"]` counts it. A backend whose decode metadata depends only on
+   the batch size and the cache geometry (`cuda_graph_safe = True`) never falls back.
+3. The graph covers the forward up to the final hidden states, a static buffer that the next replay
+   overwrites: `run` gathers the rows of `batch.logits_indices` out of it and computes their logits
+   eagerly (`model.compute_logits`: the LM head, one GEMM). Keeping the head outside keeps the static
+   buffers small (`[bucket, hidden]`, not `[bucket, vocab]` float32 per bucket) and skips the dummy rows.
+
+Graphs are used only when the device is CUDA, `enforce_eager` is off, the cache has a dummy slot and
+block, and every backend the model holds (each module's `backend` attribute: the attention backend,
+every MoE layer's backend) declares `cuda_graph_safe = True`: a backend that reads a device value on
+the host (`.tolist()`, `.item()`) or sizes a tensor from one cannot be captured. Prefill and mixed
+steps always run eagerly.
+
+Capture: `capture_dummy` (start-up, the engine's way) records a bucket from an all-dummy batch after
+one eager warm-up run of it, which touches only the dummy slot and block (masked by a graph-safe
+backend); `run` captures a bucket it has not seen from the step's own inputs (the eager warm-up run
+*is* that step, so its results are returned; the capture itself executes nothing). All graphs share one memory pool: at most one graph
+runs at a time (one executor thread), and every graph's output is copied out before the next replay,
+so a later capture may reuse the pool memory of an earlier graph's intermediates.
+
+NOTE: a capture runs while no other thread issues device work on the capture stream; the mode is
+"thread_local" so that the engine thread may keep preparing the next step on the default stream.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from deepinfer.engine.forward_batch import ForwardBatch, SeqChunk
+
+DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+"""Bucket sizes of decode batches captured as graphs (those up to `max_num_seqs`, plus `max_num_seqs`)."""
+
+
+def graph_batch_sizes(max_num_seqs: int, sizes: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The buckets for an instance of `max_num_seqs`: `sizes` (default `DEFAULT_BATCH_SIZES`) up to
+    `max_num_seqs`, plus `max_num_seqs` itself so that every decode batch has a bucket; sorted."""
+    sizes = DEFAULT_BATCH_SIZES if sizes is None else tuple(sizes)
+    if any(int(s) <= 0 for s in sizes):
+        raise ValueError(f"cuda_graph_batch_sizes must be positive; got {list(sizes)}")
+    return tuple(sorted({int(s) for s in sizes if s <= max_num_seqs} | {max_num_seqs}))
+
+
+def graph_blockers(model: nn.Module, cache, device: torch.device | str) -> list[str]:
+    """Why the model cannot run decode steps as CUDA graphs (empty: it can).
+
+    Checks the device, the cache's dummy slot and block, and the `cuda_graph_safe` flag of every
+    distinct backend object a module of the model holds as `backend` (attention and MoE backends).
+    """
+    reasons = []
+    if torch.device(device).type != "cuda":
+        reasons.append(f"device {device} is not CUDA")
+    for attr in ("dummy_slot", "dummy_block"):
+        if getattr(cache, attr, None) is None:
+            reasons.append(f"the cache has no {attr}")
+    seen: set[int] = set()
+    for module in model.modules():
+        backend = module.__dict__.get("backend")
+        if backend is None or id(backend) in seen or isinstance(backend, nn.Module):
+            continue
+        seen.add(id(backend))
+        if not getattr(backend, "cuda_graph_safe", False):
+            name = f"{type(backend).__name__} ({getattr(backend, 'name', '') or '?'})"
+            if not any(name in r for r in reasons):
+                reasons.append(f"backend {name} is not cuda_graph_safe")
+    return reasons
+
+
+# --------------------------------------------------------------------------- graph inputs
+
+
+class UnsupportedLeaf(TypeError):
+    """A graph input holds an object whose equality cannot stand for its effect on the step."""
+
+
+_HOST_VALUES = (int, float, bool, str, bytes, type(None), slice, torch.dtype, torch.device)
+
+
+def flatten(obj, tensors: list[torch.Tensor] | None = None, memo: dict[int, int] | None = None):
+    """`(structure, tensors)`: the tensors of `obj` in a fixed walk order, and a hashable description of
+    everything else (types, dataclass field names, dict keys, host values, each tensor's shape, dtype,
+    device, and which leaves are one and the same tensor).
+
+    Two inputs with equal structures differ only in their tensors' values, so a graph captured for one
+    computes the other once the tensors are copied in. Raises `UnsupportedLeaf` for any other object.
+    """
+    tensors = [] if tensors is None else tensors
+    memo = {} if memo is None else memo
+    if isinstance(obj, torch.Tensor):
+        if id(obj) in memo:
+            return ("alias", memo[id(obj)]), tensors
+        memo[id(obj)] = len(tensors)
+        tensors.append(obj)
+        return ("t", tuple(obj.shape), obj.dtype, obj.device), tensors
+    if isinstance(obj, _HOST_VALUES):
+        return ("v", type(obj), obj), tensors
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = tuple((f.name, flatten(getattr(obj, f.name), tensors, memo)[0]) for f in dataclasses.fields(obj))
+        return ("dc", type(obj), fields), tensors
+    if isinstance(obj, dict):
+        return ("d", tuple((k, flatten(v, tensors, memo)[0]) for k, v in obj.items())), tensors
+    if isinstance(obj, (list, tuple)):
+        return (type(obj), tuple(flatten(v, tensors, memo)[0] for v in obj)), tensors
+    raise UnsupportedLeaf(f"cannot use a {type(obj).__name__} as a CUDA-graph input")
+
+
+def clone_tensors(obj, memo: dict[int, torch.Tensor] | None = None):
+    """A copy of `obj` (as `flatten` walks it) whose tensors are fresh clones, aliases kept as aliases."""
+    memo = {} if memo is None else memo
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in memo:
+            memo[id(obj)] = obj.clone()
+        return memo[id(obj)]
+    if isinstance(obj, _HOST_VALUES):
+        return obj
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        new = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            object.__setattr__(new, f.name, clone_tensors(getattr(obj, f.name), memo))
+        return new
+    if isinstance(obj, dict):
+        return {k: clone_tensors(v, memo) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return tuple(clone_tensors(v, memo) for v in obj)
+    if isinstance(obj, list):
+        return [clone_tensors(v, memo) for v in obj]
+    raise UnsupportedLeaf(f"cannot use a {type(obj).__name__} as a CUDA-graph input")
+
+
+def graph_inputs(batch: ForwardBatch) -> tuple:
+    """What a captured decode step reads that changes between steps: ids, positions and the metadata."""
+    return (batch.input_ids, batch.positions, batch.attn_metadata)
+
+
+# --------------------------------------------------------------------------- the runner
+
+
+@dataclass
+class CapturedStep:
+    """One bucket's graph and the static buffers it reads and writes."""
+
+    graph: torch.cuda.CUDAGraph
+    structure: tuple
+    """`flatten(graph_inputs(batch))[0]` of the captured batch."""
+    static_tensors: list[torch.Tensor]
+    """The graph's input buffers, in `flatten` order."""
+    hidden: torch.Tensor  # [bucket, hidden] final hidden states, overwritten by every replay
+
+
+class CudaGraphRunner:
+    """Captures and replays pure-decode steps of `model` over `cache`, one graph per bucket size.
+
+    `model(batch, cache)` is the forward (final hidden states `[T, H]`, the cache updated) and
+    `model.compute_logits(hidden)` the LM head (float32 logits), as `DeepseekV4ForCausalLM` has them.
+    `run(batch)` returns the logits of a replay, or None when the batch must run eagerly (not a
+    padded pure-decode batch of a bucket size, or a structure that differs from the capture).
+    """
+
+    def __init__(self, model: nn.Module, cache, batch_sizes: Sequence[int]) -> None:
+        self.model = model
+        self.cache = cache
+        self.batch_sizes = tuple(sorted(batch_sizes))
+        self.graphs: dict[int, CapturedStep] = {}
+        self.pool = None
+        """The memory pool every graph of this runner allocates from (created at the first capture)."""
+        self.stats = {"captures": 0, "replays": 0, "eager_fallbacks": 0}
+        """Captures made; steps replayed; eligible steps that ran eagerly because their structure
+        differed from the capture (a non-zero count means a backend's metadata is not graph-stable)."""
+
+    def bucket(self, num_rows: int) -> int | None:
+        """The smallest bucket holding `num_rows` decode rows, or None (too many: run eagerly)."""
+        for size in self.batch_sizes:
+            if size >= num_rows:
+                return size
+        return None
+
+    def dummy_chunk(self) -> SeqChunk:
+        """A padding decode row: the cache's dummy slot and block, position 0, token 0 (outputs never read)."""
+        return SeqChunk(self.cache.dummy_slot, [self.cache.dummy_block], 0, 1)
+
+    def pad(self, token_ids: list[list[int]], seqs: list[SeqChunk], size: int) -> tuple[list[list[int]], list[SeqChunk]]:
+        """`(token_ids, seqs)` extended with dummy rows (token 0) to `size` rows."""
+        extra = size - len(seqs)
+        return token_ids + [[0]] * extra, seqs + [self.dummy_chunk() for _ in range(extra)]
+
+    def is_eligible(self, batch: ForwardBatch) -> bool:
+        """Whether `batch` is a pure-decode batch of a bucket size without input embeddings."""
+        meta = batch.attn_metadata
+        return (meta is not None and meta.is_pure_decode and batch.input_embeds is None
+                and batch.num_tokens in self.batch_sizes)
+
+    @torch.inference_mode()
+    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Blocks while the step replays (or is captured); float32 logits of `batch.logits_indices` (all real
+        rows when None), or None when the step must run eagerly."""
+        if not self.is_eligible(batch):
+            return None
+        try:
+            structure, tensors = flatten(graph_inputs(batch))
+        except UnsupportedLeaf:
+            self.stats["eager_fallbacks"] += 1
+            return None
+        step = self.graphs.get(batch.num_tokens)
+        if step is None:
+            return self._logits(self.capture(batch), batch)
+        if structure != step.structure:
+            self.stats["eager_fallbacks"] += 1
+            return None
+        for dst, src in zip(step.static_tensors, tensors):
+            dst.copy_(src, non_blocking=True)
+        step.graph.replay()
+        self.stats["replays"] += 1
+        return self._logits(step.hidden, batch)
+
+    def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Logits of the wanted rows (`logits_indices`, else every real row), gathered out of `hidden`
+        first (a replay's static buffer: the next replay overwrites it)."""
+        if batch.logits_indices is None:
+            rows = hidden[:batch.num_tokens - batch.num_dummy_rows].clone()
+        else:
+            rows = hidden.index_select(0, batch.logits_indices)
+        return self.model.compute_logits(rows)
+
+    def capture_dummy(self, size: int) -> None:
+        """Blocks while bucket `size` is captured from an all-dummy batch (start-up; touches no request's state)."""
+        if size in self.graphs:
+            return
+        ids, seqs = self.pad([], [], size)
+        batch = ForwardBatch.build(ids, seqs, device=self.cache.device)
+        batch.num_dummy_rows = size
+        batch.attn_metadata = self.model.build_attention_metadata(batch, self.cache)
+        if not self.is_eligible(batch):
+            raise RuntimeError(f"an all-dummy batch of {size} rows is not a pure-decode batch")
+        self.capture(batch)
+
+    @torch.inference_mode()
+    def capture(self, batch: ForwardBatch) -> torch.Tensor:
+        """Blocks while `batch` runs eagerly (the warm-up: the step itself) and its bucket is captured;
+        returns that eager run's final hidden states of every row `[bucket, hidden]`."""
+        structure, tensors = flatten(graph_inputs(batch))
+        static_tensors = [t.clone() for t in tensors]  # outside the graph pool: never reused by a capture
+        memo = {id(t): s for t, s in zip(tensors, static_tensors)}
+        input_ids, positions, meta = clone_tensors(graph_inputs(batch), memo)
+        static = copy.copy(batch)
+        static.input_ids, static.positions, static.attn_metadata = input_ids, positions, meta
+        static.logits_indices = None  # the forward does not read it; callers select rows after the replay
+        eager = self.model(static, self.cache)  # warm-up (kernel compilation, library handles)
+        graph, hidden = self.record(lambda: self.model(static, self.cache))
+        self.graphs[batch.num_tokens] = CapturedStep(graph, structure, static_tensors, hidden)
+        self.stats["captures"] += 1
+        return eager
+
+    def record(self, fn) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Blocks while `fn`'s device work is captured (not run) into a new graph in the runner's pool;
+        returns the graph and `fn`'s output (the buffer each replay rewrites)."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = fn()
+        return graph, out

@@ -1,0 +1,30 @@
+"""engine.distributed: an instance as a group of ranks (attention data parallelism, MoE expert parallelism).
+
+  * `group`: joining the rank group (torch.distributed: gloo on CPU ranks, NCCL on GPUs; control on gloo).
+  * `plan`: cutting the engine's step into one `RankPlan` per rank (a request runs on the rank owning
+    its state slot; each rank owns its requests' KV).
+  * `expert_parallel`: the rank side of EP: wrapping each MoE layer in `engine.moe.ep_backend`'s
+    `ExpertParallelMoEBackend`, the zero-row dummy step of a rank without work, EPLB re-placement and the
+    measured loads (`engine.moe.eplb`).
+  * `worker`: a rank's state and the command loop of ranks 1..N-1 (SPMD).
+  * `executor`: `MultiRankExecutor`, the `engine.executor` seam's multi-rank executor ("multirank"),
+    picked when `EngineConfig.expert_parallel_size > 1`.
+
+`check_config` holds the configuration rules of a multi-rank instance (called by `EngineConfig`).
+"""
+
+from __future__ import annotations
+
+
+def check_config(config) -> None:
+    """Raise ValueError (saying how to fix it) when `config` (an `EngineConfig` with
+    `expert_parallel_size > 1`) asks for something a multi-rank instance does not support yet."""
+    if config.speculative_tokens:
+        raise ValueError("speculative decoding is not supported with expert_parallel_size > 1 yet; "
+                         "set speculative_tokens=0")
+    if config.async_scheduling:
+        raise ValueError("the multi-rank executor does not overlap steps; set async_scheduling=False (or leave it "
+                         "unset) with expert_parallel_size > 1")
+    if config.executor not in (None, "multirank"):
+        raise ValueError(f"expert_parallel_size > 1 runs on the 'multirank' executor, not {config.executor!r}; "
+                         "leave executor unset")

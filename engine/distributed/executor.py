@@ -1,0 +1,210 @@
+"""`MultiRankExecutor`: an instance as a group of ranks (attention data-parallel, experts expert-parallel).
+
+The engine's process is rank 0: it holds the scheduler view (`Engine`), prepares each step as usual,
+and this executor runs it over the group: `split_step` cuts the batch into one `RankPlan` per rank
+(a request runs on the rank owning its state slot, `rank_of_slot`), rank 0 scatters the plans over
+the control group, every rank runs its plan (the same `RankState.run`: SPMD; a rank without requests
+joins the MoE collectives with zero rows), and rank 0 gathers each rank's logits, puts them in the
+step's sampling order and samples once, with its sampler, so every token is drawn exactly as the
+single-process engine draws it. Ranks 1..N-1 are processes this executor starts (`spawn`) and stops.
+
+`max_inflight = 1`: the step runs inside `submit` (no overlap yet).
+
+EPLB: `rebalance_experts()` (or every `eplb_interval_steps` steps) re-places each MoE layer's experts
+from the loads measured since the last rebalance; `expert_loads()` returns the measured loads and the
+imbalance (max / mean rows per rank per MoE layer), the metric EPLB drives down.
+
+Failures: an exception on any rank (or a rank process that died) fails the step's future and the
+executor: the group's collectives cannot line up again, so the instance fails as a whole and must be
+restarted (a new engine).
+
+NOTE: the logits travel to rank 0 as host tensors over the gloo control group ([rows, vocab] float32
+per rank per step), which is fine for CPU ranks and small batches; on GPUs each rank should sample its
+own rows with a shared generator state (the next step for this executor).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from deepinfer.engine.distributed.expert_parallel import LayerLoad, imbalance_of
+from deepinfer.engine.distributed.group import GroupAddress, backend_for, free_port, join_group, leave_group
+from deepinfer.engine.distributed.plan import split_step
+from deepinfer.engine.distributed.worker import Command, RankError, RankSpec, RankState, rank_main
+from deepinfer.engine.executor import Executor, PreparedStep, StepResult
+
+if TYPE_CHECKING:
+    from deepinfer.engine.engine import EngineConfig
+    from deepinfer.engine.model_runner import ModelRunner
+    from deepinfer.engine.sampling import Sampler
+
+
+@dataclass
+class ExpertLoads:
+    """Measured MoE load of an instance since the counters last restarted."""
+
+    per_rank: list[list[LayerLoad]]
+    """`per_rank[rank][layer]`: that rank's counts."""
+    imbalance: list[float]
+    """Per MoE layer: max / mean rows computed per rank (1.0 is perfect balance)."""
+
+    @property
+    def mean_imbalance(self) -> float:
+        return sum(self.imbalance) / len(self.imbalance)
+
+    def expert_counts(self, layer: int) -> list[int]:
+        """(token, expert) pairs per logical expert of `layer`, summed over the ranks."""
+        return [sum(c) for c in zip(*(r[layer].expert_counts for r in self.per_rank))]
+
+
+class MultiRankExecutor(Executor):
+    """Runs each step over a group of `world_size` ranks (see the module docstring)."""
+
+    max_inflight = 1
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, runner: ModelRunner, sampler: Sampler) -> MultiRankExecutor:
+        """The executor for `config.expert_parallel_size` ranks over the engine's model and cache (rank 0)."""
+        from deepinfer.engine.hub import resolve_model
+
+        cache = runner.cache
+        load_kwargs = dict(dtype=config.dtype, attention_backend=config.attention_backend,
+                           moe_backend=config.moe_backend, fp8_activations=config.fp8_activations,
+                           indexer_numerics=config.indexer_numerics)
+        world = config.expert_parallel_size
+        spec = RankSpec(
+            address=GroupAddress("127.0.0.1", free_port(), world, backend_for(config.device)),
+            model_path=str(resolve_model(config.model, config.revision)), load_kwargs=load_kwargs,
+            device=config.device, batch_invariant=config.batch_invariant, num_blocks=cache.num_blocks,
+            block_size=cache.block_size, num_slots=cache.num_slots,
+            num_redundant_experts=config.num_redundant_experts,
+            num_threads=max(1, (os.cpu_count() or 1) // world),
+        )
+        return cls(runner, sampler, spec, eplb_interval_steps=config.eplb_interval_steps)
+
+    def __init__(self, runner: ModelRunner, sampler: Sampler, spec: RankSpec, eplb_interval_steps: int = 0) -> None:
+        """Blocks until ranks 1..N-1 are started, loaded and joined with this process (rank 0)."""
+        super().__init__(runner, sampler)
+        self.spec = spec
+        self.world_size = spec.address.world_size
+        self.eplb_interval_steps = eplb_interval_steps
+        self._num_steps = 0
+        self._is_closed = False
+        self._failure: BaseException | None = None
+        ctx = mp.get_context("spawn")
+        self._procs = [ctx.Process(target=rank_main, args=(r, spec), name=f"deepinfer-rank{r}", daemon=True)
+                       for r in range(1, self.world_size)]
+        for p in self._procs:
+            p.start()
+        try:
+            self._ctrl = join_group(spec.address, 0)
+            self.state = RankState(0, runner.model, runner.cache, spec.num_redundant_experts)
+        except BaseException:
+            self._kill()
+            raise
+
+    # ------------------------------------------------------------------ SPMD commands
+
+    def _run_all(self, commands: list[Command]) -> list:
+        """Blocks while every rank runs its command (rank 0 here); the ranks' results, by rank. Raises
+        RuntimeError (and fails the executor) when a rank fails or has died."""
+        if self._failure is not None:
+            raise RuntimeError("the rank group failed earlier; create a new engine") from self._failure
+        try:
+            dead = [p.name for p in self._procs if not p.is_alive()]
+            if dead:
+                raise RuntimeError(f"rank process(es) {', '.join(dead)} died; the instance fails as a whole")
+            box = [None]
+            dist.scatter_object_list(box, commands, src=0, group=self._ctrl)
+            try:
+                mine = self.state.run(box[0])
+            except Exception as e:  # NOTE: still gather, so the other ranks are not left waiting
+                mine = RankError(0, repr(e))
+            results = [None] * self.world_size
+            dist.gather_object(mine, results, dst=0, group=self._ctrl)
+            errors = [r for r in results if isinstance(r, RankError)]
+            if errors:
+                raise RuntimeError("rank " + "; rank ".join(f"{e.rank} failed: {e.message}" for e in errors))
+            return results
+        except BaseException as e:
+            self._failure = e
+            raise
+
+    def _broadcast(self, kind: str, payload=None) -> list:
+        return self._run_all([Command(kind, payload) for _ in range(self.world_size)])
+
+    # ------------------------------------------------------------------ the executor contract
+
+    def submit(self, step: PreparedStep) -> Future[StepResult]:
+        """Blocks while every rank runs its share of `step`; returns a future that is already done."""
+        if self._is_closed:
+            raise RuntimeError("the executor is closed; create a new Engine")
+        fut: Future[StepResult] = Future()
+        try:
+            fut.set_result(self._run_step(step))
+        except Exception as e:
+            fut.set_exception(e)
+        return fut
+
+    def _run_step(self, step: PreparedStep) -> StepResult:
+        import time
+
+        t0 = time.perf_counter()
+        plans, rows_of_rank = split_step(step.batch, self.world_size)
+        results = self._run_all([Command("step", p) for p in plans])
+        t1 = time.perf_counter()
+        self._num_steps += 1
+        if self.eplb_interval_steps and self._num_steps % self.eplb_interval_steps == 0:
+            self.rebalance_experts()
+        if step.sampling_batch is None:
+            return StepResult([], [], t1 - t0, 0.0)
+        num_rows = sum(len(r) for r in rows_of_rank)
+        logits = None
+        for rows, part in zip(rows_of_rank, results):
+            if rows:
+                if logits is None:
+                    logits = part.new_empty(num_rows, part.shape[1])
+                logits[torch.tensor(rows)] = part
+        logits = logits.to(self.runner.device)  # [num_sampling_rows, vocab]
+        sampled = self.sampler.sample(logits, step.sampling_batch)
+        token_ids, logprobs = sampled.sampled_token_ids.tolist(), sampled.request_logprobs()
+        return StepResult(token_ids, logprobs, t1 - t0, time.perf_counter() - t1)
+
+    def rebalance_experts(self) -> list[list[tuple[int, ...]]]:
+        """Blocks while every rank re-places its experts (EPLB) from the loads measured since the last
+        rebalance; returns per rank the new `phy2log` per MoE layer (the same on every rank)."""
+        return self._broadcast("rebalance")
+
+    def expert_loads(self, reset: bool = False) -> ExpertLoads:
+        """Blocks while every rank reports its measured MoE loads (`reset`: the counters restart)."""
+        per_rank = self._broadcast("loads", reset)
+        return ExpertLoads(per_rank, imbalance_of(per_rank))
+
+    def close(self) -> None:
+        """Blocks until the rank processes have stopped; leaves the group. Idempotent."""
+        if self._is_closed:
+            return
+        self._is_closed = True
+        if self._failure is None:
+            try:
+                dist.scatter_object_list([None], [Command("stop") for _ in range(self.world_size)], src=0,
+                                         group=self._ctrl)
+            except Exception:  # a rank died meanwhile: it is stopped anyway
+                pass
+        for p in self._procs:
+            p.join(timeout=30 if self._failure is None else 1)
+        self._kill()
+        leave_group()
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=10)

@@ -1,0 +1,140 @@
+"""A rank of an instance: its model, its cache, and the commands rank 0 sends it (SPMD).
+
+Every rank, rank 0 included (in the engine's process), runs the same `RankState.run` on the same
+command per step; ranks 1..N-1 run `rank_main` in their own process, a loop over commands received
+from rank 0 on the control group until `stop`. Commands (`Command.kind`):
+
+  * `step`: run this rank's `RankPlan` (an empty plan: the MoE collectives with zero rows) and return
+    the logits of its sampling rows (on the host);
+  * `rebalance`: EPLB over the loads measured since the last one (a collective; no weights move, see
+    `engine.distributed.expert_parallel`);
+  * `loads`: this rank's per-layer `LayerLoad`s (`payload=True` also resets them);
+  * `stop`: leave the group and exit.
+
+A failure on a rank is returned as a `RankError` (rank 0 raises it); the rank then exits, since the
+group's collectives can no longer line up: the instance fails as a whole.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deepinfer.engine.distributed.expert_parallel import (
+    apply_rebalance,
+    idle_step,
+    install_expert_parallel,
+    layer_loads,
+)
+from deepinfer.engine.distributed.group import GroupAddress, join_group, leave_group, rank_device
+
+
+@dataclass
+class Command:
+    """What every rank does next (one per rank, scattered from rank 0)."""
+
+    kind: str
+    """step | rebalance | loads | stop."""
+    payload: Any = None
+    """`step`: the rank's `RankPlan`; `loads`: whether to reset the counters."""
+
+
+@dataclass
+class RankError:
+    """A rank's failure, returned to rank 0 in place of its result."""
+
+    rank: int
+    message: str
+
+
+@dataclass
+class RankSpec:
+    """How a rank process builds its share of the instance (picklable)."""
+
+    address: GroupAddress
+    model_path: str
+    load_kwargs: dict
+    """`engine.loader.load_checkpoint` keyword arguments (dtype, attention and MoE backends, numerics); the
+    device is the rank's own (`rank_device`)."""
+    device: str
+    """Rank 0's device (`rank_device` derives the others')."""
+    batch_invariant: bool
+    num_blocks: int
+    block_size: int
+    num_slots: int
+    num_redundant_experts: int = 0
+    num_threads: int = 1
+    """torch intra-op threads of a rank process (the CPU ranks of one host share its cores)."""
+
+
+class RankState:
+    """One rank's model, cache and EP backends; runs commands (the same code on every rank)."""
+
+    def __init__(self, rank: int, model, cache, num_redundant_experts: int) -> None:
+        self.rank = rank
+        self.model = model
+        self.cache = cache
+        self.device = cache.device
+        self.backends = install_expert_parallel(model, num_redundant_experts)
+
+    @torch.inference_mode()
+    def run(self, cmd: Command):
+        """Blocks while this rank runs `cmd` (collectives with the other ranks); its result."""
+        if cmd.kind == "step":
+            plan = cmd.payload
+            if plan.is_empty:
+                idle_step(self.model)
+                return None
+            logits = self.model.step(plan.build(self.model, self.cache, self.device), self.cache)
+            return logits.cpu()
+        if cmd.kind == "rebalance":
+            return [p.phy2log for p in apply_rebalance(self.model, self.backends)]
+        if cmd.kind == "loads":
+            return layer_loads(self.backends, reset=bool(cmd.payload))
+        raise ValueError(f"unknown rank command {cmd.kind!r}")
+
+
+def _load_rank(spec: RankSpec, rank: int) -> RankState:
+    from deepinfer.engine.cache.kv_cache import V4KVCache
+    from deepinfer.engine.loader import load_checkpoint
+
+    device = rank_device(spec.device, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model, mc = load_checkpoint(spec.model_path, device=str(device), **spec.load_kwargs)
+    if spec.batch_invariant:
+        from deepinfer.engine.batch_invariant import enable_batch_invariant
+
+        enable_batch_invariant(model)
+    dtype = model.model.embed_tokens.weight.dtype
+    cache = V4KVCache(mc, spec.num_blocks, spec.block_size, spec.num_slots, dtype=dtype, device=device)
+    return model, cache
+
+
+def rank_main(rank: int, spec: RankSpec) -> None:
+    """Blocks for the life of rank `rank` (>= 1) of an instance: load, join the group, run commands until
+    `stop` or a failure. The entry point of a rank process."""
+    torch.set_num_threads(spec.num_threads)
+    model, cache = _load_rank(spec, rank)
+    ctrl = join_group(spec.address, rank)
+    try:
+        state = RankState(rank, model, cache, spec.num_redundant_experts)
+        while True:
+            box = [None]
+            dist.scatter_object_list(box, None, src=0, group=ctrl)
+            cmd: Command = box[0]
+            if cmd.kind == "stop":
+                break
+            try:
+                result = state.run(cmd)
+            except Exception:
+                result = RankError(rank, traceback.format_exc())
+            dist.gather_object(result, None, dst=0, group=ctrl)
+            if isinstance(result, RankError):
+                break
+    finally:
+        leave_group()

@@ -1,0 +1,60 @@
+"""Speculative decoding: MTP drafts verified in one target forward, lossless, off by default.
+
+Turned on by `EngineConfig.speculative_tokens = k > 0` (`speculative_method = "mtp"`); the engine then
+holds a `SpecDecoding` (picked once, at construction) whose executor runs every step.
+
+A step (see `executor`): every running decode carries the drafts its previous step proposed
+(`Request.spec_token_ids`; the scheduler trims them to `max_tokens`, `max_model_len` and the budget)
+and is computed as a `1 + L`-token chunk; the target's logits at all `1 + L` positions are sampled
+(one sampling row per position, each after its own logits processors) and the longest prefix of
+drafts that equals the sampled tokens is accepted, plus the sampled token after it (`acceptance`);
+then the MTP layer drafts `k` tokens for the next step (`mtp_drafter`).
+
+Rejected drafts leave no trace (`rollback`, whose docstring has the argument):
+
+* **Window ring and compressor buffers** (per-slot rings, position `p` in row `p % ring_len`): the
+  rows the draft positions will overwrite are copied before the forward and the rows of rejected
+  positions are written back after acceptance. With `L + 1 <= ring_len` (checked at construction:
+  `max_draft_tokens`, 7 for a CSA rate of 4) the positions of one verification hit distinct rows, so
+  this restores exactly the non-speculative state.
+* **Compressed entries** (paged pools): a rejected position `q` that ends window `w` writes entry `w`
+  of its request's own block (allocated for the verification; never a shared prefix block, which
+  only covers positions before `p`). Entry `w` is visible to a query at position `t` only when
+  `(w + 1) * rate <= t + 1`, i.e. `t >= q`, and the first later step that reaches position `q`
+  recomputes and rewrites entry `w` (the backends write a step's new entries before they read any)
+  before any query of position `>= q` reads it. Blocks enter the prefix cache only once every
+  position they cover is accepted (`Scheduler.update_from_output` rolls `num_computed_tokens` back).
+* **The drafter's own window ring**: its committed pass runs over accepted positions only; the
+  chained draft positions are snapshotted and restored the same way.
+
+Greedy outputs equal non-speculative ones token for token; seeded sampled outputs too (the same
+per-position noise, `acceptance`). Not supported yet: async scheduling (refused at construction),
+drafts for structured-output requests (they verify no drafts), the disaggregated decode stage's
+flags, a confidence-scheduled verify budget.
+"""
+
+from deepinfer.engine.spec_decode.acceptance import expand_bitmask, expand_verify_rows, num_accepted, rejection_sample
+from deepinfer.engine.spec_decode.executor import (
+    SpecDecodeMetrics,
+    SpecDecoding,
+    SpecExecutor,
+    SpecPreparedStep,
+    SpecStepResult,
+)
+from deepinfer.engine.spec_decode.mtp_drafter import MTPDrafter
+from deepinfer.engine.spec_decode.rollback import RingRollback, max_draft_tokens
+
+__all__ = [
+    "MTPDrafter",
+    "RingRollback",
+    "SpecDecodeMetrics",
+    "SpecDecoding",
+    "SpecExecutor",
+    "SpecPreparedStep",
+    "SpecStepResult",
+    "expand_bitmask",
+    "expand_verify_rows",
+    "max_draft_tokens",
+    "num_accepted",
+    "rejection_sample",
+]

@@ -1,0 +1,120 @@
+"""The MTP drafter: the checkpoint's MTP layer proposes `k` draft tokens per request, chained.
+
+Per engine step, after the target forward (which returned its pre-`hc_head` streams) and acceptance:
+
+1. **Committed pass.** For every request of the step, the MTP layer runs over the positions whose
+   next token is now known (a prefill chunk: all of them; a decode / verify chunk: the last known
+   token and the accepted drafts, the next token of the last one being the token just sampled),
+   with the target's streams at those positions. This keeps the layer's own window ring (its KV
+   cache, one slot per request, the main cache's slot id) exact, and its logits at a request's last
+   committed position give draft 1.
+2. **Chained drafts 2 .. k.** The block's output streams at the previous position stand in for the
+   target's streams (which do not exist yet), the previous draft is the next token; one decode row
+   per request. These positions are speculative: the ring rows they write are snapshotted before and
+   restored after (`RingRollback`), so the next committed pass sees only committed keys.
+
+Drafts are greedy (the argmax of the MTP logits): a one-hot draft distribution, which makes the
+engine's acceptance rule standard rejection sampling (`engine.spec_decode.acceptance`). The
+drafter also reports each draft's probability under the MTP (its softmax at the argmax): the
+fallback confidence of a verify scheduler for checkpoints without a confidence head.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.engine.forward_batch import ForwardBatch, SeqChunk
+from deepinfer.engine.spec_decode.rollback import RingRollback
+
+
+@dataclass
+class DraftSeq:
+    """One request's share of the committed pass (flat rows of the target's batch)."""
+
+    slot: int
+    first_pos: int
+    """Position of the first committed row."""
+    stream_rows: list[int]
+    """Flat rows of the target batch whose streams feed the layer (consecutive positions)."""
+    next_token_ids: list[int]
+    """The token after each of those positions (same length)."""
+    state_start: int
+    """First position whose MTP key this slot holds in the request's current life."""
+    wants_drafts: bool
+
+
+class MTPDrafter:
+    """Drafts with MTP layer `layer_idx` of `model` over its own window cache (`num_slots` slots)."""
+
+    def __init__(self, model, num_slots: int, num_draft_tokens: int, layer_idx: int = 0) -> None:
+        if model.mtp is None or len(model.mtp) <= layer_idx:
+            raise ValueError("speculative_method='mtp' needs a checkpoint with an MTP layer (mtp.* weights); this "
+                             "model has none: set speculative_tokens=0")
+        if num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        self.model = model
+        self.layer = model.mtp[layer_idx]
+        weight = model.model.embed_tokens.weight
+        self.cache = self.layer.make_cache(num_slots, dtype=weight.dtype, device=weight.device)
+        """The layer's window rings, one slot per request (the main cache's slot ids)."""
+        self.num_draft_tokens = num_draft_tokens
+        self.numerics = getattr(model, "numerics", contextlib.nullcontext)
+        self.rollback = RingRollback(self.cache)
+        if num_draft_tokens - 1 > self.rollback.max_positions_per_slot:
+            raise ValueError(f"num_draft_tokens={num_draft_tokens} exceeds the MTP window "
+                             f"({self.rollback.max_positions_per_slot + 1})")
+
+    def _run(self, streams: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.model.model
+        meta = self.layer.build_attention_metadata(batch, self.cache, m.rotary_main, m.rotary_compress)
+        with self.numerics():  # the model's numerics mode (batch-invariant or not), as its own forwards
+            return self.layer(streams, batch, self.cache, meta, m.embed_tokens, return_streams=True)
+
+    @torch.inference_mode()
+    def propose(self, streams: torch.Tensor, seqs: list[DraftSeq]) -> tuple[list[list[int]], list[list[float]]]:
+        """Blocks while drafting: per seq, its `num_draft_tokens` drafts and their MTP probabilities
+        (empty lists for seqs that want none). `streams` [T, hc, H]: the target's streams of the step."""
+        if not seqs:
+            return [], []
+        device = streams.device
+        chunks = [SeqChunk(s.slot, [], s.first_pos, len(s.stream_rows), s.state_start) for s in seqs]
+        ends = torch.tensor([len(s.stream_rows) for s in seqs]).cumsum(0).tolist()
+        drafting = [i for i, s in enumerate(seqs) if s.wants_drafts]
+        rows = torch.tensor([r for s in seqs for r in s.stream_rows], dtype=torch.long, device=device)
+        batch = ForwardBatch.build([s.next_token_ids for s in seqs], chunks, device=device,
+                                   logits=[ends[i] - 1 for i in drafting])
+        hidden, x = self._run(streams[rows], batch)  # [T', H], [T', hc, H]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[float]] = [[] for _ in seqs]
+        if not drafting:
+            return drafts, probs
+        last = batch.logits_indices
+        tok, prob = self._greedy(hidden[last])
+        cur_streams = x[last]  # [B, hc, H]
+        for b, i in enumerate(drafting):
+            drafts[i].append(tok[b])
+            probs[i].append(prob[b])
+        k = self.num_draft_tokens
+        if k > 1:
+            last_pos = [seqs[i].first_pos + len(seqs[i].stream_rows) - 1 for i in drafting]
+            snap = self.rollback.snapshot([seqs[i].slot for i in drafting for _ in range(k - 1)],
+                                          [p + j for p in last_pos for j in range(1, k)])
+            for j in range(1, k):
+                step = [SeqChunk(seqs[i].slot, [], p + j, 1, seqs[i].state_start) for i, p in zip(drafting, last_pos)]
+                ids = torch.tensor([drafts[i][-1] for i in drafting], dtype=torch.long, device=device)
+                hidden, cur_streams = self._run(cur_streams, ForwardBatch(input_ids=ids, seqs=step))
+                tok, prob = self._greedy(hidden)
+                for b, i in enumerate(drafting):
+                    drafts[i].append(tok[b])
+                    probs[i].append(prob[b])
+            self.rollback.restore(snap, [True] * len(snap.slots))
+        return drafts, probs
+
+    def _greedy(self, hidden: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Argmax tokens of the shared head's logits and their softmax probabilities."""
+        logits = self.model.compute_logits(hidden)  # [B, vocab] float32
+        prob, tok = logits.softmax(dim=-1).max(dim=-1)
+        return tok.tolist(), prob.tolist()

@@ -1,0 +1,312 @@
+"""Request migration: no accepted request is lost when its decode (or prefill) instance dies or hangs.
+
+```python
+stream = run_migrating(servicer._generate, req, request, deadline, limit=3, rpc_timeout_s=10.0)
+for response in stream: ...   # the client's stream, across as many prefill -> decode pairs as it took
+```
+
+When the instance serving a request is lost, the entrypoint re-submits the request to another
+prefill -> decode pair as its *continuation*: the prompt followed by every token the client has
+already received, with `max_tokens` / `min_tokens` lowered by that count (`continuation`). The
+new pair's first token is the token after the last one the client saw, so the client's stream goes
+on with no duplicated and no missing token:
+
+- Greedy output equals an uninterrupted run: the continuation's prefill computes exactly the KV an
+  uninterrupted decode would hold (DESIGN.md §7, disaggregation does not change a greedy output).
+- Seeded sampling stays reproducible: the sampler's noise is a pure function of (seed, position of
+  the token being sampled) (`engine.sampling.sampler`), and the continuation keeps every position.
+- Repetition penalty counts prompt and output tokens alike, so moving the output into the prompt
+  keeps it exact. Presence / frequency penalties (output tokens only) and structured output (the
+  grammar's state) are not: such a request is migrated only while it has streamed nothing yet;
+  afterwards the failure is reported with its cause (`not_migratable_reason`).
+
+What counts as lost (`is_lost`): the decode stream broke with UNAVAILABLE (the process died, its
+connection reset), a `DecodeLiveness` check found the instance gone (missed heartbeats at the decode
+balancer and no answer to a direct Health probe: SIGSTOP, a stuck kernel), or a stage call failed
+with UNAVAILABLE before any token (a prefill instance died mid-call, no instance serves the stage
+for a moment: the retry waits `RETRY_BACKOFF_S` and picks again, bounded by the limit and the
+request's deadline). Each migration costs one of `--migration-limit` (default 3) tries.
+
+Before a retry the attempt's stages are aborted: a reachable instance synchronously (so a retry on
+the same instance finds the request id free; a decode instance quarantines the aborted reservation's
+blocks until its lease ends, so a late WRITE of the lost prefill cannot land in blocks reused by
+others), the lost one in a daemon thread (it may never answer). A hung decode instance that comes
+back is *fenced*: the entrypoint cancelled its Start stream, so on SIGCONT its gRPC server sees the
+cancellation and aborts the request there (its blocks are freed, its stale stream goes nowhere), and
+it re-registers with its balancer on its next heartbeat (`serving.membership`), rejoining clean.
+
+Usage stays right: `prompt_tokens` is the client's prompt, `completion_tokens` every token the
+client received, `cached_prompt_tokens` the first prefill's prefix-cache hit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from deepinfer.protos import common_pb2, entrypoint_pb2, loadbalancer_pb2
+
+logger = logging.getLogger("entrypoint.migration")
+
+RETRY_BACKOFF_S = 0.5
+"""Wait before re-picking after a failure that lost no identified instance (none serves the stage now)."""
+
+
+class DecodeLost(Exception):
+    """The decode instance serving a request died or stopped answering mid-request.
+
+    `failed` is the exception that ends the call if the request cannot be migrated."""
+
+    def __init__(self, instance_id: str, failed: Exception) -> None:
+        super().__init__(f"decode instance {instance_id} was lost: {failed}")
+        self.instance_id = instance_id
+        self.failed = failed
+
+
+def not_migratable_reason(sampling: common_pb2.SamplingParams) -> str | None:
+    """Why a request that already streamed tokens cannot continue exactly elsewhere; None = it can."""
+    if sampling.presence_penalty or sampling.frequency_penalty:
+        return "presence / frequency penalties count only output tokens, which a continuation would see as prompt"
+    if sampling.structured_output.WhichOneof("constraint") is not None:
+        return "structured output's grammar state cannot be carried to another instance"
+    return None
+
+
+def continuation(request: entrypoint_pb2.GenerateRequest,
+                 generated_token_ids: list[int]) -> entrypoint_pb2.GenerateRequest | None:
+    """The request that continues `request` after the client received `generated_token_ids`:
+    prompt + those tokens, `max_tokens` and `min_tokens` lowered by their count.
+
+    None when nothing is left to generate (`max_tokens` reached); the caller ends the stream with
+    finish_reason LENGTH. Images keep their offsets (the generated tokens follow the whole prompt).
+    """
+    out = entrypoint_pb2.GenerateRequest()
+    out.CopyFrom(request)
+    n = len(generated_token_ids)
+    if n == 0:
+        return out
+    out.prompt_token_ids.extend(generated_token_ids)
+    sampling = out.sampling_params
+    if sampling.HasField("max_tokens"):
+        if sampling.max_tokens - n <= 0:
+            return None
+        sampling.max_tokens -= n
+    sampling.min_tokens = max(0, sampling.min_tokens - n)
+    return out
+
+
+def is_lost(e: Exception) -> bool:
+    """A failure after which the request may complete on another instance (see the module docstring)."""
+    return isinstance(e, DecodeLost) or getattr(e, "status", None) == grpc.StatusCode.UNAVAILABLE
+
+
+class MigrationStats:
+    """Counters of one entrypoint (thread-safe), for its Health stats."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.num_migrations_total = 0
+        self.num_migrated_requests_total = 0
+        self.num_not_migrated_total = 0
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+    def as_dict(self) -> dict:
+        with self._lock:
+            return {"num_migrations_total": self.num_migrations_total,
+                    "num_migrated_requests_total": self.num_migrated_requests_total,
+                    "num_not_migrated_total": self.num_not_migrated_total}
+
+
+def run_migrating(generate: Callable, req, request: entrypoint_pb2.GenerateRequest, deadline: float | None, *,
+                  limit: int, rpc_timeout_s: float,
+                  stats: MigrationStats | None = None) -> Iterator[entrypoint_pb2.GenerateResponse]:
+    """Blocks on `generate(req, request, deadline)` (the servicer's one-pair request path) and yields
+    its responses; when the pair is lost, yields on from a continuation on another pair, up to
+    `limit` times. Raises what `generate` raised when the request cannot be migrated.
+
+    `req` is the servicer's per-call state (`entrypoint.server._Request`): its `prefill` / `decode`
+    (instance id, stub) name the attempt's instances, `lost_instance_ids` are excluded from later
+    picks, `num_resumed_tokens` (prompt tokens that are the client's output) keeps `usage` right.
+    """
+    generated: list[int] = []
+    num_responses = 0
+    first_cached: int | None = None
+    num_prompt_tokens: int | None = None
+    current = request
+    for attempt in range(limit + 1):
+        try:
+            for response in generate(req, current, deadline):
+                if num_prompt_tokens is None:
+                    num_prompt_tokens = req.usage.prompt_tokens
+                if first_cached is None:
+                    first_cached = req.usage.cached_prompt_tokens
+                if attempt:
+                    _fix_usage(response, num_responses, num_prompt_tokens, first_cached,
+                               len(generated) + len(response.token_ids))
+                generated.extend(response.token_ids)
+                num_responses += 1
+                yield response
+            if attempt and stats is not None:
+                stats.add(num_migrated_requests_total=1)
+            return
+        except Exception as e:
+            if not is_lost(e) or req.abort_reason is not None:
+                raise
+            failed = e.failed if isinstance(e, DecodeLost) else e
+            reason = not_migratable_reason(request.sampling_params) if generated else None
+            if reason is None and attempt == limit:
+                reason = f"the migration limit ({limit}) is reached"
+            if reason is None and deadline is not None and time.monotonic() >= deadline:
+                reason = "its deadline ran out"
+            lost = _release_attempt(req, e, rpc_timeout_s)
+            if reason is not None:
+                logger.warning("%s: %s; not migrated: %s", req.request_id, failed, reason)
+                if stats is not None:
+                    stats.add(num_not_migrated_total=1)
+                raise failed from None
+            logger.warning("%s: %s; migrating with %d tokens streamed (migration %d of at most %d)",
+                           req.request_id, failed, len(generated), attempt + 1, limit)
+            if stats is not None:
+                stats.add(num_migrations_total=1)
+            if lost is None:
+                time.sleep(RETRY_BACKOFF_S)
+            current = continuation(request, generated)
+            if current is None:  # the client already has max_tokens tokens: only the finish was lost
+                yield _finished(req, num_prompt_tokens or len(request.prompt_token_ids), first_cached, generated)
+                return
+            req.num_resumed_tokens = len(generated)
+            req.usage.completion_tokens = len(generated)
+
+
+def _fix_usage(response, num_responses: int, num_prompt_tokens: int, first_cached: int | None,
+               num_completion_tokens: int) -> None:
+    """A continuation's response as the client's stream would carry it: usage on the first response
+    of the whole stream and on the last only, counting the client's prompt and all its tokens."""
+    if not response.HasField("usage"):
+        return
+    if num_responses and not response.finish_reason:
+        response.ClearField("usage")
+        return
+    response.usage.prompt_tokens = num_prompt_tokens
+    response.usage.completion_tokens = num_completion_tokens
+    cached = response.usage.cached_prompt_tokens if first_cached is None else first_cached
+    response.usage.cached_prompt_tokens = min(cached, num_prompt_tokens)
+
+
+def _finished(req, num_prompt_tokens: int, first_cached: int | None, generated: list[int]):
+    with req.lock:
+        req.is_done = True
+    return entrypoint_pb2.GenerateResponse(
+        request_id=req.request_id, finish_reason=common_pb2.FINISH_REASON_LENGTH,
+        usage=common_pb2.Usage(prompt_tokens=num_prompt_tokens, completion_tokens=len(generated),
+                               cached_prompt_tokens=min(first_cached or 0, num_prompt_tokens)))
+
+
+def _release_attempt(req, e: Exception, rpc_timeout_s: float) -> str | None:
+    """Abort the failed attempt on its stages (prefill first, then decode); returns the lost instance's id.
+
+    The lost instance is excluded from later picks and aborted in a daemon thread (it may never
+    answer); the others are aborted before the retry, so the request id is free on them again."""
+    with req.lock:
+        prefill, decode, req.prefill, req.decode = req.prefill, req.decode, None, None
+        req.calls = []
+    if isinstance(e, DecodeLost):
+        lost = e.instance_id
+    elif prefill is not None:
+        lost = prefill[0]  # the prefill call itself failed
+    else:
+        lost = None
+    stages = [s for s in (prefill, decode) if s is not None]
+    # NOTE: only the last attempt's loss is excluded: an instance restarted under the same id serves again
+    req.lost_instance_ids = [lost] if lost is not None else []
+    reachable = [s for s in stages if s[0] != lost]
+    gone = [s for s in stages if s[0] == lost]
+    reason = f"migrated: {e}"
+    if reachable:
+        req._abort_stages(reachable, reason, rpc_timeout_s)
+    if gone:
+        threading.Thread(target=req._abort_stages, args=(gone, reason, rpc_timeout_s),
+                         name="entrypoint-abort-lost", daemon=True).start()
+    return lost
+
+
+class DecodeLiveness:
+    """Finds decode instances that stopped answering while they serve requests (a thread, polling).
+
+    Every `interval_s`, while any request is watched, it lists the decode balancer's instances; an
+    instance missing there (its heartbeats stopped for the balancer's timeout, or it deregistered)
+    is probed with a direct Health call (`probe_timeout_s`); when that fails too, every request
+    watched on it is marked lost and its calls cancelled, so its stream ends and `run_migrating`
+    moves it. A balancer that cannot be reached marks nothing (it may be restarting).
+    """
+
+    def __init__(self, decode_lb, interval_s: float = 0.5, probe_timeout_s: float = 1.0) -> None:
+        self.decode_lb = decode_lb
+        self.interval_s = interval_s
+        self.probe_timeout_s = probe_timeout_s
+        self._lock = threading.Lock()
+        self._watched: dict[object, tuple[str, object]] = {}  # req -> (decode instance id, stub)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="entrypoint-liveness", daemon=True)
+        self._thread.start()
+
+    def watch(self, req, instance_id: str, stub) -> None:
+        with self._lock:
+            self._watched[req] = (instance_id, stub)
+
+    def unwatch(self, req) -> None:
+        with self._lock:
+            self._watched.pop(req, None)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            with self._lock:
+                watched = dict(self._watched)
+            if not watched:
+                continue
+            try:
+                listed = self.decode_lb.ListInstances(loadbalancer_pb2.ListInstancesRequest(),
+                                                      timeout=max(self.interval_s, 1.0))
+            except grpc.RpcError:
+                continue
+            present = {i.instance_id for i in listed.instances}
+            missing: dict[str, object] = {}
+            for instance_id, stub in watched.values():
+                if instance_id not in present:
+                    missing[instance_id] = stub
+            for instance_id, stub in missing.items():
+                if self._answers(stub):
+                    continue
+                logger.warning("decode instance %s missed its heartbeats and does not answer: migrating its "
+                               "requests", instance_id)
+                for req, (iid, _) in watched.items():
+                    if iid == instance_id:
+                        self._mark_lost(req, instance_id)
+
+    def _answers(self, stub) -> bool:
+        try:
+            stub.Health(common_pb2.HealthRequest(), timeout=self.probe_timeout_s)
+            return True
+        except grpc.RpcError:
+            return False
+
+    def _mark_lost(self, req, instance_id: str) -> None:
+        with req.lock:
+            if req.decode is None or req.decode[0] != instance_id or req.is_done:
+                return
+            req.lost_decode_id = instance_id
+            calls = list(req.calls)
+        for call in calls:
+            call.cancel()
+        self.unwatch(req)
