@@ -13,7 +13,12 @@ setup() {
     "$PY" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
     # torch first, pinned to the CPU build that ships on this machine's disk (no CUDA download).
     "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q "torch==2.13.0"
-    "$PY" -m pip install -q -e ".[test]"
+    # kvstore's Mooncake backend: its native library needs libibverbs.so.1 even over TCP (installed where we are
+    # root with apt, as on CI; elsewhere its tests skip and say why)
+    if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1) >/dev/null 2>&1 || true
+    fi
+    "$PY" -m pip install -q -e ".[test,mooncake]"
 }
 
 case "${1:-}" in

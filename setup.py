@@ -9,7 +9,7 @@ pyproject.toml.
 from setuptools import find_packages, setup
 
 SUBPACKAGES = ["engine", "serving", "entrypoint", "vision_worker", "prefill_worker", "decode_worker", "kv_transfer",
-               "loadbalancer", "kernels", "csrc", "protos", "deploy", "benchmarks", "tools", "evals"]
+               "loadbalancer", "kernels", "csrc", "protos", "deploy", "benchmarks", "tools", "evals", "kvstore"]
 """Top-level folders installed as `deepinfer.<name>` (with their subpackages)."""
 
 package_dir = {"deepinfer": "deepinfer"}

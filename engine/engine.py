@@ -284,7 +284,8 @@ class Engine(ExternalKVMixin):
         blocks_per_seq = -(-self.max_model_len // block_size)
         num_blocks = config.num_blocks or min(blocks_per_seq * config.max_num_seqs, 1 << 16, self.fit.max_num_blocks)
         dtype = self.model.model.embed_tokens.weight.dtype
-        self.cache = V4KVCache(mc, num_blocks, block_size, config.max_num_seqs, dtype=dtype, device=config.device)
+        self.cache = V4KVCache(mc, num_blocks, block_size, config.max_num_seqs, dtype=dtype, device=config.device,
+                               max_model_len=self.max_model_len)
         self.kv_manager = KVCacheManager(BlockPool(num_blocks, block_size, self._prefix_caching))
         self.slots = StateSlotPool(config.max_num_seqs)
         self.scheduler = Scheduler(

@@ -74,6 +74,32 @@ class PrefillWorkerConfig(BaseModel):
     """Batch-invariant numerics (`engine.batch_invariant`): a request's logits do not depend on its batch, chunking or
     cache hits; set it on the prefill and the decode instances alike."""
 
+    kv_store: Literal["off", "embedded", "mooncake"] = "off"
+    """Persistent compressed-KV store (`kvstore`): off, embedded (block files on local disk, SQLite index) or
+    mooncake (Mooncake Store via `kv_store_mooncake_master`). Prompts' full blocks are written after prefill and a
+    local prefix miss loads the longest stored prefix (then bounded replay)."""
+    kv_store_dirs: str = ""
+    """Comma-separated directories of the store (embedded: block files, one per SSD; both: the first holds the
+    index); empty = `$DEEPINFER_KVSTORE_DIR` or `~/.cache/deepinfer/kvstore`."""
+    kv_store_capacity_gb: float = Field(64.0, gt=0)
+    """GiB of stored blocks before least-recently-used eviction."""
+    kv_store_mooncake_master: str = "127.0.0.1:50051"
+    """mooncake: the master's host:port."""
+    kv_store_mooncake_metadata: str = "http://127.0.0.1:8080/metadata"
+    """mooncake: the metadata server URL (the master's embedded HTTP one by default)."""
+
+    def kv_store_config(self):
+        """The `kvstore.KVStoreConfig` of `kv_store`, or None when it is off."""
+        if self.kv_store == "off":
+            return None
+        from deepinfer.kvstore import KVStoreConfig
+
+        dirs = tuple(d.strip() for d in self.kv_store_dirs.split(",") if d.strip())
+        return KVStoreConfig(backend=self.kv_store, directories=dirs, capacity_bytes=int(self.kv_store_capacity_gb * (1 << 30)),
+                             mooncake_master=self.kv_store_mooncake_master,
+                             mooncake_metadata_server=self.kv_store_mooncake_metadata,
+                             mooncake_local_hostname=self.advertise_host or self.host)
+
     def engine_config(self) -> EngineConfig:
         """The engine part of this config."""
         return EngineConfig(model=self.model, revision=self.revision, dtype=self.dtype, device=self.device, max_num_seqs=self.max_num_seqs,

@@ -23,10 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from deepinfer.engine.engine import Engine
+from deepinfer.engine.kv_connector.store_connector import StoreConnector
 from deepinfer.engine.sampling import SamplingParams
 from deepinfer.kv_transfer import KVTransferAgent
 from deepinfer.kv_transfer.embeddings import EmbeddingAgent, EmbeddingSource
 from deepinfer.kv_transfer.pd_connector import KVDestination, PDConnector
+from deepinfer.kvstore import KVStore
 
 __all__ = ["ImageInput", "KVDestination", "NoRoomForEmbeddings", "PrefillCore", "PrefillDone", "PrefillWork"]
 
@@ -56,6 +58,8 @@ class PrefillWork:
     params: SamplingParams
     destination: KVDestination
     images: list[ImageInput] = field(default_factory=list)
+    traffic_class: str | None = None
+    """The KV store's traffic class (its TTL: agent, chat, ...); None = the store's default class."""
 
 
 @dataclass
@@ -99,12 +103,17 @@ class PrefillCore:
     """Engine + KV transfer agent of one prefill instance (rank 0 of its group): protocol glue around
     the engine's KV connector (`kv_transfer.PDConnector`), which does the sending."""
 
-    def __init__(self, engine: Engine, agent: KVTransferAgent, emb_agent: EmbeddingAgent | None = None) -> None:
+    def __init__(self, engine: Engine, agent: KVTransferAgent, emb_agent: EmbeddingAgent | None = None,
+                 store: KVStore | None = None) -> None:
+        """`store`: the persistent KV store (`kvstore`); its connector runs beside the P/D one: a local prefix
+        miss loads the longest stored prefix, and each computed prompt's full blocks are written to it."""
         self.engine = engine
         self.agent = agent
         self.emb_agent = emb_agent
         self.connector = PDConnector(agent)
-        engine.set_kv_connector(self.connector)
+        self.store_connector = (StoreConnector.for_engine(engine, store, primary=self.connector) if store is not None
+                                else None)
+        engine.set_kv_connector(self.store_connector or self.connector)
         self._reqs: dict[str, _Inflight] = {}
         self._num_bytes: dict[str, int] = {}  # bytes each posted WRITE moves, by request id
         self._reading: dict[str, _Reading] = {}
@@ -153,6 +162,8 @@ class PrefillCore:
     def _add(self, work: PrefillWork, spans=None) -> None:
         params = replace(work.params, max_tokens=1, min_tokens=0, n=1)
         self.connector.expect_save(work.request_id, work.destination)
+        if self.store_connector is not None:
+            self.store_connector.set_traffic_class(work.request_id, work.traffic_class)
         try:
             self.engine.add_request(work.request_id, {"prompt_token_ids": work.prompt_token_ids}, params,
                                     **({"images": spans} if spans else {}))

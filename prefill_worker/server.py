@@ -84,7 +84,8 @@ class PrefillWorker(EngineShell):
         # either bounded-state mode; each destination says whether it wants the state. Image embeddings
         # arrive by NIXL READ from vision instances into a buffer of our own (`emb_agent`).
         super().__init__(config, send_state=True)
-        self.core = PrefillCore(self.engine, self.agent, self.emb_agent)
+        self.kv_store = _open_kv_store(config, self.logger)
+        self.core = PrefillCore(self.engine, self.agent, self.emb_agent, store=self.kv_store)
         # loop-thread state
         self._waiters: dict[str, _Waiter] = {}
         self._peer_digests: dict[str, bytes] = {}
@@ -116,6 +117,11 @@ class PrefillWorker(EngineShell):
     def _has_queued(self) -> bool:
         """Per loop step: stops at the first queued waiter."""
         return next(self._queued(), None) is not None
+
+    def _close(self) -> None:
+        super()._close()
+        if self.kv_store is not None:
+            self.kv_store.close()  # bounded wait for queued writes
 
     def _mode(self) -> LoopMode:
         if self.engine.has_unfinished_requests():
@@ -254,6 +260,20 @@ class PrefillServicer(ShellServicer, prefill_pb2_grpc.PrefillServicer):
                                     dest.state_slot if dest.HasField("state_slot") else None)
         work = PrefillWork(request.request_id, list(request.prompt_token_ids), params, destination, images)
         return work, bytes(dest.agent_metadata), bytes(dest.agent_layout)
+
+
+def _open_kv_store(config: PrefillWorkerConfig, logger):
+    """The configured persistent KV store, or None (off, or it cannot be opened: logged, served without it)."""
+    store_config = config.kv_store_config()
+    if store_config is None:
+        return None
+    from deepinfer.kvstore import open_store
+
+    try:
+        return open_store(store_config)
+    except Exception as e:  # a store that is down costs hits, never the instance
+        logger.error("the %s KV store cannot be opened (serving without it): %s", store_config.backend, e)
+        return None
 
 
 def _image_inputs(request, num_prompt_tokens: int) -> list[ImageInput]:

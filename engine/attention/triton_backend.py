@@ -123,8 +123,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
                   pool) -> None:
         """One compressor's one-token update for every row (entries written where a window ends)."""
         cos, sin = dm.entry_rope[spec.compress_rate]
-        args = (kv.to(buf_kv.dtype).contiguous(), gate.to(buf_gate.dtype).contiguous(), buf_kv, buf_gate, comp.ape,
-                comp.norm.weight, comp.norm.eps, cos, sin, dm.slots, dm.pos, dm.frozen, dm.block_tables, pool,
+        args = (kv.to(buf_kv.dtype).contiguous(), gate.to(buf_gate.dtype).contiguous(), buf_kv, buf_gate,
+                comp.ape.float(), comp.norm.weight.float(), comp.norm.eps, cos, sin, dm.slots, dm.pos, dm.frozen, dm.block_tables, pool,
                 spec.compress_rate, comp.overlap)
         if not comp.rotate_quant:
             ops.compressor_decode(*args)

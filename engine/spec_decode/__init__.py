@@ -28,9 +28,12 @@ Rejected drafts leave no trace (`rollback`, whose docstring has the argument):
   chained draft positions are snapshotted and restored the same way.
 
 Greedy outputs equal non-speculative ones token for token; seeded sampled outputs too (the same
-per-position noise, `acceptance`). Not supported yet: async scheduling (refused at construction),
-drafts for structured-output requests (they verify no drafts), the disaggregated decode stage's
-flags, a confidence-scheduled verify budget.
+per-position noise, `acceptance`). `verify_schedule = "confidence"` verifies a prefix of each
+request's drafts chosen over the batch (`verify_schedule`; confidence = the draft's MTP probability,
+cost = a linear stand-in until a profiled step-cost table exists). Not supported yet: async
+scheduling and multi-rank instances (refused at construction), drafts for structured-output
+requests (they verify none), the disaggregated decode stage's flags (the engine config is ready),
+a trained confidence head.
 """
 
 from deepinfer.engine.spec_decode.acceptance import expand_bitmask, expand_verify_rows, num_accepted, rejection_sample
@@ -43,6 +46,7 @@ from deepinfer.engine.spec_decode.executor import (
 )
 from deepinfer.engine.spec_decode.mtp_drafter import MTPDrafter
 from deepinfer.engine.spec_decode.rollback import RingRollback, max_draft_tokens
+from deepinfer.engine.spec_decode.verify_schedule import choose_verify_lengths, survival, top_k_prefixes
 
 __all__ = [
     "MTPDrafter",
@@ -52,9 +56,12 @@ __all__ = [
     "SpecExecutor",
     "SpecPreparedStep",
     "SpecStepResult",
+    "choose_verify_lengths",
     "expand_bitmask",
     "expand_verify_rows",
     "max_draft_tokens",
     "num_accepted",
     "rejection_sample",
+    "survival",
+    "top_k_prefixes",
 ]

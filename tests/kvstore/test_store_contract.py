@@ -245,3 +245,18 @@ def test_clear_evict_and_metrics(make_store):
         assert name in text
     assert store.evict(1) == 1 and store.stats()["blocks"] == 5
     assert store.clear() == 5 and store.stats()["blocks"] == 0
+
+
+def test_store_cli(tmp_path, capsys):
+    from deepinfer.kvstore import KVStoreConfig
+    from deepinfer.kvstore.cli import main
+
+    store = KVStore(KVStoreConfig(directories=(str(tmp_path),)), start_threads=False)
+    _put_chain(store, _chain(3), "agent")
+    store.close()
+    assert main(["store", "stats", "--dirs", str(tmp_path)]) == 0
+    assert "3 blocks" in capsys.readouterr().out
+    assert main(["store", "evict", "--dirs", str(tmp_path), "--bytes", "0.000001"]) == 0
+    assert "evicted 1" in capsys.readouterr().out
+    assert main(["store", "clear", "--dirs", str(tmp_path)]) == 0
+    assert "cleared 2" in capsys.readouterr().out

@@ -153,7 +153,7 @@ _INTERPRETED = textwrap.dedent("""
     import sys
     from pathlib import Path
     from tests.engine.attention.test_triton_backend import _parity
-    print("ok", _parity(Path(sys.argv[1]), "triton", num_steps=6, prompts=(60, 5)))
+    print("ok", _parity(Path(sys.argv[1]), "triton", num_steps=6, prompts=(70, 5)))
 """)
 
 

@@ -1,0 +1,65 @@
+"""`deepinfer store stats|evict|clear`: the KV store's figures and housekeeping from the command line.
+
+`add_store_parser(subparsers)` adds the `store` command to a CLI (deploy/cli.py's), `run_store(args)` runs
+it; both read the store the flags describe (the embedded default directory when none are given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from deepinfer.kvstore.config import KVStoreConfig
+from deepinfer.kvstore.store import KVStore
+
+
+def add_store_parser(subparsers) -> argparse.ArgumentParser:
+    """The `store` command with its `stats`, `evict` and `clear` actions."""
+    p = subparsers.add_parser("store", help="the persistent KV store: stats, evict (LRU) or clear")
+    p.add_argument("action", choices=("stats", "evict", "clear"))
+    p.add_argument("--backend", choices=("embedded", "mooncake"), default="embedded")
+    p.add_argument("--dirs", default="", help="comma-separated store directories (default: the embedded default)")
+    p.add_argument("--mooncake-master", default="127.0.0.1:50051")
+    p.add_argument("--mooncake-metadata", default="http://127.0.0.1:8080/metadata")
+    p.add_argument("--bytes", type=float, default=0.0, help="evict: GiB to free, least recently used first")
+    p.add_argument("--expired", action="store_true", help="evict: remove expired entries (a sweep) first")
+    p.add_argument("--json", action="store_true", help="stats: print JSON")
+    return p
+
+
+def run_store(args) -> int:
+    """Run a parsed `store` command; returns the exit code."""
+    dirs = tuple(d.strip() for d in args.dirs.split(",") if d.strip())
+    config = KVStoreConfig(backend=args.backend, directories=dirs, mooncake_master=args.mooncake_master,
+                           mooncake_metadata_server=args.mooncake_metadata)
+    store = KVStore(config, start_threads=False)
+    try:
+        if args.action == "stats":
+            st = store.stats()
+            print(json.dumps(st, indent=2) if args.json else format_stats(st))
+        elif args.action == "evict":
+            n = store.sweep() if args.expired else 0
+            m = store.evict(int(args.bytes * (1 << 30))) if args.bytes else 0
+            print(f"removed {n} expired and evicted {m} least recently used blocks")
+        else:
+            print(f"cleared {store.clear()} blocks")
+    finally:
+        store.close()
+    return 0
+
+
+def format_stats(st: dict) -> str:
+    """Human-readable `KVStore.stats()` (what `deepinfer store stats` and `deepinfer status` print)."""
+    gib = 1 << 30
+    lines = [f"KV store ({st['backend']}): {st['blocks']} blocks, {st['bytes'] / gib:.3f} GiB of "
+             f"{st['capacity_bytes'] / gib:.1f} GiB"]
+    for c, v in st["classes"].items():
+        lines.append(f"  {c:<10} {v['blocks']:>10} blocks {v['bytes'] / gib:>9.3f} GiB  ttl {v['ttl_s'] / 86400:.1f} d")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`store ...` alone (for tests and tools)."""
+    parser = argparse.ArgumentParser(prog="deepinfer")
+    add_store_parser(parser.add_subparsers(dest="cmd", required=True))
+    return run_store(parser.parse_args(argv))
