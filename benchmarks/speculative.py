@@ -4,7 +4,9 @@
         [--max-tokens 64] [--json OUT]
 
 `--ks`: drafts per step; a trailing `c` (e.g. `3c`) runs that k with confidence-scheduled verification
-(`verify_schedule="confidence"`, the drafts' MTP probabilities as confidences) instead of full blocks.
+(`verify_schedule="confidence"`, the drafts' MTP probabilities as confidences) instead of full blocks; a
+trailing `p` (e.g. `3p`) runs the verify chunks as per-request prefill chunks instead of the batched
+verify path (`engine.spec_decode.verify_rows`; the default wherever the attention backend has it).
 
 Workload (fixed by `--seed`): the built-in demo model's own tasks rendered in its chat format
 (two-digit additions, copy / reverse word lists, the weather tool call; thinking mode for half of
@@ -65,14 +67,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    loadavg_start = os.getloadavg()
     from deepinfer.engine.llm import LLM
     from deepinfer.engine.sampling import SamplingParams
 
     ks = args.ks.split(",")
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    llms = {k: LLM(max_num_seqs=max(sizes), speculative_tokens=int(k.rstrip("c")),
-                   verify_schedule="confidence" if k.endswith("c") else "full") for k in ks}
+    llms = {k: LLM(max_num_seqs=max(sizes), speculative_tokens=int(k.rstrip("cp")),
+                   verify_schedule="confidence" if "c" in k else "full") for k in ks}
+    for k, llm in llms.items():
+        if "p" in k:
+            llm.engine.spec.batched_verify = False
     results = []
     for b in sizes:
         prompts = [{"prompt_token_ids": p} for p in workload(b, args.seed)]
@@ -109,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
             results.append(row)
             print(json.dumps(row), flush=True)
     report = {"machine": platform.platform(), "cpus": os.cpu_count(), "threads": args.threads,
-              "loadavg_end": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "loadavg_start": loadavg_start, "loadavg_end": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "results": results}
     if args.json:
         with open(args.json, "w") as f:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deepinfer.engine.attention import attention_backend_names
 from deepinfer.engine.engine import EngineConfig
@@ -46,10 +46,11 @@ class DecodeWorkerConfig(BaseModel):
     """KV cache blocks; None = the engine's default sizing."""
     max_model_len: int | None = Field(None, gt=1)
     """Longest prompt + output; None = the engine default (must match the prefill instances')."""
-    bounded_state: Literal["send", "replay"] = "send"
+    bounded_state: Literal["send", "replay"] | None = None
     """How a request's bounded state (sliding-window ring, compressor buffers) gets here: "send" =
     the prefill writes it into a reserved slot with the KV; "replay" = recomputed here by bounded
-    replay of the prompt's tail. Outputs are identical; BENCHMARKS.md compares the two."""
+    replay of the prompt's tail; None = "send", or "replay" with speculative decoding (the replay also
+    rebuilds the drafter's window). Outputs are identical; BENCHMARKS.md compares the two."""
     loopback_ucx: bool = False
     """Keep UCX on loopback (`kv_transfer.LOOPBACK_UCX_ENV`): every process on one host (tests)."""
     embedding_rows: int = Field(8192, gt=0)
@@ -76,6 +77,29 @@ class DecodeWorkerConfig(BaseModel):
     batch_invariant: bool = False
     """Batch-invariant numerics (`engine.batch_invariant`): a request's logits do not depend on its batch, chunking or
     cache hits; set it on the prefill and the decode instances alike."""
+    speculative_tokens: int = Field(0, ge=0)
+    """Draft tokens proposed per request per step and verified in the next one (speculative decoding,
+    `engine.spec_decode`; lossless); 0 = off. Needs `bounded_state` "replay" (the default then)."""
+    speculative_method: Literal["mtp"] = "mtp"
+    """Drafter of speculative decoding: "mtp" (the checkpoint's multi-token-prediction layer, chained)."""
+    verify_schedule: Literal["full", "confidence"] = "full"
+    """Drafts verified per request: "full" all of them, "confidence" a prefix chosen over the batch from the
+    drafts' confidences (`engine.spec_decode.verify_schedule`)."""
+
+    @model_validator(mode="after")
+    def _speculation_needs_replay(self) -> DecodeWorkerConfig:
+        # NOTE: the MTP drafter's window (its keys at the prompt's last positions) is rebuilt by the same
+        # bounded replay that rebuilds the target's state; a sent state would leave it empty
+        # (`engine.spec_decode`'s docstring, "Disaggregated decode")
+        if self.speculative_tokens and self.bounded_state == "send":
+            raise ValueError("speculative decoding on a decode instance rebuilds the drafter's window by bounded "
+                             "replay: set bounded_state='replay' (--bounded-state replay) or leave it unset")
+        return self
+
+    @property
+    def is_state_sent(self) -> bool:
+        """The prefill writes the bounded state with the KV (`bounded_state`, resolved: see its docstring)."""
+        return self.bounded_state == "send" or (self.bounded_state is None and not self.speculative_tokens)
 
     def engine_config(self) -> EngineConfig:
         """The engine part of this config."""
@@ -84,4 +108,5 @@ class DecodeWorkerConfig(BaseModel):
                             max_model_len=self.max_model_len, attention_backend=self.attention_backend,
                             moe_backend=self.moe_backend, fp8_activations=self.fp8_activations,
                             indexer_numerics=self.indexer_numerics, enforce_eager=self.enforce_eager,
-                            batch_invariant=self.batch_invariant)
+                            batch_invariant=self.batch_invariant, speculative_tokens=self.speculative_tokens,
+                            speculative_method=self.speculative_method, verify_schedule=self.verify_schedule)

@@ -78,7 +78,7 @@ class DecodeWorker(EngineShell):
 
     def __init__(self, config: DecodeWorkerConfig) -> None:
         # image prompts: the embeddings are READ (during Reserve) from the vision instance holding them
-        super().__init__(config, send_state=config.bounded_state == "send")
+        super().__init__(config, send_state=config.is_state_sent)
         self.agent_layout = self.agent.layout().SerializeToString()  # NOTE: as agent_metadata
         self.core = DecodeCore(self.engine, self.agent, self.agent_name)
         self._streams: dict[str, _Stream] = {}  # loop-thread state
@@ -223,6 +223,8 @@ class DecodeWorker(EngineShell):
         stats.update(num_streams=len(self._streams), num_unfinished_requests=self._num_unfinished(),
                      num_kv_blocks_used=load.num_kv_blocks_used, num_kv_blocks_total=load.num_kv_blocks_total,
                      num_running_requests=load.num_running_requests)
+        if self.engine.spec is not None:  # speculative decoding: acceptance figures (`spec_decode_*`)
+            stats.update(self.engine.spec.metrics.health_stats())
         return stats
 
     def _load_and_hashes(self) -> tuple[loadbalancer_pb2.LoadReport, None]:

@@ -298,6 +298,9 @@ def _config_from_args(args, parser):
         data["http"]["enabled"] = False
     if getattr(args, "batch_invariant", False):
         data["batch_invariant"] = True
+    spec = {k: getattr(args, k, None) for k in ("speculative_tokens", "speculative_method", "verify_schedule")}
+    if any(v is not None for v in spec.values()):  # speculative decoding: a decode-stage worker setting
+        data["decode"]["worker"] = {**data["decode"]["worker"], **{k: v for k, v in spec.items() if v is not None}}
     thinking = None if args.default_thinking is None else args.default_thinking == "on"
     front = {k: v for k, v in (("served_model_name", args.served_model_name), ("max_model_len", args.max_model_len),
                                ("log_level", args.log_level), ("default_thinking", thinking))
@@ -677,6 +680,12 @@ def _add_up_args(p: argparse.ArgumentParser, *, is_serve: bool) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant numerics on every prefill and decode worker (bit-identical outputs whatever "
                         "the batch; slower)")
+    p.add_argument("--speculative-tokens", type=int, default=None, metavar="K",
+                   help="speculative decoding on the decode stage: K MTP drafts per request per step (0 = off; "
+                        "default: the config's)")
+    p.add_argument("--speculative-method", choices=["mtp"], default=None, help="drafter of speculative decoding")
+    p.add_argument("--verify-schedule", choices=["full", "confidence"], default=None,
+                   help="drafts verified per request: all (full) or a prefix chosen by confidence")
     p.add_argument("--cluster-secret-file", default=None,
                    help="file holding the secret of internal calls (default: a fresh one per start)")
     p.add_argument("--detach", action="store_true", help="return once up (needs --address); `deepinfer down` stops it")
@@ -735,7 +744,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "logs":
         return _cmd_logs(args)
     if args.cmd in ("status", "scale", "down"):
-        from deepinfer.deploy.launcher import ClusterNotFound, remove_state, stop_cluster
+        from deepinfer.deploy.launcher import ClusterNotFound, remove_private_files, remove_state, stop_cluster
 
         targets = _parse_targets(parser, args.targets) if args.cmd == "scale" else None
         try:
@@ -758,6 +767,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             stop_cluster(controller)
             remove_state(name)
+            remove_private_files(name)
             print("# cluster down", file=sys.stderr)
         return 0
     if args.cmd == "demo":

@@ -343,8 +343,15 @@ class ModelConfig(BaseModel):
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Normalise a transformers-style config dict (legacy keys included) and validate it."""
         d = dict(raw)
+        if is_v41_config(d):
+            # NOTE: V4.1's layout and math differ (docs/V4_1.md); `V41Config` parses it, the engine cannot serve it
+            v41 = V41Config.from_hf_dict(d)
+            raise ValueError(
+                "this is a DeepSeek-V4.1 config (`model_type` 'deepseek_v41'): it parses (engine.config.V41Config), but "
+                "the engine cannot serve it yet: " + "; ".join(v41.unsupported()) + "."
+            )
         model_type = d.pop("model_type", "deepseek_v4")
-        if model_type not in ("deepseek_v4", "deepseek_v41"):
+        if model_type != "deepseek_v4":
             raise ValueError(f"`model_type` {model_type!r} is not a DeepSeek-V4 model; expected 'deepseek_v4'.")
         d.pop("quantization_config", None)  # NOTE: how weights are stored is the loader's decision alone
         # V4 states `expert_dtype` at the top level (V4.1 inside quantization_config): storage, so the
@@ -484,3 +491,379 @@ def _parse_rope(raw: dict[str, Any], label: str, max_pos: int) -> RopeConfig:
     if raw:
         raise ValueError(f"`rope_parameters[{label!r}]` has fields deepinfer does not implement: {sorted(raw)}.")
     return RopeConfig(**out)
+
+
+# ============================================================================ DeepSeek-V4.1
+
+V41_MODEL_TYPE = "deepseek_v41"
+"""`model_type` of DeepSeek-V4.1 checkpoints (top level; the nested `text_config` says `deepseek_v41_text`)."""
+
+# Keys of V4.1's config.json (top level or `text_config`) that carry no math.
+_V41_IGNORED_KEYS = frozenset(
+    {"architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "_name_or_path", "use_cache",
+     "initializer_range", "attention_dropout", "deepinfer", "auto_map"}
+)
+# Keys whose only accepted value is the one V4.1's math has (the reference has no other code path).
+_V41_FIXED = {"num_key_value_heads": 1, "n_shared_experts": 1, "hidden_act": "silu", "attention_bias": False,
+              "topk_method": "noaux_tc", "tie_word_embeddings": False}
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    if n % 2 == 0:
+        return n == 2
+    f = 3
+    while f * f <= n:
+        if n % f == 0:
+            return False
+        f += 2
+    return True
+
+
+def engram_primes(layer_ids: tuple[int, ...], max_ngram_size: int, n_heads: int,
+                  vocab_size: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Bucket sizes of V4.1's Engram tables, [layer][n-gram order - 2][head] (docs/V4_1.md §6).
+
+    For each Engram layer, order and head in that order: the smallest prime above the running value
+    (which restarts at `vocab_size - 1` for every order) that no earlier bucket took, across all layers.
+    A layer's table has exactly the sum of its primes as rows (`engram_num_embeddings`).
+    """
+    seen: set[int] = set()
+    out = []
+    for _ in layer_ids:
+        per_order = []
+        for _ in range(max_ngram_size - 1):
+            current, sizes = vocab_size - 1, []
+            for _ in range(n_heads):
+                current += 1
+                while current in seen or not _is_prime(current):
+                    current += 1
+                seen.add(current)
+                sizes.append(current)
+            per_order.append(tuple(sizes))
+        out.append(tuple(per_order))
+    return tuple(out)
+
+
+class V41Config(BaseModel):
+    """A validated DeepSeek-V4.1 language model (config.json's `text_config` plus the top-level ids).
+
+    Field names are the published config.json's. docs/V4_1.md explains each one and the layer roles
+    they define (KV sources, index sources, the candidate source, Engram layers, DSpark stages); the
+    checks here refuse, naming the field, any combination the reference code would compute wrongly or
+    not at all. `unsupported()` lists what the engine cannot serve yet (the loader refuses with it).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    vocab_size: int = Field(gt=0)
+    """Number of token ids."""
+    hidden_size: int = Field(gt=0)
+    """Residual stream width (the reference's `dim`)."""
+    moe_intermediate_size: int = Field(gt=0)
+    """Width of each routed expert and of the shared expert."""
+    num_hidden_layers: int = Field(gt=0)
+    """Backbone layers (DSpark stages not counted)."""
+    num_attention_heads: int = Field(gt=0)
+    """Query heads; all share one K=V head."""
+    head_dim: int = Field(gt=0)
+    """Width of each query head and of the shared K=V head."""
+    qk_rope_head_dim: int = Field(gt=0)
+    """Trailing channels of each head (and of the index heads) that carry RoPE."""
+    q_lora_rank: int = Field(gt=0)
+    """Rank of the low-rank query projection."""
+    o_lora_rank: int = Field(gt=0)
+    """Per-group rank of the grouped output projection."""
+    o_groups: int = Field(gt=0)
+    """Groups of the grouped output projection."""
+    swiglu_limit: float = Field(10.0, ge=0)
+    """Clamp of the SwiGLU pre-activations (0: none)."""
+    rms_norm_eps: float = Field(1e-20, gt=0)
+    """Epsilon of every RMSNorm and of the mHC normalisation (1e-20 in V4.1-Flash)."""
+    max_position_embeddings: int = Field(1048576, gt=0)
+    """Longest supported context."""
+    rope_main: RopeConfig
+    """RoPE of window-only layers (`rope_theta`, no YaRN)."""
+    rope_compress: RopeConfig
+    """RoPE of layers with compress_ratio > 0 (`compress_rope_theta` with `rope_scaling`'s YaRN, no mscale)."""
+    n_routed_experts: int = Field(gt=0)
+    """Routed experts per backbone MoE."""
+    num_experts_per_tok: int = Field(gt=0)
+    """Routed experts per token in the backbone."""
+    scoring_func: Literal["sqrtsoftplus", "sigmoid", "softmax"] = "sqrtsoftplus"
+    """Router score activation."""
+    norm_topk_prob: bool = True
+    """Normalise the chosen experts' scores to sum to one (when more than one is chosen)."""
+    routed_scaling_factor: float = 1.5
+    """Multiplier on the routed weights."""
+    sliding_window: int = Field(gt=0)
+    """Tokens (the query included) each query sees in its window."""
+    compress_ratios: tuple[int, ...]
+    """Per backbone layer, then per DSpark stage: tokens per compressed entry the layer reads (0: window only)."""
+    kv_source_layer_ids: tuple[int, ...]
+    """Layers that compute the compressed KV (and index keys) later layers of the same ratio reuse."""
+    index_source_layer_ids: tuple[int, ...]
+    """Layers that run an indexer; compressed layers in between reuse the latest one's selection."""
+    index_n_heads: int = Field(gt=0)
+    """Indexer query heads."""
+    index_head_dim: int = Field(gt=0)
+    """Indexer head width."""
+    index_topk: int = Field(gt=0)
+    """Compressed entries each query keeps."""
+    candidate_source_layer_id: int = -1
+    """Index source whose block mask restricts every later index source (-1: no candidate filter)."""
+    candidate_topk_blocks: int = Field(0, ge=0)
+    """Blocks of entries the candidate source keeps per query."""
+    candidate_block_size: int = Field(0, ge=0)
+    """Entries per candidate block."""
+    hc_mult: int = Field(4, gt=0)
+    """Hyper-connection residual streams."""
+    hc_sinkhorn_iters: int = Field(20, gt=0)
+    """Sinkhorn iterations of the mHC mixing matrix."""
+    hc_eps: float = 1e-6
+    """Numerical floor of the mHC weights."""
+    engram_layer_ids: tuple[int, ...] = ()
+    """Layers whose input streams get an Engram lookup added."""
+    engram_num_embeddings: tuple[int, ...] = ()
+    """Table rows per Engram layer (the sum of that layer's bucket primes)."""
+    engram_max_ngram_size: int = Field(1, ge=1)
+    """Largest n-gram hashed (2-grams .. this)."""
+    engram_vocab_size: int = Field(0, ge=0)
+    """Where each bucket's prime search starts (+1)."""
+    engram_n_heads: int = Field(0, ge=0)
+    """Hash heads per n-gram order."""
+    engram_head_dim: int = Field(0, ge=0)
+    """Width of one table row."""
+    engram_pad_token_id: int = Field(2, ge=0)
+    """Token (raw id) whose compressed id fills n-gram slots with no history."""
+    engram_compressed_vocab_size: int = Field(0, ge=0)
+    """Size of the normalised compressed vocabulary every hash multiplier derives from."""
+    num_nextn_predict_layers: int = Field(0, ge=0)
+    """DSpark draft stages (`mtp.*`)."""
+    dspark_block_size: int = Field(0, ge=0)
+    """Tokens a DSpark pass drafts."""
+    dspark_noise_token_id: int = Field(0, ge=0)
+    """Filler id of the draft block's inputs."""
+    dspark_target_layer_ids: tuple[int, ...] = ()
+    """Backbone layers whose input streams feed the drafter."""
+    dspark_markov_rank: int = Field(256, ge=0)
+    """Width of the DSpark Markov head."""
+    dspark_n_routed_experts: int = Field(0, ge=0)
+    """Routed experts of the DSpark stages' MoE (0: the backbone's)."""
+    dspark_num_experts_per_tok: int = Field(0, ge=0)
+    """Routed experts per token in the DSpark stages (0: the backbone's)."""
+    bos_token_id: int | None = 0
+    """Beginning-of-sequence id."""
+    eos_token_id: int | tuple[int, ...] | None = 1
+    """End-of-sequence id(s)."""
+    pad_token_id: int | None = None
+    """Padding id."""
+    image_token_id: int | None = None
+    """Id of every image-span position (selects the router's `bias_vl`, kills Engram n-grams)."""
+    vision_config: dict[str, Any] | None = None
+    """The vision tower's config, unparsed (the engine does not build V4.1's tower yet)."""
+    quantization_config: dict[str, Any] | None = None
+    """How the weights are stored (the loader's business; kept to report what it cannot load)."""
+
+    # ------------------------------------------------------------------ derived layer roles
+
+    @property
+    def rope_head_dim(self) -> int:
+        """Trailing RoPE channels per head."""
+        return self.qk_rope_head_dim
+
+    def compress_ratio(self, layer: int) -> int:
+        """Tokens per compressed entry layer `layer` reads (0: window only)."""
+        return self.compress_ratios[layer]
+
+    def _latest(self, ids: tuple[int, ...], layer: int) -> int | None:
+        found = [i for i in ids if i <= layer]
+        return max(found) if found else None
+
+    def kv_source_of(self, layer: int) -> int | None:
+        """The KV source whose compressed entries `layer` reads (None for window-only layers)."""
+        return self._latest(self.kv_source_layer_ids, layer) if self.compress_ratios[layer] else None
+
+    def index_source_of(self, layer: int) -> int | None:
+        """The index source whose selection `layer` uses (None for window-only layers)."""
+        return self._latest(self.index_source_layer_ids, layer) if self.compress_ratios[layer] else None
+
+    def uses_candidates(self, layer: int) -> bool:
+        """Whether index source `layer` restricts its scores to the candidate source's blocks."""
+        return 0 <= self.candidate_source_layer_id < layer and layer in self.index_source_layer_ids
+
+    @property
+    def engram_primes(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        """Bucket sizes [layer][order - 2][head] (`engram_primes`)."""
+        return engram_primes(self.engram_layer_ids, self.engram_max_ngram_size, self.engram_n_heads,
+                             self.engram_vocab_size)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """All end-of-sequence ids as a tuple."""
+        if self.eos_token_id is None:
+            return ()
+        return (self.eos_token_id,) if isinstance(self.eos_token_id, int) else tuple(self.eos_token_id)
+
+    def unsupported(self) -> list[str]:
+        """What the serving engine cannot do with this checkpoint yet, each naming its config field.
+
+        NOTE: keep in step with what exists: the CPU forward of `engine.models.deepseek_v41` computes the
+        architecture, but the paged engine (cache anatomy, attention backends, loader) does not serve it.
+        """
+        out = ["V4.1's cache anatomy (`kv_source_layer_ids` / `index_source_layer_ids` reuse, `compress_ratios` 1 "
+               "and 2) in the paged engine"]
+        if self.engram_layer_ids:
+            out.append(f"Engram tables (`engram_layer_ids`={list(self.engram_layer_ids)}): loading and placement")
+        q = self.quantization_config or {}
+        if list(q.get("weight_block_size", [])) == [32, 32]:
+            out.append("`quantization_config.weight_block_size`=[32, 32] FP8 linears")
+        if self.num_nextn_predict_layers:
+            out.append(f"DSpark draft stages (`num_nextn_predict_layers`={self.num_nextn_predict_layers})")
+        if self.vision_config is not None:
+            out.append("V4.1's vision tower (`vision_config`)")
+        return out
+
+    # ------------------------------------------------------------------ validation
+
+    @model_validator(mode="after")
+    def _check(self) -> V41Config:
+        n, ratios = self.num_hidden_layers, self.compress_ratios
+        if len(ratios) not in (n, n + self.num_nextn_predict_layers):
+            raise ValueError(
+                f"`compress_ratios` has {len(ratios)} entries; give one per layer ({n}), optionally followed by one per "
+                f"DSpark stage ({n + self.num_nextn_predict_layers} in all)."
+            )
+        if any(r < 0 for r in ratios):
+            raise ValueError(f"`compress_ratios` entries must be >= 0; got {list(ratios)}.")
+        if any(ratios[n:]):
+            raise ValueError("`compress_ratios` of the DSpark stages must be 0: their attention is window-only.")
+        for name in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids", "dspark_target_layer_ids"):
+            ids = getattr(self, name)
+            if len(set(ids)) != len(ids) or any(not 0 <= i < n for i in ids):
+                raise ValueError(f"`{name}` must be distinct layer ids in [0, {n}); got {list(ids)}.")
+        for layer in self.kv_source_layer_ids:
+            if not ratios[layer]:
+                raise ValueError(f"`kv_source_layer_ids` has layer {layer}, whose compress_ratio is 0: it has nothing to "
+                                 "compress; give it a ratio or remove it.")
+            if layer not in self.index_source_layer_ids:
+                raise ValueError(f"KV source {layer} is not in `index_source_layer_ids`: its index keys would never be "
+                                 "computed; add it.")
+        for layer in self.index_source_layer_ids:
+            if not ratios[layer]:
+                raise ValueError(f"`index_source_layer_ids` has layer {layer}, whose compress_ratio is 0.")
+        for layer in range(n):
+            if not ratios[layer]:
+                continue
+            src = self.kv_source_of(layer)
+            if src is None or ratios[src] != ratios[layer]:
+                raise ValueError(
+                    f"layer {layer} reads compressed KV at ratio {ratios[layer]} (`compress_ratios`), but the latest KV "
+                    f"source at or before it ({src}) " + ("does not exist" if src is None else f"has ratio {ratios[src]}")
+                    + "; fix `kv_source_layer_ids` or `compress_ratios`."
+                )
+        cand = self.candidate_source_layer_id
+        if cand != -1:
+            if cand not in self.index_source_layer_ids:
+                raise ValueError(f"`candidate_source_layer_id` ({cand}) is not an index source.")
+            if self.candidate_topk_blocks <= 0 or self.candidate_block_size <= 0:
+                raise ValueError("`candidate_topk_blocks` and `candidate_block_size` must be positive with a candidate "
+                                 "source.")
+            if (self.candidate_topk_blocks - 1) * self.candidate_block_size + 1 < self.index_topk:
+                raise ValueError(
+                    f"`candidate_topk_blocks` ({self.candidate_topk_blocks}) x `candidate_block_size` "
+                    f"({self.candidate_block_size}) may keep fewer than index_topk ({self.index_topk}) entries; the "
+                    "reference would then pick masked entries arbitrarily. Need (blocks - 1) * size + 1 >= index_topk."
+                )
+            if any(s > cand for s in self.kv_source_layer_ids):
+                raise ValueError(f"a KV source follows `candidate_source_layer_id` ({cand}): its candidate mask would "
+                                 "index another source's entries.")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError(f"`num_experts_per_tok` ({self.num_experts_per_tok}) exceeds n_routed_experts "
+                             f"({self.n_routed_experts}).")
+        if self.num_attention_heads % self.o_groups:
+            raise ValueError(f"`o_groups` ({self.o_groups}) must divide num_attention_heads ({self.num_attention_heads}).")
+        rd = self.qk_rope_head_dim
+        if rd % 2 or rd > self.head_dim or rd > self.index_head_dim:
+            raise ValueError(f"`qk_rope_head_dim` ({rd}) must be even and at most head_dim ({self.head_dim}) and "
+                             f"index_head_dim ({self.index_head_dim}).")
+        self._check_engram()
+        return self
+
+    def _check_engram(self) -> None:
+        ids = self.engram_layer_ids
+        if not ids:
+            return
+        if len(self.engram_num_embeddings) != len(ids):
+            raise ValueError(f"`engram_num_embeddings` has {len(self.engram_num_embeddings)} entries for "
+                             f"{len(ids)} `engram_layer_ids`; give one per Engram layer.")
+        for key in ("engram_max_ngram_size", "engram_n_heads", "engram_head_dim", "engram_vocab_size",
+                    "engram_compressed_vocab_size"):
+            if getattr(self, key) < (2 if key == "engram_max_ngram_size" else 1):
+                raise ValueError(f"`{key}` ({getattr(self, key)}) is too small for Engram layers.")
+        if self.engram_pad_token_id >= self.vocab_size:
+            raise ValueError(f"`engram_pad_token_id` ({self.engram_pad_token_id}) must be < vocab_size.")
+        for layer, rows, primes in zip(ids, self.engram_num_embeddings, self.engram_primes):
+            if rows != sum(sum(p) for p in primes):
+                raise ValueError(
+                    f"`engram_num_embeddings` for layer {layer} is {rows}, but its buckets (primes from engram_vocab_size="
+                    f"{self.engram_vocab_size}) sum to {sum(sum(p) for p in primes)} rows."
+                )
+
+    # ------------------------------------------------------------------ parsing
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> V41Config:
+        """Read and validate a V4.1 checkpoint's config.json (parsed once per process)."""
+        return cls.from_hf_dict(read_config_json(path))
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> V41Config:
+        """Validate the published layout: top-level ids, `text_config`, `vision_config`, `quantization_config`
+        (a flat dict with the text fields at the top level is accepted too)."""
+        top = dict(raw)
+        model_type = top.get("model_type", V41_MODEL_TYPE)
+        if model_type != V41_MODEL_TYPE:
+            raise ValueError(f"`model_type` {model_type!r} is not DeepSeek-V4.1; expected {V41_MODEL_TYPE!r}.")
+        text = top.pop("text_config", None)
+        d: dict[str, Any] = {}
+        if text is not None:
+            if not isinstance(text, dict):
+                raise ValueError("`text_config` must be an object.")
+            d.update(text)
+            if d.get("model_type", "deepseek_v41_text") != "deepseek_v41_text":
+                raise ValueError(f"`text_config.model_type` {d['model_type']!r} is not 'deepseek_v41_text'.")
+        for key, value in top.items():  # top-level ids and blocks; a text field stated twice must agree
+            if key in d and d[key] != value and key not in _V41_IGNORED_KEYS:
+                raise ValueError(f"`{key}` is {value!r} at the top level but {d[key]!r} in text_config.")
+            d.setdefault(key, value)
+        for key in list(d):
+            if key in _V41_IGNORED_KEYS:
+                d.pop(key)
+        for key, must in _V41_FIXED.items():
+            if key in d and d.pop(key) != must:
+                raise ValueError(f"`{key}` is not supported unless {must!r}: DeepSeek-V4.1's math has no other path.")
+        theta = float(d.pop("rope_theta", 10000.0))
+        compress_theta = float(d.pop("compress_rope_theta", 160000.0))
+        scaling = dict(d.pop("rope_scaling", None) or d.pop("rope_parameters", None) or {})
+        scaling.setdefault("rope_type", scaling.pop("type", "default"))
+        if scaling["rope_type"] == "yarn":
+            scaling.setdefault("attention_factor", 1.0)  # NOTE: the reference applies no mscale to cos/sin
+        rope_compress = _parse_rope({**scaling, "rope_theta": compress_theta}, "compress",
+                                    d.get("max_position_embeddings", 1048576))
+        rope_main = RopeConfig(rope_theta=theta)
+        if "engram_pad_id" in d:  # the reference's ModelArgs spelling
+            d.setdefault("engram_pad_token_id", d.pop("engram_pad_id"))
+        eos = d.pop("eos_token_id", 1)
+        unknown = sorted(k for k in d if k not in cls.model_fields)
+        if unknown:
+            raise ValueError(f"config.json has V4.1 fields deepinfer does not implement: {unknown}. Remove them if they "
+                             "carry no math, or add support for them in engine/config.py.")
+        return cls(**d, eos_token_id=tuple(eos) if isinstance(eos, list) else eos, rope_main=rope_main,
+                   rope_compress=rope_compress)
+
+
+def is_v41_config(raw: dict[str, Any]) -> bool:
+    """Whether a config.json dict describes DeepSeek-V4.1 (its `model_type`, or the nested `text_config`)."""
+    return raw.get("model_type") == V41_MODEL_TYPE or isinstance(raw.get("text_config"), dict)

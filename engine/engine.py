@@ -281,6 +281,10 @@ class Engine(ExternalKVMixin):
                     "model (num_layers * (sliding_window - 1) + 2 * max compress rate); raise it or leave it unset"
                 )
             self.replay_tokens = config.replay_tokens
+        elif config.speculative_tokens:  # the replay rebuilds the MTP drafter's window too (`engine.spec_decode`)
+            from deepinfer.engine.spec_decode import drafter_replay_tokens
+
+            self.replay_tokens = max(self.replay_tokens, drafter_replay_tokens(mc))
         blocks_per_seq = -(-self.max_model_len // block_size)
         num_blocks = config.num_blocks or min(blocks_per_seq * config.max_num_seqs, 1 << 16, self.fit.max_num_blocks)
         dtype = self.model.model.embed_tokens.weight.dtype

@@ -71,7 +71,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
-from deepinfer.engine.config import ModelConfig, config_json_path, read_config_json
+from deepinfer.engine.config import ModelConfig, V41Config, config_json_path, is_v41_config, read_config_json
 from deepinfer.engine.models.deepseek_v4_weights import (
     VISION_PREFIXES,
     TensorSpec,
@@ -266,7 +266,7 @@ _EXPERT_WEIGHT_RE = re.compile(r"(?:model\.layers|mtp)\.\d+\.ffn\.experts\.\d+\.
 _QUANT_STORAGE = {"F8_E4M3": torch.float8_e4m3fn, "I8": torch.int8, "U8": torch.int8}
 _SCALE_STORAGE = {"F8_E8M0": torch.float8_e8m0fnu, "F32": torch.float32}
 _TORCH_TAG = {torch.float8_e4m3fn: "F8_E4M3", torch.int8: "I8", torch.float8_e8m0fnu: "F8_E8M0", torch.float32: "F32"}
-V41_HINT = "V4.1 checkpoints are refused until V4.1 support lands"
+V41_HINT = ("V4.1 checkpoints are refused until V4.1 support lands in the engine (its config parses: engine.config.V41Config; its CPU forward: engine.models.deepseek_v41; docs/V4_1.md)")
 
 
 @register_weight_transform("fp8")
@@ -467,6 +467,12 @@ def read_checkpoint_config(path: str | Path) -> tuple[ModelConfig, dict[str, Any
         raise CheckpointError(f"no config.json at {file}; a checkpoint directory needs one.") from None
     except ValueError as e:
         raise CheckpointError(str(e)) from None
+    if is_v41_config(raw):  # V4.1's own layout (text_config): say what exactly is missing
+        try:
+            v41 = V41Config.from_hf_dict(raw)
+        except ValueError as e:
+            raise CheckpointError(f"{file}: {e}") from None
+        raise CheckpointError(f"{file}: DeepSeek-V4.1; {V41_HINT}. Not served yet: " + "; ".join(v41.unsupported()) + ".")
     quant = raw.pop("quantization_config", None) or None
     engram = sorted(k for k in raw if "engram" in k.lower())
     if engram:

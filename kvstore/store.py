@@ -47,6 +47,7 @@ class KVStore:
         self.index = StoreIndex(os.path.join(self.config.dirs[0], INDEX_NAME))
         self.metrics = KVStoreMetrics(self.backend.name)
         self._bytes = self.index.total_bytes()  # estimate; eviction re-reads the index
+        self._ref_bytes = self.index.bytes_by_ref()  # per directory (embedded): where new blocks go
         self._bytes_lock = threading.Lock()
         self._down_until = 0.0  # monotonic time before which lookups skip the backend (it failed or was slow)
         self._readers = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-read")
@@ -68,7 +69,8 @@ class KVStore:
         ttl = self.config.ttl_s(cls)
         k = key.hex()
         blob = block_format.encode(key, parent_key, payload)
-        ref = self.backend.choose_ref(len(blob), self.index.bytes_by_ref() if self._num_refs() > 1 else {})
+        with self._bytes_lock:
+            ref = self.backend.choose_ref(len(blob), self._ref_bytes)
         try:
             self.backend.write(k, ref, blob, ttl_s=ttl)
         except StoreUnavailable as e:
@@ -79,6 +81,7 @@ class KVStore:
         self.metrics.written(len(blob))
         with self._bytes_lock:
             self._bytes += len(blob)
+            self._ref_bytes[ref] = self._ref_bytes.get(ref, 0) + len(blob)
             over = self._bytes > self.config.high_watermark * self.config.capacity_bytes
         if over:
             self.evict_to_watermark()
@@ -227,6 +230,7 @@ class KVStore:
         if entry is not None:
             with self._bytes_lock:
                 self._bytes -= entry.nbytes
+                self._ref_bytes[entry.ref] = self._ref_bytes.get(entry.ref, 0) - entry.nbytes
 
     def sweep(self, now: float | None = None) -> int:
         """Remove every entry whose TTL has passed (counted per class); returns how many."""
@@ -249,6 +253,7 @@ class KVStore:
         total = self.index.total_bytes()
         with self._bytes_lock:
             self._bytes = total
+            self._ref_bytes = self.index.bytes_by_ref()
         if total <= self.config.high_watermark * cap:
             return 0
         target = self.config.low_watermark * cap
@@ -289,17 +294,29 @@ class KVStore:
             self.backend.delete(e.key, e.ref)
         with self._bytes_lock:
             self._bytes = 0
+            self._ref_bytes = {}
         return len(rows)
 
+    def remove_orphans(self, min_age_s: float = 600.0) -> int:
+        """Delete block files no index row lists, older than `min_age_s` (a crash between writing a file and
+        indexing it); embedded backend only. Returns how many."""
+        remove = getattr(self.backend, "remove_orphans", None)
+        if remove is None:
+            return 0
+        known = {e.key for e in self.index.least_recently_used(1 << 62)}
+        return remove(known, min_age_s)
+
     def _sweeper(self) -> None:
+        try:
+            self.remove_orphans()
+        except Exception:
+            logger.exception("KV store orphan cleanup failed")
         while not self._stop.wait(self.config.sweep_interval_s):
             try:
                 self.sweep()
+                self.evict_to_watermark()  # other processes sharing the index write too
             except Exception:
                 logger.exception("KV store sweep failed")
-
-    def _num_refs(self) -> int:
-        return len(getattr(self.backend, "dirs", ()))
 
     # ------------------------------------------------------------------ introspection
 
@@ -320,6 +337,15 @@ class KVStore:
             "written_bytes": m.written_bytes, "evictions": m.evictions, "corrupt_blocks": m.corrupt_blocks,
             "dropped_writes": m.dropped_writes, "degraded": dict(m.degraded),
         }
+
+    def counters(self) -> dict[str, int | float]:
+        """Cheap totals for a worker's Health stats (no index scan): `kvstore_*` names."""
+        m = self.metrics
+        return {"kvstore_bytes": max(self._bytes, 0), "kvstore_lookup_blocks_total": sum(m.lookup_blocks.values()),
+                "kvstore_hit_blocks_total": sum(m.hit_blocks.values()), "kvstore_loads_total": sum(m.loads.values()),
+                "kvstore_written_bytes_total": m.written_bytes, "kvstore_evictions_total": m.evictions,
+                "kvstore_expirations_total": sum(m.expirations.values()), "kvstore_corrupt_blocks_total": m.corrupt_blocks,
+                "kvstore_dropped_writes_total": m.dropped_writes, "kvstore_degraded_lookups_total": sum(m.degraded.values())}
 
     def close(self) -> None:
         """Blocks until queued writes are done (bounded) and the threads stopped; closes the backend."""

@@ -10,6 +10,7 @@ request (the balancer then raises `InsufficientCapacity`). Register a new one wi
 | `round_robin` | any | next instance id after the previous pick, cyclically |
 | `power_of_two` | any | two distinct random candidates (seeded RNG); the lower `stage_load` wins |
 | `prefix_aware` | prefill | max `alpha * matched_tokens - queued_prefill_tokens`; ties to lower load |
+| `prefix_store_aware` | prefill | `prefix_aware`, where a prefix the shared KV store holds counts on every instance at `store_weight` |
 | `kv_load` | decode | fewest KV blocks used, then fewest running requests, among those with room |
 | `image_affinity` | vision | max `alpha * cached_image_tokens - pending_image_tokens`; ties to fewer requests |
 
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import abc
 import random
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -202,6 +205,66 @@ class PrefixAware(Policy):
             return (-score, queued, c.load.num_running_requests + c.load.num_waiting_requests, c.instance_id)
 
         return min(candidates, key=key)
+
+
+@register_policy("prefix_store_aware")
+class PrefixStoreAware(PrefixAware):
+    """Prefill with a KV store every instance shares (`kvstore`, Mooncake for a cluster): a cluster-wide hit is as
+    good as a local one, minus the time to load it.
+
+    matched = max(local matched tokens, store_weight * stored matched tokens) on every candidate, then the
+    `prefix_aware` score. So a stored prefix no longer pulls its requests onto the one instance that computed
+    it: the least loaded instance wins unless the local hit saves more than the queue costs.
+
+    What the store holds, as this balancer sees it: the prefixes it routed (each prompt it sent to an instance
+    was computed there and written to the store), remembered for `store_ttl_s` in a bounded LRU of
+    `max_tracked_blocks` hashes, plus every hash the candidates report cached. NOTE: a prefix is counted as
+    stored from the moment it is routed (its write lands after the prefill); an early duplicate simply
+    computes it again.
+    """
+
+    def __init__(self, alpha: float = 1.0, store_weight: float = 0.9, store_ttl_s: float = 3 * 86400.0,
+                 max_tracked_blocks: int = 1 << 20, clock: Callable[[], float] | None = None) -> None:
+        super().__init__(alpha)
+        if not 0.0 <= store_weight <= 1.0:
+            raise ValueError(f"store_weight must be in [0, 1], got {store_weight}")
+        self.store_weight = store_weight
+        self.store_ttl_s = store_ttl_s
+        self.max_tracked_blocks = max_tracked_blocks
+        self._clock = clock or time.monotonic
+        self._stored: OrderedDict[int, float] = OrderedDict()  # block hash -> when last routed
+
+    def stored_prefix_blocks(self, candidates: Sequence[Instance], block_hashes: Sequence[int]) -> int:
+        """Leading blocks of a prompt the shared store is believed to hold."""
+        horizon = self._clock() - self.store_ttl_s
+        count = 0
+        for h in block_hashes:
+            seen = self._stored.get(h)
+            if (seen is None or seen < horizon) and not any(h in c.cached_block_hashes for c in candidates):
+                break
+            count += 1
+        return count
+
+    def select(self, candidates: Sequence[Instance], request: RequestInfo) -> Instance | None:
+        stored = self.stored_prefix_blocks(candidates, request.block_hashes) if request.block_hashes else 0
+
+        def key(c: Instance):
+            queued = c.load.num_queued_prefill_tokens
+            stored_tokens = stored * c.block_size
+            if request.num_prompt_tokens:
+                stored_tokens = min(stored_tokens, request.num_prompt_tokens)
+            matched = max(float(matched_prefix_tokens(c, request)), self.store_weight * stored_tokens)
+            score = self.alpha * matched - queued
+            return (-score, queued, c.load.num_running_requests + c.load.num_waiting_requests, c.instance_id)
+
+        pick = min(candidates, key=key)
+        now = self._clock()
+        for h in request.block_hashes:
+            self._stored[h] = now
+            self._stored.move_to_end(h)
+        while len(self._stored) > self.max_tracked_blocks:
+            self._stored.popitem(last=False)
+        return pick
 
 
 @register_policy("kv_load")

@@ -193,6 +193,8 @@ class PrefillWorker(EngineShell):
         stats.update(num_inflight_requests=self.core.num_inflight, num_kv_blocks_used=load.num_kv_blocks_used,
                      num_kv_blocks_total=load.num_kv_blocks_total,
                      num_queued_prefill_tokens=load.num_queued_prefill_tokens, num_peers=len(self._peer_digests))
+        if self.kv_store is not None:
+            stats.update(self.kv_store.counters())
         return stats
 
 

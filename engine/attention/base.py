@@ -33,6 +33,7 @@ from deepinfer.engine.registry import Registry
 if TYPE_CHECKING:
     from deepinfer.engine.cache.kv_cache import V4KVCache
     from deepinfer.engine.forward_batch import ForwardBatch
+    from deepinfer.engine.spec_decode.verify_rows import VerifyRows
 
 RopeTable = tuple[torch.Tensor, torch.Tensor]
 """(cos, sin), each `[n, rope_head_dim // 2]` (already multiplied by the flavour's attention factor)."""
@@ -233,6 +234,9 @@ class AttentionMetadata:
     prefill: list[PrefillChunk] = field(default_factory=list)
     is_pure_decode: bool = False
     """Every token is a decode row, in order (no gather / scatter of rows needed)."""
+    verify: VerifyRows | None = None
+    """Speculative decoding: verify chunks (`1 + L` new tokens per request) batched together instead of in
+    `prefill` (`engine.spec_decode.verify_rows`); set only for a backend whose `supports_verify_rows` is True."""
 
 
 def _window_chunk(pos: torch.Tensor, p0: int, n: int, state_start: int, W: int) -> ChunkWindow:

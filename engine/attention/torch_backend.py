@@ -8,7 +8,10 @@ Per layer and step:
   (CSA), and attend over window + entries + the per-head sink;
 * each prefill chunk runs alone: compress the windows the chunk completes (from the ring's buffered
   tokens plus the chunk's), write them, then attend over the window (an `unfold` view per query)
-  plus the selected entries, and write the chunk's last keys into the ring.
+  plus the selected entries, and write the chunk's last keys into the ring;
+* verify rows (speculative decoding, `AttentionMetadata.verify`: `1 + L` tokens per request) run as one
+  batch padded to the longest: the compressors, the indexer, the window gather and the attention core
+  each once for all their queries (`_verify_batched`), in the per-chunk path's order of operations.
 
 NOTE: the arithmetic order is the model's reference; a kernel backend is tested against this one.
 """
@@ -60,7 +63,90 @@ class TorchAttentionBackend(AttentionBackend):
             sl = chunk.rows
             extra = self._compressed(spec, chunk, inputs, sl, cache, meta) if spec.is_compressed else None
             out[sl] = self._attend_one(spec, chunk, inputs.q[sl], inputs.kv[sl], inputs.sink, cache, extra)
+        if meta.verify is not None:
+            vr = meta.verify
+            out[vr.flat_rows] = self._verify_batched(spec, vr, inputs, cache, meta)
         return out
+
+    # -- verify rows (speculative decoding: 1 + L tokens per request), batched ------------------------
+
+    supports_verify_rows = True
+    """Reads `AttentionMetadata.verify` (`engine.spec_decode.verify_rows`)."""
+
+    def _verify_batched(self, spec: LayerSpec, vr, inputs: AttentionInputs, cache: V4KVCache,
+                        meta: AttentionMetadata) -> torch.Tensor:
+        """All verify chunks at once, as `_attend_one` computes each: query i of request b (position
+        p_b + i) sees the window keys p_b + i - W + 1 .. p_b + i and its (selected) compressed entries.
+        The compressors, the indexer, the window gather, the logits, the softmax and the weighted sums
+        each run once over all [B, N] queries. Returns [T, NH, D] in `vr.flat_rows` order."""
+        extras = self._verify_compressed(spec, vr, inputs, cache, meta) if spec.is_compressed else None
+        W = spec.window
+        geo = vr.windows[W]
+        q, kv = inputs.q[vr.token_index], inputs.kv[vr.token_index]  # [B, N, NH, D], [B, N, D]
+        ring = cache.window_kv[spec.layer_idx]  # [slots, W, D]
+        hist = ring[vr.slots[:, None], geo.hist_rows].to(kv.dtype)  # [B, W - 1, D]
+        hist = torch.where(geo.hist_alive[..., None], hist, torch.zeros((), dtype=hist.dtype, device=hist.device))
+        keys = torch.cat([hist, kv], dim=1)  # [B, W - 1 + N, D]
+        windows = keys.unfold(1, W, 1)  # [B, N, D, W]: query i's window
+        scale = q.shape[-1]**-0.5
+        logits = torch.einsum("bnhd,bndw->bnhw", q, windows) * scale
+        parts = [logits.masked_fill(~geo.allowed[:, :, None, :], float("-inf"))]
+        if extras is not None:
+            entries, mask = extras
+            cl = torch.einsum("bnhd,bcd->bnhc", q, entries) * scale
+            parts.append(cl.masked_fill(~mask[:, :, None, :], float("-inf")))
+        parts.append(inputs.sink.to(logits.dtype).view(1, 1, -1, 1).expand(*q.shape[:3], 1))
+        probs = torch.cat(parts, dim=-1).softmax(dim=-1)  # the sink keeps every row finite (padding included)
+        o = torch.einsum("bnhw,bndw->bnhd", probs[..., :W].to(keys.dtype), windows)
+        if extras is not None:
+            C = entries.shape[1]
+            o = o + torch.einsum("bnhc,bcd->bnhd", probs[..., W:W + C].to(entries.dtype), entries)
+        ring[vr.write_slots, geo.write_rows] = inputs.kv[vr.flat_rows].to(ring.dtype)  # after the history read
+        return o[vr.is_valid]
+
+    def _verify_compressed(self, spec: LayerSpec, vr, inputs: AttentionInputs, cache: V4KVCache,
+                           meta: AttentionMetadata):
+        """Run the verify tokens' compressors (entries of the windows they complete written first), then
+        return (entries [B, C, D], mask [B, N, C]: visible and, in CSA layers, selected), or None."""
+        pool, buf_kv, buf_gate, ipool, ibuf_kv, ibuf_gate = _pools(spec, cache)
+        geo = vr.compressors[(spec.compress_rate, spec.is_overlap)]
+        entries = self._verify_compressor(inputs.compressor, inputs.compressor_kv, inputs.compressor_gate,
+                                          buf_kv, buf_gate, vr, geo, pool)
+        keys = None
+        if spec.has_indexer:
+            keys = self._verify_compressor(inputs.indexer.compressor, inputs.index_kv, inputs.index_gate,
+                                           ibuf_kv, ibuf_gate, vr, geo, ipool)
+        if entries is None:
+            return None
+        if keys is None:
+            return entries, geo.visible
+        # the indexer's `select`, for [B, N] queries over each request's own keys
+        indexer, ti = inputs.indexer, vr.token_index
+        B, N = ti.shape
+        cos, sin = meta.rope[spec.rope]
+        q = indexer._queries(inputs.q_res[ti].flatten(0, 1), cos[ti].flatten(0, 1), sin[ti].flatten(0, 1))
+        q = q.view(B, N, *q.shape[1:])  # [B, N, heads, index_head_dim]
+        scores = torch.relu(torch.einsum("bnhd,bcd->bnhc", q.float(), keys.float())) * (indexer.head_dim**-0.5)
+        weights = indexer.weights_proj(inputs.x[ti]).float() * (indexer.num_heads**-0.5)  # [B, N, heads]
+        scores = (scores * weights[..., None]).sum(dim=2)  # [B, N, C]
+        return entries, indexer.select_topk(scores, geo.visible)
+
+    @staticmethod
+    def _verify_compressor(comp, kv, gate, buf_kv, buf_gate, vr, geo, pool) -> torch.Tensor | None:
+        """`_run_compressor` for every verify chunk at once: entries of the windows they complete, the
+        ring update, and each request's entries [B, C, D] (None while none has one)."""
+        kv, gate = kv[vr.flat_rows], gate[vr.flat_rows]  # [T, width]
+        if geo.num_windows:  # a host int: no sync
+            span_kv = torch.cat([buf_kv[geo.hist_slots, geo.hist_rows], kv], dim=0)
+            span_gate = torch.cat([buf_gate[geo.hist_slots, geo.hist_rows], gate], dim=0)
+            new = comp.compress_gathered(span_kv[geo.cur_rows], span_gate[geo.cur_rows], span_kv[geo.prev_rows],
+                                         span_gate[geo.prev_rows], geo.windows, geo.entry_rope)
+            pool.view(-1, pool.shape[-1])[geo.write_rows] = new.to(pool.dtype)
+        buf_kv[vr.write_slots, geo.tail_rows] = kv.to(buf_kv.dtype)
+        buf_gate[vr.write_slots, geo.tail_rows] = gate.to(buf_gate.dtype)
+        if geo.entry_rows is None:
+            return None
+        return pool.view(-1, pool.shape[-1])[geo.entry_rows]
 
     # -- decode rows, batched ------------------------------------------------------------------
 

@@ -99,16 +99,36 @@ class MultiRankExecutor(Executor):
         self._is_closed = False
         self._failure: BaseException | None = None
         ctx = mp.get_context("spawn")
-        self._procs = [ctx.Process(target=rank_main, args=(r, spec), name=f"deepinfer-rank{r}", daemon=True)
+        ready = ctx.Queue()
+        self._procs = [ctx.Process(target=rank_main, args=(r, spec, ready), name=f"deepinfer-rank{r}", daemon=True)
                        for r in range(1, self.world_size)]
         for p in self._procs:
             p.start()
         try:
+            self._wait_ready(ready)
             self._ctrl = join_group(spec.address, 0)
             self.state = RankState(0, runner.model, runner.cache, spec.num_redundant_experts)
         except BaseException:
             self._kill()
             raise
+
+    def _wait_ready(self, ready) -> None:
+        """Blocks until every rank process has loaded; raises RuntimeError with a rank's traceback if it failed
+        or died first."""
+        import queue
+
+        pending = set(range(1, self.world_size))
+        while pending:
+            try:
+                rank, error = ready.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p.name for p in self._procs if not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"rank process(es) {', '.join(dead)} exited while loading") from None
+                continue
+            if error is not None:
+                raise RuntimeError(f"rank {rank} failed to load:\n{error}")
+            pending.discard(rank)
 
     # ------------------------------------------------------------------ SPMD commands
 

@@ -115,11 +115,22 @@ def _load_rank(spec: RankSpec, rank: int) -> RankState:
     return model, cache
 
 
-def rank_main(rank: int, spec: RankSpec) -> None:
+def rank_main(rank: int, spec: RankSpec, ready=None) -> None:
     """Blocks for the life of rank `rank` (>= 1) of an instance: load, join the group, run commands until
-    `stop` or a failure. The entry point of a rank process."""
+    `stop` or a failure. The entry point of a rank process.
+
+    `ready` (a multiprocessing queue) gets `(rank, None)` once the rank has loaded, or `(rank, traceback)`
+    when loading failed, so rank 0 never waits for a rank that will not come.
+    """
     torch.set_num_threads(spec.num_threads)
-    model, cache = _load_rank(spec, rank)
+    try:
+        model, cache = _load_rank(spec, rank)
+    except BaseException:
+        if ready is not None:
+            ready.put((rank, traceback.format_exc()))
+        raise
+    if ready is not None:
+        ready.put((rank, None))
     ctrl = join_group(spec.address, rank)
     try:
         state = RankState(rank, model, cache, spec.num_redundant_experts)

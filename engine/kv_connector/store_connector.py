@@ -51,7 +51,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("deepinfer.kvstore")
 
-_MAX_TRACKED = 65536  # per-request notes kept at most (requests that end before their save drop theirs here)
+_MAX_TRACKED = 2048
+"""Per-request notes (prompt, class) kept at most: a request that ends before its save (an error, an abort
+before the prompt was computed) is never reported to the connector, so the oldest notes are dropped here
+(which at worst skips one prompt's store write)."""
 
 
 def engine_fingerprint(engine: Engine) -> bytes:
@@ -159,9 +162,9 @@ class StoreConnector(KVConnector):
                 self._primary_loads.add(req_id)
                 return spec
         prompt = list(prompt_token_ids)
-        _bounded_set(self._prompts, req_id, prompt)
         if not self._is_storable(prompt):
             return None
+        _bounded_set(self._prompts, req_id, prompt)
         max_blocks = (len(prompt) - 1) // self.block_size  # the engine computes at least the last token
         local = self._local_hit_blocks(prompt, max_blocks)
         if local >= max_blocks:

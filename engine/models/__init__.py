@@ -4,9 +4,18 @@ from __future__ import annotations
 
 
 def model_class(model_type: str):
-    """The nn.Module class implementing `model_type`; the error lists what is supported."""
-    if model_type in ("deepseek_v4", "deepseek_v41"):
+    """The nn.Module class implementing `model_type`; the error lists what is supported.
+
+    NOTE: "deepseek_v41" is DeepSeek-V4.1's own model (`engine.models.deepseek_v41`, built from a
+    `V41Config`): a full-sequence CPU forward so far; the paged engine refuses V4.1 checkpoints at load
+    (`engine.loader.read_checkpoint_config`).
+    """
+    if model_type == "deepseek_v4":
         from deepinfer.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 
         return DeepseekV4ForCausalLM
+    if model_type == "deepseek_v41":
+        from deepinfer.engine.models.deepseek_v41 import DeepseekV41ForCausalLM
+
+        return DeepseekV41ForCausalLM
     raise ValueError(f"model_type {model_type!r} is not supported; supported: ['deepseek_v4', 'deepseek_v41']")

@@ -9,6 +9,10 @@
     grouped FP4 GEMMs (Triton on CUDA).
   * `triton_backend`: `"triton"`, float, FP4 or FP8 experts as grouped GEMMs with no host sync (routing, grouping,
     gate/up + SwiGLU, down + weighting, combine: `kernels.moe_routing`, `kernels.moe_gemm`); CUDA-graph safe.
+  * `ep_backend`: expert parallelism, not selected by name: `ExpertParallelMoEBackend` wraps a layer's backend
+    (the inner one computes this rank's experts) with dispatch/combine behind a `Dispatcher` (all-to-all over
+    torch.distributed; a DeepEP-class transport later); installed by `engine.distributed` when
+    `EngineConfig.expert_parallel_size > 1`. `eplb`: where redundant expert replicas go (EPLB).
 
 Where a new backend goes: quantized experts (FP8 block-scaled, FP4 weights kept quantized, a fused
 MoE kernel) or expert-parallel dispatch/combine (tokens sent to the rank that owns each expert and the

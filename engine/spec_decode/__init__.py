@@ -27,13 +27,28 @@ Rejected drafts leave no trace (`rollback`, whose docstring has the argument):
 * **The drafter's own window ring**: its committed pass runs over accepted positions only; the
   chained draft positions are snapshotted and restored the same way.
 
+**Verify chunks as one batch** (`verify_rows`): with an attention backend that has the path
+(`supports_verify_rows`: the torch backend), the step's verify chunks leave the per-request prefill
+path and are attended together, `N = max(1 + L)` queries per request (same results within float32
+rounding; `SpecDecoding.batched_verify`).
+
+**Disaggregated decode** (`decode_worker --speculative-tokens K`): the first draft needs the MTP
+layer's window over the prompt's last positions, i.e. the target's pre-`hc_head` streams there. The
+decode instance rebuilds it by the bounded replay it already knows: with speculation its bounded
+state is not sent (`DecodeWorkerConfig.bounded_state` resolves to "replay"), the tail of the prompt is
+recomputed over the transferred compressed entries, and the committed pass runs over the replayed
+positions like over any chunk, so the drafter's window comes out exactly as on an engine that
+computed the whole prompt (`drafter_replay_tokens` bounds the replay; V4's `exact_replay_tokens`
+already covers it). Nothing new crosses the wire. The prefill samples token 1 without drafting, so a
+request's first decode step verifies nothing (one step of speculation fewer than offline).
+
 Greedy outputs equal non-speculative ones token for token; seeded sampled outputs too (the same
 per-position noise, `acceptance`). `verify_schedule = "confidence"` verifies a prefix of each
 request's drafts chosen over the batch (`verify_schedule`; confidence = the draft's MTP probability,
 cost = a linear stand-in until a profiled step-cost table exists). Not supported yet: async
 scheduling and multi-rank instances (refused at construction), drafts for structured-output
-requests (they verify none), the disaggregated decode stage's flags (the engine config is ready),
-a trained confidence head.
+requests (they verify none), a trained confidence head, batched compressors / indexer in the
+batched verify path (they still run per request).
 """
 
 from deepinfer.engine.spec_decode.acceptance import expand_bitmask, expand_verify_rows, num_accepted, rejection_sample
@@ -44,8 +59,9 @@ from deepinfer.engine.spec_decode.executor import (
     SpecPreparedStep,
     SpecStepResult,
 )
-from deepinfer.engine.spec_decode.mtp_drafter import MTPDrafter
+from deepinfer.engine.spec_decode.mtp_drafter import MTPDrafter, drafter_replay_tokens
 from deepinfer.engine.spec_decode.rollback import RingRollback, max_draft_tokens
+from deepinfer.engine.spec_decode.verify_rows import VerifyRows, batch_verify_chunks
 from deepinfer.engine.spec_decode.verify_schedule import choose_verify_lengths, survival, top_k_prefixes
 
 __all__ = [
@@ -56,7 +72,10 @@ __all__ = [
     "SpecExecutor",
     "SpecPreparedStep",
     "SpecStepResult",
+    "VerifyRows",
+    "batch_verify_chunks",
     "choose_verify_lengths",
+    "drafter_replay_tokens",
     "expand_bitmask",
     "expand_verify_rows",
     "max_draft_tokens",

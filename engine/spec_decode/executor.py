@@ -33,6 +33,7 @@ from deepinfer.engine.scheduler import SchedulerOutput
 from deepinfer.engine.spec_decode.acceptance import num_accepted
 from deepinfer.engine.spec_decode.mtp_drafter import DraftSeq, MTPDrafter
 from deepinfer.engine.spec_decode.rollback import RingRollback
+from deepinfer.engine.spec_decode.verify_rows import batch_verify_chunks
 from deepinfer.engine.spec_decode.verify_schedule import choose_verify_lengths
 
 
@@ -83,6 +84,19 @@ class SpecDecodeMetrics:
         d["verified_tokens_per_step"] = self.num_verified_tokens / max(self.num_steps, 1)
         return d
 
+    def health_stats(self) -> dict:
+        """The figures under Prometheus-style names (`spec_decode_*`, counters ending in `_total`), as a worker's
+        Health stats carry them (the HTTP front exports the scalar ones per instance: `entrypoint.http.metrics`)."""
+        d = self.as_dict()
+        out = {"spec_decode_num_draft_tokens": self.num_draft_tokens}
+        for name in ("steps", "verifications", "verified_tokens", "verified_drafts", "accepted_drafts",
+                     "emitted_tokens", "proposed_drafts"):
+            out[f"spec_decode_{name}_total"] = d[f"num_{name}"]
+        for name in ("acceptance_rate", "mean_accepted_length", "verified_tokens_per_step",
+                     "acceptance_rate_per_position"):
+            out[f"spec_decode_{name}"] = d[name]
+        return out
+
 
 @dataclass
 class _Verify:
@@ -124,7 +138,7 @@ class SpecDecoding:
     """The engine's speculative-decoding state: drafter, rollback, metrics and the executor."""
 
     def __init__(self, model, cache, sampler, num_slots: int, num_draft_tokens: int, method: str = "mtp",
-                 verify_schedule: str = "full", verify_floor: int = 1) -> None:
+                 verify_schedule: str = "full", verify_floor: int = 1, batched_verify: bool | None = None) -> None:
         if method != "mtp":
             raise ValueError(f"unknown speculative_method {method!r}; known: mtp")
         if verify_schedule not in ("full", "confidence"):
@@ -133,6 +147,14 @@ class SpecDecoding:
         """"full": every request verifies all its drafts; "confidence": `verify_schedule.choose_verify_lengths`
         over the drafts' MTP probabilities picks a prefix per request (at least `verify_floor` drafts)."""
         self.verify_floor = verify_floor
+        backend = model.model.layers[0].attn.backend
+        supported = getattr(backend, "supports_verify_rows", False)
+        if batched_verify and not supported:
+            raise ValueError(f"the {type(backend).__name__} attention backend has no batched verify path; "
+                             "leave batched_verify unset")
+        self.batched_verify = supported if batched_verify is None else batched_verify
+        """Run the verify chunks as one batch (`verify_rows`) rather than as per-request prefill chunks
+        (same results within float rounding); None at construction = when the attention backend can."""
         self.model = model
         self.cache = cache
         self.sampler = sampler
@@ -191,7 +213,11 @@ class SpecDecoding:
         pairs = [(batch.seqs[v.seq_idx].slot, batch.seqs[v.seq_idx].num_computed_tokens + j)
                  for v in step.verify for j in range(1, len(v.drafts) + 1)]
         snap = self.rollback.snapshot([s for s, _ in pairs], [p for _, p in pairs])
-        hidden, streams = model(batch, self.cache, return_streams=True)  # [T, H], [T, hc, H]
+        meta = batch.attn_metadata if batch.attn_metadata is not None else model.build_attention_metadata(batch,
+                                                                                                       self.cache)
+        if self.batched_verify:
+            batch_verify_chunks(meta, {v.seq_idx for v in step.verify if v.drafts})
+        hidden, streams = model(batch, self.cache, meta, return_streams=True)  # [T, H], [T, hc, H]
         logits = model.compute_logits(hidden[batch.logits_indices])  # [num_rows, vocab]
         t1 = time.perf_counter()
         token_ids: list[list[int]] = []

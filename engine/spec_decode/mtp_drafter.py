@@ -46,6 +46,21 @@ class DraftSeq:
     wants_drafts: bool
 
 
+def drafter_replay_tokens(config) -> int:
+    """Tokens of bounded replay after which the MTP drafter's window comes out exactly as cold.
+
+    After a prefix hit, or on a decode instance after a transfer, the engine replays the prompt's
+    tail (`engine.cache.layout.exact_replay_tokens`); the committed pass runs over those positions
+    as over any chunk, so the replay also rebuilds the drafter's window ring. The drafter's first
+    query (at the position after the replay) reads its keys at the `sliding_window - 1` positions
+    before it; each is a function of the target's final streams at that position (and the next
+    token), which are exact once `num_layers * (window - 1)` replayed tokens precede them. Hence
+    `(num_layers + 1) * (window - 1)`: the MTP block counts as one more sliding-window layer. Keys of
+    earlier replayed positions may be inexact, but no later query reads them (they left the window).
+    """
+    return (config.num_hidden_layers + 1) * (config.sliding_window - 1)
+
+
 class MTPDrafter:
     """Drafts with MTP layer `layer_idx` of `model` over its own window cache (`num_slots` slots)."""
 

@@ -65,7 +65,7 @@ from deepinfer.engine.models.deepseek_v4_weights import (
 from deepinfer.engine.testing.presets import PRESETS, get_preset
 
 WRITERS = ("ours", "hf")
-FORMATS = ("transformers", "published")
+FORMATS = ("transformers", "published", "published-v41")
 EXPERT_DTYPE_PLACES = ("top", "quantization_config")
 DEFAULT_MAX_SHARD_SIZE = 4 << 30
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
@@ -200,6 +200,13 @@ def make_checkpoint(
         raise ValueError(f"unknown writer {writer!r}; choose one of {WRITERS}.")
     if format not in FORMATS:
         raise ValueError(f"unknown format {format!r}; choose one of {FORMATS}.")
+    if format == "published-v41":  # V4.1's own tiny model; `preset`, `dtype` and the V4 options do not apply
+        out = Path(directory)
+        if out.exists() and any(out.iterdir()):
+            if not overwrite:
+                raise FileExistsError(f"{out} is not empty; pass overwrite=True (--overwrite) or pick another directory.")
+            shutil.rmtree(out)
+        return write_published_v41(out, seed=seed, max_shard_size=parse_size(max_shard_size))
     if format == "published":
         if writer != "ours" or vision:
             raise ValueError("format 'published' is written by writer 'ours' alone, without a vision tower.")
@@ -328,6 +335,71 @@ def write_published(
     return out
 
 
+TINY_V41_TEXT_CONFIG: dict[str, Any] = {
+    "vocab_size": 64, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 8,
+    "num_attention_heads": 4, "head_dim": 32, "qk_rope_head_dim": 16, "q_lora_rank": 32, "o_lora_rank": 16,
+    "o_groups": 2, "swiglu_limit": 10.0, "rms_norm_eps": 1e-20, "max_position_embeddings": 4096, "rope_theta": 10000,
+    "compress_rope_theta": 160000, "rope_scaling": {"rope_type": "yarn", "factor": 4, "beta_fast": 32, "beta_slow": 1,
+                                                    "original_max_position_embeddings": 16},
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "scoring_func": "sqrtsoftplus", "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5, "sliding_window": 4, "compress_ratios": [0, 0, 2, 2, 2, 1, 1, 1],
+    "kv_source_layer_ids": [2, 5], "index_source_layer_ids": [2, 4, 5, 7], "index_n_heads": 2,
+    "index_head_dim": 32, "index_topk": 3, "candidate_source_layer_id": 5, "candidate_topk_blocks": 2,
+    "candidate_block_size": 2, "hc_mult": 2, "hc_sinkhorn_iters": 5, "hc_eps": 1e-6, "engram_layer_ids": [1, 4],
+    "engram_num_embeddings": [72, 138], "engram_max_ngram_size": 3, "engram_vocab_size": 13, "engram_n_heads": 2,
+    "engram_head_dim": 32, "engram_pad_token_id": 2, "engram_compressed_vocab_size": 20,
+    "num_nextn_predict_layers": 0,
+}
+"""`--format published-v41`'s model (docs/V4_1.md): 8 layers with every V4.1 layer kind (window-only, ratio-2
+and ratio-1 KV sources and their consumers, an index source without index keys, the candidate source and a
+user of its candidates) and two Engram layers with tiny tables; widths multiples of 32 (the FP8 blocks)."""
+
+
+def random_v41_model(config, seed: int = 0):
+    """A `DeepseekV41ForCausalLM` of `config` with every parameter random from `seed` (norm weights and mHC
+    scales near 1, linears ~ 1/sqrt(fan-in)) and a random Engram token map."""
+    from deepinfer.engine.models.deepseek_v41 import DeepseekV41ForCausalLM
+
+    model = DeepseekV41ForCausalLM(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "_scale")):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith(("q_weight", "k_weight")):
+                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 2 and not name.endswith(("embed.weight", "_fn")):
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+            else:
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    if config.engram_layer_ids:
+        model.set_engram_token_map(torch.randint(0, config.engram_compressed_vocab_size, (config.vocab_size,),
+                                                 generator=g))
+    return model
+
+
+def write_published_v41(out: str | Path, *, seed: int = 0, text_config: Mapping[str, Any] | None = None,
+                        max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> Path:
+    """A random V4.1 checkpoint in the published layout (`deepseek_v41.published_storage`: FP8 e4m3 with UE8M0
+    32x32 block scales, FP4 experts, FP8 Engram tables with 1x32 row scales) and config.json with
+    `text_config` and `quantization_config`, from `random_v41_model(seed)` (`TINY_V41_TEXT_CONFIG` by default).
+    The Engram token map is not a tensor of the checkpoint (it derives from the tokenizer). Returns `out`."""
+    from deepinfer.engine.config import V41Config
+    from deepinfer.engine.models.deepseek_v41 import published_tensors
+
+    config_json = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "dtype": "bfloat16",
+                   "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2,
+                   "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                           "weight_block_size": [32, 32], "scale_fmt": "ue8m0", "expert_dtype": "fp4"},
+                   "text_config": {"model_type": "deepseek_v41_text", **(text_config or TINY_V41_TEXT_CONFIG)}}
+    model = random_v41_model(V41Config.from_hf_dict(config_json), seed)  # validates before writing anything
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    _save_sharded(out, published_tensors(model), max_shard_size)
+    (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+    return out
+
+
 def _save_sharded(out: Path, tensors: Mapping[str, torch.Tensor], shard_bytes: int, *,
                   single_file: bool = False) -> None:
     """`model-0000i-of-0000n.safetensors` shards of at most `shard_bytes` (one tensor may exceed it)
@@ -446,7 +518,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     parser.add_argument("--vision", action="store_true", help="add a random vision tower (TINY_VISION_CONFIG)")
     parser.add_argument("--format", default="transformers", choices=FORMATS,
-                        help="transformers: save_pretrained layout; published: DeepSeek's FP8/FP4 layout")
+                        help="transformers: save_pretrained layout; published: DeepSeek's FP8/FP4 layout; "
+                             "published-v41: a tiny DeepSeek-V4.1 (TINY_V41_TEXT_CONFIG) in its published layout")
     parser.add_argument("--expert-dtype", default="fp4", choices=["fp4", "fp8"], help="published: routed experts")
     parser.add_argument("--expert-dtype-in", default="top", choices=EXPERT_DTYPE_PLACES,
                         help="published: where config.json states expert_dtype (V4: top, V4.1: quantization_config)")
@@ -462,6 +535,9 @@ def main(argv: list[str] | None = None) -> Path:
         )
     except (ValueError, FileExistsError) as e:
         parser.error(str(e))
+    if args.format == "published-v41":
+        print(f"wrote a tiny DeepSeek-V4.1 checkpoint (published layout, seed {args.seed}) to {out}")
+        return out
     num = num_parameters(args.preset, args.vision)
     what = f"published, experts {'fp8, Base' if args.base else args.expert_dtype}" if args.format == "published" else args.dtype
     print(f"wrote {args.preset}{' + vision' if args.vision else ''} checkpoint ({num:,} parameters, {what}) to {out}")

@@ -286,6 +286,9 @@ async def _recipe_route(front: Front, api: str, request: Request) -> Response:
         request_id=prepared.response_id, prompt_token_ids=prepared.prompt_token_ids,
         sampling_params=prepared.sampling_params(), images=prepared.images,
         is_max_tokens_default=prepared.is_max_tokens_default)
+    if prepared.n > 1:
+        return Response(await _recipe_choices(front, api, prepared, request, t_accept), media_type="application/json",
+                        headers=headers)
     run, first = await _start(front, request.url.path, request, t_accept, token_request)
     events = _recipe_events(front, prepared, run, first)
     if prepared.is_stream:
@@ -299,6 +302,47 @@ async def _recipe_route(front: Front, api: str, request: Request) -> Response:
     finally:
         await events.aclose()
         run.close()
+
+
+async def _recipe_choices(front: Front, api: str, prepared: Prepared, request: Request, t_accept: float) -> str:
+    """Blocks until the n choices of a non-streamed request finished (one token call each, concurrently);
+    returns the answer with choice i at index i and usage summed over the choices (the prompt once)."""
+
+    async def one(choice: int) -> dict:
+        token_request = entrypoint_pb2.GenerateRequest(
+            request_id=f"{prepared.response_id}-{choice}", prompt_token_ids=prepared.prompt_token_ids,
+            sampling_params=prepared.sampling_params(choice), images=prepared.images,
+            is_max_tokens_default=prepared.is_max_tokens_default)
+        run, first = await _start(front, request.url.path, request, t_accept, token_request)
+        events = _recipe_events(front, prepared, run, first)
+        try:
+            response = RESPONSE_CLS[api](prepared.response_id, prepared.model, prepared.created,
+                                         first.usage.prompt_tokens, first.usage.cached_prompt_tokens)
+            async for event in events:
+                response.accumulate(event)
+            return json.loads(response.to_json())
+        finally:
+            await events.aclose()
+            run.close()
+
+    tasks = [asyncio.ensure_future(one(i)) for i in range(prepared.n)]
+    try:
+        answers = await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+    merged = answers[0]
+    merged["choices"] = [{**a["choices"][0], "index": i} for i, a in enumerate(answers)]
+    usage = merged.get("usage") or {}
+    completion = sum((a.get("usage") or {}).get("completion_tokens", 0) for a in answers)
+    if usage:
+        usage["completion_tokens"] = completion
+        usage["total_tokens"] = usage.get("prompt_tokens", 0) + completion
+        details = [(a.get("usage") or {}).get("completion_tokens_details") for a in answers]
+        if all(isinstance(d, dict) for d in details):
+            usage["completion_tokens_details"] = {
+                k: sum(d.get(k) or 0 for d in details) for k in details[0] if isinstance(details[0][k], int)}
+    return json.dumps(merged)
 
 
 async def _recipe_sse(api: str, events: AsyncIterator[Any], run: _Run) -> AsyncIterator[bytes]:
@@ -478,6 +522,8 @@ def create_app(config: HttpConfig) -> FastAPI:
         rid = f"cmpl-{uuid.uuid4().hex}"
         _set_request_id(request, rid)
         prompt_ids = body.prompt_token_ids(front.recipe.tokenizer)
+        if body.n > 1:
+            return JSONResponse(await _completion_choices(front, body, rid, prompt_ids, request, t_accept))
         token_request = entrypoint_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt_ids,
                                                        sampling_params=body.sampling_params())
         run, first = await _start(front, request.url.path, request, t_accept, token_request)
@@ -569,6 +615,36 @@ def _model_card(front: Front, name: str) -> dict:
     if name != front.served_model_name:
         card["root"] = front.served_model_name
     return card
+
+
+async def _completion_choices(front: Front, body, rid: str, prompt_ids: list[int], request: Request,
+                              t_accept: float) -> dict:
+    """As `_recipe_choices` for `/v1/completions`."""
+
+    async def one(choice: int) -> dict:
+        token_request = entrypoint_pb2.GenerateRequest(request_id=f"{rid}-{choice}", prompt_token_ids=prompt_ids,
+                                                       sampling_params=body.sampling_params(choice))
+        run, first = await _start(front, request.url.path, request, t_accept, token_request)
+        builder = completions.CompletionBuilder(rid, body.model, False)
+        try:
+            async for msg in _token_messages(run, first):
+                builder.add(msg)
+            return builder.response()
+        finally:
+            run.close()
+
+    tasks = [asyncio.ensure_future(one(i)) for i in range(body.n)]
+    try:
+        answers = await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+    merged = answers[0]
+    merged["choices"] = [{**a["choices"][0], "index": i} for i, a in enumerate(answers)]
+    completion = sum(a["usage"]["completion_tokens"] for a in answers)
+    merged["usage"] = {**merged["usage"], "completion_tokens": completion,
+                       "total_tokens": merged["usage"]["prompt_tokens"] + completion}
+    return merged
 
 
 async def _token_messages(run: _Run, first: entrypoint_pb2.GenerateResponse):

@@ -81,8 +81,7 @@ class CompletionBody(BaseModel):
     """`json_object`, `json_schema` or `regex` (recipe's shapes): enforced by constrained decoding."""
 
     def prompt_token_ids(self, tokenizer: recipe.Tokenizer) -> list[int]:
-        if self.n != 1:
-            raise invalid("n > 1 is not served; send n requests (with seed + i each)", param="n")
+        fields.choices_n({"n": self.n, "stream": self.stream})
         if self.echo or self.logprobs is not None or self.suffix:
             name = "echo" if self.echo else "logprobs" if self.logprobs is not None else "suffix"
             raise invalid(f"{name} is not served; leave it unset", param=name)
@@ -94,15 +93,16 @@ class CompletionBody(BaseModel):
             return tokenizer.encode(self.prompt)
         return list(self.prompt)
 
-    def sampling_params(self) -> common_pb2.SamplingParams:
-        """The token API's params; fields OpenAI's completions API (or vLLM's) defines beyond the declared
+    def sampling_params(self, choice: int = 0) -> common_pb2.SamplingParams:
+        """The token API's params of choice `choice` (seed + choice when seeded); fields OpenAI's completions API (or vLLM's) defines beyond the declared
         ones (`logit_bias`, `min_tokens`, `top_k`) are carried too, unserved ones refused (`fields`)."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         structured_output = response_format_constraint(self.response_format, self.model_extra)
         extras = fields.sampling_extras(self.model_extra or {})
         return sampling_params_proto(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                                     repetition_penalty=self.repetition_penalty, stop=stop or None, seed=self.seed,
+                                     repetition_penalty=self.repetition_penalty, stop=stop or None,
+                                     seed=fields.choice_seed(self.seed, choice),
                                      structured_output=structured_output, logit_bias=extras.logit_bias or None,
                                      min_tokens=extras.min_tokens or None, top_k=extras.top_k)
 

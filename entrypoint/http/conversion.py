@@ -110,6 +110,8 @@ class Prepared:
     """logit_bias, min_tokens, top_k, repetition_penalty and the asked temperature / top_p (`fields`)."""
     thinking_sampling: str = "official"
     """`HttpConfig.thinking_sampling`: whose temperature / top_p a thinking-mode request samples with."""
+    n: int = 1
+    """Choices asked (chat's `n`): choice i is its own token call, with seed + i when a seed is set."""
 
     @property
     def is_stream(self) -> bool:
@@ -145,9 +147,10 @@ class Prepared:
             headers["X-DeepInfer-Sampling-Overridden"] = "; ".join(overridden)
         return headers
 
-    def sampling_params(self) -> common_pb2.SamplingParams:
-        """The token API's sampling params. Stop sequences stay with recipe's parser (it stops on the
-        answer text, not on reasoning), which ends the call once it matched."""
+    def sampling_params(self, choice: int = 0) -> common_pb2.SamplingParams:
+        """The token API's sampling params of choice `choice` (seed + choice when seeded). Stop sequences
+        stay with recipe's parser (it stops on the answer text, not on reasoning), which ends the call once
+        it matched."""
         options = self.request.inference_options
         params = common_pb2.SamplingParams(max_tokens=self.max_tokens)
         temperature, top_p = self.used_temperature_top_p()
@@ -156,7 +159,7 @@ class Prepared:
         if top_p is not None:
             params.top_p = top_p
         if options.seed is not None:
-            params.seed = options.seed
+            params.seed = fields.choice_seed(options.seed, choice)
         for name, value in self.penalties.items():
             setattr(params, name, value)
         extras = self.extras
@@ -299,6 +302,10 @@ class RecipeFront:
         # before recipe, whose type errors do not name the field
         penalties = structured.penalties(parsed)
         extras = fields.sampling_extras(parsed)
+        n = 1
+        if api == CHAT:  # recipe serves n = 1 only: the front runs n token calls (`Prepared.n`)
+            n = fields.choices_n(parsed)
+            parsed = {k: v for k, v in parsed.items() if k != "n"}
         model, echo, namespace_tool_map, converted = self._convert(api, parsed)
         # set when thinking mode needs this server to hold the answer to a tool call ("" = any declared tool)
         required_tool: str | None = None
@@ -338,7 +345,7 @@ class RecipeFront:
                         namespace_tool_map, structured_output=structured.structured_output(
                             converted, self.encoding_name, parallel_tool_calls=parsed.get("parallel_tool_calls"),
                             prompt_token_ids=prompt_token_ids, tokenizer=self.tokenizer, required_tool=required_tool),
-                        penalties=penalties, extras=extras, thinking_sampling=self.thinking_sampling)
+                        penalties=penalties, extras=extras, thinking_sampling=self.thinking_sampling, n=n)
 
     def _convert(self, api: str, parsed: dict):
         """Recipe's conversion: (model, echo, namespace tool map, converted request); converted is None

@@ -129,6 +129,31 @@ def sampling_extras(body: dict) -> SamplingExtras:
     return extras
 
 
+MAX_N = 16
+"""Largest `n` (choices per request) served; each choice is its own token call."""
+
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of choice `choice` of an n > 1 request: seed + choice, wrapped into the int64 range."""
+    if seed is None or choice == 0:
+        return seed
+    return (seed + choice + 2 ** 63) % 2 ** 64 - 2 ** 63
+
+
+def choices_n(body: dict, param: str = "n") -> int:
+    """The body's `n` (choices to sample), 1 when unset; 400 outside [1, MAX_N] or with `stream` (the
+    n choices are separate token calls, merged into one answer once all finished)."""
+    n = body.get(param)
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise invalid(f"{param} must be an integer in [1, {MAX_N}], got {n!r}", param=param)
+    if n > 1 and body.get("stream"):
+        raise invalid(f"{param} > 1 is served without streaming only; set stream to false or send {n} requests",
+                      param=param, code="unsupported_parameter")
+    return n
+
+
 def check_messages_body(body: dict) -> None:
     """Anthropic's Messages rules recipe does not enforce: `max_tokens` is required, and the system
     prompt goes in the top-level `system`, not in `messages`."""

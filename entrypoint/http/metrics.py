@@ -26,6 +26,12 @@ STAGE_STATS = {
     "vision_pending_image_tokens": "Image tokens waiting to be encoded on the vision instance",
     "embeddings_served_bytes_total": "Image-embedding bytes prefill instances READ from the vision instance (NIXL)",
     "embeddings_read_bytes_total": "Image-embedding bytes the prefill instance READ from vision instances (NIXL)",
+    "spec_decode_acceptance_rate": "Speculative decoding: accepted / verified drafts on the decode instance",
+    "spec_decode_mean_accepted_length": "Speculative decoding: tokens emitted per verification (the sampled one included)",
+    "spec_decode_verified_tokens_per_step": "Speculative decoding: target positions verified per step",
+    "spec_decode_accepted_drafts_total": "Speculative decoding: drafts accepted on the decode instance",
+    "spec_decode_verified_drafts_total": "Speculative decoding: drafts verified on the decode instance",
+    "spec_decode_emitted_tokens_total": "Speculative decoding: tokens emitted by verifications on the decode instance",
 }
 """Worker Health stats exported per instance (as gauges: they are read, not counted, here)."""
 

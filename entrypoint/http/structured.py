@@ -16,7 +16,10 @@
 
   In thinking mode the prompt ends with `<think>`: the reasoning runs free up to `</think>` and the
   constraint covers the answer after it (`reasoning_end`; the tool-call tags carry their own
-  reasoning part). JSON mode asks for an object, not any JSON value: recipe's output parser keeps
+  reasoning part, from which DSML is excluded, as is any DSML tag but the block opener from the
+  free text of `auto`: a call can only be written where the grammar holds it). A forced
+  `tool_choice` in thinking mode, which recipe refuses (or relaxes, Anthropic's `any`), is served
+  here as `tool_call_required` after the reasoning (`required_tool`). JSON mode asks for an object, not any JSON value: recipe's output parser keeps
   only JSON containers (a bare number or string comes back as spaces), and OpenAI's JSON mode means
   an object. The DSML structural tags are xgrammar's built-in DeepSeek-V4 / V4.1 formats,
   the syntax recipe renders and parses. A kind this server does not know is refused with a 400, so
@@ -167,28 +170,32 @@ def _tool_call_tag(tools_json: str, is_required: bool, thinking: bool, encoding_
         raise invalid(f"the tool definitions cannot be enforced as tool calls: {str(e)[:300]}", param="tools",
                       code="unsupported_output_constraint") from None
     tag = json.loads(tag.model_dump_json())
-    if thinking:
-        _forbid_dsml_in_reasoning(tag)
+    _forbid_stray_dsml(tag)
     return tag
 
 
 DSML_MARKER = "<｜DSML｜"
 """The start of every DSML tag (V4 and V4.1): what a tool call begins with."""
+STRAY_DSML_TAGS = ("<｜DSML｜invoke", "<｜DSML｜parameter", "</｜DSML｜")
+"""DSML tags that may only appear inside a tool-call block (after its `<｜DSML｜tool_calls>` opener)."""
 
 
-def _forbid_dsml_in_reasoning(tag: dict) -> None:
-    """Excludes DSML from the free reasoning part of a thinking-mode tool-call tag (in place).
+def _forbid_stray_dsml(tag: dict) -> None:
+    """Excludes DSML outside tool-call blocks from a tool-call tag (in place): from the free reasoning of
+    thinking mode (all of it) and from the free text of `auto` (all but the block opener).
 
-    NOTE: xgrammar's reasoning part excludes only `<think>` / `</think>`, so a model could open a tool
-    call inside its reasoning; recipe's parser takes such a call, unconstrained (calls of undeclared
-    tools, arguments that are not JSON). Excluding the DSML marker there leaves the tool-call grammar
-    after `</think>` as the one place a call can be written.
+    NOTE: xgrammar's free parts exclude only `<think>` / `</think>`, so a model could open a call inside
+    its reasoning, or write an invoke without the block opener that triggers the grammar; recipe's
+    parser takes such calls, unconstrained (calls of undeclared tools, arguments that are not JSON).
+    Excluded here, the tool-call grammar is the one place a call can be written.
     """
-    elements = tag.get("format", {}).get("elements") or []
+    elements = tag.get("format", {}).get("elements") or [tag.get("format", {})]
     for element in elements:
         content = element.get("content") if element.get("type") == "tag" else None
         if element.get("end") == REASONING_END and isinstance(content, dict) and content.get("type") == "any_text":
             content["excludes"] = [*content.get("excludes", []), DSML_MARKER]
+        elif element.get("type") == "triggered_tags":
+            element["excludes"] = [*element.get("excludes", []), *STRAY_DSML_TAGS]
 
 
 def penalties(body: Any) -> dict[str, float]:

@@ -5,7 +5,8 @@ must be set before triton is imported; and on CUDA, float32 and bf16).
 Covered: the window ring (validity from position and state start, rows before position W), HCA (all
 visible entries through the block table), CSA (a selection with -1 padding), sliding layers (no pool),
 a padding row (slot and blocks past the real ranges: attends to the sink only), rows of one split and
-of several (the reduce kernel), and the wrapper's checks.
+of several (the reduce kernel), batch invariance (a row alone equals it in a batch, bit for bit), and the
+wrapper's checks.
 """
 
 from __future__ import annotations
@@ -135,6 +136,13 @@ _INTERPRETED = textwrap.dedent("""
         ring_write_torch(r1, c["slots"], c["pos"], src)
         ring_write_triton(r2, c["slots"], c["pos"], src)
         assert torch.equal(r1, r2)
+    # batch invariance: a row's result does not depend on the rows beside it (bit for bit)
+    c = make_case(B=5, S=6, MB=6, K=20, seed=4)
+    for split in (16, 64):
+        full = decode_attention_triton(**c, split_size=split, block_n=16)
+        part = {k: (v[1:3] if isinstance(v, torch.Tensor) and k not in ("ring", "pool", "sink") else v)
+                for k, v in c.items()}
+        assert torch.equal(decode_attention_triton(**part, split_size=split, block_n=16), full[1:3])
     c = make_case()
     for bad, msg in [(dict(q=c["q"].transpose(1, 2)), "q [B, NH, D]"), (dict(sink=c["sink"].double()), "sink"),
                      (dict(pos=c["pos"].int()), "pos must be"), (dict(ring=c["ring"].half()), "one dtype"),

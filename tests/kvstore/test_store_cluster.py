@@ -8,6 +8,7 @@ prompt tokens and gives the cold run's tokens, token for token (greedy).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -75,6 +76,15 @@ def test_store_hit_after_prefill_restart(tmp_path):
         assert warm["token_ids"] == ref.outputs[0].token_ids
         assert warm["usage"]["cached_prompt_tokens"] == 4 * 64  # the stored blocks (the last 44 tokens computed)
         print(f"cold {cold_s:.3f} s, after restart with a store hit {warm_s:.3f} s")
+        # the new instance's Health stats carry the store's counters
+        import grpc
+
+        from deepinfer.protos import common_pb2, prefill_pb2_grpc
+
+        with grpc.insecure_channel(processes.info["prefill2"]["address"]) as channel:
+            _, call = prefill_pb2_grpc.PrefillStub(channel).Health.with_call(common_pb2.HealthRequest(), timeout=10)
+        stats = json.loads(dict(call.trailing_metadata())["deepinfer-stats-json"])
+        assert stats["kvstore_hit_blocks_total"] == 4 and stats["kvstore_loads_total"] == 1
     finally:
         if client is not None:
             client.close()

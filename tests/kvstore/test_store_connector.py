@@ -4,14 +4,10 @@ A prompt served by one engine is written to the store; a fresh engine over the s
 memory survives, as after a restart) loads its longest stored prefix, rebuilds the bounded state by bounded
 replay and must give the cold run's greedy tokens while computing fewer. A local prefix hit wins over the
 store; a corrupt block shortens the loaded prefix; a store that is down serves every request from scratch.
+The restart with real processes (a prefill instance stopped and started again) is test_store_cluster.py.
 """
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -127,32 +123,3 @@ def test_other_model_never_reads_the_blocks(ckpt, tmp_path, tmp_path_factory):
     out = run(eng_b, PROMPT)
     assert conn_b.pop_loaded_tokens(out.request_id) == 0
     conn_b.store.close()
-
-
-_CHILD = r"""
-import json, sys
-from deepinfer.engine.engine import Engine, EngineConfig
-from deepinfer.engine.sampling import SamplingParams
-from deepinfer.engine.kv_connector.store_connector import attach_store
-from deepinfer.kvstore import KVStore, KVStoreConfig
-from tests.kvstore.test_store_connector import PROMPT, GREEDY, run
-ckpt, store_dir = sys.argv[1], sys.argv[2]
-engine = Engine(EngineConfig(model=ckpt, max_num_seqs=4))
-conn = attach_store(engine, KVStore(KVStoreConfig(directories=(store_dir,))))
-out = run(engine, PROMPT)
-conn.store.close()
-print(json.dumps({"tokens": out.outputs[0].token_ids, "loaded": conn.pop_loaded_tokens(out.request_id)}))
-"""
-
-
-def test_hit_after_a_process_restart(ckpt, cold, tmp_path):
-    """Two real processes, one after the other, over one store directory: the second one loads the prefix."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    results = []
-    for _ in range(2):
-        proc = subprocess.run([sys.executable, "-c", _CHILD, ckpt, str(tmp_path)], capture_output=True, text=True,
-                              timeout=240, env=env)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    assert results[0] == {"tokens": cold, "loaded": 0}
-    assert results[1] == {"tokens": cold, "loaded": 4 * 64}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -260,3 +261,19 @@ def test_store_cli(tmp_path, capsys):
     assert "evicted 1" in capsys.readouterr().out
     assert main(["store", "clear", "--dirs", str(tmp_path)]) == 0
     assert "cleared 2" in capsys.readouterr().out
+
+
+def test_embedded_spreads_over_directories_and_removes_orphans(make_store, store_config):
+    if store_config.backend != "embedded":
+        pytest.skip("block files and directories are the embedded backend's")
+    store = make_store()
+    _put_chain(store, _chain(6))
+    dirs = store.backend.dirs
+    counts = [sum(1 for _ in Path(d).rglob("*.blk")) for d in dirs]
+    assert counts == [3, 3], counts  # the least filled directory takes each new block
+    orphan = os.path.join(dirs[1], "ff", "ff" * 16 + ".blk")
+    os.makedirs(os.path.dirname(orphan), exist_ok=True)
+    with open(orphan, "wb") as f:
+        f.write(b"left by a crash before indexing")
+    assert store.remove_orphans(min_age_s=0) == 1 and not os.path.exists(orphan)
+    assert store.stored_prefix(_chain(1)) == 0 and store.stats()["blocks"] == 6

@@ -120,7 +120,8 @@ def test_repetition_penalty_is_honoured(client):
     ({"guided_json": {"type": "object"}}, "guided_json"),
     ({"seed": 2 ** 70}, "seed"),
     ({"seed": 2 ** 63}, "seed"),
-    ({"n": 2}, "n"),
+    ({"n": 2, "stream": True}, "n"),
+    ({"n": 17}, "n"),
     ({"logprobs": True}, "logprobs"),
 ])
 def test_fields_it_cannot_honour_are_400s_naming_them(client, body, param):
@@ -131,6 +132,22 @@ def test_fields_it_cannot_honour_are_400s_naming_them(client, body, param):
     assert error["type"] == "invalid_request_error"
     assert param in (error["param"] or "") or param in error["message"]
     assert len(client.backend.requests) == n  # refused before the token API
+
+
+def test_n_choices_are_separate_seeded_calls_merged(client):
+    oai = openai.OpenAI(base_url=str(client.base_url) + "/v1", api_key=KEYS[0], http_client=client, max_retries=0)
+    n_before = len(client.backend.requests)
+    out = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], n=3, seed=11,
+                                      extra_body={"thinking": {"type": "disabled"}})
+    sent = client.backend.requests[n_before:]
+    assert sorted(r.sampling_params.seed for r in sent) == [11, 12, 13]
+    assert len({r.request_id for r in sent}) == 3 and all(r.request_id.startswith(out.id) for r in sent)
+    assert [c.index for c in out.choices] == [0, 1, 2] and all(c.finish_reason == "stop" for c in out.choices)
+    assert out.usage.completion_tokens == 9 and out.usage.total_tokens == out.usage.prompt_tokens + 9
+    n_before = len(client.backend.requests)
+    text = oai.completions.create(model="m", prompt="hi", n=2, seed=5, max_tokens=4)
+    assert [c.index for c in text.choices] == [0, 1] and text.usage.completion_tokens == 6
+    assert sorted(r.sampling_params.seed for r in client.backend.requests[n_before:]) == [5, 6]
 
 
 def test_completions_seed_and_prompt_ids_out_of_range_are_400(client):

@@ -73,6 +73,9 @@ def test_dsml_inside_the_reasoning_is_refused_after_it_accepted(front, compiler)
     # the model opening a call in its reasoning (what recipe's parser took, unconstrained, before)
     assert not _accepts(compiler, prepared, "I call" + call + "</think>Done.")
     assert not _accepts(compiler, prepared, "Hmm <｜DSML｜invoke name=\"get_weather\">")
+    # an invoke without the block opener (which recipe's parser would take, unconstrained) is not text either
+    assert not _accepts(compiler, prepared, "Ok.</think>" + INVOKE.format(name="get_weather"))
+    assert not _accepts(compiler, prepared, 'Ok.</think><｜DSML｜invoke name="get_weather with city Paris">')
     # after the reasoning, an undeclared tool or a missing argument is not a call
     assert not _accepts(compiler, prepared, "Ok.</think>" + BLOCK.format(INVOKE.format(name="get_news")))
     assert not _accepts(compiler, prepared, "Ok.</think>" + BLOCK.format(
@@ -129,6 +132,10 @@ def test_non_thinking_forced_tool_choice_is_unchanged(front, compiler):
     prepared = _prepare(front, CHAT, "required", thinking={"type": "disabled"})
     assert not prepared.is_thinking
     assert _accepts(compiler, prepared, INVOKE.format(name="get_weather") + "</｜DSML｜tool_calls>")
+    auto = _prepare(front, CHAT, "auto", thinking={"type": "disabled"})
+    assert _accepts(compiler, auto, "Sunny." + BLOCK.format(INVOKE.format(name="get_weather")))
+    assert _accepts(compiler, auto, "It is sunny.")
+    assert not _accepts(compiler, auto, "Sunny." + INVOKE.format(name="get_weather"))  # no stray invoke
 
 
 # ---------------------------------------------------------------------------------------- live cluster
@@ -167,12 +174,15 @@ def test_thinking_tool_calls_over_seeds_through_both_sdks(cluster, default_model
     oai = openai.OpenAI(base_url=cluster.http_url + "/v1", api_key=API_KEY, max_retries=2, timeout=120)
     claude = anthropic.Anthropic(base_url=cluster.http_url, api_key=API_KEY, max_retries=2, timeout=120)
 
+    # NOTE: an answer cut by max_tokens inside a call is partial by nature; only finished calls are judged
     def chat(seed: int):
         choice = oai.chat.completions.create(model=model, messages=question, tools=CHAT_TOOLS, max_tokens=100,
                                              seed=seed, tool_choice="required" if seed % 4 == 0 else "auto",
                                              extra_body={"thinking": {"type": "enabled"}}).choices[0]
         if seed % 4 == 0 and choice.finish_reason != "length":
             assert choice.finish_reason == "tool_calls", choice.message
+        if choice.finish_reason == "length":
+            return []
         return [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
 
     def messages(seed: int):
@@ -180,6 +190,8 @@ def test_thinking_tool_calls_over_seeds_through_both_sdks(cluster, default_model
                                      thinking={"type": "enabled", "budget_tokens": 64},
                                      tool_choice={"type": "any"} if seed % 4 == 0 else {"type": "auto"},
                                      extra_body={"seed": seed})
+        if out.stop_reason == "max_tokens":
+            return []
         return [(b.name, json.dumps(b.input)) for b in out.content if b.type == "tool_use"]
 
     with ThreadPoolExecutor(MAX_INFLIGHT) as pool:

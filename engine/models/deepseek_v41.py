@@ -1,0 +1,602 @@
+"""DeepSeek-V4.1 in plain PyTorch: the full-sequence forward of one sequence (no paged cache yet).
+
+Written from the description of DeepSeek's official reference (`inference/model.py`, `inference/engram.py`
+of the DeepSeek-V4.1-Flash release) in docs/V4_1.md, not copied from it. Module paths are the published
+checkpoint's tensor names (`embed`, `layers.{L}.attn.compressor.wkv`, `layers.{L}.engram.wkv`, ...), so
+`state_dict()` keys are the checkpoint's for everything this module builds (weights are held in float:
+no FP8 32x32 / FP4 storage and no simulation of the reference's FP8/FP4 activations and KV here).
+
+What V4.1 changes against `deepseek_v4` (whose pieces are reused where the math is the same: RMSNorm,
+the interleaved partial RoPE and its YaRN, the clamped SwiGLU expert, the mHC mixing weights and
+Sinkhorn, the top-k tie rule, the MoE backends):
+
+* layer roles (`V41Config`): KV sources compute the compressed entries (ratio 2: softmax-pooled groups
+  without overlap; ratio 1: one entry per token, a plain projection); every later layer of the same ratio
+  attends over them. Index sources run an indexer whose keys come from the KV source's latent; other
+  compressed layers reuse the latest index source's selection. The candidate source publishes a block
+  mask that later index sources apply (the two-level top-k).
+* no per-head RMSNorm of the queries; no hash-routed layers (a router with an image-token bias `bias_vl`);
+  RMSNorm eps 1e-20.
+* mHC with the pre weights delayed by one sublayer and no `hc_head` (the final collapse uses the last
+  FFN's pre weights).
+* Engram: n-gram hashes of a normalised compressed vocabulary index two large tables; the rows, mixed by
+  `wkv`, enter the residual streams through a per-stream sigmoid gate before the layer's block.
+
+The forward runs the layers in order over the whole sequence and passes what sources publish in a
+`SharedState` (no module globals). Causality is exact: a position's output depends only on tokens at or
+before it. Not here yet: the paged cache, decode steps, DSpark stages, the vision tower.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.engine.config import V41Config
+from deepinfer.engine.models.deepseek_v4 import Expert, RMSNorm, apply_rope, rope_inv_freq, topk_mask
+from deepinfer.engine.moe import get_moe_backend
+from deepinfer.engine.moe.router import SCORING_FUNCS
+from deepinfer.kernels.mhc import hc_weights_torch, mhc_post_torch
+
+# --------------------------------------------------------------------------- Engram hashing
+
+
+def compressed_token_map(tokenizer) -> tuple[list[int], int]:
+    """Token id -> compressed id over V4.1's normalised vocabulary, and the number of compressed ids.
+
+    `tokenizer`: a transformers fast tokenizer (its `backend_tokenizer` is decoded one id at a time,
+    special tokens kept, no clean-up). Keys: NFKC, NFD, accents stripped, lower case, whitespace runs to
+    one space, a lone space protected from the final strip; an empty result keeps the decoded text, and a
+    decode with U+FFFD (a partial UTF-8 byte token) is keyed by the raw token string. Ids are numbered in
+    first-seen order (docs/V4_1.md §6). The count must equal `engram_compressed_vocab_size`: every hash
+    multiplier derives from it.
+    """
+    from tokenizers import Regex, normalizers
+
+    guard = "\ue000"
+    norm = normalizers.Sequence([
+        normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
+        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "), normalizers.Replace(Regex(r"^ $"), guard),
+        normalizers.Strip(), normalizers.Replace(guard, " "),
+    ])
+    backend = tokenizer.backend_tokenizer
+    ids: dict[str, int] = {}
+    out = []
+    for tid in range(len(tokenizer)):
+        text = backend.decode([tid], skip_special_tokens=False)
+        key = backend.id_to_token(tid) if "\ufffd" in text else (norm.normalize_str(text) or text)
+        out.append(ids.setdefault(key, len(ids)))
+    return out, len(ids)
+
+
+def engram_multipliers(layer_ids: tuple[int, ...], max_ngram_size: int, compressed_vocab_size: int) -> torch.Tensor:
+    """Odd hash multipliers [n_layers, max_ngram_size] (int64): numpy's PCG64 stream seeded with
+    10007 * layer id, drawn below (int64 max // compressed_vocab_size) // 2, times 2 plus 1."""
+    bound = max(1, (np.iinfo(np.int64).max // compressed_vocab_size) // 2)
+    rows = [np.random.default_rng(10007 * layer).integers(0, bound, size=(max_ngram_size,), dtype=np.int64) * 2 + 1
+            for layer in layer_ids]
+    return torch.from_numpy(np.stack(rows))
+
+
+class NgramHasher(nn.Module):
+    """Token ids -> Engram row ids [T, n_engram_layers, (max_ngram_size - 1) * n_heads] (int64, bit exact).
+
+    Position t hashes the compressed ids at t, t-1, .., t-max+1: a slot before the sequence or at a dead
+    token (image span), and every slot after it, holds the pad token's compressed id. The running XOR of
+    id * multiplier after k+1 slots is the (k+1)-gram's hash, taken modulo each head's prime and shifted by
+    that bucket's offset in the layer's table. Buffers are not part of the checkpoint.
+    """
+
+    def __init__(self, config: V41Config, token_map: torch.Tensor | None = None) -> None:
+        super().__init__()
+        primes = torch.tensor(config.engram_primes, dtype=torch.int64)  # [L, max-1, heads]
+        flat = primes.flatten(1)
+        self.max_ngram = config.engram_max_ngram_size
+        self.pad_token_id = config.engram_pad_token_id
+        self.compressed_vocab_size = config.engram_compressed_vocab_size
+        self.register_buffer("primes", primes, persistent=False)
+        self.register_buffer("offsets", flat.cumsum(-1) - flat, persistent=False)  # [L, cols]
+        mult = engram_multipliers(config.engram_layer_ids, self.max_ngram, self.compressed_vocab_size)
+        self.register_buffer("multipliers", mult, persistent=False)  # [L, max]
+        self.register_buffer("token_map", torch.zeros(0, dtype=torch.int64), persistent=False)
+        if token_map is not None:
+            self.set_token_map(token_map)
+
+    def set_token_map(self, token_map: torch.Tensor | list[int]) -> None:
+        """Install the tokenizer's compressed-id map (`compressed_token_map`), checking its range."""
+        tm = torch.as_tensor(token_map, dtype=torch.int64)
+        if tm.dim() != 1 or tm.numel() <= self.pad_token_id:
+            raise ValueError(f"the Engram token map must be 1-D and cover engram_pad_token_id={self.pad_token_id}.")
+        if int(tm.min()) < 0 or int(tm.max()) >= self.compressed_vocab_size:
+            raise ValueError(f"Engram token map values must lie in [0, engram_compressed_vocab_size="
+                             f"{self.compressed_vocab_size}); the multipliers assume it.")
+        self.token_map = tm.to(self.primes.device)
+
+    def forward(self, input_ids: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [T]; live [T] bool (False: dead, an image-span token) -> row ids [T, L, cols]."""
+        if self.token_map.numel() == 0:
+            raise RuntimeError("the Engram token map is not set (NgramHasher.set_token_map)")
+        T = input_ids.shape[0]
+        comp = self.token_map[input_ids]
+        if live is not None:
+            comp = comp.masked_fill(~live, -1)
+        pad = self.token_map[self.pad_token_id]
+        pos = torch.arange(T, device=input_ids.device)
+        cols, blocked = [], torch.zeros(T, dtype=torch.bool, device=input_ids.device)
+        for s in range(self.max_ngram):
+            src = comp[(pos - s).clamp(min=0)]
+            blocked = blocked | (pos < s) | (src < 0)
+            cols.append(torch.where(blocked, pad, src))
+        grams = torch.stack(cols, dim=-1)  # [T, max]
+        prod = grams[:, None, :] * self.multipliers  # [T, L, max] (no overflow: the multipliers' bound)
+        rolling, out = prod[..., 0], []
+        for s in range(1, self.max_ngram):
+            rolling = rolling ^ prod[..., s]
+            out.append(rolling[..., None] % self.primes[:, s - 1])  # [T, L, heads]
+        return torch.cat(out, dim=-1) + self.offsets
+
+
+class EngramTable(nn.Module):
+    """One Engram layer's table `[rows, head_dim]` (published as FP8 with a UE8M0 scale per 32 values;
+    held dequantized here)."""
+
+    def __init__(self, rows: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(rows, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class Engram(nn.Module):
+    """Adds an n-gram lookup to the residual streams, gated per stream by how well it matches it."""
+
+    def __init__(self, config: V41Config, slot: int) -> None:
+        super().__init__()
+        H, hc = config.hidden_size, config.hc_mult
+        cols = (config.engram_max_ngram_size - 1) * config.engram_n_heads
+        self.slot, self.hc, self.dim, self.eps = slot, hc, H, config.rms_norm_eps
+        self.embed = EngramTable(config.engram_num_embeddings[slot], config.engram_head_dim)
+        self.wkv = nn.Linear(cols * config.engram_head_dim, H * (hc + 1), bias=False)
+        self.q_weight = nn.Parameter(torch.ones(hc, H))
+        self.k_weight = nn.Parameter(torch.ones(hc, H))
+
+    def forward(self, streams: torch.Tensor, row_ids: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
+        """streams [T, hc, H]; row_ids [T, cols]; live [T] (False closes the gate) -> streams."""
+        kv = self.wkv(self.embed(row_ids).flatten(1))  # [T, (hc+1)*H]
+        key = kv[:, : self.hc * self.dim].float().view(-1, self.hc, self.dim)
+        value = kv[:, self.hc * self.dim:].float()
+        h = streams.float()
+        # NOTE: normalised per (token, stream) over H, not over the streams jointly
+        rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
+        dot = (h * (self.q_weight.float() * self.k_weight.float()) * key).sum(-1) * rstd * self.dim**-0.5
+        gate = torch.sigmoid(torch.sign(dot) * dot.abs().clamp(min=1e-6).sqrt())  # signed sqrt, as trained
+        if live is not None:
+            gate = gate * live[:, None].to(gate.dtype)
+        return (h + gate[..., None] * value[:, None, :]).to(streams.dtype)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+@dataclass
+class SharedState:
+    """What source layers publish to later layers during one forward (docs/V4_1.md §2)."""
+
+    compressed_kv: torch.Tensor | None = None  # [C, D] the latest KV source's entries (rotated)
+    index_keys: torch.Tensor | None = None  # [C, index_head_dim] its index keys
+    selection: torch.Tensor | None = None  # [T, C] bool: the latest index source's picks
+    candidates: torch.Tensor | None = None  # [T, C] bool: the candidate source's block mask
+
+
+@dataclass
+class RopeTables:
+    """cos/sin of one flavour at the computed tokens' positions [Tq, rd/2] and at each ratio's entry
+    positions; `positions` [Tq] are those tokens' absolute positions (a tail under bounded replay)."""
+
+    tokens: tuple[torch.Tensor, torch.Tensor]
+    entries: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    positions: torch.Tensor
+
+
+class Compressor(nn.Module):
+    """A KV source's compressor: one latent per `ratio` tokens (before RoPE)."""
+
+    def __init__(self, hidden: int, dim: int, ratio: int, eps: float) -> None:
+        super().__init__()
+        self.ratio = ratio
+        self.wkv = nn.Linear(hidden, dim, bias=False)
+        if ratio > 1:
+            self.wgate = nn.Linear(hidden, dim, bias=False)
+        self.norm = RMSNorm(dim, eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> latents [T // ratio, dim] of the complete groups."""
+        r = self.ratio
+        if r == 1:  # a plain projection: nothing to pool
+            return self.norm(self.wkv(x))
+        n = x.shape[0] // r * r
+        kv = self.wkv(x[:n].float()).view(n // r, r, -1)
+        score = self.wgate(x[:n].float()).view(n // r, r, -1)
+        return self.norm((kv * score.softmax(dim=1)).sum(dim=1).to(x.dtype))
+
+
+def candidate_blocks(scores: torch.Tensor, counts: torch.Tensor, num_blocks: int, block: int) -> torch.Tensor:
+    """The candidate source's mask [T, C]: per query the `num_blocks` blocks of `block` entries with the best
+    maximum score, the block of the newest visible entry always in, blocks with nothing visible out.
+
+    scores [T, C] with invisible entries at -inf; counts [T] visible entries per query.
+    """
+    T, C = scores.shape
+    nb = -(-C // block)
+    best = F.pad(scores, (0, nb * block - C), value=float("-inf")).view(T, nb, block).amax(-1)  # [T, nb]
+    newest = torch.div(counts - 1, block, rounding_mode="floor")  # -1: nothing visible
+    best = best.masked_fill(torch.arange(nb, device=scores.device)[None] == newest[:, None], float("inf"))
+    top = best.topk(min(num_blocks, nb), dim=-1)
+    keep = torch.zeros_like(best, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    return keep.repeat_interleave(block, dim=-1)[:, :C]
+
+
+class Indexer(nn.Module):
+    """An index source's indexer; `owns_k` (a KV source) also derives the index keys from its latent."""
+
+    def __init__(self, config: V41Config, layer: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.topk, self.ratio = config.index_topk, config.compress_ratios[layer]
+        self.owns_k = layer in config.kv_source_layer_ids
+        self.is_candidate_source = layer == config.candidate_source_layer_id
+        self.uses_candidates = config.uses_candidates(layer)
+        self.num_blocks, self.block = config.candidate_topk_blocks, config.candidate_block_size
+        self.wq_b = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+        if self.owns_k:
+            self.wk = nn.Linear(config.head_dim, self.head_dim, bias=False)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, latent: torch.Tensor | None, rope: RopeTables,
+                shared: SharedState) -> torch.Tensor:
+        """The selection [T, C] bool of this layer (published for the layers that reuse it)."""
+        T = x.shape[0]
+        if self.owns_k:
+            shared.index_keys = apply_rope(self.k_norm(self.wk(latent)), *rope.entries[self.ratio])
+        keys = shared.index_keys  # [C, index_head_dim]
+        q = apply_rope(self.wq_b(qr).view(T, self.num_heads, self.head_dim), *rope.tokens)
+        scores = F.relu(torch.einsum("thd,cd->thc", q.float(), keys.float()))
+        weights = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.num_heads**-0.5)
+        scores = (scores * weights[:, :, None]).sum(dim=1)  # [T, C]
+        counts = torch.div(rope.positions + 1, self.ratio, rounding_mode="floor")  # visible entries per query
+        visible = torch.arange(keys.shape[0], device=x.device)[None] < counts[:, None]
+        if self.is_candidate_source:
+            shared.candidates = candidate_blocks(scores.masked_fill(~visible, float("-inf")), counts,
+                                                 self.num_blocks, self.block)
+        elif self.uses_candidates:
+            visible = visible & shared.candidates
+        # NOTE: ties go to the lower entry (topk_mask); masked entries are never picked (docs/V4_1.md §5)
+        return topk_mask(scores, visible, self.topk)
+
+
+class Attention(nn.Module):
+    """V4.1 attention of one layer: the window, plus the shared compressed KV when compress_ratio > 0."""
+
+    def __init__(self, config: V41Config, layer: int) -> None:
+        super().__init__()
+        H, D, NH, G = config.hidden_size, config.head_dim, config.num_attention_heads, config.o_groups
+        self.num_heads, self.head_dim, self.groups, self.window = NH, D, G, config.sliding_window
+        self.ratio = config.compress_ratios[layer]
+        self.wq_a = nn.Linear(H, config.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.wq_b = nn.Linear(config.q_lora_rank, NH * D, bias=False)
+        self.wkv = nn.Linear(H, D, bias=False)
+        self.kv_norm = RMSNorm(D, config.rms_norm_eps)
+        self.attn_sink = nn.Parameter(torch.zeros(NH, dtype=torch.float32))
+        self.wo_a = nn.Linear(NH * D // G, G * config.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(G * config.o_lora_rank, H, bias=False)
+        self.compressor = (Compressor(H, D, self.ratio, config.rms_norm_eps)
+                           if layer in config.kv_source_layer_ids else None)
+        self.indexer = Indexer(config, layer) if layer in config.index_source_layer_ids else None
+
+    def forward(self, x: torch.Tensor, rope: RopeTables, shared: SharedState) -> torch.Tensor:
+        """x [T, H] (after attn_norm) -> [T, H]."""
+        T, NH, D = x.shape[0], self.num_heads, self.head_dim
+        qr = self.q_norm(self.wq_a(x))
+        q = apply_rope(self.wq_b(qr).view(T, NH, D), *rope.tokens).float()  # NOTE: no per-head norm in V4.1
+        kv = apply_rope(self.kv_norm(self.wkv(x)), *rope.tokens).float()  # [T, D]
+        pos = rope.positions  # the window's keys are the computed tokens themselves
+        ok = (pos[None] <= pos[:, None]) & (pos[None] > pos[:, None] - self.window)  # [T, T] window
+        logits = torch.einsum("thd,sd->ths", q, kv).masked_fill(~ok[:, None], float("-inf"))
+        values = kv
+        if self.ratio:
+            latent = self.compressor(x) if self.compressor is not None else None
+            if self.indexer is not None:
+                shared.selection = self.indexer(x, qr, latent, rope, shared)
+            if latent is not None:
+                shared.compressed_kv = apply_rope(latent, *rope.entries[self.ratio])
+            entries = shared.compressed_kv.float()  # [C, D]
+            comp = torch.einsum("thd,cd->thc", q, entries).masked_fill(~shared.selection[:, None], float("-inf"))
+            logits, values = torch.cat([logits, comp], dim=-1), torch.cat([kv, entries], dim=0)
+        logits = logits * D**-0.5
+        sink = self.attn_sink.float()[None, :, None].expand(T, NH, 1)
+        probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]  # the sink joins the denominator
+        out = torch.einsum("ths,sd->thd", probs, values).to(x.dtype)
+        out = apply_rope(out, rope.tokens[0], -rope.tokens[1])  # rotate back by the query position
+        grouped = out.reshape(T, self.groups, -1)
+        w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])  # [G, R, NH*D/G]: block-diagonal
+        return self.wo_b(torch.einsum("tgd,grd->tgr", grouped, w).reshape(T, -1))
+
+
+# --------------------------------------------------------------------------- MoE
+
+
+class Gate(nn.Module):
+    """V4.1's router: learned top-k with a selection-only bias; image-span tokens use `bias_vl`."""
+
+    def __init__(self, config: V41Config, num_experts: int, topk: int, has_vl_bias: bool) -> None:
+        super().__init__()
+        self.topk, self.score = topk, SCORING_FUNCS[config.scoring_func]
+        self.normalize, self.scaling = config.norm_topk_prob and topk > 1, config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(num_experts, config.hidden_size))
+        self.bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
+        self.bias_vl = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32)) if has_vl_bias else None
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] float32, expert ids [T, k])."""
+        scores = self.score(F.linear(x.float(), self.weight.float()))
+        bias = self.bias[None]
+        if image_mask is not None and self.bias_vl is not None:
+            bias = torch.where(image_mask[:, None], self.bias_vl[None], bias)
+        ids = (scores + bias).topk(self.topk, dim=-1).indices  # the bias picks, it does not weigh
+        weights = scores.gather(1, ids)
+        if self.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
+
+
+class MoE(nn.Module):
+    """Routed experts on an `engine.moe` backend plus one shared expert."""
+
+    def __init__(self, config: V41Config, num_experts: int, topk: int, moe_backend: str = "torch") -> None:
+        super().__init__()
+        H, inter, lim = config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
+        self.gate = Gate(config, num_experts, topk, config.vision_config is not None)
+        self.experts = nn.ModuleList(Expert(H, inter, lim) for _ in range(num_experts))
+        self.shared_experts = Expert(H, inter, lim)
+        self.backend = get_moe_backend(moe_backend)()
+        self._prepared_ptr: int | None = None
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
+        if self.experts[0].w1.weight.data_ptr() != self._prepared_ptr:
+            self.backend.prepare(self.experts)
+            self._prepared_ptr = self.experts[0].w1.weight.data_ptr()
+        weights, ids = self.gate(x, image_mask)
+        return self.backend(x, weights.to(x.dtype), ids) + self.shared_experts(x)
+
+
+# --------------------------------------------------------------------------- the model
+
+
+class Block(nn.Module):
+    """One V4.1 layer: (Engram), attention and MoE between hyper-connection mixes."""
+
+    def __init__(self, config: V41Config, layer: int, moe_backend: str = "torch") -> None:
+        super().__init__()
+        H, hc = config.hidden_size, config.hc_mult
+        self.hc, self.iters, self.hc_eps, self.eps = hc, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps
+        self.attn = Attention(config, layer)
+        self.ffn = MoE(config, config.n_routed_experts, config.num_experts_per_tok, moe_backend)
+        self.engram = (Engram(config, config.engram_layer_ids.index(layer))
+                       if layer in config.engram_layer_ids else None)
+        self.attn_norm = RMSNorm(H, config.rms_norm_eps)
+        self.ffn_norm = RMSNorm(H, config.rms_norm_eps)
+        n = (2 + hc) * hc
+        for which in ("attn", "ffn"):
+            self.register_parameter(f"hc_{which}_fn", nn.Parameter(torch.zeros(n, hc * H, dtype=torch.float32)))
+            self.register_parameter(f"hc_{which}_base", nn.Parameter(torch.zeros(n, dtype=torch.float32)))
+            self.register_parameter(f"hc_{which}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
+
+    def _weights(self, which: str, streams: torch.Tensor):
+        return hc_weights_torch(streams, getattr(self, f"hc_{which}_fn"), getattr(self, f"hc_{which}_base"),
+                                getattr(self, f"hc_{which}_scale"), self.hc, self.iters, self.hc_eps, self.eps)
+
+    def forward(self, streams: torch.Tensor, pre: torch.Tensor, rope: RopeTables, shared: SharedState,
+                image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """streams [T, hc, H], pre [T, hc] (the previous sublayer's) -> (streams, this FFN's pre for the next).
+
+        NOTE: each sublayer's mixes come from the streams entering it; its post/comb update its own residual,
+        its pre collapses the *next* sublayer's input (docs/V4_1.md §8).
+        """
+        attn_pre, post, comb = self._weights("attn", streams)
+        x = (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
+        streams = mhc_post_torch(self.attn(self.attn_norm(x), rope, shared), streams, post, comb)
+        ffn_pre, post, comb = self._weights("ffn", streams)
+        x = (attn_pre[..., None] * streams).sum(dim=1).to(streams.dtype)
+        streams = mhc_post_torch(self.ffn(self.ffn_norm(x), image_mask), streams, post, comb)
+        return streams, ffn_pre
+
+
+class DeepseekV41ForCausalLM(nn.Module):
+    """DeepSeek-V4.1's backbone: embed -> hc streams -> layers -> collapse -> norm -> head.
+
+    `forward_full(input_ids)` is the full-sequence forward of one sequence (float32 logits at every
+    position). The Engram layers need the tokenizer's compressed-id map (`set_engram_token_map`).
+    """
+
+    def __init__(self, config: V41Config, *, moe_backend: str = "torch") -> None:
+        super().__init__()
+        if not isinstance(config, V41Config):
+            raise TypeError(f"DeepseekV41ForCausalLM needs a V41Config, got {type(config).__name__}")
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i, moe_backend) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.engram_hash = NgramHasher(config) if config.engram_layer_ids else None
+        rd = config.rope_head_dim
+        for name, rope in (("main", config.rope_main), ("compress", config.rope_compress)):
+            inv, scale = rope_inv_freq(rope, rd)
+            self.register_buffer(f"inv_freq_{name}", inv, persistent=False)
+            setattr(self, f"rope_scale_{name}", scale)
+
+    def set_engram_token_map(self, token_map) -> None:
+        """Install the compressed-id map (`compressed_token_map(tokenizer)[0]`) the Engram hashes read."""
+        if self.engram_hash is None:
+            raise ValueError("this config has no Engram layers (`engram_layer_ids` is empty)")
+        self.engram_hash.set_token_map(token_map)
+
+    def _rope(self, flavour: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * getattr(self, f"inv_freq_{flavour}")[None]
+        scale = getattr(self, f"rope_scale_{flavour}")
+        return freqs.cos() * scale, freqs.sin() * scale
+
+    def _rope_tables(self, T: int, device) -> dict[str, RopeTables]:
+        pos = torch.arange(T, device=device)
+        ratios = sorted({r for r in self.config.compress_ratios[: self.config.num_hidden_layers] if r})
+        return {
+            "main": RopeTables(self._rope("main", pos), {}, pos),
+            # NOTE: an entry stands for its group's first token: entry j at position j * ratio
+            "compress": RopeTables(self._rope("compress", pos),
+                                   {r: self._rope("compress", torch.arange(T // r, device=device) * r) for r in ratios},
+                                   pos),
+        }
+
+    def forward_full(self, input_ids: torch.Tensor, image_mask: torch.Tensor | None = None, *,
+                     bounded_replay: bool = False) -> torch.Tensor:
+        """input_ids [T] of one sequence from position 0; image_mask [T] bool (True inside image spans:
+        the router's `bias_vl`, no Engram) -> float32 logits [T, vocab].
+
+        `bounded_replay` (decoder-side bounded replay): the layers after the last KV source, which own no
+        compressed KV, run only over the last `sliding_window` tokens; the logits of those tokens come back
+        [min(T, window), vocab]. Not exact: the first tail tokens see a window cut at the tail's start in
+        those layers (the compressed entries they attend are complete); exact when T <= sliding_window.
+        """
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be [T], got shape {tuple(input_ids.shape)}")
+        T, hc = input_ids.shape[0], self.config.hc_mult
+        live = None if image_mask is None else ~image_mask
+        rows = self.engram_hash(input_ids, live) if self.engram_hash is not None else None
+        ropes = self._rope_tables(T, input_ids.device)
+        streams = self.embed(input_ids)[:, None, :].expand(T, hc, -1).contiguous()  # [T, hc, H]
+        pre = torch.zeros(T, hc, dtype=torch.float32, device=input_ids.device)
+        pre[:, 0] = 1.0  # the first attention reads stream 0
+        shared = SharedState()
+        cut = max(self.config.kv_source_layer_ids, default=-1) if bounded_replay else None
+        for i, layer in enumerate(self.layers):
+            if i - 1 == cut and T > self.config.sliding_window:  # from here on only the tail is computed
+                tail = slice(T - self.config.sliding_window, T)
+                streams, pre = streams[tail], pre[tail]
+                image_mask = None if image_mask is None else image_mask[tail]
+                live = None if live is None else live[tail]
+                rows = None if rows is None else rows[tail]
+                ropes = {k: RopeTables((r.tokens[0][tail], r.tokens[1][tail]), r.entries, r.positions[tail])
+                         for k, r in ropes.items()}
+                shared.selection = None if shared.selection is None else shared.selection[tail]
+                shared.candidates = None if shared.candidates is None else shared.candidates[tail]
+            if layer.engram is not None:
+                streams = layer.engram(streams, rows[:, layer.engram.slot], live)
+            flavour = "compress" if self.config.compress_ratios[i] else "main"
+            streams, pre = layer(streams, pre, ropes[flavour], shared, image_mask)
+        hidden = self.norm((pre[..., None] * streams).sum(dim=1).to(streams.dtype))
+        return F.linear(hidden, self.head.weight).float()
+
+
+
+# --------------------------------------------------------------------------- the published layout
+
+PUBLISHED_FP8_BLOCK = (32, 32)
+"""V4.1's FP8 scale block (rows, columns): one UE8M0 scale per 32 x 32 weights."""
+
+_FP8_MODULES = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "attn.indexer.wq_b", "engram.wkv",
+                "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3")
+
+
+def published_storage(name: str) -> str:
+    """How the published checkpoint stores parameter `name` (docs/V4_1.md §7, §10).
+
+    "fp8": e4m3 + UE8M0 per 32x32 block; "fp8_rows": the Engram table, e4m3 + UE8M0 per 1x32 run of a row;
+    "fp4": routed experts, e2m1 packed two per byte + UE8M0 per 1x32; "fp32": mHC, sinks, router biases;
+    "bf16": the rest (norms, compressors, indexer `wk` / `weights_proj`, `wo_a`, embed, head, router weight).
+    NOTE: `attn.wo_a` is BF16 as the reference holds it at run time; whether the release stores it as FP8
+    that `convert.py` dequantizes is unverified.
+    """
+    module = name.removesuffix(".weight")
+    if name.endswith("engram.embed.weight"):
+        return "fp8_rows"
+    if ".ffn.experts." in name:
+        return "fp4"
+    if name.endswith(".weight") and module.endswith(_FP8_MODULES):
+        return "fp8"
+    if ".hc_" in name or name.endswith(("attn_sink", "gate.bias", "gate.bias_vl")):
+        return "fp32"
+    return "bf16"
+
+
+def published_tensors(model: DeepseekV41ForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's parameters in V4.1's published layout (`published_storage`; scales as `<module>.scale`)."""
+    from deepinfer.engine.quant.formats import quantize_fp4, quantize_fp8_block
+
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.state_dict().items():
+        kind, scale_name = published_storage(name), name.removesuffix(".weight") + ".scale"
+        w = p.detach().float()
+        if kind == "fp8":
+            out[name], out[scale_name] = quantize_fp8_block(w, PUBLISHED_FP8_BLOCK)
+        elif kind == "fp8_rows":
+            out[name], out[scale_name] = quantize_fp8_block(w, (1, 32))
+        elif kind == "fp4":
+            out[name], out[scale_name] = quantize_fp4(w, 32)
+        else:
+            out[name] = w if kind == "fp32" else w.to(torch.bfloat16)
+    return out
+
+
+def load_published(path) -> DeepseekV41ForCausalLM:
+    """A V4.1 checkpoint in the published layout -> the float32 model (quantized tensors dequantized exactly).
+
+    For tests and the CPU reference path only (it reads every tensor, the Engram tables included, into
+    memory). Refuses, naming them, tensors the model does not have and parameters the checkpoint lacks.
+    Vision and DSpark tensors (`vision.*`, `aligner.*`, `image_*`, `mtp.*`) are not built yet: refused too.
+    """
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from deepinfer.engine.quant.formats import dequant_fp4, dequant_fp8_block
+
+    path = Path(path)
+    model = DeepseekV41ForCausalLM(V41Config.from_json_file(path))
+    index = path / "model.safetensors.index.json"
+    files = (sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.is_file()
+             else [path / "model.safetensors"])
+    stored: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            stored.update({k: f.get_tensor(k) for k in f.keys()})
+    state = model.state_dict()
+    scales = {n.removesuffix(".weight") + ".scale" for n in state}
+    unexpected = sorted(n for n in stored if n not in state and n not in scales)
+    missing = sorted(n for n in state if n not in stored)
+    if unexpected or missing:
+        raise ValueError(f"{path}: not a checkpoint of this V4.1 config: unexpected {unexpected[:8]}, missing "
+                         f"{missing[:8]}")
+    loaded = {}
+    for name in state:
+        t, kind = stored[name], published_storage(name)
+        scale = stored.get(name.removesuffix(".weight") + ".scale")
+        if kind in ("fp8", "fp8_rows", "fp4") and scale is None:
+            raise ValueError(f"{path}: {name} is stored {kind} but has no scale tensor")
+        if kind == "fp8":
+            t = dequant_fp8_block(t, scale, PUBLISHED_FP8_BLOCK)
+        elif kind == "fp8_rows":
+            t = dequant_fp8_block(t, scale, (1, 32))
+        elif kind == "fp4":
+            t = dequant_fp4(t, scale, 32)
+        if tuple(t.shape) != tuple(state[name].shape):
+            raise ValueError(f"{path}: {name} has shape {list(t.shape)}, the config gives {list(state[name].shape)}")
+        loaded[name] = t.float()
+    model.load_state_dict(loaded)
+    return model

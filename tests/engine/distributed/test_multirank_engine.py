@@ -1,0 +1,103 @@
+"""An instance as a group of ranks (`engine.distributed`): `Engine(expert_parallel_size=N)` starts N - 1
+rank processes (gloo on loopback) and must give the single-process engine's greedy tokens, with ranks that
+have no requests in a step, redundant experts and EPLB re-placement while requests run; a killed rank
+fails the instance as a whole."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from deepinfer.engine import SamplingParams
+from deepinfer.engine.engine import Engine, EngineConfig
+from deepinfer.engine.testing.make_checkpoint import make_checkpoint
+from deepinfer.engine.testing.presets import PRESETS
+
+
+def _prompts(num: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (int(n),), generator=g).tolist() for n in torch.randint(3, 30, (num,), generator=g)]
+
+
+def _generate(engine: Engine, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, tuple]:
+    """Greedy outputs per request: (token ids, logprobs of each sampled token)."""
+    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=1))
+    out = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = (o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs])
+    return out
+
+
+def test_multi_rank_config_is_checked_before_start():
+    with pytest.raises(ValidationError, match="speculative_tokens=0"):
+        EngineConfig(expert_parallel_size=2, speculative_tokens=1)
+    with pytest.raises(ValidationError, match="async_scheduling=False"):
+        EngineConfig(expert_parallel_size=2, async_scheduling=True)
+    with pytest.raises(ValidationError, match="leave executor unset"):
+        EngineConfig(expert_parallel_size=2, executor="threaded")
+
+
+def test_ep2_builtin_model_matches_one_process_and_a_killed_rank_fails_the_instance():
+    """Built-in model (4 experts, top-2), EP = 2: requests of different lengths, so late steps leave a rank
+    without requests (it joins the MoE collectives with zero rows)."""
+    kw = dict(max_num_seqs=4, max_model_len=128)
+    prompts = _prompts(3, 129000, seed=0)
+    max_tokens = [3, 9, 5]
+    one = Engine(**kw)
+    ref = _generate(one, prompts, max_tokens)
+    one.shutdown()
+    ep = Engine(expert_parallel_size=2, **kw)
+    try:
+        got = _generate(ep, prompts, max_tokens)
+        assert {r: t for r, (t, _) in got.items()} == {r: t for r, (t, _) in ref.items()}
+        for r in ref:  # greedy tokens are equal; logprobs agree to float32 rounding (see the EP backend NOTE)
+            torch.testing.assert_close(torch.tensor(got[r][1]), torch.tensor(ref[r][1]), rtol=1e-4, atol=1e-4)
+        loads = ep.executor.expert_loads()
+        assert len(loads.imbalance) == 4 and all(x >= 1.0 for x in loads.imbalance)
+        assert sum(loads.expert_counts(1)) > 0
+        ep.executor._procs[0].kill()
+        ep.executor._procs[0].join(timeout=30)
+        ep.add_request("late", prompts[0], SamplingParams(max_tokens=2))
+        with pytest.raises(RuntimeError, match="died|failed|Connection"):
+            while ep.has_unfinished_requests():
+                ep.step()
+    finally:
+        ep.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny8(tmp_path_factory):
+    """The `tiny` architecture with 8 routed experts (2 per rank at EP = 4), random weights."""
+    cfg = {**PRESETS["tiny"].hf_config(), "n_routed_experts": 8}
+    return str(make_checkpoint(tmp_path_factory.mktemp("tiny8"), preset=cfg, seed=4))
+
+
+def test_ep4_random_model_with_redundant_experts_and_eplb_matches_one_process(tiny8):
+    """EP = 4 with 4 redundant experts and EPLB every 3 steps (re-placement while requests run), in the
+    batch-invariant mode: the same greedy tokens as one process.
+
+    NOTE: not yet bit-identical: requests served by rank 0 are, but decode logprobs of requests on ranks
+    >= 1 differ in the last bits (about 1e-7 relative); the same engine in a spawned process, and the
+    multi-rank executor with one rank, are bit-identical, so the difference lies in how a rank process
+    runs its share (open, see the report of issue 25)."""
+    kw = dict(model=tiny8, max_num_seqs=6, max_model_len=128, batch_invariant=True)
+    prompts = _prompts(6, 500, seed=1)
+    max_tokens = [4, 7, 2, 8, 5, 6]
+    one = Engine(**kw)
+    ref = _generate(one, prompts, max_tokens)
+    one.shutdown()
+    ep = Engine(expert_parallel_size=4, num_redundant_experts=4, eplb_interval_steps=3, **kw)
+    try:
+        got = _generate(ep, prompts, max_tokens)
+        assert {r: t for r, (t, _) in got.items()} == {r: t for r, (t, _) in ref.items()}
+        for r in ref:
+            torch.testing.assert_close(torch.tensor(got[r][1]), torch.tensor(ref[r][1]), rtol=1e-5, atol=1e-5)
+        placements = ep.executor.rebalance_experts()
+        assert all(p == placements[0] for p in placements)  # every rank computed the same placement
+        assert any(layer != tuple(range(8)) + (0, 1, 2, 3) for layer in placements[0])  # EPLB moved experts
+    finally:
+        ep.shutdown()
