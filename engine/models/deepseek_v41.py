@@ -600,3 +600,13 @@ def load_published(path) -> DeepseekV41ForCausalLM:
         loaded[name] = t.float()
     model.load_state_dict(loaded)
     return model
+
+
+def compressed_kv_bytes_per_token(config: V41Config) -> float:
+    """Bytes per token of V4.1's compressed KV as the reference stores it (docs/V4_1.md §4): only KV sources
+    own entries, one per `ratio` tokens, each an FP4 latent with an E4M3 scale per 16 values plus an FP4
+    index key with a UE8M0 scale per 32 values. DeepSeek-V4.1-Flash: 890 bytes per token.
+    NOTE: inferred from the reference's quantization calls, not from a cache layout of ours (the paged
+    engine does not hold V4.1's cache yet)."""
+    entry = config.head_dim // 2 + config.head_dim // 16 + config.index_head_dim // 2 + config.index_head_dim // 32
+    return sum(entry / config.compress_ratios[s] for s in config.kv_source_layer_ids)

@@ -104,3 +104,9 @@ def test_v4_parser_and_loader_refuse_v41(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(bad))
     with pytest.raises(CheckpointError, match="kv_source_layer_ids"):
         read_checkpoint_config(tmp_path)
+
+
+def test_flash_compressed_kv_bytes_per_token():
+    from deepinfer.engine.models.deepseek_v41 import compressed_kv_bytes_per_token
+
+    assert compressed_kv_bytes_per_token(V41Config.from_hf_dict(flash_config())) == 890
