@@ -14,9 +14,12 @@ setup() {
     # torch first, pinned to the CPU build that ships on this machine's disk (no CUDA download).
     "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q "torch==2.13.0"
     # kvstore's Mooncake backend: its native library needs libibverbs.so.1 even over TCP (installed where we are
-    # root with apt, as on CI; elsewhere its tests skip and say why)
+    # root with apt, as on CI; elsewhere its tests skip and say why). NOTE: --no-install-recommends keeps out
+    # ibverbs-providers: the libibverbs bundled in the nixl wheel would load those system drivers, and with them a
+    # second libnl-route, and every process using NIXL would then segfault at exit.
     if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1) >/dev/null 2>&1 || true
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libibverbs1) \
+            >/dev/null 2>&1 || true
     fi
     "$PY" -m pip install -q -e ".[test,mooncake]"
 }

@@ -83,7 +83,7 @@ class MultiRankExecutor(Executor):
             address=GroupAddress("127.0.0.1", free_port(), world, backend_for(config.device)),
             model_path=str(resolve_model(config.model, config.revision)), load_kwargs=load_kwargs,
             device=config.device, batch_invariant=config.batch_invariant, num_blocks=cache.num_blocks,
-            block_size=cache.block_size, num_slots=cache.num_slots,
+            block_size=cache.block_size, num_slots=cache.num_slots, max_blocks_per_seq=cache.max_blocks_per_seq,
             num_redundant_experts=config.num_redundant_experts,
             num_threads=max(1, (os.cpu_count() or 1) // world),
         )

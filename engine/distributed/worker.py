@@ -66,6 +66,8 @@ class RankSpec:
     num_blocks: int
     block_size: int
     num_slots: int
+    max_blocks_per_seq: int | None = None
+    """The cache's `max_blocks_per_seq` (rank 0's), so every rank's cache has the same geometry."""
     num_redundant_experts: int = 0
     num_threads: int = 1
     """torch intra-op threads of a rank process (the CPU ranks of one host share its cores)."""
@@ -111,7 +113,9 @@ def _load_rank(spec: RankSpec, rank: int) -> RankState:
 
         enable_batch_invariant(model)
     dtype = model.model.embed_tokens.weight.dtype
-    cache = V4KVCache(mc, spec.num_blocks, spec.block_size, spec.num_slots, dtype=dtype, device=device)
+    max_len = spec.max_blocks_per_seq * spec.block_size if spec.max_blocks_per_seq else None
+    cache = V4KVCache(mc, spec.num_blocks, spec.block_size, spec.num_slots, dtype=dtype, device=device,
+                      max_model_len=max_len)
     return model, cache
 
 

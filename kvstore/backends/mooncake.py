@@ -11,7 +11,10 @@ pin as long as the class TTL (the master is started with a cap of 8 days so 7-da
 pinned), and our sweeper (`KVStore.sweep`) deletes what the class TTLs expire. Mooncake also holds a short
 read lease after each get, during which a remove is refused; refused removes are retried by the sweeper.
 
-The native library needs the system's `libibverbs.so.1` even for TCP (Debian: `apt-get install libibverbs1`).
+The native library needs the system's `libibverbs.so.1` even for TCP (Debian: `apt-get install
+--no-install-recommends libibverbs1`). NOTE: not `ibverbs-providers` on a machine that also runs NIXL from its
+wheel: the wheel's own libibverbs loads the system's drivers, with them a second libnl-route, and processes
+using NIXL then crash at exit.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ def import_mooncake():
     except ImportError as e:
         raise ImportError(
             f"the Mooncake KV store backend needs the mooncake-transfer-engine wheel and the system's libibverbs "
-            f"(pip install 'deepinfer[mooncake]'; apt-get install libibverbs1): {e}") from e
+            f"(pip install 'deepinfer[mooncake]'; apt-get install --no-install-recommends libibverbs1): {e}") from e
     return store
 
 
