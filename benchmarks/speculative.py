@@ -3,6 +3,12 @@
     python -m deepinfer.benchmarks.speculative [--batch-sizes 1,4,16] [--ks 0,1,2,3,3c] [--repeats 3]
         [--max-tokens 64] [--json OUT]
 
+    python -m deepinfer.benchmarks.speculative --verify-forward [--batch-sizes 1,16,64] [--context 512]
+
+`--verify-forward`: only the target forward of one verify step (every request a `1 + 3`-token chunk
+after `--context` tokens of its own), the per-request prefill-chunk path against the batched verify
+path (`engine.spec_decode.verify_rows`); best of `--repeats` interleaved runs each, checked equal.
+
 `--ks`: drafts per step; a trailing `c` (e.g. `3c`) runs that k with confidence-scheduled verification
 (`verify_schedule="confidence"`, the drafts' MTP probabilities as confidences) instead of full blocks; a
 trailing `p` (e.g. `3p`) runs the verify chunks as per-request prefill chunks instead of the batched
@@ -56,6 +62,52 @@ def workload(num: int, seed: int) -> list[list[int]]:
     return out
 
 
+@torch.inference_mode()
+def verify_forward(sizes: list[int], context: int, repeats: int, num_drafts: int = 3) -> list[dict]:
+    """Seconds of one target forward over B verify chunks, per-chunk path vs batched path (see the docstring)."""
+    from deepinfer.engine.cache.kv_cache import V4KVCache
+    from deepinfer.engine.engine import Engine, EngineConfig
+    from deepinfer.engine.forward_batch import ForwardBatch, SeqChunk
+    from deepinfer.engine.spec_decode.verify_rows import batch_verify_chunks
+
+    eng = Engine(EngineConfig(max_num_seqs=1, speculative_tokens=num_drafts))
+    model, mc = eng.model, eng.model_config
+    bs = eng.cache.block_size
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for B in sizes:
+        per_seq = -(-(context + num_drafts + 1) // bs)
+        cache = V4KVCache(mc, per_seq * B, bs, B)
+        tables = [list(range(per_seq * s, per_seq * (s + 1))) for s in range(B)]
+        for s in range(B):  # each slot's context, one request at a time
+            ids = torch.randint(10, 5000, (context,), generator=g).tolist()
+            model(ForwardBatch.build([ids], [SeqChunk(s, tables[s], 0, context, 0)]), cache)
+        n = num_drafts + 1
+        batch = ForwardBatch.build([torch.randint(10, 5000, (n,), generator=g).tolist() for _ in range(B)],
+                                   [SeqChunk(s, tables[s], context, n, 0) for s in range(B)])
+        state = {k: v.clone() for k, v in cache.state_tensors().items()}
+        best, outs = {}, {}
+        for _ in range(repeats):
+            for batched in (False, True):
+                for k, v in cache.state_tensors().items():
+                    v.copy_(state[k])
+                t0 = time.perf_counter()
+                meta = model.build_attention_metadata(batch, cache)
+                if batched:
+                    batch_verify_chunks(meta, set(range(B)))
+                outs[batched] = model(batch, cache, meta)
+                best[batched] = min(best.get(batched, float("inf")), time.perf_counter() - t0)
+        err = (outs[True] - outs[False]).abs().max().item()
+        if err > 1e-4:
+            raise AssertionError(f"the batched verify path differs from the per-chunk one by {err} at B={B}")
+        row = {"batch": B, "context": context, "verify_tokens": B * n, "per_chunk_ms": round(best[False] * 1e3, 2),
+               "batched_ms": round(best[True] * 1e3, 2), "speedup": round(best[False] / best[True], 3),
+               "max_abs_diff": err}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-sizes", default="1,4,16")
@@ -65,9 +117,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--verify-forward", action="store_true", help="only time one verify forward (see above)")
+    ap.add_argument("--context", type=int, default=512, help="tokens before each verify chunk (--verify-forward)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     loadavg_start = os.getloadavg()
+    if args.verify_forward:
+        rows = verify_forward([int(b) for b in args.batch_sizes.split(",")], args.context, args.repeats)
+        report = {"machine": platform.platform(), "cpus": os.cpu_count(), "threads": args.threads,
+                  "loadavg_start": loadavg_start, "loadavg_end": os.getloadavg(),
+                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "verify_forward": rows}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2)
+        return report
     from deepinfer.engine.llm import LLM
     from deepinfer.engine.sampling import SamplingParams
 

@@ -41,6 +41,7 @@ from deepinfer.decode_worker.core import DecodeCore, DecodeFailed
 from deepinfer.engine.cache.block_pool import NoFreeBlocksError, NoFreeSlotsError
 from deepinfer.engine.engine import RequestOutput
 from deepinfer.engine.errors import InvalidRequestError
+from deepinfer.entrypoint.migration import WRITER_GONE_REASON
 from deepinfer.kv_transfer.embeddings import EmbeddingSource
 from deepinfer.protos import common_pb2, decode_pb2, decode_pb2_grpc, loadbalancer_pb2
 from deepinfer.protos.convert import sampling_params_from_proto, token_chunk
@@ -185,6 +186,11 @@ class DecodeWorker(EngineShell):
     def _abort(self, request_id: str, reason: str, code: int = common_pb2.ERROR_CODE_ABORTED) -> bool:
         st = self._streams.get(request_id)
         self.core.abort(request_id)
+        if st is not None and reason.startswith(WRITER_GONE_REASON):
+            # the entrypoint found the prefill that was to WRITE here dead: no late WRITE can land, so the
+            # reservation's blocks go back now instead of after the lease (a restarted prefill needs them)
+            if self.core.release_quarantine(st.transfer_id):
+                self.logger.info("released the reservation of %s at once: %s", request_id, reason)
         if st is None or st.is_finished:
             if st is not None and not st.is_started:
                 # a reservation that already failed (e.g. its KV load) and that nobody will Start now: free
@@ -272,8 +278,16 @@ class DecodeServicer(ShellServicer, decode_pb2_grpc.DecodeServicer):
                                         error=_error(e))
             return
         context.add_callback(lambda: st.is_finished or w.loop.post(partial(w._abort, rid, "start stream ended")))
+        # the first token came from the prefill (its logprobs too): they lead the first chunk's (`token_chunk`)
+        first_logprobs = request.first_token_logprobs if request.HasField("first_token_logprobs") else None
         try:
             for chunk in queue_items(st.chunks, context):
+                if first_logprobs is not None and chunk.token_ids:
+                    if len(chunk.logprobs) < len(chunk.token_ids):
+                        rest = list(chunk.logprobs)
+                        del chunk.logprobs[:]
+                        chunk.logprobs.extend([first_logprobs, *rest])
+                    first_logprobs = None
                 if chunk.finish_reason:
                     chunk.usage.cached_prompt_tokens = request.num_cached_prompt_tokens
                 yield chunk

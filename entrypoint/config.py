@@ -46,3 +46,7 @@ class EntrypointConfig(BaseModel):
     """How often the decode instances serving requests are checked at the decode balancer (missed heartbeats)."""
     liveness_probe_timeout_s: float = Field(1.0, gt=0)
     """Timeout of the direct Health probe of a decode instance its balancer dropped; no answer = hung: migrate."""
+    outage_wait_s: float = Field(30.0, ge=0)
+    """How long after a stage lost an instance (it died or hung) requests finding no usable instance of
+    that stage wait for one to come back (bounded by their deadline) before failing with UNAVAILABLE
+    (`entrypoint.migration.StageOutages`); 0 = fail at once."""

@@ -48,12 +48,19 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
+from deepinfer.engine.sampling.stop import check_stop_strings, stop_hold_back_len
 from deepinfer.protos import common_pb2, entrypoint_pb2, loadbalancer_pb2
 
 logger = logging.getLogger("entrypoint.migration")
 
 RETRY_BACKOFF_S = 0.5
 """Wait before re-picking after a failure that lost no identified instance (none serves the stage now)."""
+OUTAGE_POLL_S = 0.25
+"""How often a request waiting for a stage to come back looks at its balancer again."""
+WRITER_GONE_REASON = "writer gone: "
+"""Prefix of an Abort reason telling a decode instance that the prefill writing into the request's
+reservation is dead (its process no longer exists), so no late WRITE can land: the reservation's
+blocks are freed at once instead of being quarantined until the lease ends (`decode_worker.server`)."""
 
 
 class DecodeLost(Exception):
@@ -125,9 +132,81 @@ class MigrationStats:
                     "num_not_migrated_total": self.num_not_migrated_total}
 
 
+class TextAcrossMigration:
+    """The client's text across migrations (`run_migrating`): what it received, the text a lost decode
+    instance held back, and the request's stop strings where they may span the migration point.
+
+    A decode instance streams a token's text only once it cannot be the start of a stop string (and
+    not while it ends mid UTF-8 character), so when it is lost some tokens the client received may
+    have text it never sent; and a continuation's decode sees the streamed tokens as prompt, so it
+    would miss a stop string that starts before the migration point. So after a migration the text
+    is recomputed here (`detokenize(prompt, generated)`, the engine's incremental detokenizer over
+    the same tokens) and the part the client lacks is held here; with stop strings, the continuation
+    is sent without them and this object applies them (as the engine's `StopChecker` does: once more
+    than `min_tokens` tokens were generated, text cut before the stop, or after it with
+    `include_stop_str_in_output`, trailing text that may start a stop string held back).
+    Without `detokenize` (no tokenizer at the entrypoint) it passes text through unchanged.
+    """
+
+    def __init__(self, sampling: common_pb2.SamplingParams,
+                 detokenize: Callable[[list[int], list[int], bool], str] | None) -> None:
+        self.stops = list(sampling.stop)
+        self.include_stop = sampling.include_stop_str_in_output
+        self.min_tokens = sampling.min_tokens
+        self.skip_special_tokens = sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True
+        self.detokenize = detokenize
+        self.sent = ""
+        """Text the client received."""
+        self.pending = ""
+        """Text of received tokens not sent yet (held back by a lost decode instance, or here)."""
+        self.is_checking_stops = False
+        """The stop strings are checked here (the continuation goes without them)."""
+
+    def on_migrate(self, prompt: list[int], generated: list[int], current: entrypoint_pb2.GenerateRequest) -> None:
+        """Before `current` (the continuation after `generated`) is sent: recover the held-back text and
+        take the stop strings over."""
+        if self.detokenize is None:
+            return
+        if generated:
+            try:
+                full = self.detokenize(prompt, generated, self.skip_special_tokens)
+            except Exception as e:  # text recovery is best effort: the tokens are what matters
+                logger.warning("cannot recompute the streamed text after a migration: %s", e)
+                full = None
+            if full is not None and full.startswith(self.sent):
+                self.pending = full[len(self.sent):]
+        if self.stops:
+            self.is_checking_stops = True
+            del current.sampling_params.stop[:]
+
+    def on_response(self, response: entrypoint_pb2.GenerateResponse, num_generated: int) -> bool:
+        """Rewrite `response.text` for the client; True when a stop string ended the request here
+        (`response` is then the stream's last: finish_reason STOP, stop_str set)."""
+        if not self.pending and not self.is_checking_stops:
+            self.sent += response.text
+            return False
+        unsent = self.pending + response.text
+        if self.is_checking_stops and unsent and num_generated > self.min_tokens:
+            stop, cut = check_stop_strings(self.sent + unsent, len(unsent), self.stops, self.include_stop)
+            if stop is not None:
+                response.text = cut[len(self.sent):]
+                self.sent, self.pending = self.sent + response.text, ""
+                response.finish_reason = common_pb2.FINISH_REASON_STOP
+                response.stop_str = stop
+                return True
+        hold = 0
+        if self.is_checking_stops and not response.finish_reason:
+            hold = min(len(unsent), stop_hold_back_len(self.sent + unsent, self.stops))
+        response.text = unsent[:len(unsent) - hold]
+        self.pending = unsent[len(unsent) - hold:]
+        self.sent += response.text
+        return False
+
+
 def run_migrating(generate: Callable, req, request: entrypoint_pb2.GenerateRequest, deadline: float | None, *,
-                  limit: int, rpc_timeout_s: float,
-                  stats: MigrationStats | None = None) -> Iterator[entrypoint_pb2.GenerateResponse]:
+                  limit: int, rpc_timeout_s: float, stats: MigrationStats | None = None,
+                  detokenize: Callable[[list[int], list[int], bool], str] | None = None,
+                  ) -> Iterator[entrypoint_pb2.GenerateResponse]:
     """Blocks on `generate(req, request, deadline)` (the servicer's one-pair request path) and yields
     its responses; when the pair is lost, yields on from a continuation on another pair, up to
     `limit` times. Raises what `generate` raised when the request cannot be migrated.
@@ -135,12 +214,17 @@ def run_migrating(generate: Callable, req, request: entrypoint_pb2.GenerateReque
     `req` is the servicer's per-call state (`entrypoint.server._Request`): its `prefill` / `decode`
     (instance id, stub) name the attempt's instances, `lost_instance_ids` are excluded from later
     picks, `num_resumed_tokens` (prompt tokens that are the client's output) keeps `usage` right.
+    `detokenize(prompt, output, skip_special_tokens)`: the output's text, to recover what a lost
+    decode held back and check stop strings across the migration point (`TextAcrossMigration`).
+    A stop string found here ends the stream; the caller then aborts the pair still decoding
+    (`req` is left not done).
     """
     generated: list[int] = []
     num_responses = 0
     first_cached: int | None = None
     num_prompt_tokens: int | None = None
     current = request
+    text = TextAcrossMigration(request.sampling_params, detokenize)
     for attempt in range(limit + 1):
         try:
             for response in generate(req, current, deadline):
@@ -151,8 +235,17 @@ def run_migrating(generate: Callable, req, request: entrypoint_pb2.GenerateReque
                 if attempt:
                     _fix_usage(response, num_responses, num_prompt_tokens, first_cached,
                                len(generated) + len(response.token_ids))
+                is_stopped_here = text.on_response(response, len(generated) + len(response.token_ids))
                 generated.extend(response.token_ids)
                 num_responses += 1
+                if is_stopped_here:
+                    response.usage.CopyFrom(common_pb2.Usage(
+                        prompt_tokens=num_prompt_tokens, completion_tokens=len(generated),
+                        cached_prompt_tokens=min(first_cached or 0, num_prompt_tokens)))
+                    yield response
+                    if stats is not None:
+                        stats.add(num_migrated_requests_total=1)
+                    return
                 yield response
             if attempt and stats is not None:
                 stats.add(num_migrated_requests_total=1)
@@ -180,8 +273,12 @@ def run_migrating(generate: Callable, req, request: entrypoint_pb2.GenerateReque
                 time.sleep(RETRY_BACKOFF_S)
             current = continuation(request, generated)
             if current is None:  # the client already has max_tokens tokens: only the finish was lost
-                yield _finished(req, num_prompt_tokens or len(request.prompt_token_ids), first_cached, generated)
+                last = _finished(req, num_prompt_tokens or len(request.prompt_token_ids), first_cached, generated)
+                text.on_migrate(list(request.prompt_token_ids), generated, entrypoint_pb2.GenerateRequest())
+                last.text, text.pending = text.pending, ""  # what the lost decode held back
+                yield last
                 return
+            text.on_migrate(list(request.prompt_token_ids), generated, current)
             req.num_resumed_tokens = len(generated)
             req.usage.completion_tokens = len(generated)
 
@@ -230,6 +327,12 @@ def _release_attempt(req, e: Exception, rpc_timeout_s: float) -> str | None:
     reachable = [s for s in stages if s[0] != lost]
     gone = [s for s in stages if s[0] == lost]
     reason = f"migrated: {e}"
+    if prefill is not None and lost == prefill[0] and decode is not None and is_process_gone(prefill[1]):
+        # the prefill that was to WRITE into D's reservation no longer exists: D frees it now rather
+        # than quarantining it until its lease ends (the restarted or other prefill needs the room)
+        req._abort_stages([decode], f"{WRITER_GONE_REASON}prefill instance {prefill[0]} is gone; {reason}",
+                          rpc_timeout_s)
+        reachable = [s for s in reachable if s is not decode]
     if reachable:
         req._abort_stages(reachable, reason, rpc_timeout_s)
     if gone:
@@ -238,24 +341,102 @@ def _release_attempt(req, e: Exception, rpc_timeout_s: float) -> str | None:
     return lost
 
 
-class DecodeLiveness:
-    """Finds decode instances that stopped answering while they serve requests (a thread, polling).
+def is_process_gone(stub, timeout_s: float = 0.5) -> bool:
+    """Whether the instance behind `stub` certainly no longer runs: a Health probe is refused at the
+    connection (nothing listens on its port: the process died or restarted elsewhere). A probe that
+    times out (a hung process, a cut link) proves nothing: the instance may still write."""
+    try:
+        stub.Health(common_pb2.HealthRequest(), timeout=timeout_s)
+        return False
+    except grpc.RpcError as e:
+        return e.code() == grpc.StatusCode.UNAVAILABLE and "refused" in (e.details() or "").lower()
+    except AttributeError:  # a stub without Health (tests' fakes): unknown
+        return False
 
-    Every `interval_s`, while any request is watched, it lists the decode balancer's instances; an
-    instance missing there (its heartbeats stopped for the balancer's timeout, or it deregistered)
-    is probed with a direct Health call (`probe_timeout_s`); when that fails too, every request
-    watched on it is marked lost and its calls cancelled, so its stream ends and `run_migrating`
-    moves it. A balancer that cannot be reached marks nothing (it may be restarting).
+
+class StageOutages:
+    """The stages that lost an instance recently, and those instances (thread-safe).
+
+    A stage instance whose call broke (UNAVAILABLE at the transport, missed heartbeats) marks its
+    stage *out* for `wait_s`. While a stage is out, a request that finds no usable instance of it
+    waits (polling the balancer every `OUTAGE_POLL_S`, bounded by its deadline and the outage window)
+    instead of failing at once: queued work survives a restart (the Ray launcher restarts a dead
+    worker ~15 s later; a balancer keeps listing a dead instance until its heartbeats time out). A
+    stage nobody saw fail (drained away, never started) still answers UNAVAILABLE at once.
+
+    A lost instance is *usable* again once a Health probe at the address its balancer lists now is
+    answered (a restarted process under the same id, or the hung one back: it rejoins clean, its stale
+    streams were cancelled). Probe results are cached per address for `OUTAGE_POLL_S`, so a burst of
+    waiting requests costs one probe per poll.
     """
 
-    def __init__(self, decode_lb, interval_s: float = 0.5, probe_timeout_s: float = 1.0) -> None:
-        self.decode_lb = decode_lb
+    def __init__(self, wait_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.wait_s = wait_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._lost_at: dict[str, float] = {}  # stage -> when it last lost an instance
+        self._lost: dict[str, str] = {}  # instance id -> the address it was lost at
+        self._probes: dict[str, tuple[float, bool]] = {}  # address -> (when, answered)
+
+    def mark_lost(self, stage: str, instance_id: str, address: str = "") -> None:
+        with self._lock:
+            self._lost_at[stage] = self._clock()
+            self._lost[instance_id] = address
+            self._probes.pop(address, None)
+
+    def wait_until(self, stage: str) -> float | None:
+        """The clock time until which requests wait for `stage`; None = it is not out."""
+        with self._lock:
+            lost_at = self._lost_at.get(stage)
+        if lost_at is None or self._clock() >= lost_at + self.wait_s:
+            return None
+        return lost_at + self.wait_s
+
+    def is_known_lost(self, instance_id: str) -> bool:
+        with self._lock:
+            return instance_id in self._lost
+
+    def is_usable(self, instance_id: str, address: str, probe: Callable[[], bool]) -> bool:
+        """False while `instance_id` is a lost instance that does not answer at `address`."""
+        with self._lock:
+            if instance_id not in self._lost:
+                return True
+            cached = self._probes.get(address)
+        if cached is not None and self._clock() - cached[0] < OUTAGE_POLL_S:
+            answered = cached[1]
+        else:
+            answered = probe()
+            with self._lock:
+                self._probes[address] = (self._clock(), answered)
+        if answered:
+            with self._lock:
+                self._lost.pop(instance_id, None)
+        return answered
+
+
+class StageLiveness:
+    """Finds `stage` instances (decode, prefill) that stopped answering while they serve requests (a
+    thread, polling).
+
+    Every `interval_s`, while any request is watched, it lists the stage balancer's instances; an
+    instance missing there (its heartbeats stopped for the balancer's timeout, or it deregistered)
+    is probed with a direct Health call (`probe_timeout_s`); when that fails too, every request
+    watched on it is marked lost (`req.lost_<stage>_id`) and its calls cancelled, so its stage call
+    ends and `run_migrating` moves it. A balancer that cannot be reached marks nothing (it may be
+    restarting). `on_lost(instance_id)` is called once per instance found lost.
+    """
+
+    def __init__(self, lb, interval_s: float = 0.5, probe_timeout_s: float = 1.0, stage: str = "decode",
+                 on_lost: Callable[[str], None] | None = None) -> None:
+        self.lb = lb
+        self.stage = stage
         self.interval_s = interval_s
         self.probe_timeout_s = probe_timeout_s
+        self.on_lost = on_lost
         self._lock = threading.Lock()
-        self._watched: dict[object, tuple[str, object]] = {}  # req -> (decode instance id, stub)
+        self._watched: dict[object, tuple[str, object]] = {}  # req -> (instance id, stub)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="entrypoint-liveness", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"entrypoint-{stage}-liveness", daemon=True)
         self._thread.start()
 
     def watch(self, req, instance_id: str, stub) -> None:
@@ -276,8 +457,8 @@ class DecodeLiveness:
             if not watched:
                 continue
             try:
-                listed = self.decode_lb.ListInstances(loadbalancer_pb2.ListInstancesRequest(),
-                                                      timeout=max(self.interval_s, 1.0))
+                listed = self.lb.ListInstances(loadbalancer_pb2.ListInstancesRequest(),
+                                               timeout=max(self.interval_s, 1.0))
             except grpc.RpcError:
                 continue
             present = {i.instance_id for i in listed.instances}
@@ -288,8 +469,10 @@ class DecodeLiveness:
             for instance_id, stub in missing.items():
                 if self._answers(stub):
                     continue
-                logger.warning("decode instance %s missed its heartbeats and does not answer: migrating its "
-                               "requests", instance_id)
+                logger.warning("%s instance %s missed its heartbeats and does not answer: migrating its "
+                               "requests", self.stage, instance_id)
+                if self.on_lost is not None:
+                    self.on_lost(instance_id)
                 for req, (iid, _) in watched.items():
                     if iid == instance_id:
                         self._mark_lost(req, instance_id)
@@ -303,10 +486,19 @@ class DecodeLiveness:
 
     def _mark_lost(self, req, instance_id: str) -> None:
         with req.lock:
-            if req.decode is None or req.decode[0] != instance_id or req.is_done:
+            current = getattr(req, self.stage)
+            if current is None or current[0] != instance_id or req.is_done:
                 return
-            req.lost_decode_id = instance_id
+            setattr(req, f"lost_{self.stage}_id", instance_id)
             calls = list(req.calls)
         for call in calls:
             call.cancel()
         self.unwatch(req)
+
+
+class DecodeLiveness(StageLiveness):
+    """`StageLiveness` of the decode stage (hung decode instances: SIGSTOP, a stuck kernel)."""
+
+    def __init__(self, decode_lb, interval_s: float = 0.5, probe_timeout_s: float = 1.0,
+                 on_lost: Callable[[str], None] | None = None) -> None:
+        super().__init__(decode_lb, interval_s, probe_timeout_s, "decode", on_lost)

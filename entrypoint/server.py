@@ -58,7 +58,15 @@ from deepinfer.engine.errors import InvalidRequestError
 from deepinfer.engine.images import IMAGE_TOKEN_ID
 from deepinfer.engine.sampling import SamplingParams
 from deepinfer.entrypoint.config import EntrypointConfig
-from deepinfer.entrypoint.migration import DecodeLiveness, DecodeLost, MigrationStats, run_migrating
+from deepinfer.entrypoint.migration import (
+    OUTAGE_POLL_S,
+    DecodeLiveness,
+    DecodeLost,
+    MigrationStats,
+    StageLiveness,
+    StageOutages,
+    run_migrating,
+)
 from deepinfer.protos import (
     common_pb2,
     decode_pb2,
@@ -127,10 +135,9 @@ def validate_request(request: entrypoint_pb2.GenerateRequest, vocab_size: int, m
     if params.n != 1:
         raise InvalidRequestError("n > 1 is not served by the entrypoint yet; send n requests (seed + i each)",
                                   field="n")
-    for name in ("logprobs", "prompt_logprobs"):
-        if getattr(params, name) is not None:
-            raise InvalidRequestError(f"{name} is not served by the disaggregated path yet; leave it unset",
-                                      field=name)
+    if params.prompt_logprobs is not None:  # NOTE: sampled-token logprobs are served (prefill + decode carry them)
+        raise InvalidRequestError("prompt_logprobs is not served by the disaggregated path yet; leave it unset",
+                                  field="prompt_logprobs")
     if params.max_tokens is not None and len(prompt) + params.max_tokens > max_model_len and not (
             request.images and request.is_max_tokens_default):
         raise InvalidRequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
@@ -224,6 +231,8 @@ class _Request:
         """Instances lost by the last failed attempt, excluded from the next picks (`entrypoint.migration`)."""
         self.lost_decode_id: str | None = None
         """Set by `DecodeLiveness` when the decode instance stopped answering (its stream is cancelled)."""
+        self.lost_prefill_id: str | None = None
+        """Set by the prefill `StageLiveness` when the prefill instance stopped answering (its call is cancelled)."""
         self.num_resumed_tokens = 0
         """Tokens at the end of the prompt that are the client's output (a migrated request's continuation)."""
 
@@ -280,14 +289,36 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         self.vision_lb = (loadbalancer_pb2_grpc.LoadBalancerStub(self._channel(config.vision_lb_address))
                           if config.vision_lb_address else None)
         self.migration_stats = MigrationStats()
-        self.liveness = DecodeLiveness(self.decode_lb, config.liveness_interval_s, config.liveness_probe_timeout_s)
+        self.model_path: str | None = None
+        """The resolved checkpoint (its tokenizer recovers a migrated request's text); None = none."""
+        self._tokenizer = None
+        self.outages = StageOutages(config.outage_wait_s)
+        self.liveness = DecodeLiveness(self.decode_lb, config.liveness_interval_s, config.liveness_probe_timeout_s,
+                                       on_lost=lambda iid: self.outages.mark_lost("decode", iid))
+        self.prefill_liveness = StageLiveness(self.prefill_lb, config.liveness_interval_s,
+                                              config.liveness_probe_timeout_s, stage="prefill",
+                                              on_lost=lambda iid: self.outages.mark_lost("prefill", iid))
 
     def close(self) -> None:
         self.liveness.close()
+        self.prefill_liveness.close()
         with self._lock:
             channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             channel.close()
+
+    def _detokenize(self, prompt: list[int], output: list[int], skip_special_tokens: bool) -> str:
+        """The text a decode instance streams for `output` after `prompt`, token by token as the engine
+        detokenizes (`entrypoint.migration.TextAcrossMigration`); the tokenizer loads on first use."""
+        from deepinfer.engine.sampling.stop import IncrementalDetokenizer
+        from deepinfer.engine.tokenizer import load_tokenizer
+
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = load_tokenizer(self.model_path)
+            tokenizer = self._tokenizer
+        detokenizer = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens)
+        return "".join(detokenizer.append([t]) for t in output)
 
     def _channel(self, address: str) -> grpc.Channel:
         with self._lock:
@@ -319,7 +350,8 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
             req.abort("client disconnected", self.config.rpc_timeout_s)
         try:
             yield from run_migrating(self._generate, req, request, deadline, limit=self.config.migration_limit,
-                                     rpc_timeout_s=self.config.rpc_timeout_s, stats=self.migration_stats)
+                                     rpc_timeout_s=self.config.rpc_timeout_s, stats=self.migration_stats,
+                                     detokenize=self._detokenize if self.model_path is not None else None)
         except _Cancelled:
             if req.abort_reason == ABORT_RPC_REASON:
                 yield entrypoint_pb2.GenerateResponse(
@@ -330,6 +362,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
             _abort_call(context, e)
         finally:
             self.liveness.unwatch(req)
+            self.prefill_liveness.unwatch(req)
             req.abort("generate call ended", self.config.rpc_timeout_s)  # no-op unless it ended abnormally
             with req.lock:
                 req.is_done = True
@@ -349,6 +382,9 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         if request.images:
             prompt, sampling, images, image_embeddings = self._encode_images(req, request, deadline, deadline_ms)
         req.usage.prompt_tokens = len(prompt) - req.num_resumed_tokens
+        # a stage that just lost an instance: wait for one to serve before holding blocks on decode
+        self._await_stage(req, "prefill", self.prefill_lb, deadline)
+        self._await_stage(req, "decode", self.decode_lb, deadline)
 
         reserve, d_stub = None, None
         excluded: list[str] = list(req.lost_instance_ids)
@@ -368,6 +404,8 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                     deadline, f"reserving KV on decode instance {d_inst.instance_id}")
             except _Failed as e:
                 # NOTE: an unreachable instance (e.g. dead, not yet expired at its balancer) is skipped
+                if e.status == grpc.StatusCode.UNAVAILABLE:
+                    self.outages.mark_lost("decode", d_inst.instance_id, d_inst.address)
                 if e.status != grpc.StatusCode.UNAVAILABLE or is_last:
                     raise
                 logger.warning("%s: skipping decode instance %s: %s", rid, d_inst.instance_id, e)
@@ -402,16 +440,31 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
             p_stub = prefill_pb2_grpc.PrefillStub(self._channel(p_inst.address))
             with req.lock:
                 req.prefill = (p_inst.instance_id, p_stub)
-            prefilled = self._unary(req, p_stub.Prefill, prefill_pb2.PrefillRequest(
-                request_id=rid, prompt_token_ids=prompt, sampling_params=sampling, destination=destination,
-                num_kv_tokens=len(prompt), deadline_ms=deadline_ms(), images=images,
-                image_embeddings=image_embeddings), deadline, "prefilling")
+            req.lost_prefill_id = None
+            self.prefill_liveness.watch(req, p_inst.instance_id, p_stub)
+            try:
+                prefilled = self._unary(req, p_stub.Prefill, prefill_pb2.PrefillRequest(
+                    request_id=rid, prompt_token_ids=prompt, sampling_params=sampling, destination=destination,
+                    num_kv_tokens=len(prompt), deadline_ms=deadline_ms(), images=images,
+                    image_embeddings=image_embeddings, kv_traffic_class=request.kv_traffic_class), deadline, "prefilling")
+            except _Cancelled:
+                if req.lost_prefill_id != p_inst.instance_id or req.abort_reason is not None:
+                    raise
+                raise _Failed(grpc.StatusCode.UNAVAILABLE, f"prefill instance {p_inst.instance_id} stopped "
+                              "answering (missed heartbeats, no answer to a Health probe)") from None
+            except _Failed as e:
+                if e.status == grpc.StatusCode.UNAVAILABLE:  # it died mid-call (or its link broke)
+                    self.outages.mark_lost("prefill", p_inst.instance_id, p_inst.address)
+                raise
+            finally:
+                self.prefill_liveness.unwatch(req)
             with req.lock:
                 req.prefill = None
             if not prefilled.error.code:
                 self._release_images(req)
                 break
             if prefilled.error.code == common_pb2.ERROR_CODE_UNAVAILABLE and prefilled.error.field == "destination":
+                self.outages.mark_lost("decode", req.decode[0], d_inst.address)
                 raise DecodeLost(req.decode[0], _Failed.of_error(prefilled.error, f"prefill instance "
                                                                  f"{p_inst.instance_id} could not write the KV"))
             if prefilled.error.code not in RETRYABLE_ERRORS or attempt + 1 == self.config.max_attempts:
@@ -427,7 +480,9 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         timeout = None if deadline is None else max(0.001, deadline - time.monotonic())
         stream = d_stub.Start(decode_pb2.StartRequest(
             request_id=rid, transfer_id=reserve.transfer_id,  # the first token rides the KV transfer notice
-            num_cached_prompt_tokens=prefilled.num_cached_prompt_tokens), timeout=timeout)
+            num_cached_prompt_tokens=prefilled.num_cached_prompt_tokens,
+            first_token_logprobs=prefilled.first_token_logprobs if prefilled.HasField("first_token_logprobs") else None),
+            timeout=timeout)
         req.add_call(stream)
         self.liveness.watch(req, req.decode[0], d_stub)
         is_first = True
@@ -440,7 +495,8 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                     raise _Failed.of_error(chunk.error, f"decode instance {req.decode[0]} failed")
                 req.usage.completion_tokens += len(chunk.token_ids)
                 response = entrypoint_pb2.GenerateResponse(
-                    request_id=rid, token_ids=chunk.token_ids, text=chunk.text, finish_reason=chunk.finish_reason)
+                    request_id=rid, token_ids=chunk.token_ids, text=chunk.text, finish_reason=chunk.finish_reason,
+                    logprobs=chunk.logprobs)
                 if chunk.error.code:
                     response.error.CopyFrom(chunk.error)
                 if is_first and not chunk.finish_reason:
@@ -461,6 +517,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
             failed = self._translate(req, e, "decoding")
             if isinstance(failed, _Failed) and (e.code() == grpc.StatusCode.UNAVAILABLE
                                                 or req.lost_decode_id == req.decode[0]):
+                self.outages.mark_lost("decode", req.decode[0], d_inst.address)
                 raise DecodeLost(req.decode[0], failed) from None
             raise failed from None
         raise _Failed(grpc.StatusCode.INTERNAL, f"decode instance {req.decode[0]} ended the stream of {rid!r} "
@@ -550,21 +607,86 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         threading.Thread(target=release, name="entrypoint-release", daemon=True).start()
 
     def _pick(self, req: _Request, stage: str, stub, pick: loadbalancer_pb2.PickRequest, deadline: float | None):
-        timeout = self.config.rpc_timeout_s
-        if deadline is not None:
-            timeout = min(timeout, max(0.001, deadline - time.monotonic()))
-        call = stub.Pick.future(pick, timeout=timeout)
-        req.add_call(call)
+        """The balancer's pick, skipping lost instances that do not answer yet; while the stage is out
+        (`StageOutages`) a pick that finds no instance waits for one, bounded by the deadline."""
+        while True:
+            timeout = self.config.rpc_timeout_s
+            if deadline is not None:
+                timeout = min(timeout, max(0.001, deadline - time.monotonic()))
+            call = stub.Pick.future(pick, timeout=timeout)
+            req.add_call(call)
+            try:
+                instance = call.result().instance
+            except grpc.FutureCancelledError:
+                raise _Cancelled() from None
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    if self._revive_excluded(stage, stub, pick) or self._wait_for_outage(req, stage, deadline):
+                        continue
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                    address = getattr(self.config, f"{stage}_lb_address")
+                    raise _Failed(e.code(), f"no {stage} instance can take the request (balancer {address}): "
+                                  f"{e.details()}") from None
+                raise self._translate(req, e, f"picking a {stage} instance") from None
+            if self._is_usable(stage, instance):
+                return instance
+            # a lost instance its balancer still lists (its heartbeats not timed out yet): pick again
+            pick.exclude_instance_ids.append(instance.instance_id)
+
+    def _probe(self, stage: str, address: str) -> bool:
+        """Whether the `stage` instance at `address` answers a Health call now."""
+        stub_class = {"prefill": prefill_pb2_grpc.PrefillStub, "decode": decode_pb2_grpc.DecodeStub,
+                      "vision": vision_pb2_grpc.VisionStub}[stage]
         try:
-            return call.result().instance
-        except grpc.FutureCancelledError:
-            raise _Cancelled() from None
-        except grpc.RpcError as e:
-            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
-                address = getattr(self.config, f"{stage}_lb_address")
-                raise _Failed(e.code(), f"no {stage} instance can take the request (balancer {address}): "
-                              f"{e.details()}") from None
-            raise self._translate(req, e, f"picking a {stage} instance") from None
+            stub_class(self._channel(address)).Health(common_pb2.HealthRequest(),
+                                                      timeout=self.config.liveness_probe_timeout_s)
+            return True
+        except grpc.RpcError:
+            return False
+
+    def _is_usable(self, stage: str, instance) -> bool:
+        return self.outages.is_usable(instance.instance_id, instance.address,
+                                      lambda: self._probe(stage, instance.address))
+
+    def _usable_instances(self, stage: str, lb) -> list:
+        """The stage's healthy, non-draining instances that are not lost ones still silent; [] when its
+        balancer cannot be reached."""
+        try:
+            listed = lb.ListInstances(loadbalancer_pb2.ListInstancesRequest(), timeout=self.config.rpc_timeout_s)
+        except grpc.RpcError:
+            return []
+        return [i for i in listed.instances if i.load.is_healthy and not i.load.is_draining
+                and self._is_usable(stage, i)]
+
+    def _revive_excluded(self, stage: str, lb, pick: loadbalancer_pb2.PickRequest) -> bool:
+        """Drop from the pick's exclusions the instances that serve again (a lost instance restarted
+        under its id, a hung one back); True when any was dropped."""
+        if not pick.exclude_instance_ids:
+            return False
+        usable = {i.instance_id for i in self._usable_instances(stage, lb)}
+        kept = [i for i in pick.exclude_instance_ids if i not in usable]
+        if len(kept) == len(pick.exclude_instance_ids):
+            return False
+        del pick.exclude_instance_ids[:]
+        pick.exclude_instance_ids.extend(kept)
+        return True
+
+    def _wait_for_outage(self, req: _Request, stage: str, deadline: float | None) -> bool:
+        """Sleeps one poll when `stage` is out and the request has time left; False (no sleep) otherwise."""
+        until = self.outages.wait_until(stage)
+        if until is None or (deadline is not None and time.monotonic() + OUTAGE_POLL_S >= deadline):
+            return False
+        time.sleep(OUTAGE_POLL_S)
+        if req.abort_reason is not None:
+            raise _Cancelled()
+        return True
+
+    def _await_stage(self, req: _Request, stage: str, lb, deadline: float | None) -> None:
+        """While `stage` is out (`StageOutages`), blocks until one of its instances is usable, the
+        outage window ends or the deadline is near (then the pick answers)."""
+        while self.outages.wait_until(stage) is not None and not self._usable_instances(stage, lb):
+            if not self._wait_for_outage(req, stage, deadline):
+                return
 
     def _unary(self, req: _Request, method, message, deadline: float | None, what: str):
         timeout = None if deadline is None else max(0.001, deadline - time.monotonic())
@@ -655,6 +777,7 @@ class EntrypointServer:
         self.servicer = EntrypointServicer(config, self.instance_id, model_config.vocab_size, max_model_len)
         if model_config.image_token_id is not None:
             self.servicer.image_token_id = model_config.image_token_id
+        self.servicer.model_path = str(resolve_model(config.model, config.revision))
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(
             max_workers=config.max_rpc_threads, thread_name_prefix="entrypoint-rpc"),
             interceptors=server_interceptors())  # the cluster secret (serving.auth)

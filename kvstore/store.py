@@ -44,7 +44,9 @@ class KVStore:
         self.backend = backend or make_backend(self.config)
         self.clock = clock
         self.backoff_s = backoff_s
-        self.index = StoreIndex(os.path.join(self.config.dirs[0], INDEX_NAME))
+        # NOTE: one index file per backend, so an embedded store and a Mooncake index in one directory never mix
+        name = INDEX_NAME if self.backend.name == "embedded" else f"index-{self.backend.name}.sqlite"
+        self.index = StoreIndex(os.path.join(self.config.dirs[0], name))
         self.metrics = KVStoreMetrics(self.backend.name)
         self._bytes = self.index.total_bytes()  # estimate; eviction re-reads the index
         self._ref_bytes = self.index.bytes_by_ref()  # per directory (embedded): where new blocks go

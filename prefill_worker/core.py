@@ -78,6 +78,8 @@ class PrefillDone:
     is_destination_lost: bool = False
     """The error is a failed WRITE of the KV to the decode reservation (its instance died, or the lease
     ran out): the entrypoint moves the request to another decode instance (`entrypoint.migration`)."""
+    first_token_logprobs: object | None = None
+    """The engine's `TokenLogprobs` of the first token when the request asked for logprobs."""
 
 
 @dataclass
@@ -97,6 +99,7 @@ class _Inflight:
     work: PrefillWork
     first_token_id: int | None = None
     num_cached_tokens: int = 0
+    first_token_logprobs: object | None = None
 
 
 class PrefillCore:
@@ -245,7 +248,8 @@ class PrefillCore:
             inflight = self._reqs.get(rid)
             if inflight is not None:
                 done.append(PrefillDone(rid, inflight.first_token_id, inflight.num_cached_tokens,
-                                        len(inflight.work.prompt_token_ids), self._num_bytes.pop(rid, 0)))
+                                        len(inflight.work.prompt_token_ids), self._num_bytes.pop(rid, 0),
+                                        first_token_logprobs=inflight.first_token_logprobs))
                 self._finish(rid)
         for rid, error in res.save_failed.items():
             self._num_bytes.pop(rid, None)
@@ -264,6 +268,7 @@ class PrefillCore:
                 if out.outputs[0].token_ids and inflight.first_token_id is None:
                     # the engine pinned the prompt's blocks and the connector posted the WRITE
                     inflight.first_token_id = out.outputs[0].token_ids[0]
+                    inflight.first_token_logprobs = (out.outputs[0].logprobs or [None])[0]
                     inflight.num_cached_tokens = out.num_cached_tokens
                     self._num_bytes[out.request_id] = self.connector.num_bytes_sent(out.request_id)
         return done

@@ -48,7 +48,7 @@ from deepinfer.prefill_worker.core import (
     PrefillWork,
 )
 from deepinfer.protos import common_pb2, loadbalancer_pb2, prefill_pb2, prefill_pb2_grpc
-from deepinfer.protos.convert import sampling_params_from_proto
+from deepinfer.protos.convert import sampling_params_from_proto, token_logprobs_to_proto
 from deepinfer.serving.admission import AdmissionLimit
 from deepinfer.serving.errors import Aborted, Refused, error_of
 from deepinfer.serving.loop import LoopMode, call_time_remaining
@@ -59,6 +59,10 @@ PREFILL_REFUSALS = (
     (NoRoomForEmbeddings, common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, ""),
 )
 """This stage's rows of the refusal table (`serving.errors`), checked before the shared ones."""
+
+
+TRAFFIC_CLASS_METADATA_KEY = "deepinfer-traffic-class"
+"""gRPC metadata key of a Prefill call naming the request's KV store traffic class (agent, chat, ...)."""
 
 
 @dataclasses.dataclass
@@ -208,6 +212,9 @@ class PrefillServicer(ShellServicer, prefill_pb2_grpc.PrefillServicer):
             work, metadata, layout = self._work(request)
         except (Refused, InvalidRequestError) as e:
             return _refusal(rid, e)
+        # the KV store's traffic class (TTL): PrefillRequest.kv_traffic_class (else the older call metadata)
+        work.traffic_class = (request.kv_traffic_class
+                              or dict(context.invocation_metadata() or ()).get(TRAFFIC_CLASS_METADATA_KEY) or None)
         fut: Future = Future()
         task = w.loop.post(partial(w._admit, work, metadata, layout, fut))
         task.add_done_callback(lambda t: t.exception() is None or fut.done() or fut.set_exception(t.exception()))
@@ -229,6 +236,8 @@ class PrefillServicer(ShellServicer, prefill_pb2_grpc.PrefillServicer):
             return _refusal(rid, Refused(common_pb2.ERROR_CODE_INTERNAL, done.error))
         return prefill_pb2.PrefillResponse(
             request_id=rid, first_token_id=done.first_token_id, num_kv_tokens=done.num_kv_tokens,
+            first_token_logprobs=(token_logprobs_to_proto(done.first_token_logprobs)
+                                  if done.first_token_logprobs is not None else None),
             num_cached_prompt_tokens=done.num_cached_tokens, transfer_id=work.destination.transfer_id)
 
     def _work(self, request) -> tuple[PrefillWork, bytes, bytes]:

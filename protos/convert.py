@@ -7,7 +7,7 @@ trip `from_proto(to_proto(p)) == p` holds for every valid `p`, with one exceptio
 comes back as None (the engine treats both as "no bias").
 
 `token_chunk` turns the engine's cumulative `RequestOutput` of a request into the decode stage's next
-`deepinfer.v1.TokenChunk` delta.
+`deepinfer.v1.TokenChunk` delta; `token_logprobs_to_proto` maps the engine's `TokenLogprobs` onto the wire.
 """
 
 from __future__ import annotations
@@ -101,6 +101,19 @@ FINISH_REASON_TO_PROTO = {
 """The engine's finish reasons -> wire (anything else: STOP)."""
 
 
+def token_logprobs_to_proto(lp) -> common_pb2.TokenLogprobs:
+    """The wire message of an engine `TokenLogprobs` (logprobs narrowed to float32, as the engine computes them)."""
+    return common_pb2.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+                                    top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs)
+
+
+def token_logprobs_from_proto(msg: common_pb2.TokenLogprobs):
+    """The engine's `TokenLogprobs` of a wire message."""
+    from deepinfer.engine.sampling.sampler import TokenLogprobs
+
+    return TokenLogprobs(msg.token_id, msg.logprob, msg.rank, list(msg.top_token_ids), list(msg.top_logprobs))
+
+
 def token_chunk(request_id: str, out, num_sent_tokens: int, num_sent_chars: int,
                 num_prompt_tokens: int) -> decode_pb2.TokenChunk | None:
     """The delta of an engine `RequestOutput` (cumulative, first sequence) after `num_sent_tokens` tokens
@@ -108,11 +121,20 @@ def token_chunk(request_id: str, out, num_sent_tokens: int, num_sent_chars: int,
 
     A finishing chunk carries the finish reason, the stop token or string, and the usage; an engine
     error finishes the request with FINISH_REASON_ERROR and an INTERNAL `Error`.
+
+    Logprobs (when the request asked for them): the engine has none for output tokens it did not sample
+    itself (the first token, which a decode instance imports from the prefill, `Engine.commit_kv`); those
+    are the sequence's leading tokens, so the chunk's `logprobs` then lack their first entries, and whoever
+    holds them (decode's Start: `StartRequest.first_token_logprobs`) puts them in front.
     """
     co = out.outputs[0]
     new_token_ids = co.token_ids[num_sent_tokens:]
     text = co.text[num_sent_chars:]
     chunk = decode_pb2.TokenChunk(request_id=request_id, token_ids=new_token_ids, text=text)
+    if co.logprobs:
+        num_imported = len(co.token_ids) - len(co.logprobs)  # leading tokens sampled elsewhere
+        start = max(0, num_sent_tokens - num_imported)
+        chunk.logprobs.extend(token_logprobs_to_proto(lp) for lp in co.logprobs[start:])
     if out.error:
         chunk.finish_reason = common_pb2.FINISH_REASON_ERROR
         chunk.error.CopyFrom(common_pb2.Error(code=common_pb2.ERROR_CODE_INTERNAL, message=out.error))

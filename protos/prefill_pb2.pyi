@@ -31,7 +31,7 @@ class KVDestination(_message.Message):
     def __init__(self, decode_instance_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., transfer_id: _Optional[str] = ..., lease_deadline_unix_ms: _Optional[int] = ..., agent_layout: _Optional[bytes] = ..., state_slot: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "images", "destination", "num_kv_tokens", "deadline_ms", "image_embeddings")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "images", "destination", "num_kv_tokens", "deadline_ms", "image_embeddings", "kv_traffic_class")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class PrefillRequest(_message.Message):
     NUM_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -48,20 +49,23 @@ class PrefillRequest(_message.Message):
     num_kv_tokens: int
     deadline_ms: int
     image_embeddings: _containers.RepeatedCompositeFieldContainer[_vision_pb2.ImageEmbeddings]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageRef, _Mapping]]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., num_kv_tokens: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., image_embeddings: _Optional[_Iterable[_Union[_vision_pb2.ImageEmbeddings, _Mapping]]] = ...) -> None: ...
+    kv_traffic_class: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageRef, _Mapping]]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., num_kv_tokens: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., image_embeddings: _Optional[_Iterable[_Union[_vision_pb2.ImageEmbeddings, _Mapping]]] = ..., kv_traffic_class: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "num_kv_tokens", "num_cached_prompt_tokens", "transfer_id", "error")
+    __slots__ = ("request_id", "first_token_id", "first_token_logprobs", "num_kv_tokens", "num_cached_prompt_tokens", "transfer_id", "error")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
+    first_token_logprobs: _common_pb2.TokenLogprobs
     num_kv_tokens: int
     num_cached_prompt_tokens: int
     transfer_id: str
     error: _common_pb2.Error
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., num_kv_tokens: _Optional[int] = ..., num_cached_prompt_tokens: _Optional[int] = ..., transfer_id: _Optional[str] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., num_kv_tokens: _Optional[int] = ..., num_cached_prompt_tokens: _Optional[int] = ..., transfer_id: _Optional[str] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ...) -> None: ...

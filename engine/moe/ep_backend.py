@@ -34,6 +34,7 @@ collectives.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -214,6 +215,9 @@ class ExpertParallelMoEBackend(MoEBackend):
         self.tables: RoutingTables | None = None
         self.expert_counts: torch.Tensor | None = None
         self.num_recv_rows = 0
+        self.timings = {"dispatch": 0.0, "experts": 0.0, "combine": 0.0}
+        """Host seconds in each phase since the last `reset_counts` (device time only where the collectives
+        synchronise, as gloo's do; `benchmarks/expert_parallel.py` reads them)."""
 
     def set_placement(self, placement: ExpertPlacement) -> None:
         """Adopt a new placement; takes effect at the next `prepare` (the caller runs `MoE.prepare()`)."""
@@ -235,6 +239,7 @@ class ExpertParallelMoEBackend(MoEBackend):
     def reset_counts(self) -> None:
         self.expert_counts.zero_()
         self.num_recv_rows = 0
+        self.timings = dict.fromkeys(self.timings, 0.0)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         T, k = topk_ids.shape
@@ -251,14 +256,21 @@ class ExpertParallelMoEBackend(MoEBackend):
         phys = tb.log2phy[flat_e, rep]  # [T*k]
         dest = tb.phy_rank[phys]
         order = torch.argsort(dest, stable=True)  # pairs grouped by destination rank
+        t0 = time.perf_counter()
         recv_x, recv_ids, handle = self.dispatcher.dispatch(x[order // k], dest[order], tb.phy_local[phys[order]])
+        t1 = time.perf_counter()
         self.num_recv_rows += recv_x.shape[0]
         if recv_x.shape[0]:
             ones = torch.ones(recv_x.shape[0], 1, dtype=torch.float32, device=x.device)
             recv_y = self.inner.forward(recv_x, ones, recv_ids[:, None])  # [m, H]: one expert per row, weight 1
         else:
             recv_y = recv_x
+        t2 = time.perf_counter()
         y_sent = self.dispatcher.combine(recv_y, handle)  # [T*k, H] in `order`
+        tm = self.timings
+        tm["dispatch"] += t1 - t0
+        tm["experts"] += t2 - t1
+        tm["combine"] += time.perf_counter() - t2
         if T == 0:
             return x.new_zeros(0, x.shape[1])
         y = torch.empty_like(y_sent)

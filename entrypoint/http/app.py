@@ -19,7 +19,6 @@ the answer's `id`, which its token call and every stage's log lines carry) and g
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import os
@@ -49,8 +48,10 @@ from deepinfer.entrypoint.http.conversion import (
     Prepared,
     RecipeFront,
     RecipeStream,
+    tokenizer_path,
 )
 from deepinfer.entrypoint.http.errors import ApiError, json_object
+from deepinfer.entrypoint.http.keys import KeyLimiter, find_key, parse_keys
 from deepinfer.entrypoint.http.metrics import HttpMetrics
 from deepinfer.protos import entrypoint_pb2
 from deepinfer.serving.logs import REQUEST_ID
@@ -67,6 +68,10 @@ _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 KNOWN_ROUTES = {"/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/completions", "/v1/generate",
                 "/v1/models", "/health", "/metrics", "/version", "/tokenize"}
 """Paths that get their own `endpoint` metric label (others count as "other")."""
+GENERATION_ROUTES = {"/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/completions", "/v1/generate"}
+"""POST routes that generate: they count against their API key's concurrency and rate limits."""
+SEED_HEADER = "X-DeepInfer-Seed"
+"""The seed a seeded request sampled with (choice i of n used seed + i); also echoed as `usage.seed`."""
 
 
 def _is_anthropic(path: str) -> bool:
@@ -97,8 +102,10 @@ class Front:
         model_cfg = read_config_json(model_dir)
         self.config = config
         keys = config.api_key or os.environ.get("DEEPINFER_API_KEY") or _read_key_file()
-        self.api_keys = [k.strip().encode() for k in keys.split(",") if k.strip()]
-        """Accepted API keys (any one); empty = no key needed."""
+        self.api_keys = parse_keys(keys)
+        """Accepted API keys (any one) with their policies (`keys`); empty = no key needed."""
+        self.limiter = KeyLimiter(config.key_max_concurrent_requests, config.key_requests_per_minute,
+                                  config.default_traffic_class, config.retry_after_s)
         is_repo = config.model is not None and looks_like_repo_id(config.model) and not Path(config.model).is_dir()
         self.served_model_name = config.served_model_name or (config.model.split("/")[-1] if is_repo else model_dir.name)
         self.max_model_len = config.max_model_len or min(model_cfg["max_position_embeddings"], 8192)
@@ -106,6 +113,8 @@ class Front:
         self.recipe = RecipeFront(model_dir, self.served_model_name, self.max_model_len, policy,
                                   default_thinking=config.default_thinking,
                                   thinking_sampling=config.thinking_sampling)
+        self.token_texts = completions.TokenTexts(str(tokenizer_path(model_dir)))
+        """Token id -> text, for /v1/completions logprobs."""
         self.metrics = HttpMetrics()
         self.backend: TokenBackend | None = None
         """Created on the server's event loop (lifespan)."""
@@ -282,13 +291,16 @@ async def _recipe_route(front: Front, api: str, request: Request) -> Response:
     prepared = front.recipe.prepare(api, await _read_body(request, front.config.max_body_bytes))
     _set_request_id(request, prepared.response_id)
     headers = prepared.sampling_headers()
+    seed = prepared.request.inference_options.seed
+    if seed is not None:
+        headers[SEED_HEADER] = str(seed)
     token_request = entrypoint_pb2.GenerateRequest(
         request_id=prepared.response_id, prompt_token_ids=prepared.prompt_token_ids,
         sampling_params=prepared.sampling_params(), images=prepared.images,
-        is_max_tokens_default=prepared.is_max_tokens_default)
+        is_max_tokens_default=prepared.is_max_tokens_default, kv_traffic_class=_traffic_class(front, request))
     if prepared.n > 1:
-        return Response(await _recipe_choices(front, api, prepared, request, t_accept), media_type="application/json",
-                        headers=headers)
+        answer = await _recipe_choices(front, api, prepared, request, t_accept)
+        return Response(_echo_seed(answer, seed), media_type="application/json", headers=headers)
     run, first = await _start(front, request.url.path, request, t_accept, token_request)
     events = _recipe_events(front, prepared, run, first)
     if prepared.is_stream:
@@ -298,7 +310,7 @@ async def _recipe_route(front: Front, api: str, request: Request) -> Response:
                                      first.usage.prompt_tokens, first.usage.cached_prompt_tokens)
         async for event in events:
             response.accumulate(event)
-        return Response(response.to_json(), media_type="application/json", headers=headers)
+        return Response(_echo_seed(response.to_json(), seed), media_type="application/json", headers=headers)
     finally:
         await events.aclose()
         run.close()
@@ -312,7 +324,7 @@ async def _recipe_choices(front: Front, api: str, prepared: Prepared, request: R
         token_request = entrypoint_pb2.GenerateRequest(
             request_id=f"{prepared.response_id}-{choice}", prompt_token_ids=prepared.prompt_token_ids,
             sampling_params=prepared.sampling_params(choice), images=prepared.images,
-            is_max_tokens_default=prepared.is_max_tokens_default)
+            is_max_tokens_default=prepared.is_max_tokens_default, kv_traffic_class=_traffic_class(front, request))
         run, first = await _start(front, request.url.path, request, t_accept, token_request)
         events = _recipe_events(front, prepared, run, first)
         try:
@@ -377,6 +389,21 @@ def _read_key_file() -> str:
         raise ValueError(f"cannot read the API key file {path} (DEEPINFER_API_KEY_FILE): {e.strerror}") from None
 
 
+def _traffic_class(front: Front, request: Request) -> str:
+    """The KV store traffic class of the request's API key (its `class=`, else the server default)."""
+    return front.limiter.traffic_class(request.scope.get("state", {}).get("api_key"))
+
+
+def _echo_seed(answer: str, seed: int | None) -> str:
+    """A JSON answer with `usage.seed` set to the seed its sampling used (unchanged without a seed or usage)."""
+    if seed is None:
+        return answer
+    body = json.loads(answer)
+    if isinstance(body.get("usage"), dict):
+        body["usage"]["seed"] = seed
+    return json.dumps(body)
+
+
 def _set_request_id(request: Request, request_id: str) -> None:
     """Name the request by the id its token call carries (log lines from here on, the X-Request-Id
     header unless the client sent its own)."""
@@ -413,15 +440,27 @@ class _Guard:
                                                   (REQUEST_ID_HEADER.encode(), echoed.encode())]}
             await send(message)
 
+        admitted: str | None = None
         try:
-            error = self._refusal(path, headers)
+            error = self._refusal(path, headers, state)
+            if error is None and scope["method"] == "POST" and path in GENERATION_ROUTES:
+                try:
+                    admitted = self.front.limiter.admit(state.get("api_key"))
+                except ApiError as e:
+                    error = e
             if error is not None:
+                self.front.metrics.errors.labels(error.code or "none", str(error.status)).inc()
                 await _error_response(path, error)(scope, receive, send_and_record)
                 return
             await self.app(scope, receive, send_and_record)
         finally:
+            if admitted is not None:
+                self.front.limiter.release(admitted)
             endpoint = path if path in KNOWN_ROUTES else "other"
             self.front.metrics.requests.labels(endpoint, str(status[0])).inc()
+            key = state.get("api_key")
+            if scope["method"] == "POST" and path in GENERATION_ROUTES:
+                self.front.metrics.key_requests.labels(key.name if key is not None else "none", str(status[0])).inc()
             if self.front.config.access_log:
                 self._log_access(scope, status[0], time.monotonic() - t0, state["request_id"], client_id)
             REQUEST_ID.reset(token)
@@ -436,7 +475,7 @@ class _Guard:
                            duration_s * 1000, fields["client"], client_id or "-",
                            extra={"request_id": request_id, "fields": fields})
 
-    def _refusal(self, path: str, headers: dict[bytes, bytes]) -> ApiError | None:
+    def _refusal(self, path: str, headers: dict[bytes, bytes], state: dict) -> ApiError | None:
         keys = self.front.api_keys
         if keys and path != "/health":
             given = headers.get(b"x-api-key", b"").decode("latin-1")
@@ -446,10 +485,10 @@ class _Guard:
             if not given:
                 return ApiError(401, "missing API key: send `Authorization: Bearer KEY` or `x-api-key: KEY`",
                                 code="invalid_api_key")
-            # NOTE: every key is compared (no early exit), so the time taken does not tell which matched
-            matches = [hmac.compare_digest(given.encode("latin-1"), key) for key in keys]
-            if not any(matches):
+            key = find_key(keys, given)  # NOTE: compares every key (no early exit)
+            if key is None:
                 return ApiError(401, "invalid API key", code="invalid_api_key")
+            state["api_key"] = key
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.front.config.max_body_bytes:
             return ApiError(413, f"the request body is larger than {self.front.config.max_body_bytes} bytes",
@@ -478,6 +517,7 @@ def create_app(config: HttpConfig) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
+        front.metrics.errors.labels(e.code or "none", str(e.status)).inc()
         return _error_response(request.url.path, e)
 
     @app.exception_handler(StarletteHTTPException)
@@ -523,14 +563,21 @@ def create_app(config: HttpConfig) -> FastAPI:
         _set_request_id(request, rid)
         prompt_ids = body.prompt_token_ids(front.recipe.tokenizer)
         if body.n > 1:
-            return JSONResponse(await _completion_choices(front, body, rid, prompt_ids, request, t_accept))
+            answer = await _completion_choices(front, body, rid, prompt_ids, request, t_accept)
+            if body.seed is not None:
+                answer["usage"]["seed"] = body.seed
+            return JSONResponse(answer, headers={SEED_HEADER: str(body.seed)} if body.seed is not None else None)
         token_request = entrypoint_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt_ids,
-                                                       sampling_params=body.sampling_params())
+                                                       sampling_params=body.sampling_params(),
+                                                       kv_traffic_class=_traffic_class(front, request))
         run, first = await _start(front, request.url.path, request, t_accept, token_request)
-        builder = completions.CompletionBuilder(rid, body.model, body.include_usage)
+        builder = completions.CompletionBuilder(rid, body.model, body.include_usage,
+                                                front.token_texts if body.logprobs is not None else None)
+        builder.seed = body.seed
+        headers = {SEED_HEADER: str(body.seed)} if body.seed is not None else None
         if body.stream:
-            return _EventStream(_token_sse(builder, run, first), run)
-        return await _token_json(builder, run, first)
+            return _EventStream(_token_sse(builder, run, first), run, headers)
+        return await _token_json(builder, run, first, headers)
 
     @app.post("/v1/generate")
     async def generate(request: Request):
@@ -540,13 +587,17 @@ def create_app(config: HttpConfig) -> FastAPI:
             front.recipe.check_model(body.model)
         rid = body.request_id or f"gen-{uuid.uuid4().hex}"
         _set_request_id(request, rid)
+        sampling_params = completions.generate_sampling_params(body)
         token_request = entrypoint_pb2.GenerateRequest(request_id=rid, prompt_token_ids=body.token_ids,
-                                                       sampling_params=completions.generate_sampling_params(body))
+                                                       sampling_params=sampling_params,
+                                                       kv_traffic_class=_traffic_class(front, request))
         run, first = await _start(front, request.url.path, request, t_accept, token_request)
         builder = completions.GenerateBuilder(rid, body.model or front.served_model_name)
+        builder.seed = sampling_params.seed if sampling_params.HasField("seed") else None
+        headers = {SEED_HEADER: str(builder.seed)} if builder.seed is not None else None
         if body.stream:
-            return _EventStream(_token_sse(builder, run, first), run)
-        return await _token_json(builder, run, first)
+            return _EventStream(_token_sse(builder, run, first), run, headers)
+        return await _token_json(builder, run, first, headers)
 
     @app.get("/v1/models")
     async def models():
@@ -590,6 +641,7 @@ def create_app(config: HttpConfig) -> FastAPI:
     async def metrics():
         is_healthy, _, stats = await front.backend.health()
         front.metrics.set_cluster(is_healthy, stats)
+        front.metrics.update_hit_rate()
         lb_addresses = {stage: address for stage, address in (("vision", config.vision_lb_address),
                                                                ("prefill", config.prefill_lb_address),
                                                                ("decode", config.decode_lb_address)) if address}
@@ -623,9 +675,11 @@ async def _completion_choices(front: Front, body, rid: str, prompt_ids: list[int
 
     async def one(choice: int) -> dict:
         token_request = entrypoint_pb2.GenerateRequest(request_id=f"{rid}-{choice}", prompt_token_ids=prompt_ids,
-                                                       sampling_params=body.sampling_params(choice))
+                                                       sampling_params=body.sampling_params(choice),
+                                                       kv_traffic_class=_traffic_class(front, request))
         run, first = await _start(front, request.url.path, request, t_accept, token_request)
-        builder = completions.CompletionBuilder(rid, body.model, False)
+        builder = completions.CompletionBuilder(rid, body.model, False,
+                                                front.token_texts if body.logprobs is not None else None)
         try:
             async for msg in _token_messages(run, first):
                 builder.add(msg)
@@ -657,11 +711,12 @@ async def _token_messages(run: _Run, first: entrypoint_pb2.GenerateResponse):
     raise ApiError(500, f"internal error (request {run.call.request_id})", code="internal_error")
 
 
-async def _token_json(builder, run: _Run, first: entrypoint_pb2.GenerateResponse) -> Response:
+async def _token_json(builder, run: _Run, first: entrypoint_pb2.GenerateResponse,
+                      headers: dict[str, str] | None = None) -> Response:
     try:
         async for msg in _token_messages(run, first):
             builder.add(msg)
-        return JSONResponse(builder.response())
+        return JSONResponse(builder.response(), headers=headers)
     finally:
         run.close()
 

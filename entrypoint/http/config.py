@@ -29,8 +29,17 @@ class HttpConfig(BaseModel):
     official API names (DeepSeek-V4-Pro, DeepSeek-V4.1-Flash) are accepted as aliases of it."""
     api_key: str | None = None
     """Key every route but /health requires (`Authorization: Bearer KEY` or `x-api-key: KEY`); several keys
-    comma-separated (any one is accepted); None = the DEEPINFER_API_KEY environment variable, else the file
-    named by DEEPINFER_API_KEY_FILE; neither = no key."""
+    comma-separated (any one is accepted), each optionally with its policy `KEY;name=N;class=agent|chat;
+    max_concurrent=C;rpm=R` (`entrypoint.http.keys`); None = the DEEPINFER_API_KEY environment variable,
+    else the file named by DEEPINFER_API_KEY_FILE; neither = no key."""
+    key_max_concurrent_requests: int = Field(0, ge=0)
+    """Generation requests one API key may have in flight (a key's `max_concurrent` overrides it); more get
+    429 with Retry-After. 0 = no per-key limit."""
+    key_requests_per_minute: float = Field(0.0, ge=0)
+    """Generation requests per minute one API key may send (a key's `rpm` overrides it); more get 429 with
+    Retry-After. 0 = no per-key limit."""
+    default_traffic_class: Literal["", "agent", "chat"] = ""
+    """KV store traffic class of requests whose key names none (`class=`); "" = the store's default."""
     max_model_len: int | None = Field(None, gt=1)
     """Context length of prompt + output; None = min(max_position_embeddings, 8192), as the entrypoint."""
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)

@@ -171,6 +171,8 @@ class Prepared:
             params.repetition_penalty = extras.repetition_penalty
         if self.structured_output is not None:
             params.structured_output.CopyFrom(self.structured_output)
+        if options.logprobs:  # the engine's count of alternatives; recipe checked it is in [0, 20]
+            params.logprobs = options.top_logprobs or 0
         return params
 
     def processor(self, tokenizer: recipe.Tokenizer) -> recipe.StreamProcessor:
@@ -208,9 +210,15 @@ class RecipeStream:
         # for EOS) or one of stop_token_ids (reported as stop_token_id), the delta's last token
         is_stop_token = (msg.finish_reason == common_pb2.FINISH_REASON_STOP and bool(token_ids)
                          and msg.WhichOneof("stop_reason") != "stop_str")
+        logprobs = _recipe_logprobs(msg.logprobs) if msg.logprobs else None
         if is_stop_token:
             token_ids.pop()
-        events = self.processor.push(recipe.InferenceChunk.tokens(token_ids)) if token_ids else []
+            if logprobs is not None:
+                logprobs = logprobs[:len(token_ids)]
+        if logprobs is not None and len(logprobs) != len(token_ids):
+            raise ApiError(500, f"the token stream carried {len(logprobs)} logprobs for {len(token_ids)} tokens",
+                           code="internal_error")
+        events = self.processor.push(recipe.InferenceChunk.tokens(token_ids, logprobs)) if token_ids else []
         if self.processor.finished:
             self.is_done = True
             return events
@@ -230,6 +238,12 @@ class RecipeStream:
         """Release recipe's state of a stream that did not finish (no-op otherwise)."""
         if not self.processor.finished:
             self.processor.close()
+
+
+def _recipe_logprobs(logprobs) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Wire `TokenLogprobs` -> recipe's `(logprob, [(token_id, logprob), ...])` per token, which recipe
+    renders in the API's own shape (chat's `logprobs.content`, Responses' `output_text` logprobs)."""
+    return [(lp.logprob, list(zip(lp.top_token_ids, lp.top_logprobs))) for lp in logprobs]
 
 
 TEMPLATE_ENCODING = "template"
@@ -318,8 +332,6 @@ class RecipeFront:
         elif api == MESSAGES and converted.conversation.thinking_mode and _forced_tool_name(
                 api, parsed.get("tool_choice")) is not None:  # recipe turns `any` into `auto` there
             required_tool = _forced_tool_name(api, parsed.get("tool_choice"))
-        if converted.inference_options.logprobs or converted.inference_options.top_logprobs:
-            raise invalid("logprobs are not served yet; leave logprobs / top_logprobs unset", param="logprobs")
         if self.is_template:
             _check_template_request(converted, has_images=bool(image_urls(parsed)))
         try:

@@ -1,6 +1,7 @@
 """Prometheus metrics of the HTTP front (`GET /metrics`), in a registry of their own per app.
 
-Requests by endpoint and status, time to first token, inter-token latency, tokens in and out,
+Requests by endpoint and status, errors by cause (`code`), generation requests per API key name,
+the prefix-cache hit rate, time to first token, inter-token latency, tokens in and out,
 cached prompt tokens, requests in flight here, and, gathered at scrape time, the cluster's view from
 the entrypoint's Health (requests in flight there, healthy instances per stage) and, when the
 balancer addresses are configured, each stage instance's stats (`deepinfer_stage_*{stage,instance}`:
@@ -15,6 +16,7 @@ STAGE_STATS = {
     "num_kv_blocks_used": "KV cache blocks in use on the instance",
     "num_kv_blocks_total": "KV cache blocks of the instance",
     "num_running_requests": "Requests running on the instance",
+    "num_preemptions_total": "Requests the instance's scheduler preempted (recomputed later), since it started",
     "num_unfinished_requests": "Requests not finished on the instance",
     "kv_transfer_sent_bytes_total": "KV bytes the instance sent (NIXL), since it started",
     "kv_transfer_received_bytes_total": "KV bytes the instance received (NIXL), since it started",
@@ -62,6 +64,13 @@ class HttpMetrics:
                               registry=r)
         self.rejected = Counter("deepinfer_http_rejected_requests", "Requests refused because the server was full",
                                 registry=r)
+        self.errors = Counter("deepinfer_http_errors", "Error answers by cause (the error's code) and status",
+                              ["code", "status"], registry=r)
+        self.key_requests = Counter("deepinfer_http_key_requests",
+                                    "Generation requests by API key name (a configured name or a hash, never the key)"
+                                    " and status", ["key", "status"], registry=r)
+        self.prefix_cache_hit_rate = Gauge("deepinfer_http_prefix_cache_hit_rate",
+                                           "Cached / all prompt tokens of the requests finished so far", registry=r)
         self.cluster_inflight = Gauge("deepinfer_entrypoint_requests_in_flight",
                                       "Requests in flight at the token-level entrypoint (its Health)", registry=r)
         self.cluster_instances = Gauge("deepinfer_entrypoint_healthy_instances",
@@ -72,6 +81,13 @@ class HttpMetrics:
 
         self.stage = {name: Gauge(f"deepinfer_stage_{name}", help_, ["stage", "instance"], registry=r)
                       for name, help_ in STAGE_STATS.items()}
+
+    def update_hit_rate(self) -> None:
+        """Recompute the prefix-cache hit rate from the token counters (all endpoints)."""
+        prompt = sum(s.value for m in self.prompt_tokens.collect() for s in m.samples if s.name.endswith("_total"))
+        cached = sum(s.value for m in self.cached_prompt_tokens.collect() for s in m.samples
+                     if s.name.endswith("_total"))
+        self.prefix_cache_hit_rate.set(cached / prompt if prompt else 0.0)
 
     def set_stages(self, stats_by_instance: dict[tuple[str, str], dict]) -> None:
         """Replace the per-instance gauges with `{(stage, instance_id): Health stats}`."""

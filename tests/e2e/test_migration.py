@@ -6,8 +6,12 @@ instances, both balancers and the entrypoint, each a `python -m ...` process.
   the offline engine's tokens; after SIGCONT the instance is fenced (its stale streams dropped, its
   blocks freed), rejoins its balancer and serves correct outputs again.
 - SIGKILL of a decode instance while 16 streams run: every stream completes with the offline engine's
-  tokens (greedy and seeded sampling), no duplicated or missing token, usage counts the client's
-  prompt and every token it received, and no KV block stays held on the survivors.
+  tokens (greedy, seeded top-k and seeded temperature-1 sampling), no duplicated or missing token,
+  usage counts the client's prompt and every token it received, and no KV block stays held on the
+  survivors.
+- SIGKILL of the only prefill instance with requests queued on it, restarted seconds later: the
+  decode reservations the dead prefill was to write into are released at once (not when their lease
+  ends), the queued requests wait for the restarted instance and complete with the offline tokens.
 """
 
 from __future__ import annotations
@@ -117,9 +121,12 @@ def _prompts_and_params(n: int, seed: int, max_tokens: int):
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(2, 512, (int(torch.randint(5, 90, (1,), generator=g)),), generator=g).tolist()
                for _ in range(n)]
-    kwargs = [dict(temperature=0.0, max_tokens=max_tokens, ignore_eos=True) if i % 2 == 0 else
-              dict(temperature=0.9, top_k=40, seed=100 + i, max_tokens=max_tokens, ignore_eos=True,
-                   repetition_penalty=1.1) for i in range(n)]
+    # greedy, seeded with top-k and a repetition penalty, and seeded plain temperature-1 sampling (issue 23)
+    kinds = (dict(temperature=0.0),
+             dict(temperature=0.9, top_k=40, repetition_penalty=1.1),
+             dict(temperature=1.0))
+    kwargs = [dict(kinds[i % 3], max_tokens=max_tokens, ignore_eos=True, **({"seed": 100 + i} if i % 3 else {}))
+              for i in range(n)]
     return prompts, kwargs
 
 
@@ -212,3 +219,33 @@ def test_killed_decode_streams_continue_on_another_instance(cluster):
     _check(results, prompts, ref)
     survivor = next(n for n in DECODES if n != victim)
     _wait_for("no KV block stranded on the survivors", lambda: _drained(cluster, (survivor, "prefill")))
+
+
+def test_queued_requests_wait_for_a_restarted_prefill(cluster):
+    """Last: kills and restarts the only prefill instance (under the same id, on a new port)."""
+    prompts, kwargs = _prompts_and_params(12, seed=4, max_tokens=8)
+    ref = _offline(cluster.checkpoint, prompts, kwargs)
+    prefill = cluster.processes.procs["prefill"]
+    prefill.send_signal(signal.SIGSTOP)  # the requests queue on it (its balancer's heartbeat timeout is 30 s)
+    streams = _Streams(cluster.client, prompts, kwargs)
+    live_decodes = [n for n in DECODES if cluster.processes.procs[n].poll() is None]
+    _wait_for("every request reserved on decode", lambda: sum(
+        cluster.stats(n)["num_streams"] for n in live_decodes) == len(prompts))
+    prefill.kill()
+    prefill.wait()
+    killed_at = time.monotonic()
+    # the entrypoint finds the prefill gone (its port refuses) and has decode free the reservations now
+    _wait_for("the dead prefill's reservations released", lambda: _drained(cluster, live_decodes), timeout_s=10)
+    released_s = time.monotonic() - killed_at
+    assert released_s < 10, released_s  # the lease is 30 s
+    assert sum(streams.num_tokens) == 0
+    time.sleep(max(0.0, 5.0 - released_s))  # down ~5 s, then back under its id (the launcher's restart)
+    cluster.processes.info.pop("prefill")
+    cluster._channels.pop("prefill", None)
+    args = ["prefill_worker", "--lb-address", cluster.processes.info["prefill_lb"]["address"],
+            "--instance-id", "prefill-0", "--model", cluster.checkpoint, "--loopback-ucx", "--max-num-seqs", "16",
+            "--num-blocks", "256"]
+    cluster.processes.spawn("prefill", args)
+    cluster.processes.wait_ready(STARTUP_TIMEOUT_S)
+    _check(streams.results(), prompts, ref)
+    _wait_for("no KV block held after the restart", lambda: _drained(cluster, (*live_decodes, "prefill")))

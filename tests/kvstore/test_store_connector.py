@@ -70,6 +70,10 @@ def test_store_hit_equals_cold_run(ckpt, cold, tmp_path):
     assert computed == (len(PROMPT) - 4 * 64) + eng_b.replay_tokens + len(cold) - 1
     assert out_b.num_cached_tokens == 4 * 64
     assert conn_b.store.stats()["hit_rate"]["chat"] == 1.0
+    # the loaded blocks joined B's prefix cache: the next request hits locally
+    again_b = run(eng_b, PROMPT)
+    assert conn_b.pop_loaded_tokens(again_b.request_id) == 0 and again_b.num_cached_tokens == 4 * 64
+    assert again_b.outputs[0].token_ids == cold
     conn_b.store.close()
 
 

@@ -8,15 +8,18 @@ One spawn of 2 ranks runs every case (process start-up dominates the time on sma
 from __future__ import annotations
 
 import traceback
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from deepinfer.engine.config import ModelConfig
+from deepinfer.engine.distributed.expert_parallel import apply_rebalance
 from deepinfer.engine.distributed.group import GroupAddress, free_port, join_group, leave_group
 from deepinfer.engine.models.deepseek_v4 import MoE
 from deepinfer.engine.moe.ep_backend import AllToAllDispatcher, ExpertParallelMoEBackend, ExpertPlacement
+from deepinfer.engine.moe.eplb import imbalance
 from deepinfer.engine.quant.linear import Fp4Linear, Fp8Linear
 from deepinfer.engine.testing.presets import PRESETS
 
@@ -68,11 +71,33 @@ def _run_case(rank: int, inner: str, weights: str, redundant: int, is_hash: bool
     return ref[sl], out, moe.backend.num_recv_rows, moe.backend.expert_counts.tolist()
 
 
+def _skewed_eplb(rank: int):
+    """Expert 3 in every token (a hot expert held by one rank), the second expert uniform over the rest: the
+    rows each rank computes before and after one EPLB re-placement (2 redundant slots), and both outputs."""
+    moe = _moe("torch", "float", False)
+    moe.backend = ExpertParallelMoEBackend(moe.backend, AllToAllDispatcher(), ExpertPlacement.contiguous(6, WORLD, 2))
+    moe.prepare()
+    g = torch.Generator().manual_seed(10 + rank)
+    T = 64
+    x = torch.randn(T, 64, generator=g)
+    other = torch.tensor([0, 1, 2, 4, 5])[torch.randint(0, 5, (T,), generator=g)]
+    ids = torch.stack([torch.full((T,), 3), other], 1)
+    w = torch.full((T, 2), 0.75)
+    before_out = moe.backend(x, w, ids)
+    before = moe.backend.num_recv_rows
+    model = SimpleNamespace(model=SimpleNamespace(layers=[SimpleNamespace(ffn=moe)]))
+    (placement,) = apply_rebalance(model, [moe.backend])
+    after_out = moe.backend(x, w, ids)
+    return before, moe.backend.num_recv_rows, before_out, after_out, placement.phy2log
+
+
 def _rank(rank: int, port: int, q) -> None:
     torch.set_num_threads(1)
     try:
         join_group(GroupAddress("127.0.0.1", port, WORLD, timeout_s=120), rank)
-        q.put((rank, {name: _run_case(rank, *case) for name, case in CASES.items()}))
+        res = {name: _run_case(rank, *case) for name, case in CASES.items()}
+        res["skewed_eplb"] = _skewed_eplb(rank)
+        q.put((rank, res))
     except BaseException:
         q.put((rank, traceback.format_exc()))
     finally:
@@ -120,3 +145,15 @@ def test_redundant_replicas_split_an_experts_rows_and_agree(results):
     for rank in range(WORLD):
         ref, out, _, _ = results[rank]["redundant"]
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_eplb_on_a_skewed_workload_lowers_the_measured_imbalance_and_keeps_outputs(results):
+    """A hot expert on one rank: EPLB replicates it and re-packs the slots; the rows each rank computes
+    (measured, max / mean) drop to near balance, both ranks agree on the placement, outputs are unchanged."""
+    before = imbalance([results[r]["skewed_eplb"][0] for r in range(WORLD)])
+    after = imbalance([results[r]["skewed_eplb"][1] - results[r]["skewed_eplb"][0] for r in range(WORLD)])
+    assert results[0]["skewed_eplb"][4] == results[1]["skewed_eplb"][4]
+    assert results[0]["skewed_eplb"][4].count(3) >= 2  # the hot expert got replicas
+    assert before > 1.3 and after <= 1.10, (before, after)
+    for r in range(WORLD):
+        torch.testing.assert_close(results[r]["skewed_eplb"][3], results[r]["skewed_eplb"][2], rtol=1e-5, atol=1e-6)

@@ -122,7 +122,8 @@ def test_repetition_penalty_is_honoured(client):
     ({"seed": 2 ** 63}, "seed"),
     ({"n": 2, "stream": True}, "n"),
     ({"n": 17}, "n"),
-    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": 2}, "logprobs"),
 ])
 def test_fields_it_cannot_honour_are_400s_naming_them(client, body, param):
     n = len(client.backend.requests)

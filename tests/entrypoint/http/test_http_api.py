@@ -285,7 +285,7 @@ def test_bad_input_battery(http, cluster, oai, model_name):
     # n > 1 is served without streaming (test_front_contract.py); streamed or past 16 it is refused
     assert _openai_error(http.post(chat, json={**ok, "n": 2, "stream": True}), 400)["param"] == "n"
     assert _openai_error(http.post(chat, json={**ok, "n": 17}), 400)["param"] == "n"
-    assert _openai_error(http.post(chat, json={**ok, "logprobs": True}), 400)["param"] == "logprobs"
+    assert "top_logprobs" in _openai_error(http.post(chat, json={**ok, "logprobs": True, "top_logprobs": 21}), 400)["message"]
     _openai_error(http.post(chat, json={**ok, "tools": [{"type": "function"}]}), 400)
     _openai_error(http.post(chat, json={**ok, "tools": [{"type": "function", "function": {"parameters": {}}}]}), 400)
     image = {"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {
