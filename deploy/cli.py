@@ -303,7 +303,8 @@ def _config_from_args(args, parser):
         data["decode"]["worker"] = {**data["decode"]["worker"], **{k: v for k, v in spec.items() if v is not None}}
     thinking = None if args.default_thinking is None else args.default_thinking == "on"
     front = {k: v for k, v in (("served_model_name", args.served_model_name), ("max_model_len", args.max_model_len),
-                               ("log_level", args.log_level), ("default_thinking", thinking))
+                               ("log_level", args.log_level), ("log_format", getattr(args, "log_format", None)),
+                               ("default_thinking", thinking))
              if v is not None}
     if front:
         data["http"]["settings"] = {**data["http"]["settings"], **front}
@@ -407,6 +408,18 @@ def _role_secrets(config, secret: str, is_local: bool) -> dict:
     return {"secret": None if SECRET_FILE_ENV in env else secret, "role_env": env}
 
 
+def _log_env(args) -> dict[str, str]:
+    """`--log-level` / `--log-format` for every role, as the environment `serving.logs` reads."""
+    from deepinfer.serving.logs import FORMAT_ENV, LEVEL_ENV
+
+    env = {}
+    if getattr(args, "log_level", None):
+        env[LEVEL_ENV] = args.log_level
+    if getattr(args, "log_format", None):
+        env[FORMAT_ENV] = args.log_format
+    return env
+
+
 def _wait_healthy(addresses: dict, secret: str, expect_healthy: bool, timeout_s: float = 120.0) -> str | None:
     """Blocks until the entrypoint answers Health, healthy when `expect_healthy` (every stage has an
     instance: each serves), and the HTTP front answers /health; returns what did not, or None."""
@@ -496,7 +509,9 @@ def _cmd_up(args, parser) -> int:
         print(f"# starting cluster {config.name!r}: Ray, balancers, {stages} (loading weights), entrypoint"
               + (", HTTP front" if config.http.enabled else ""), file=sys.stderr, flush=True)
         started_ray = connect_ray(args.address, num_cpus=num_cpus, resources=args.resources)
-        controller = start_cluster(config, **_role_secrets(config, secret, is_local))
+        roles = _role_secrets(config, secret, is_local)
+        roles["role_env"].update(_log_env(args))
+        controller = start_cluster(config, **roles)
         addresses = ray.get(controller.up.remote())
         print("# every role serves; waiting for health checks", file=sys.stderr, flush=True)
         why = _wait_healthy(addresses, secret, expect_healthy=all(n > 0 for n in config.num_instances().values()))
@@ -675,7 +690,9 @@ def _add_up_args(p: argparse.ArgumentParser, *, is_serve: bool) -> None:
     p.add_argument("--default-thinking", choices=["on", "off"], default=None,
                    help="thinking mode of chat requests that name none (default on, as DeepSeek's API)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None,
-                   help="log level of the HTTP front")
+                   help="log level of every process (HTTP front, entrypoint, balancers, workers)")
+    p.add_argument("--log-format", choices=["text", "json"], default=None,
+                   help="log lines as text or one JSON object each (every process; request ids on both)")
     p.add_argument("--no-http", action="store_true", help="no HTTP front (the token entrypoint only)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant numerics on every prefill and decode worker (bit-identical outputs whatever "

@@ -8,21 +8,23 @@ logs go to stderr. SIGTERM / SIGINT stop it.
 from __future__ import annotations
 
 import json
-import logging
 import signal
 import sys
 import threading
 
 from deepinfer.entrypoint.config import EntrypointConfig
 from deepinfer.serving.config_cli import config_from_args, make_parser
+from deepinfer.serving.logs import LOGGING_HELP, configure_logging, logging_args
 
 
 def main(argv: list[str] | None = None) -> int:
+    level, fmt, argv = logging_args(argv)
     parser = make_parser(EntrypointConfig, "python -m deepinfer.entrypoint", "Run the token-level entrypoint.")
+    parser.epilog = LOGGING_HELP
     config = config_from_args(EntrypointConfig, parser, argv)
     if not config.prefill_lb_address or not config.decode_lb_address:
         parser.error("give --prefill-lb-address and --decode-lb-address")
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(level, fmt)
     from deepinfer.entrypoint.server import serve_entrypoint
 
     server = serve_entrypoint(config)

@@ -21,22 +21,33 @@ on with no duplicated and no missing token:
   afterwards the failure is reported with its cause (`not_migratable_reason`).
 
 What counts as lost (`is_lost`): the decode stream broke with UNAVAILABLE (the process died, its
-connection reset), a `DecodeLiveness` check found the instance gone (missed heartbeats at the decode
-balancer and no answer to a direct Health probe: SIGSTOP, a stuck kernel), or a stage call failed
-with UNAVAILABLE before any token (a prefill instance died mid-call, no instance serves the stage
-for a moment: the retry waits `RETRY_BACKOFF_S` and picks again, bounded by the limit and the
-request's deadline). Each migration costs one of `--migration-limit` (default 3) tries.
+connection reset), a `StageLiveness` check found the decode or prefill instance serving the request
+gone (missed heartbeats at its balancer and no answer to a direct Health probe: SIGSTOP, a stuck
+kernel), or a stage call failed with UNAVAILABLE before any token (a prefill instance died mid-call,
+no instance serves the stage for a moment: the retry waits `RETRY_BACKOFF_S` and picks again,
+bounded by the limit and the request's deadline). Each migration costs one of `--migration-limit`
+(default 3) tries.
+
+Queued work survives a restart (`StageOutages`): once a stage lost an instance, requests that find
+no usable instance of it (none listed, or only lost ones that do not answer a Health probe yet) wait
+for one, bounded by their deadline and `--outage-wait-s`, before reserving anything on decode; a
+restarted instance (same id, new port) is used as soon as it answers. Waiting costs no migration.
 
 Before a retry the attempt's stages are aborted: a reachable instance synchronously (so a retry on
 the same instance finds the request id free; a decode instance quarantines the aborted reservation's
 blocks until its lease ends, so a late WRITE of the lost prefill cannot land in blocks reused by
-others), the lost one in a daemon thread (it may never answer). A hung decode instance that comes
+others), the lost one in a daemon thread (it may never answer). When the lost prefill's process is
+certainly gone (its port refuses connections, `is_process_gone`), no WRITE of it can land: the abort
+says so (`WRITER_GONE_REASON`) and decode frees the reservation at once instead of at lease end. A hung decode instance that comes
 back is *fenced*: the entrypoint cancelled its Start stream, so on SIGCONT its gRPC server sees the
 cancellation and aborts the request there (its blocks are freed, its stale stream goes nowhere), and
 it re-registers with its balancer on its next heartbeat (`serving.membership`), rejoining clean.
 
 Usage stays right: `prompt_tokens` is the client's prompt, `completion_tokens` every token the
-client received, `cached_prompt_tokens` the first prefill's prefix-cache hit.
+client received, `cached_prompt_tokens` the first prefill's prefix-cache hit. Text stays right
+(`TextAcrossMigration`): what a lost decode held back (a possible stop-string start, a split UTF-8
+character) is recomputed with the tokenizer and sent, and stop strings spanning the migration point
+are found here.
 """
 
 from __future__ import annotations
@@ -49,7 +60,8 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from deepinfer.engine.sampling.stop import check_stop_strings, stop_hold_back_len
-from deepinfer.protos import common_pb2, entrypoint_pb2, loadbalancer_pb2
+from deepinfer.protos import common_pb2, entrypoint_pb2, loadbalancer_pb2, prefill_pb2_grpc
+from deepinfer.serving.auth import secure_channel
 
 logger = logging.getLogger("entrypoint.migration")
 
@@ -139,22 +151,26 @@ class TextAcrossMigration:
     A decode instance streams a token's text only once it cannot be the start of a stop string (and
     not while it ends mid UTF-8 character), so when it is lost some tokens the client received may
     have text it never sent; and a continuation's decode sees the streamed tokens as prompt, so it
-    would miss a stop string that starts before the migration point. So after a migration the text
-    is recomputed here (`detokenize(prompt, generated)`, the engine's incremental detokenizer over
-    the same tokens) and the part the client lacks is held here; with stop strings, the continuation
-    is sent without them and this object applies them (as the engine's `StopChecker` does: once more
-    than `min_tokens` tokens were generated, text cut before the stop, or after it with
-    `include_stop_str_in_output`, trailing text that may start a stop string held back).
-    Without `detokenize` (no tokenizer at the entrypoint) it passes text through unchanged.
+    would miss a stop string that starts before the migration point, and its text for the new tokens
+    may differ from an uninterrupted run's where the migration point splits a character. So after
+    the first migration the text is made here, as the engine makes it (`new_detokenizer(prompt,
+    skip_special_tokens)`: the engine's `IncrementalDetokenizer` over the client's prompt, fed token
+    by token): the part of the received tokens' text the client lacks is sent with the next
+    response, the continuation's own text is replaced, and the stop strings are applied here (the
+    continuation goes without them) as the engine's `StopChecker` does: once more than `min_tokens`
+    tokens were generated, text cut before the stop (after it with `include_stop_str_in_output`), an
+    EOS / stop token's text dropped unless included, trailing text that may start a stop string held
+    back. Without `new_detokenizer` (no tokenizer at the entrypoint) text passes through unchanged.
     """
 
-    def __init__(self, sampling: common_pb2.SamplingParams,
-                 detokenize: Callable[[list[int], list[int], bool], str] | None) -> None:
+    def __init__(self, sampling: common_pb2.SamplingParams, new_detokenizer: Callable | None) -> None:
         self.stops = list(sampling.stop)
         self.include_stop = sampling.include_stop_str_in_output
         self.min_tokens = sampling.min_tokens
         self.skip_special_tokens = sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True
-        self.detokenize = detokenize
+        self.new_detokenizer = new_detokenizer
+        self.detokenizer = None
+        """The entrypoint's detokenizer of the output, from the first migration on."""
         self.sent = ""
         """Text the client received."""
         self.pending = ""
@@ -164,31 +180,45 @@ class TextAcrossMigration:
 
     def on_migrate(self, prompt: list[int], generated: list[int], current: entrypoint_pb2.GenerateRequest) -> None:
         """Before `current` (the continuation after `generated`) is sent: recover the held-back text and
-        take the stop strings over."""
-        if self.detokenize is None:
+        take the text and the stop strings over."""
+        if self.new_detokenizer is None:
             return
-        if generated:
+        if self.detokenizer is None:
             try:
-                full = self.detokenize(prompt, generated, self.skip_special_tokens)
+                detokenizer = self.new_detokenizer(prompt, self.skip_special_tokens)
+                full = "".join(detokenizer.append([t]) for t in generated)
             except Exception as e:  # text recovery is best effort: the tokens are what matters
                 logger.warning("cannot recompute the streamed text after a migration: %s", e)
-                full = None
-            if full is not None and full.startswith(self.sent):
-                self.pending = full[len(self.sent):]
+                return
+            if not full.startswith(self.sent):
+                logger.warning("the streamed text is not the tokens' text; the continuation's text is passed on")
+                return
+            self.detokenizer, self.pending = detokenizer, full[len(self.sent):]
         if self.stops:
             self.is_checking_stops = True
             del current.sampling_params.stop[:]
 
     def on_response(self, response: entrypoint_pb2.GenerateResponse, num_generated: int) -> bool:
-        """Rewrite `response.text` for the client; True when a stop string ended the request here
-        (`response` is then the stream's last: finish_reason STOP, stop_str set)."""
-        if not self.pending and not self.is_checking_stops:
+        """Rewrite `response` for the client (`num_generated`: tokens before it); True when a stop string
+        ended the request here (`response` is then the stream's last: its tokens up to the one that
+        completed the stop, finish_reason STOP, stop_str set)."""
+        if self.detokenizer is None:
             self.sent += response.text
             return False
-        unsent = self.pending + response.text
-        if self.is_checking_stops and unsent and num_generated > self.min_tokens:
-            stop, cut = check_stop_strings(self.sent + unsent, len(unsent), self.stops, self.include_stop)
+        tokens = list(response.token_ids)
+        ends_on_stop_token = (response.finish_reason == common_pb2.FINISH_REASON_STOP
+                              and response.HasField("stop_token_id") and not self.include_stop)
+        unsent = self.pending
+        for i, token in enumerate(tokens):
+            if ends_on_stop_token and i + 1 == len(tokens):
+                break  # an EOS / stop token's text is not output
+            delta = self.detokenizer.append([token])
+            unsent += delta
+            if not (delta and self.is_checking_stops and num_generated + i + 1 > self.min_tokens):
+                continue
+            stop, cut = check_stop_strings(self.sent + unsent, len(delta), self.stops, self.include_stop)
             if stop is not None:
+                del response.token_ids[i + 1:]
                 response.text = cut[len(self.sent):]
                 self.sent, self.pending = self.sent + response.text, ""
                 response.finish_reason = common_pb2.FINISH_REASON_STOP
@@ -205,7 +235,7 @@ class TextAcrossMigration:
 
 def run_migrating(generate: Callable, req, request: entrypoint_pb2.GenerateRequest, deadline: float | None, *,
                   limit: int, rpc_timeout_s: float, stats: MigrationStats | None = None,
-                  detokenize: Callable[[list[int], list[int], bool], str] | None = None,
+                  new_detokenizer: Callable | None = None,
                   ) -> Iterator[entrypoint_pb2.GenerateResponse]:
     """Blocks on `generate(req, request, deadline)` (the servicer's one-pair request path) and yields
     its responses; when the pair is lost, yields on from a continuation on another pair, up to
@@ -214,8 +244,9 @@ def run_migrating(generate: Callable, req, request: entrypoint_pb2.GenerateReque
     `req` is the servicer's per-call state (`entrypoint.server._Request`): its `prefill` / `decode`
     (instance id, stub) name the attempt's instances, `lost_instance_ids` are excluded from later
     picks, `num_resumed_tokens` (prompt tokens that are the client's output) keeps `usage` right.
-    `detokenize(prompt, output, skip_special_tokens)`: the output's text, to recover what a lost
-    decode held back and check stop strings across the migration point (`TextAcrossMigration`).
+    `new_detokenizer(prompt, skip_special_tokens)`: the engine's incremental detokenizer, to recover
+    what a lost decode held back and check stop strings across the migration point
+    (`TextAcrossMigration`).
     A stop string found here ends the stream; the caller then aborts the pair still decoding
     (`req` is left not done).
     """
@@ -224,7 +255,7 @@ def run_migrating(generate: Callable, req, request: entrypoint_pb2.GenerateReque
     first_cached: int | None = None
     num_prompt_tokens: int | None = None
     current = request
-    text = TextAcrossMigration(request.sampling_params, detokenize)
+    text = TextAcrossMigration(request.sampling_params, new_detokenizer)
     for attempt in range(limit + 1):
         try:
             for response in generate(req, current, deadline):
@@ -327,7 +358,9 @@ def _release_attempt(req, e: Exception, rpc_timeout_s: float) -> str | None:
     reachable = [s for s in stages if s[0] != lost]
     gone = [s for s in stages if s[0] == lost]
     reason = f"migrated: {e}"
-    if prefill is not None and lost == prefill[0] and decode is not None and is_process_gone(prefill[1]):
+    address = getattr(req, "prefill_address", "")
+    if prefill is not None and lost == prefill[0] and decode is not None and (
+            is_address_gone(address) if address else is_process_gone(prefill[1])):
         # the prefill that was to WRITE into D's reservation no longer exists: D frees it now rather
         # than quarantining it until its lease ends (the restarted or other prefill needs the room)
         req._abort_stages([decode], f"{WRITER_GONE_REASON}prefill instance {prefill[0]} is gone; {reason}",
@@ -352,6 +385,16 @@ def is_process_gone(stub, timeout_s: float = 0.5) -> bool:
         return e.code() == grpc.StatusCode.UNAVAILABLE and "refused" in (e.details() or "").lower()
     except AttributeError:  # a stub without Health (tests' fakes): unknown
         return False
+
+
+def is_address_gone(address: str, timeout_s: float = 0.5) -> bool:
+    """`is_process_gone` over a fresh channel to `address`: a channel whose calls just broke answers
+    with the error that broke them (a reset) while it backs off, not with the refusal of a new connect."""
+    channel = secure_channel(address)
+    try:
+        return is_process_gone(prefill_pb2_grpc.PrefillStub(channel), timeout_s)  # any service: refused is refused
+    finally:
+        channel.close()
 
 
 class StageOutages:

@@ -29,7 +29,9 @@ that cannot be reached for Reserve, is excluded and the stage picked again, up t
 instances. A prefill or decode instance lost mid-request (it died, or stopped answering) moves the
 request to another prefill -> decode pair, prompt plus the tokens already streamed, up to
 `migration_limit` times (`entrypoint.migration`); the failed attempt is aborted first, and D
-quarantines the reservation a lost P may still write into until its lease ends.
+quarantines the reservation a lost P may still write into until its lease ends (frees it at once
+when P's process is certainly gone). A stage that just lost an instance makes requests finding none
+usable wait for one (a restart), bounded by their deadline and `outage_wait_s`.
 Failures end the call with the gRPC status the wire `Error` maps to (`serving.errors`); a stage
 without a healthy instance gives UNAVAILABLE naming the stage. The client cancelling the call,
 `deadline_ms` (or the call's own deadline) running out, or `Abort` cancel the stage calls in flight
@@ -186,6 +188,45 @@ def prompt_block_hashes(prompt_token_ids: list[int], block_size: int, images=())
     return hashes
 
 
+# ---------------------------------------------------------------------------------------- phase latencies
+
+
+PHASE_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class PhaseTimes:
+    """Latency histograms of each request's phases here, for Health's stats (the HTTP front exports them
+    as `deepinfer_entrypoint_phase_seconds{phase}`): `queue` (accepted -> prefill call sent: images,
+    decode pick and reservation, prefill pick), `prefill` (prefill call -> answered: the prefill's own queue,
+    its compute and the KV write landing on decode), `first_decode` (-> decode's first chunk). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._phases: dict[str, list] = {}
+        """phase -> [bucket counts (non-cumulative, +Inf last), sum, count]."""
+
+    def observe(self, phase: str, seconds: float) -> None:
+        index = next((i for i, b in enumerate(PHASE_BUCKETS_S) if seconds <= b), len(PHASE_BUCKETS_S))
+        with self._lock:
+            h = self._phases.setdefault(phase, [[0] * (len(PHASE_BUCKETS_S) + 1), 0.0, 0])
+            h[0][index] += 1
+            h[1] += seconds
+            h[2] += 1
+
+    def as_dict(self) -> dict:
+        """`{phase: {"le": bounds, "buckets": cumulative counts (+Inf last), "sum", "count"}}`."""
+        with self._lock:
+            phases = {p: (list(h[0]), h[1], h[2]) for p, h in self._phases.items()}
+        out = {}
+        for phase, (counts, total, n) in phases.items():
+            cumulative, running = [], 0
+            for c in counts:
+                running += c
+                cumulative.append(running)
+            out[phase] = {"le": list(PHASE_BUCKETS_S), "buckets": cumulative, "sum": total, "count": n}
+        return out
+
+
 # ---------------------------------------------------------------------------------------- one request
 
 
@@ -231,6 +272,8 @@ class _Request:
         """Instances lost by the last failed attempt, excluded from the next picks (`entrypoint.migration`)."""
         self.lost_decode_id: str | None = None
         """Set by `DecodeLiveness` when the decode instance stopped answering (its stream is cancelled)."""
+        self.prefill_address = ""
+        """The address of the prefill instance in `prefill` (a fresh probe tells whether its process is gone)."""
         self.lost_prefill_id: str | None = None
         """Set by the prefill `StageLiveness` when the prefill instance stopped answering (its call is cancelled)."""
         self.num_resumed_tokens = 0
@@ -289,6 +332,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         self.vision_lb = (loadbalancer_pb2_grpc.LoadBalancerStub(self._channel(config.vision_lb_address))
                           if config.vision_lb_address else None)
         self.migration_stats = MigrationStats()
+        self.phase_times = PhaseTimes()
         self.model_path: str | None = None
         """The resolved checkpoint (its tokenizer recovers a migrated request's text); None = none."""
         self._tokenizer = None
@@ -307,9 +351,9 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         for channel in channels:
             channel.close()
 
-    def _detokenize(self, prompt: list[int], output: list[int], skip_special_tokens: bool) -> str:
-        """The text a decode instance streams for `output` after `prompt`, token by token as the engine
-        detokenizes (`entrypoint.migration.TextAcrossMigration`); the tokenizer loads on first use."""
+    def _new_detokenizer(self, prompt: list[int], skip_special_tokens: bool):
+        """The engine's incremental detokenizer of an output after `prompt`, as a decode instance makes
+        its text (`entrypoint.migration.TextAcrossMigration`); the tokenizer loads on first use."""
         from deepinfer.engine.sampling.stop import IncrementalDetokenizer
         from deepinfer.engine.tokenizer import load_tokenizer
 
@@ -317,8 +361,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
             if self._tokenizer is None:
                 self._tokenizer = load_tokenizer(self.model_path)
             tokenizer = self._tokenizer
-        detokenizer = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens)
-        return "".join(detokenizer.append([t]) for t in output)
+        return IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens)
 
     def _channel(self, address: str) -> grpc.Channel:
         with self._lock:
@@ -351,7 +394,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         try:
             yield from run_migrating(self._generate, req, request, deadline, limit=self.config.migration_limit,
                                      rpc_timeout_s=self.config.rpc_timeout_s, stats=self.migration_stats,
-                                     detokenize=self._detokenize if self.model_path is not None else None)
+                                     new_detokenizer=self._new_detokenizer if self.model_path is not None else None)
         except _Cancelled:
             if req.abort_reason == ABORT_RPC_REASON:
                 yield entrypoint_pb2.GenerateResponse(
@@ -372,6 +415,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
     def _generate(self, req: _Request, request, deadline: float | None) -> Iterator[entrypoint_pb2.GenerateResponse]:
         """Blocks on each stage in turn (reserve on D, prefill on P, start D) and yields D's deltas."""
         rid = req.request_id
+        t_start = time.monotonic()  # phase latencies (`PhaseTimes`)
         prompt = list(request.prompt_token_ids)
         sampling = request.sampling_params
 
@@ -440,8 +484,10 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
             p_stub = prefill_pb2_grpc.PrefillStub(self._channel(p_inst.address))
             with req.lock:
                 req.prefill = (p_inst.instance_id, p_stub)
+                req.prefill_address = p_inst.address
             req.lost_prefill_id = None
             self.prefill_liveness.watch(req, p_inst.instance_id, p_stub)
+            t_prefill = time.monotonic()
             try:
                 prefilled = self._unary(req, p_stub.Prefill, prefill_pb2.PrefillRequest(
                     request_id=rid, prompt_token_ids=prompt, sampling_params=sampling, destination=destination,
@@ -477,6 +523,9 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
             excluded.append(p_inst.instance_id)
 
         req.usage.cached_prompt_tokens = prefilled.num_cached_prompt_tokens
+        t_prefilled = time.monotonic()
+        self.phase_times.observe("queue", t_prefill - t_start)
+        self.phase_times.observe("prefill", t_prefilled - t_prefill)
         timeout = None if deadline is None else max(0.001, deadline - time.monotonic())
         stream = d_stub.Start(decode_pb2.StartRequest(
             request_id=rid, transfer_id=reserve.transfer_id,  # the first token rides the KV transfer notice
@@ -493,6 +542,8 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                 if chunk.error.code and (chunk.finish_reason != common_pb2.FINISH_REASON_ABORT
                                          or chunk.error.code == common_pb2.ERROR_CODE_DEADLINE_EXCEEDED):
                     raise _Failed.of_error(chunk.error, f"decode instance {req.decode[0]} failed")
+                if is_first:
+                    self.phase_times.observe("first_decode", time.monotonic() - t_prefilled)
                 req.usage.completion_tokens += len(chunk.token_ids)
                 response = entrypoint_pb2.GenerateResponse(
                     request_id=rid, token_ids=chunk.token_ids, text=chunk.text, finish_reason=chunk.finish_reason,
@@ -736,7 +787,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         with self._lock:
             num_inflight = len(self._inflight)
         stats = {"num_inflight_requests": num_inflight, **{f"num_{s}_instances": n for s, n in counts.items()},
-                 **self.migration_stats.as_dict()}
+                 **self.migration_stats.as_dict(), "phase_seconds": self.phase_times.as_dict()}
         if degraded:
             stats["degraded"] = [f"{d} (image requests fail until one serves)" for d in degraded]
         context.set_trailing_metadata(((STATS_METADATA_KEY, json.dumps(stats)),))

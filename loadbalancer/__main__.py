@@ -7,7 +7,6 @@ logs go to stderr. SIGTERM / SIGINT stop it.
 from __future__ import annotations
 
 import json
-import logging
 import signal
 import sys
 import threading
@@ -15,12 +14,15 @@ import threading
 from deepinfer.loadbalancer.config import LoadBalancerConfig
 from deepinfer.loadbalancer.server import start_server
 from deepinfer.serving.config_cli import config_from_args, make_parser
+from deepinfer.serving.logs import LOGGING_HELP, configure_logging, logging_args
 
 
 def main(argv: list[str] | None = None) -> int:
+    level, fmt, argv = logging_args(argv)
     parser = make_parser(LoadBalancerConfig, "python -m deepinfer.loadbalancer", "Run one stage's balancer.")
+    parser.epilog = LOGGING_HELP
     config = config_from_args(LoadBalancerConfig, parser, argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(level, fmt)
     running = start_server(f"{config.host}:{config.port}", config.stage, config.policy,
                            heartbeat_timeout_s=config.heartbeat_timeout_s)
     stopped = threading.Event()

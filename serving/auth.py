@@ -26,6 +26,8 @@ from pathlib import Path
 import grpc
 from grpc import aio
 
+from deepinfer.serving.logs import REQUEST_ID
+
 SECRET_ENV = "DEEPINFER_CLUSTER_SECRET"
 SECRET_FILE_ENV = "DEEPINFER_CLUSTER_SECRET_FILE"
 SECRET_METADATA_KEY = "deepinfer-cluster-secret"
@@ -86,10 +88,47 @@ class SecretCheck(grpc.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(_refuse(message))
 
 
+class RequestIds(grpc.ServerInterceptor):
+    """Every log line of a handler carries the id of the request it serves (`serving.logs.REQUEST_ID`): the
+    `request_id` field of the call's request message, when it has one (Generate, Reserve, Prefill, Start,
+    Encode, Pick, Abort, ...). Lines the engine loop thread logs are not covered (they name the id
+    themselves)."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_streaming:
+            return handler
+        if handler.response_streaming:
+            behavior = handler.unary_stream
+
+            def stream(request, context):
+                previous = REQUEST_ID.get()
+                REQUEST_ID.set(getattr(request, "request_id", "") or "-")
+                try:
+                    yield from behavior(request, context)
+                finally:
+                    REQUEST_ID.set(previous)
+
+            return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer,
+                                                        handler.response_serializer)
+        behavior = handler.unary_unary
+
+        def unary(request, context):
+            previous = REQUEST_ID.get()
+            REQUEST_ID.set(getattr(request, "request_id", "") or "-")
+            try:
+                return behavior(request, context)
+            finally:
+                REQUEST_ID.set(previous)
+
+        return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
+
+
 def server_interceptors(secret: str | None = None) -> list[grpc.ServerInterceptor]:
-    """The interceptors a deepinfer gRPC server runs: the secret check when a secret is set."""
+    """The interceptors a deepinfer gRPC server runs: the secret check when a secret is set, then the request
+    id of each call on its handler's log lines (`RequestIds`)."""
     secret = secret if secret is not None else cluster_secret()
-    return [SecretCheck(secret)] if secret else []
+    return [SecretCheck(secret), RequestIds()] if secret else [RequestIds()]
 
 
 def _with_secret(metadata, secret: str):

@@ -309,6 +309,10 @@ class EngineShell(WorkerShell):
         stats = {k: v for k, v in self.agent.stats().items() if not isinstance(v, list)}
         if self.emb_agent is not None:
             stats.update(self.emb_agent.stats())
+        timings = self.engine.timings  # engine steps and their time, preemptions: the HTTP front's /metrics
+        stats.update(engine_steps_total=timings["steps"],
+                     engine_step_seconds_total=timings["schedule"] + timings["model"] + timings["sample"],
+                     num_preemptions_total=self.engine.scheduler.num_preemptions)
         return stats
 
 
@@ -371,9 +375,13 @@ def run_worker_process(config_cls: type, prog: str, doc: str, argv: list[str] | 
     import sys
 
     from deepinfer.serving.config_cli import config_from_args, make_parser
+    from deepinfer.serving.logs import LOGGING_HELP, configure_logging, logging_args
 
-    config = config_from_args(config_cls, make_parser(config_cls, prog, doc.splitlines()[0]), argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    level, fmt, argv = logging_args(argv)
+    parser = make_parser(config_cls, prog, doc.splitlines()[0])
+    parser.epilog = LOGGING_HELP
+    config = config_from_args(config_cls, parser, argv)
+    configure_logging(level, fmt)
     import nixl._api  # noqa: F401
 
     # NOTE: importing NIXL installs a handler that writes NIXL's logs to stdout; stdout carries only

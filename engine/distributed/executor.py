@@ -92,6 +92,8 @@ class MultiRankExecutor(Executor):
     def __init__(self, runner: ModelRunner, sampler: Sampler, spec: RankSpec, eplb_interval_steps: int = 0) -> None:
         """Blocks until ranks 1..N-1 are started, loaded and joined with this process (rank 0)."""
         super().__init__(runner, sampler)
+        if runner.device.type == "cuda":
+            torch.cuda.set_device(runner.device)  # NCCL binds rank 0's communicator to the current device
         self.spec = spec
         self.world_size = spec.address.world_size
         self.eplb_interval_steps = eplb_interval_steps

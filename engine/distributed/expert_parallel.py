@@ -45,13 +45,18 @@ def install_expert_parallel(model, num_redundant_experts: int = 0, group=None) -
 @torch.inference_mode()
 def idle_step(model) -> None:
     """Blocks while this rank, with no tokens in the step, joins every MoE layer's dispatch and combine
-    with zero rows, in forward order (the dummy batch of a rank without work)."""
-    for moe in moe_layers(model):
-        w = moe.experts[0].w1.weight
-        H, k = moe.gate.weight.shape[1], moe.gate.topk
-        x = torch.zeros(0, H, dtype=moe.gate.weight.dtype, device=w.device)
-        moe.backend(x, torch.zeros(0, k, dtype=torch.float32, device=w.device),
-                    torch.zeros(0, k, dtype=torch.long, device=w.device))
+    with zero rows, in forward order (the dummy batch of a rank without work).
+
+    NOTE: inside the model's numerics context, as a forward would be: the rows this rank's experts receive
+    from the other ranks must be computed with the same numerics (batch-invariant matmuls) as in a forward.
+    """
+    with model.numerics():
+        for moe in moe_layers(model):
+            w = moe.experts[0].w1.weight
+            H, k = moe.gate.weight.shape[1], moe.gate.topk
+            x = torch.zeros(0, H, dtype=moe.gate.weight.dtype, device=w.device)
+            moe.backend(x, torch.zeros(0, k, dtype=torch.float32, device=w.device),
+                        torch.zeros(0, k, dtype=torch.long, device=w.device))
 
 
 @dataclass

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer.engine.attention.base import AttentionBackend
 from deepinfer.engine.executor import Executor, PreparedStep, StepResult
 from deepinfer.engine.forward_batch import ForwardBatch
 from deepinfer.engine.scheduler import SchedulerOutput
@@ -147,7 +148,8 @@ class SpecDecoding:
         """"full": every request verifies all its drafts; "confidence": `verify_schedule.choose_verify_lengths`
         over the drafts' MTP probabilities picks a prefix per request (at least `verify_floor` drafts)."""
         self.verify_floor = verify_floor
-        backend = model.model.layers[0].attn.backend
+        backend = next((m.backend for m in model.modules() if isinstance(getattr(m, "backend", None),
+                                                                       AttentionBackend)), None)
         supported = getattr(backend, "supports_verify_rows", False)
         if batched_verify and not supported:
             raise ValueError(f"the {type(backend).__name__} attention backend has no batched verify path; "
@@ -215,8 +217,9 @@ class SpecDecoding:
         snap = self.rollback.snapshot([s for s, _ in pairs], [p for _, p in pairs])
         meta = batch.attn_metadata if batch.attn_metadata is not None else model.build_attention_metadata(batch,
                                                                                                        self.cache)
-        if self.batched_verify:
-            batch_verify_chunks(meta, {v.seq_idx for v in step.verify if v.drafts})
+        verifying = {v.seq_idx for v in step.verify if v.drafts}
+        if self.batched_verify and len(verifying) > 1:  # one chunk alone gains nothing from the padding
+            batch_verify_chunks(meta, verifying)
         hidden, streams = model(batch, self.cache, meta, return_streams=True)  # [T, H], [T, hc, H]
         logits = model.compute_logits(hidden[batch.logits_indices])  # [num_rows, vocab]
         t1 = time.perf_counter()

@@ -1,7 +1,8 @@
 """Prometheus metrics of the HTTP front (`GET /metrics`), in a registry of their own per app.
 
 Requests by endpoint and status, errors by cause (`code`), generation requests per API key name,
-the prefix-cache hit rate, time to first token, inter-token latency, tokens in and out,
+the prefix-cache hit rate, the entrypoint's phase histograms (queue, prefill with the KV transfer,
+first decode chunk), time to first token, inter-token latency, tokens in and out,
 cached prompt tokens, requests in flight here, and, gathered at scrape time, the cluster's view from
 the entrypoint's Health (requests in flight there, healthy instances per stage) and, when the
 balancer addresses are configured, each stage instance's stats (`deepinfer_stage_*{stage,instance}`:
@@ -11,6 +12,7 @@ KV blocks, requests, KV transfer bytes, read from the instance's Health).
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import HistogramMetricFamily
 
 STAGE_STATS = {
     "num_kv_blocks_used": "KV cache blocks in use on the instance",
@@ -21,6 +23,11 @@ STAGE_STATS = {
     "kv_transfer_sent_bytes_total": "KV bytes the instance sent (NIXL), since it started",
     "kv_transfer_received_bytes_total": "KV bytes the instance received (NIXL), since it started",
     "kv_transfer_sends_done_total": "KV transfers the instance completed sending",
+    "kv_transfer_send_seconds_sum": "Seconds the instance's KV sends took (post to completion), summed; / sends done = "
+                                    "the mean KV-transfer time",
+    "engine_steps_total": "Engine steps the instance ran",
+    "engine_step_seconds_total": "Seconds of the instance's engine steps (schedule + model + sample), summed; / steps = "
+                                 "the mean step time",
     "kv_transfer_recvs_done_total": "KV transfers the instance completed receiving",
     "vision_images_total": "Images the vision instance was asked to encode",
     "vision_images_encoded_total": "Images the vision instance encoded (cache misses)",
@@ -38,6 +45,27 @@ STAGE_STATS = {
 """Worker Health stats exported per instance (as gauges: they are read, not counted, here)."""
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _PhaseCollector:
+    """`deepinfer_entrypoint_phase_seconds{phase}`: the entrypoint's phase latency histograms (queue, prefill,
+    first_decode; `entrypoint.server.PhaseTimes`) as its Health last reported them."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, dict] = {}
+
+    def collect(self):
+        family = HistogramMetricFamily("deepinfer_entrypoint_phase_seconds",
+                                       "Request phases at the entrypoint: queue (accepted -> prefill sent), prefill "
+                                       "(-> prefilled, KV on decode), first_decode (-> decode's first chunk)",
+                                       labels=["phase"])
+        for phase, h in sorted(self.phases.items()):
+            try:
+                buckets = [(f"{le:g}", c) for le, c in zip(h["le"], h["buckets"])] + [("+Inf", h["buckets"][-1])]
+                family.add_metric([phase], buckets, h["sum"])
+            except (KeyError, TypeError, IndexError):
+                continue  # an entrypoint of another version: leave the phase out
+        yield family
 
 
 class HttpMetrics:
@@ -79,6 +107,9 @@ class HttpMetrics:
         self.cluster_healthy = Gauge("deepinfer_entrypoint_healthy", "1 when the entrypoint reports healthy",
                                      registry=r)
 
+        self.phases = _PhaseCollector()
+        r.register(self.phases)
+
         self.stage = {name: Gauge(f"deepinfer_stage_{name}", help_, ["stage", "instance"], registry=r)
                       for name, help_ in STAGE_STATS.items()}
 
@@ -99,6 +130,8 @@ class HttpMetrics:
 
     def set_cluster(self, is_healthy: bool, stats: dict) -> None:
         self.cluster_healthy.set(1 if is_healthy else 0)
+        if isinstance(stats.get("phase_seconds"), dict):
+            self.phases.phases = stats["phase_seconds"]
         if "num_inflight_requests" in stats:
             self.cluster_inflight.set(stats["num_inflight_requests"])
         for stage in ("prefill", "decode", "vision"):

@@ -5,6 +5,8 @@ instances, both balancers and the entrypoint, each a `python -m ...` process.
   the entrypoint finds it hung, moves its requests to the other instance, every stream completes with
   the offline engine's tokens; after SIGCONT the instance is fenced (its stale streams dropped, its
   blocks freed), rejoins its balancer and serves correct outputs again.
+- A stop string spanning the migration point (a decode SIGSTOPped inside it): the migrated stream
+  stops where the offline engine does, with its text (what the hung decode held back included).
 - SIGKILL of a decode instance while 16 streams run: every stream completes with the offline engine's
   tokens (greedy, seeded top-k and seeded temperature-1 sampling), no duplicated or missing token,
   usage counts the client's prompt and every token it received, and no KV block stays held on the
@@ -205,6 +207,46 @@ def test_hung_decode_requests_migrate_and_it_rejoins_fenced(cluster):
     prompts2, kwargs2 = _prompts_and_params(6, seed=2, max_tokens=12)
     ref2 = _offline(cluster.checkpoint, prompts2, kwargs2)
     _check(_Streams(cluster.client, prompts2, kwargs2).results(), prompts2, ref2)
+
+
+def test_stop_string_spanning_the_migration_point_is_found(cluster):
+    """A stop string that starts before the migration point and ends after it stops the migrated
+    stream where the offline engine stops; the text the hung decode held back (it could start the stop
+    string) reaches the client."""
+    from deepinfer.engine import LLM, SamplingParams
+    from deepinfer.engine.sampling.stop import IncrementalDetokenizer
+    from deepinfer.engine.tokenizer import load_tokenizer
+
+    prompt = torch.randint(2, 512, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    llm = LLM(cluster.checkpoint)
+    free = llm.generate([{"prompt_token_ids": prompt}], [SamplingParams(temperature=0.0, max_tokens=48,
+                                                                        ignore_eos=True)], use_tqdm=False)
+    detokenizer = IncrementalDetokenizer(load_tokenizer(cluster.checkpoint), prompt)
+    ends = []  # text length after each output token
+    for token in free[0].outputs[0].token_ids:
+        detokenizer.append([token])
+        ends.append(len(detokenizer.output_text))
+    text = detokenizer.output_text
+    stop = text[ends[11]:ends[39]]  # the text of tokens 12..40
+    assert stop and text.find(stop) == ends[11]
+    kwargs = dict(temperature=0.0, max_tokens=48, ignore_eos=True, stop=[stop])
+    ref = llm.generate([{"prompt_token_ids": prompt}], [SamplingParams(**kwargs)], use_tqdm=False)[0].outputs[0]
+    assert ref.finish_reason == "stop"
+
+    streams = _Streams(cluster.client, [prompt], [kwargs])
+    _wait_for("the stream inside the stop string", lambda: streams.num_tokens[0] >= 14, timeout_s=60)
+    victim = _busiest_decode(cluster)
+    proc = cluster.processes.procs[victim]
+    proc.send_signal(signal.SIGSTOP)  # found hung: the request migrates with 14+ tokens streamed
+    try:
+        (deltas,) = streams.results()
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    assert [t for d in deltas for t in d["token_ids"]] == ref.token_ids
+    assert "".join(d["text"] for d in deltas) == ref.text
+    assert deltas[-1]["finish_reason"] == "stop" and deltas[-1]["stop_reason"] == stop
+    _wait_for(f"{victim} rejoined the decode balancer", lambda: cluster.decode_ids() == set(DECODES))
+    _wait_for("no KV block held after the migration", lambda: _drained(cluster, (*DECODES, "prefill")))
 
 
 def test_killed_decode_streams_continue_on_another_instance(cluster):

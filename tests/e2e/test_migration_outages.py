@@ -1,6 +1,7 @@
 """`entrypoint.migration` in-process, no workers: the stage-outage bookkeeping that lets queued work
-wait for a restarted instance, the "is that process gone" probe, and the prompt release of the
-decode reservation a dead prefill was to write into."""
+wait for a restarted instance, the "is that process gone" probe, the prompt release of the decode
+reservation a dead prefill was to write into, and the client's text across a migration (held-back
+text recovered, a stop string spanning the migration point found)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ import grpc
 from deepinfer.entrypoint.migration import (
     OUTAGE_POLL_S,
     WRITER_GONE_REASON,
+    DecodeLost,
     StageOutages,
     _release_attempt,
+    is_address_gone,
     is_process_gone,
+    run_migrating,
 )
-from deepinfer.protos import decode_pb2_grpc
+from deepinfer.protos import common_pb2, decode_pb2_grpc, entrypoint_pb2
 
 
 class _Clock:
@@ -84,6 +88,7 @@ def test_only_a_refused_connection_proves_a_process_gone():
         port = s.getsockname()[1]
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         assert is_process_gone(decode_pb2_grpc.DecodeStub(channel), timeout_s=2.0)
+    assert is_address_gone(f"127.0.0.1:{port}", timeout_s=2.0)
     assert not is_process_gone(_Stub())  # answers
     # a hung process or a cut link: no proof, its late WRITE may still land
     assert not is_process_gone(_Stub(_RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")))
@@ -121,3 +126,82 @@ def test_a_dead_prefills_decode_reservation_is_released_at_once():
     req = _Req(("prefill-1", hung), ("decode-0", decode))
     _release_attempt(req, _Lost("prefill hung"), 1.0)
     assert len(decode.aborts) == 1 and not decode.aborts[0].startswith(WRITER_GONE_REASON)
+
+
+class _Detokenizer:
+    """Token t is the letter 'a' + t."""
+
+    def __init__(self, prompt, skip_special_tokens) -> None:
+        pass
+
+    def append(self, token_ids) -> str:
+        return "".join(chr(ord("a") + t) for t in token_ids)
+
+
+class _MigReq(_Req):
+    def __init__(self) -> None:
+        super().__init__(None, None)
+        self.abort_reason = None
+        self.is_done = False
+        self.usage = common_pb2.Usage()
+        self.num_resumed_tokens = 0
+
+
+def _pairs(attempts, seen):
+    """Attempt k yields `attempts[k]` = [(token, text)...] then loses its decode (the last attempt finishes)."""
+
+    def generate(req, request, deadline):
+        k = len(seen)
+        seen.append(request)
+        req.usage.prompt_tokens = len(request.prompt_token_ids) - req.num_resumed_tokens
+        req.decode = (f"decode-{k}", _Stub())
+        for i, (token, text) in enumerate(attempts[k]):
+            resp = entrypoint_pb2.GenerateResponse(request_id="r", token_ids=[token], text=text)
+            if i == 0:
+                resp.usage.CopyFrom(req.usage)
+            if k + 1 == len(attempts) and i + 1 == len(attempts[k]):
+                resp.finish_reason = common_pb2.FINISH_REASON_LENGTH
+                resp.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids),
+                                                     completion_tokens=i + 1))
+            yield resp
+        if k + 1 < len(attempts):
+            raise DecodeLost(f"decode-{k}", _Lost("gone"))
+
+    return generate
+
+
+def _run(attempts, **sampling):
+    seen: list = []
+    request = entrypoint_pb2.GenerateRequest(request_id="r", prompt_token_ids=[20, 21],
+                                             sampling_params=common_pb2.SamplingParams(**sampling))
+    out = list(run_migrating(_pairs(attempts, seen), _MigReq(), request, None, limit=3, rpc_timeout_s=1.0,
+                             new_detokenizer=_Detokenizer))
+    return out, seen, request
+
+
+def test_a_stop_string_spanning_the_migration_point_ends_the_stream():
+    # decode 0 streamed a, b and held "c" back (it may start "cde"), then died; decode 1 goes on d, e, f
+    out, seen, request = _run([[(0, "a"), (1, "b"), (2, "")], [(3, "d"), (4, "e"), (5, "f"), (6, "g")]],
+                              stop=["cde"], max_tokens=10)
+    assert list(seen[1].sampling_params.stop) == []  # the entrypoint checks them for the continuation
+    assert list(request.sampling_params.stop) == ["cde"]  # the client's request is untouched
+    assert [t for r in out for t in r.token_ids] == [0, 1, 2, 3, 4]  # up to the token completing the stop
+    assert "".join(r.text for r in out) == "ab"
+    last = out[-1]
+    assert last.finish_reason == common_pb2.FINISH_REASON_STOP and last.stop_str == "cde"
+    assert last.usage.completion_tokens == 5 and last.usage.prompt_tokens == 2
+    # kept with include_stop_str_in_output; min_tokens delays the check as the engine does
+    out, _, _ = _run([[(0, "a"), (1, "b"), (2, "")], [(3, "d"), (4, "e"), (5, "f")]], stop=["cde"],
+                     include_stop_str_in_output=True)
+    assert "".join(r.text for r in out) == "abcde"
+    out, _, _ = _run([[(0, "a"), (1, "b"), (2, "")], [(3, "d"), (4, "e"), (5, "f")]], stop=["cde"], min_tokens=5)
+    assert out[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH and "".join(r.text for r in out) == "abcdef"
+
+
+def test_text_a_lost_decode_held_back_is_not_lost():
+    # decode 0 held "c" (e.g. mid UTF-8 character) when it died: the client still gets it, in order; the
+    # continuation's own text (decoded in another window: "?" here) is replaced by the tokens' text
+    out, _, _ = _run([[(0, "a"), (1, "b"), (2, "")], [(3, "?d"), (4, "e")]])
+    assert "".join(r.text for r in out) == "abcde"
+    assert [t for r in out for t in r.token_ids] == [0, 1, 2, 3, 4]
+    assert out[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH

@@ -122,6 +122,7 @@ def test_speculative_decode_stage_equals_offline_engine(cluster):
     while (stats := _decode_stats(decode))["num_unfinished_requests"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert stats["num_kv_blocks_used"] == 0
+    print(json.dumps({k: v for k, v in stats.items() if k.startswith("spec_decode_")}))  # shown with -s
     assert stats["spec_decode_verifications_total"] > before["spec_decode_verifications_total"]
     assert stats["spec_decode_accepted_drafts_total"] > 0
     # the built-in MTP layer drafts the chat answers well (the drafter's window was rebuilt on decode)

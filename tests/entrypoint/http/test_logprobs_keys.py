@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from deepinfer.engine.builtin_model import builtin_model_path
 from deepinfer.entrypoint.http.app import create_app
 from deepinfer.entrypoint.http.config import HttpConfig
+from deepinfer.entrypoint.http.errors import ApiError
 from deepinfer.entrypoint.http.keys import KeyLimiter, key_name, parse_keys
 from deepinfer.protos import common_pb2, entrypoint_pb2
 
@@ -173,14 +174,14 @@ def test_concurrency_limit_and_key_parsing():
     keys = parse_keys("k1;max_concurrent=1;class=chat, k2")
     limiter = KeyLimiter(default_max_concurrent=2)
     name = limiter.admit(keys[0])
-    with pytest.raises(Exception) as e:
+    with pytest.raises(ApiError) as e:
         limiter.admit(keys[0])
     assert e.value.status == 429 and e.value.retry_after_s >= 1
     limiter.release(name)
     limiter.admit(keys[0])
     assert limiter.traffic_class(keys[0]) == "chat" and limiter.traffic_class(keys[1]) == ""
     limiter.admit(keys[1]), limiter.admit(keys[1])
-    with pytest.raises(Exception):
+    with pytest.raises(ApiError):
         limiter.admit(keys[1])  # the server default applies to a key without its own limit
     for bad in ("k;class=batch", "k;rpm=x", "k;max_concurrent=-1", "k;colour=red", ";name=x"):
         with pytest.raises(ValueError) as e:
