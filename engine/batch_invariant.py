@@ -64,7 +64,7 @@ from deepinfer.engine.attention.base import (
     LayerSpec,
     PrefillChunk,
 )
-from deepinfer.engine.attention.torch_backend import TorchAttentionBackend, _pools
+from deepinfer.engine.attention.torch_backend import TorchAttentionBackend
 from deepinfer.engine.cache.kv_cache import V4KVCache
 from deepinfer.engine.moe.base import MoEBackend
 from deepinfer.engine.moe.torch_backend import (
@@ -368,24 +368,9 @@ class BatchInvariantAttentionBackend(TorchAttentionBackend):
             keys, valid = win, win_valid
         return attend_blocks(q, lambda a, b: (keys[a:b], valid[a:b]), inputs.sink)
 
-    def _decode_compressed(self, spec: LayerSpec, dm: DecodeRows, inputs: AttentionInputs, r, cache: V4KVCache):
-        pool, buf_kv, buf_gate, ipool, ibuf_kv, ibuf_gate = _pools(spec, cache)
-        rows = dm.compressors[(spec.compress_rate, spec.is_overlap)]
-        self._decode_compressor(inputs.compressor, inputs.compressor_kv[r], inputs.compressor_gate[r],
-                                buf_kv, buf_gate, dm, rows, pool)
-        if spec.has_indexer:
-            self._decode_compressor(inputs.indexer.compressor, inputs.index_kv[r], inputs.index_gate[r],
-                                    ibuf_kv, ibuf_gate, dm, rows, ipool)
-        index = dm.compressed[spec.compress_rate]
-        if index is None:
-            return None, None
-        entries = pool.view(-1, pool.shape[-1])[index.pool_rows]  # [B, C, D]
-        if not spec.has_indexer:
-            return entries, index.visible
-        keys = ipool.view(-1, ipool.shape[-1])[index.pool_rows]  # [B, C, ID]
-        cos, sin = dm.rope[spec.rope]
-        scores = indexer_scores_tiled(inputs.indexer, inputs.q_res[r], inputs.x[r], keys, cos, sin)
-        return entries, inputs.indexer.select_topk(scores, index.visible)
+    @staticmethod
+    def _decode_index_scores(indexer, q_res, x, keys, cos, sin) -> torch.Tensor:
+        return indexer_scores_tiled(indexer, q_res, x, keys, cos, sin)
 
     @staticmethod
     def _attend_one(spec: LayerSpec, chunk: PrefillChunk, q, kv, sink, cache: V4KVCache, extra) -> torch.Tensor:
@@ -408,22 +393,11 @@ class BatchInvariantAttentionBackend(TorchAttentionBackend):
         ring[geo.tail_rows] = kv[-geo.tail_rows.shape[0]:]
         return o
 
-    def _compressed(self, spec: LayerSpec, chunk: PrefillChunk, inputs: AttentionInputs, sl: slice,
-                    cache: V4KVCache, meta):
-        pool, buf_kv, buf_gate, ipool, ibuf_kv, ibuf_gate = _pools(spec, cache)
-        geo = chunk.compressors[(spec.compress_rate, spec.is_overlap)]
-        s = chunk.slot
-        entries = self._run_compressor(inputs.compressor, inputs.compressor_kv[sl], inputs.compressor_gate[sl],
-                                       buf_kv[s], buf_gate[s], geo, pool)
-        if not spec.has_indexer:
-            return entries, geo.visible
-        keys = self._run_compressor(inputs.indexer.compressor, inputs.index_kv[sl], inputs.index_gate[sl],
-                                    ibuf_kv[s], ibuf_gate[s], geo, ipool)
-        cos, sin = meta.rope[spec.rope]
-        n = chunk.num_tokens
-        scores = indexer_scores_tiled(inputs.indexer, inputs.q_res[sl], inputs.x[sl], keys[None].expand(n, -1, -1),
-                                      cos[sl], sin[sl])
-        return entries, inputs.indexer.select_topk(scores, geo.visible)
+    @staticmethod
+    def _prefill_index_mask(indexer, q_res, x, keys, visible, cos, sin) -> torch.Tensor:
+        n = q_res.shape[0]
+        return indexer.select_topk(indexer_scores_tiled(indexer, q_res, x, keys[None].expand(n, -1, -1), cos, sin),
+                                   visible)
 
 
 # --------------------------------------------------------------------------- MoE

@@ -193,9 +193,14 @@ class TorchAttentionBackend(AttentionBackend):
             return entries, index.visible
         keys = ipool.view(-1, ipool.shape[-1])[index.pool_rows]  # [B, C, ID]
         cos, sin = dm.rope[spec.rope]
-        indexer = inputs.indexer
-        scores = indexer.score_batched(inputs.q_res[r], inputs.x[r], keys, cos, sin)
-        return entries, indexer.select_topk(scores, index.visible)
+        scores = self._decode_index_scores(inputs.indexer, inputs.q_res[r], inputs.x[r], keys, cos, sin)
+        return entries, inputs.indexer.select_topk(scores, index.visible)
+
+    @staticmethod
+    def _decode_index_scores(indexer, q_res, x, keys, cos, sin) -> torch.Tensor:
+        """The indexer's scores [B, C] of decode rows over their own keys [B, C, ID] (a subclass may change
+        the reduction order: `engine.batch_invariant`)."""
+        return indexer.score_batched(q_res, x, keys, cos, sin)
 
     @staticmethod
     def _decode_compressor(comp, kv, gate, buf_kv, buf_gate, dm: DecodeRows, rows: DecodeCompressorRows,
@@ -261,8 +266,14 @@ class TorchAttentionBackend(AttentionBackend):
         keys = self._run_compressor(inputs.indexer.compressor, inputs.index_kv[sl], inputs.index_gate[sl],
                                     ibuf_kv[s], ibuf_gate[s], geo, ipool)
         cos, sin = meta.rope[spec.rope]
-        mask = inputs.indexer.select(inputs.q_res[sl], inputs.x[sl], keys, geo.visible, cos[sl], sin[sl])
-        return entries, mask
+        return entries, self._prefill_index_mask(inputs.indexer, inputs.q_res[sl], inputs.x[sl], keys, geo.visible,
+                                                 cos[sl], sin[sl])
+
+    @staticmethod
+    def _prefill_index_mask(indexer, q_res, x, keys, visible, cos, sin) -> torch.Tensor:
+        """The entries [n, C] a prefill chunk's queries attend to, over the request's keys [C, ID] (a subclass
+        may change the reduction order: `engine.batch_invariant`)."""
+        return indexer.select(q_res, x, keys, visible, cos, sin)
 
     @staticmethod
     def _run_compressor(comp, kv, gate, buf_kv, buf_gate, geo, pool) -> torch.Tensor:
