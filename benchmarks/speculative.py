@@ -5,12 +5,21 @@
 
     python -m deepinfer.benchmarks.speculative --verify-forward [--batch-sizes 1,16,64] [--context 512]
 
+    python -m deepinfer.benchmarks.speculative --profile-cost --json FILE [--batch-sizes 1,2,4,8,16,32]
+        [--max-drafts 3] [--context 256] [--model PATH] [--device cuda]
+
+`--profile-cost`: the step-cost table of confidence-scheduled verification (`engine.spec_decode.step_cost`):
+seconds of one target forward per (requests, tokens per request = 1 .. 1 + `--max-drafts`) on this
+device, written as the JSON that `EngineConfig.verify_cost_table` loads (the shipped CPU default is
+`engine/spec_decode/step_cost_cpu.json`).
+
 `--verify-forward`: only the target forward of one verify step (every request a `1 + 3`-token chunk
 after `--context` tokens of its own), the per-request prefill-chunk path against the batched verify
 path (`engine.spec_decode.verify_rows`); best of `--repeats` interleaved runs each, checked equal.
 
 `--ks`: drafts per step; a trailing `c` (e.g. `3c`) runs that k with confidence-scheduled verification
-(`verify_schedule="confidence"`, the drafts' MTP probabilities as confidences) instead of full blocks; a
+(`verify_schedule="confidence"`, the checkpoint's confidence head when it has one) instead of full blocks,
+`d` (e.g. `3d`) the same with the drafts' MTP probabilities as confidences (the head unloaded); a
 trailing `p` (e.g. `3p`) runs the verify chunks as per-request prefill chunks instead of the batched
 verify path (`engine.spec_decode.verify_rows`; the default wherever the attention backend has it).
 
@@ -108,6 +117,25 @@ def verify_forward(sizes: list[int], context: int, repeats: int, num_drafts: int
     return rows
 
 
+def profile_cost(args) -> dict:
+    """`--profile-cost`: measure and write the step-cost table (`engine.spec_decode.step_cost`)."""
+    from deepinfer.engine.builtin_model import builtin_model_path
+    from deepinfer.engine.loader import load_checkpoint
+    from deepinfer.engine.spec_decode.step_cost import profile_step_cost
+
+    if not args.json:
+        raise SystemExit("--profile-cost writes its table to --json FILE; give one")
+    path = args.model or str(builtin_model_path())
+    model, _ = load_checkpoint(path, device=args.device)
+    table = profile_step_cost(model, [int(b) for b in args.batch_sizes.split(",")], args.max_drafts,
+                              context=args.context, repeats=args.repeats,
+                              log=lambda row: print(json.dumps(row), flush=True))
+    table.meta.update(model=path if args.model else "builtin", machine=platform.platform(), cpus=os.cpu_count(),
+                      threads=args.threads)
+    table.save(args.json)
+    return table.to_dict()
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-sizes", default="1,4,16")
@@ -119,9 +147,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", default=None)
     ap.add_argument("--verify-forward", action="store_true", help="only time one verify forward (see above)")
     ap.add_argument("--context", type=int, default=512, help="tokens before each verify chunk (--verify-forward)")
+    ap.add_argument("--profile-cost", action="store_true", help="write the step-cost table (see above) to --json")
+    ap.add_argument("--max-drafts", type=int, default=3, help="drafts per request of the table (--profile-cost)")
+    ap.add_argument("--model", default=None, help="checkpoint (--profile-cost; default the built-in model)")
+    ap.add_argument("--device", default="cpu", help="torch device (--profile-cost)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     loadavg_start = os.getloadavg()
+    if args.profile_cost:
+        return profile_cost(args)
     if args.verify_forward:
         rows = verify_forward([int(b) for b in args.batch_sizes.split(",")], args.context, args.repeats)
         report = {"machine": platform.platform(), "cpus": os.cpu_count(), "threads": args.threads,
@@ -137,11 +171,14 @@ def main(argv: list[str] | None = None) -> dict:
     ks = args.ks.split(",")
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    llms = {k: LLM(max_num_seqs=max(sizes), speculative_tokens=int(k.rstrip("cp")),
-                   verify_schedule="confidence" if "c" in k else "full") for k in ks}
+    llms = {k: LLM(max_num_seqs=max(sizes), speculative_tokens=int(k.rstrip("cdp")),
+                   verify_schedule="confidence" if ("c" in k or "d" in k) else "full") for k in ks}
     for k, llm in llms.items():
         if "p" in k:
             llm.engine.spec.batched_verify = False
+        if "d" in k:  # the fallback confidences: the drafts' MTP probabilities
+            llm.engine.spec.confidence_head = None
+            llm.engine.spec.drafter.keep_features = False
     results = []
     for b in sizes:
         prompts = [{"prompt_token_ids": p} for p in workload(b, args.seed)]

@@ -50,8 +50,9 @@ class ServiceActor:
     """
 
     def __init__(self, role: str, config: dict) -> None:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        from deepinfer.serving.logs import configure_logging_from_env
+
+        configure_logging_from_env()  # DEEPINFER_LOG_LEVEL / _FORMAT (`up --log-level/--log-format`), request ids
         self.role = role
         self.is_restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self._server = None

@@ -682,7 +682,8 @@ def _add_up_args(p: argparse.ArgumentParser, *, is_serve: bool) -> None:
     p.add_argument("--host", default=None, help="interface every server binds, the HTTP front's included")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's, 8000)")
     p.add_argument("--api-key", action="append", default=[],
-                   help="API key the HTTP front requires (repeatable or comma-separated: any one is accepted)")
+                   help="API key the HTTP front requires (repeatable or comma-separated: any one is accepted); "
+                        "each may carry its policy: KEY;name=N;class=agent|chat;max_concurrent=C;rpm=R")
     p.add_argument("--served-model-name", default=None, help="model name clients send and /v1/models lists")
     p.add_argument("--max-model-len", type=int, default=None, help="context length the HTTP front accepts")
     p.add_argument("--prefill", type=int, default=None, metavar="N", help="prefill instances")

@@ -171,6 +171,9 @@ HTTP_LAUNCHER_SET_FIELDS = frozenset({"entrypoint", "host", "port", "model", "re
 class HttpConfig(_Frozen):
     """The HTTP front (`python -m deepinfer.entrypoint.http`), started when that module exists."""
 
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True,
+                              hide_input_in_errors=True)  # NOTE: a bad api_keys entry must not print the keys
+
     enabled: bool = True
     """Start it (ignored, with a note, when `entrypoint.http` is not installed)."""
     host: str = "127.0.0.1"
@@ -179,6 +182,7 @@ class HttpConfig(_Frozen):
     """HTTP port."""
     api_keys: list[str] = Field(default_factory=list)
     """API keys the front accepts (any one; `Authorization: Bearer KEY` or `x-api-key`); empty = no key.
+    Each may carry its policy: `KEY;name=NAME;class=agent|chat;max_concurrent=C;rpm=R` (`entrypoint.http.keys`).
     Handed to the front through its environment, never on a command line."""
     settings: dict[str, Any] = Field(default_factory=dict)
     """More settings of the front (fields of `entrypoint.http.config.HttpConfig`: served_model_name,
@@ -190,6 +194,9 @@ class HttpConfig(_Frozen):
         for key in value:
             if not key or "," in key or key != key.strip():
                 raise ValueError("an API key must be non-empty, without commas or surrounding spaces")
+        from deepinfer.entrypoint.http.keys import parse_keys
+
+        parse_keys(",".join(value))  # the keys' options (name, class, max_concurrent, rpm); names no key value
         return value
 
     @field_validator("settings")

@@ -107,6 +107,10 @@ class EngineConfig(BaseModel):
     verify_schedule: Literal["full", "confidence"] = "full"
     """Drafts verified per request (speculative decoding): "full" all of them, "confidence" a prefix chosen over
     the whole batch from the drafts' confidences (`engine.spec_decode.verify_schedule`)."""
+    verify_cost_table: str | None = None
+    """Step-cost table (JSON, `benchmarks/speculative.py --profile-cost`) of the "confidence" schedule; None = the
+    table shipped for the CPU (`spec_decode.step_cost`) on a CPU device, the linear stand-in elsewhere; "linear" =
+    the linear stand-in."""
     expert_parallel_size: int = Field(1, ge=1)
     """Ranks of the instance (`engine.distributed`): attention data-parallel over the ranks, routed experts split
     over them (expert parallelism); 1 = one process (today's engine). With N > 1 the engine's process is rank 0 and
@@ -257,13 +261,21 @@ class Engine(ExternalKVMixin):
         block_size = config.block_size or default_block_size(mc.compress_rates.values())  # the layout decides
         self.fit = check_fit(path, mc, dtype=parse_dtype(config.dtype), device=config.device,
                              max_model_len=self.max_model_len, block_size=block_size,
-                             max_num_seqs=config.max_num_seqs, num_blocks=config.num_blocks)
+                             max_num_seqs=config.max_num_seqs, num_blocks=config.num_blocks,
+                             expert_parallel_size=config.expert_parallel_size,
+                             num_redundant_experts=config.num_redundant_experts)
         """The start-up memory plan (`engine.fit`): checked before loading; refuses a model that cannot fit."""
+        ep_kwargs = {}
+        if config.expert_parallel_size > 1:  # rank 0 of an instance: its routed experts only (`engine.distributed`)
+            from deepinfer.engine.distributed.expert_parallel import rank_load_kwargs
+
+            ep_kwargs = rank_load_kwargs(mc, config.expert_parallel_size, 0, config.num_redundant_experts,
+                                         config.batch_invariant)
         self.model, self.model_config = load_checkpoint(path, dtype=config.dtype, device=config.device,
                                                        attention_backend=config.attention_backend,
                                                        moe_backend=config.moe_backend,
                                                        fp8_activations=config.fp8_activations,
-                                                       indexer_numerics=config.indexer_numerics)
+                                                       indexer_numerics=config.indexer_numerics, **ep_kwargs)
         if config.batch_invariant:
             from deepinfer.engine.batch_invariant import enable_batch_invariant
 
@@ -271,9 +283,9 @@ class Engine(ExternalKVMixin):
         mc = self.model_config
         self.tokenizer = load_tokenizer(path)
         self.replay_tokens = exact_replay_tokens(mc)
-        # NOTE: block ids are shared by all ranks of a multi-rank instance, so a prefix hit could name another
-        # rank's KV (`engine.distributed.plan`): prefix caching is off there
-        self._prefix_caching = config.enable_prefix_caching and config.expert_parallel_size == 1
+        # NOTE: a multi-rank instance has one block pool per rank; a block id carries its rank, so a prefix hit
+        # names KV of the rank the request then runs on (`engine.distributed.kv_pools`)
+        self._prefix_caching = config.enable_prefix_caching
         if config.replay_tokens is not None:
             if config.replay_tokens < self.replay_tokens:
                 raise ValueError(
@@ -290,8 +302,15 @@ class Engine(ExternalKVMixin):
         dtype = self.model.model.embed_tokens.weight.dtype
         self.cache = V4KVCache(mc, num_blocks, block_size, config.max_num_seqs, dtype=dtype, device=config.device,
                                max_model_len=self.max_model_len)
-        self.kv_manager = KVCacheManager(BlockPool(num_blocks, block_size, self._prefix_caching))
-        self.slots = StateSlotPool(config.max_num_seqs)
+        if config.expert_parallel_size > 1:  # `num_blocks` per rank; each rank's cache holds its requests' KV only
+            from deepinfer.engine.distributed.kv_pools import RankedBlockPool, RankedKVCacheManager, RankedStateSlotPool
+
+            self.slots = RankedStateSlotPool(config.max_num_seqs, config.expert_parallel_size)
+            self.kv_manager = RankedKVCacheManager(
+                RankedBlockPool(config.expert_parallel_size, num_blocks, block_size, self._prefix_caching), self.slots)
+        else:
+            self.kv_manager = KVCacheManager(BlockPool(num_blocks, block_size, self._prefix_caching))
+            self.slots = StateSlotPool(config.max_num_seqs)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -326,9 +345,11 @@ class Engine(ExternalKVMixin):
         """Speculative decoding (`engine.spec_decode.SpecDecoding`: drafter, rollback, metrics), or None when off."""
         if config.speculative_tokens:
             from deepinfer.engine.spec_decode import SpecDecoding
+            from deepinfer.engine.spec_decode.step_cost import load_cost_table
 
             self.spec = SpecDecoding(self.model, self.cache, self.sampler, config.max_num_seqs,
-                                     config.speculative_tokens, config.speculative_method, config.verify_schedule)
+                                     config.speculative_tokens, config.speculative_method, config.verify_schedule,
+                                     model_dir=path, cost_table=load_cost_table(config.verify_cost_table, config.device))
         self.executor = self.spec.executor if self.spec is not None else make_executor(config, self.runner,
                                                                                        self.sampler)
         """Runs each prepared step (model forward + sampling); chosen once, here (`engine.executor`)."""

@@ -15,6 +15,12 @@ tensor data), `plan_fit` works out:
   experts split evenly, everything else replicated), with the per-device weight bytes and the
   sequences that then fit per device for that count and for 8 devices (one node).
 
+Expert-parallel instances (`expert_parallel_size` N > 1) are checked per rank: a rank holds the
+replicated part plus its `(n_routed_experts + num_redundant_experts) / N` routed-expert slots (MTP
+layers are not loaded: speculative decoding is off with expert parallelism), and its own KV pool
+(`num_blocks` is per rank). CPU ranks share the host, so there the available memory is split N ways;
+CUDA ranks have one device each (rank 0's device is measured for all).
+
 `check_fit` raises `ModelDoesNotFitError` with those numbers when not even one sequence of
 `max_model_len` fits (or a requested `num_blocks` exceeds the budget). `Engine` calls it before
 `load_checkpoint`.
@@ -53,6 +59,10 @@ class WeightBytes:
     """The routed experts (`*.ffn.experts.{e}.*`, MTP layers included), scales included."""
     other_bytes: int
     """Everything else (attention, shared experts, router, norms, embedding, head, vision tower)."""
+    mtp_expert_bytes: int = 0
+    """Of `expert_bytes`: the MTP layers' routed experts."""
+    mtp_other_bytes: int = 0
+    """Of `other_bytes`: the rest of the MTP layers."""
 
     @property
     def total(self) -> int:
@@ -62,25 +72,36 @@ class WeightBytes:
         """Bytes on each of `num_devices` devices with the routed experts split evenly, the rest replicated."""
         return self.other_bytes + -(-self.expert_bytes // num_devices)
 
+    def per_rank(self, world_size: int, num_experts: int, num_redundant_experts: int = 0) -> int:
+        """Bytes one rank of an expert-parallel instance loads: the replicated part (MTP layers left out) plus
+        its `(num_experts + num_redundant_experts) / world_size` expert slots of every MoE layer (worst case:
+        all distinct experts)."""
+        slots = -(-(num_experts + num_redundant_experts) // world_size)
+        main_experts = self.expert_bytes - self.mtp_expert_bytes
+        return self.other_bytes - self.mtp_other_bytes + -(-main_experts * min(slots, num_experts) // num_experts)
+
 
 def checkpoint_weight_bytes(path: str | Path, dtype: torch.dtype) -> WeightBytes:
     """Resident bytes of the checkpoint at `path` once loaded at `dtype`, from its headers only."""
-    from deepinfer.engine.loader import scan_checkpoint
+    from deepinfer.engine.loader import MTP_PREFIXES, scan_checkpoint
     from deepinfer.engine.models.deepseek_v4_weights import is_fp32_kept, official_to_spec_name
 
     itemsize = torch.tensor([], dtype=dtype).element_size()
-    expert = other = 0
+    expert = other = mtp_expert = mtp_other = 0
     for name, stored in scan_checkpoint(path).items():
         numel = math.prod(stored.shape)
         if stored.dtype in _FLOAT_TAGS:  # cast at load: the engine dtype, or float32 for the kept set
             nbytes = numel * (4 if is_fp32_kept(official_to_spec_name(name)) else itemsize)
         else:  # integers, FP8 / packed FP4 weights and their scales stay as stored
             nbytes = stored.num_bytes
+        is_mtp = name.startswith(MTP_PREFIXES)
         if _EXPERT_RE.search(name):
             expert += nbytes
+            mtp_expert += nbytes if is_mtp else 0
         else:
             other += nbytes
-    return WeightBytes(expert, other)
+            mtp_other += nbytes if is_mtp else 0
+    return WeightBytes(expert, other, mtp_expert, mtp_other)
 
 
 def available_device_bytes(device: str | torch.device) -> int:
@@ -119,6 +140,17 @@ class FitReport:
     max_model_len: int
     block_size: int
     max_num_seqs: int
+    expert_parallel_size: int = 1
+    """Ranks of the instance: with more than one, the byte counts and budgets are per rank."""
+    num_routed_experts: int = 0
+    num_redundant_experts: int = 0
+
+    @property
+    def rank_weight_bytes(self) -> int:
+        """Weight bytes one rank (one device) holds: all of them, or its expert-parallel share."""
+        if self.expert_parallel_size == 1:
+            return self.weights.total
+        return self.weights.per_rank(self.expert_parallel_size, self.num_routed_experts, self.num_redundant_experts)
 
     @property
     def blocks_per_seq(self) -> int:
@@ -131,8 +163,8 @@ class FitReport:
 
     @property
     def kv_budget_bytes(self) -> int:
-        """What is left for the cache after the weights (negative: the weights alone do not fit)."""
-        return self.usable_bytes - self.weights.total
+        """What is left for the cache after the (rank's) weights (negative: the weights alone do not fit)."""
+        return self.usable_bytes - self.rank_weight_bytes
 
     @property
     def num_seqs_fit(self) -> int:
@@ -177,14 +209,17 @@ class FitReport:
     def summary(self) -> str:
         """The numbers, in one paragraph."""
         w = self.weights
+        ep = (f" ({self.rank_weight_bytes / _GIB:.2f} GiB per rank of expert_parallel_size "
+              f"{self.expert_parallel_size} with {self.num_redundant_experts} redundant experts)"
+              if self.expert_parallel_size > 1 else "")
         text = (f"weights {w.total / _GIB:.2f} GiB ({w.expert_bytes / _GIB:.2f} GiB routed experts, "
-                f"{w.other_bytes / _GIB:.2f} GiB the rest); {self.device} has {self.device_bytes / _GIB:.2f} GiB "
+                f"{w.other_bytes / _GIB:.2f} GiB the rest){ep}; {self.device} has {self.device_bytes / _GIB:.2f} GiB "
                 f"available, {MEMORY_UTILIZATION:.0%} usable = {self.usable_bytes / _GIB:.2f} GiB; KV "
                 f"{self.kv_bytes_per_token:.0f} B/token + {self.state_bytes_per_seq / 2**20:.2f} MiB state per "
                 f"sequence = {self.bytes_per_seq / 2**20:.2f} MiB per sequence of max_model_len "
                 f"{self.max_model_len}; KV budget {self.kv_budget_bytes / _GIB:.2f} GiB holds {self.num_seqs_fit} "
                 "such sequences")
-        if w.total + self.bytes_per_seq > self.usable_bytes:
+        if self.rank_weight_bytes + self.bytes_per_seq > self.usable_bytes:
             n = self.expert_parallel_devices()
             text += (f"; an expert-parallel layout needs {n} such devices (routed experts split "
                      f"{w.expert_bytes / _GIB:.2f} GiB / {n}, {w.other_bytes / _GIB:.2f} GiB replicated)" if n else
@@ -196,8 +231,10 @@ class FitReport:
 
 
 def plan_fit(config: ModelConfig, weights: WeightBytes, *, dtype: torch.dtype, device: str, device_bytes: int,
-             max_model_len: int, block_size: int, max_num_seqs: int) -> FitReport:
-    """The memory plan from known numbers (no I/O): what `check_fit` evaluates."""
+             max_model_len: int, block_size: int, max_num_seqs: int, expert_parallel_size: int = 1,
+             num_redundant_experts: int = 0) -> FitReport:
+    """The memory plan from known numbers (no I/O): what `check_fit` evaluates (per rank with
+    `expert_parallel_size` > 1; `device_bytes` is then one rank's)."""
     itemsize = torch.tensor([], dtype=dtype).element_size()
     layout = CacheLayout.from_config(config)
     pools = layout.pools(1, block_size, 1, itemsize)  # one block, one slot
@@ -208,20 +245,28 @@ def plan_fit(config: ModelConfig, weights: WeightBytes, *, dtype: torch.dtype, d
         usable_bytes=int(device_bytes * MEMORY_UTILIZATION),
         kv_bytes_per_token=layout.compressed_bytes_per_token(itemsize), block_bytes=block_bytes,
         state_bytes_per_seq=state_bytes, max_model_len=max_model_len, block_size=block_size,
-        max_num_seqs=max_num_seqs,
+        max_num_seqs=max_num_seqs, expert_parallel_size=expert_parallel_size,
+        num_routed_experts=config.n_routed_experts, num_redundant_experts=num_redundant_experts,
     )
 
 
 def check_fit(path: str | Path, config: ModelConfig, *, dtype: torch.dtype, device: str, max_model_len: int,
               block_size: int, max_num_seqs: int, num_blocks: int | None = None,
-              device_bytes: int | None = None) -> FitReport:
+              device_bytes: int | None = None, expert_parallel_size: int = 1,
+              num_redundant_experts: int = 0) -> FitReport:
     """The memory plan for serving checkpoint `path` on `device`; raises `ModelDoesNotFitError` (with the
     numbers, and the expert-parallel device count when the weights are the problem) when not one
     sequence of `max_model_len` fits, or a requested `num_blocks` exceeds the budget.
-    `device_bytes`: the available memory (None: measured)."""
+    `device_bytes`: the available memory (None: measured). `expert_parallel_size` > 1: the plan of one rank
+    (its weight share, its own KV pool; `num_blocks` per rank; CPU ranks split the host's memory)."""
+    if device_bytes is None:
+        device_bytes = available_device_bytes(device)
+        if torch.device(device).type != "cuda":
+            device_bytes //= expert_parallel_size  # CPU ranks share the host's memory
     report = plan_fit(config, checkpoint_weight_bytes(path, dtype), dtype=dtype, device=device,
-                      device_bytes=available_device_bytes(device) if device_bytes is None else device_bytes,
-                      max_model_len=max_model_len, block_size=block_size, max_num_seqs=max_num_seqs)
+                      device_bytes=device_bytes, max_model_len=max_model_len, block_size=block_size,
+                      max_num_seqs=max_num_seqs, expert_parallel_size=expert_parallel_size,
+                      num_redundant_experts=num_redundant_experts)
     if not report.fits:
         raise ModelDoesNotFitError(
             f"{path} does not fit on {device}: {report.summary()}. Use more devices, a smaller max_model_len or "

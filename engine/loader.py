@@ -507,15 +507,20 @@ class WeightLoader:
         device: str | torch.device = "cpu",
         progress: bool | None = None,
         skip_prefixes: tuple[str, ...] = MTP_PREFIXES,
+        skip_spec_name: Callable[[str], bool] | None = None,
     ) -> None:
         self.path = Path(path)
         self.spec = dict(spec)
         self.device = torch.device(device)
         self.transform = make_weight_transform(quantization_config)
         self.stored = scan_checkpoint(self.path)
-        self.skipped_names: list[str] = sorted(n for n in self.stored if n.startswith(skip_prefixes))
-        """Checkpoint tensors left out on purpose (MTP layers): the hook for loading them later."""
-        by_spec_name = {official_to_spec_name(n): s for n, s in self.stored.items() if not n.startswith(skip_prefixes)}
+        self.skipped_names: list[str] = sorted(
+            n for n in self.stored
+            if n.startswith(skip_prefixes) or (skip_spec_name is not None and skip_spec_name(official_to_spec_name(n))))
+        """Checkpoint tensors left out on purpose (MTP layers; with `skip_spec_name`, e.g. the routed experts
+        another rank of an expert-parallel instance holds): never read, not reported as unexpected."""
+        skipped = set(self.skipped_names)
+        by_spec_name = {official_to_spec_name(n): s for n, s in self.stored.items() if n not in skipped}
         self.spec, self.quantized_linears = self.transform.quantize_spec(self.spec, by_spec_name)
         """`quantized_linears`: module name -> `QuantizedLinearSpec` for each linear kept quantized."""
         self.checkpoint_names: dict[str, str] = {}
@@ -664,6 +669,54 @@ def load_weights(
     return WeightLoader(root, model_or_spec, quantization_config=quant, device=device, progress=progress).state_dict()
 
 
+_ROUTED_EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.ffn\.experts\.(\d+)\.")
+
+
+class AbsentExpert(nn.Module):
+    """Stands in for a routed expert this process does not hold (an expert-parallel rank's other experts).
+
+    It has no state-dict tensors and no memory beyond an empty marker; `w1.weight` etc. exist (empty, on
+    the model's device) only because `MoE` reads `experts[0].w1.weight` for its device and re-prepare
+    check. Calling it is a bug: the expert-parallel backend computes only held experts.
+    """
+
+    is_absent = True
+
+    def __init__(self, limit: float, device: str | torch.device) -> None:
+        super().__init__()
+        self.limit = limit
+        for name in ("w1", "w2", "w3"):
+            marker = nn.Module()
+            marker.register_buffer("weight", torch.empty(0, device=device), persistent=False)
+            setattr(self, name, marker)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this routed expert is held by another rank (expert parallelism); it cannot run here")
+
+
+def _drop_routed_experts(model: nn.Module, spec: dict[str, TensorSpec], routed_experts: Mapping[int, Any],
+                         device: str | torch.device) -> Callable[[str], bool]:
+    """Replace the routed experts not in `routed_experts[layer]` by `AbsentExpert`s and drop their spec entries;
+    returns the predicate on spec names of the tensors to skip."""
+    keep = {int(layer): {int(e) for e in experts} for layer, experts in routed_experts.items()}
+    for i, layer in enumerate(model.model.layers):
+        if i not in keep:
+            continue
+        experts = layer.ffn.experts
+        for e in range(len(experts)):
+            if e not in keep[i]:
+                experts[e] = AbsentExpert(experts[e].limit, device)
+    for name in [n for n in spec if (m := _ROUTED_EXPERT_RE.match(n)) and int(m[1]) in keep
+                 and int(m[2]) not in keep[int(m[1])]]:
+        del spec[name]
+
+    def skip(spec_name: str) -> bool:
+        m = _ROUTED_EXPERT_RE.match(spec_name)
+        return m is not None and int(m[1]) in keep and int(m[2]) not in keep[int(m[1])]
+
+    return skip
+
+
 def _load_into(
     model: nn.Module,
     root: Path,
@@ -672,15 +725,17 @@ def _load_into(
     dtype: torch.dtype,
     device: str | torch.device,
     progress: bool | None,
+    routed_experts: Mapping[int, Any] | None = None,
 ) -> nn.Module:
     spec = checkpoint_spec(config, dtype)
     # NOTE: a model with an MTP layer (`mtp.*` keys) loads it from the checkpoint; one without skips them
     has_mtp = any(n.startswith(MTP_PREFIXES) for n in model.state_dict(keep_vars=True))
     if has_mtp:
         spec.update(mtp_checkpoint_spec(config, dtype))
+    skip = _drop_routed_experts(model, spec, routed_experts, device) if routed_experts is not None else None
     _check_model_matches_spec(model, spec)
     loader = WeightLoader(root, spec, quantization_config=quant, device=device, progress=progress,
-                          skip_prefixes=() if has_mtp else MTP_PREFIXES)
+                          skip_prefixes=() if has_mtp else MTP_PREFIXES, skip_spec_name=skip)
     quantize_linears(model, loader.quantized_linears)
     model.load_state_dict(loader.state_dict(), strict=True, assign=True)
     still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
@@ -751,11 +806,21 @@ def load_checkpoint(
     moe_backend: str = "torch",
     fp8_activations: str = "bf16",
     indexer_numerics: str = "transformers",
+    routed_experts: Mapping[int, Any] | None = None,
+    before_prepare: Callable[[nn.Module], None] | None = None,
+    load_mtp: bool = True,
 ) -> tuple[nn.Module, ModelConfig]:
     """Blocks while reading: build `DeepseekV4ForCausalLM` from checkpoint `path` and load its weights.
     (`attention_backend`: an `engine.attention` backend name; `moe_backend`: an `engine.moe` backend name;
     `fp8_activations`: "bf16" or "fp8", the activations of the FP8 linears, `engine.quant.linear.set_fp8_activations`;
     `indexer_numerics`: "transformers" or "reference", `engine.attention.indexer_quant.set_indexer_numerics`.)
+
+    Expert parallelism: `routed_experts` (decoder layer index -> the routed expert ids to read) makes the
+    model hold only those experts of the listed layers (the others are `AbsentExpert`s, never read from the
+    shards; quantized ones stay quantized); `before_prepare(model)` runs before the MoE backends are prepared
+    (so an expert-parallel backend, which hands its inner backend only the held experts, can be installed:
+    `engine.distributed.expert_parallel`). MTP layers always load all their experts; `load_mtp=False` leaves
+    the MTP layers out (an expert-parallel rank: speculative decoding is off there).
 
     Returns `(model, config)` with the model in eval mode, without gradients, on `device`, floats in
     `dtype` except the fp32-kept set. Raises `CheckpointError` (naming the culprit) before reading any tensor data if
@@ -767,11 +832,12 @@ def load_checkpoint(
     torch_dtype = parse_dtype(dtype)
     config, quant = read_checkpoint_config(root)
     # the MTP layer is built when the checkpoint ships it (transformers' save_pretrained writes none)
-    num_mtp = config.num_nextn_predict_layers if any(n.startswith(MTP_PREFIXES) for n in scan_checkpoint(root)) else 0
+    num_mtp = config.num_nextn_predict_layers if load_mtp and any(n.startswith(MTP_PREFIXES)
+                                                                  for n in scan_checkpoint(root)) else 0
     with torch.device(device), meta_parameters():
         model = DeepseekV4ForCausalLM(config, attention_backend=attention_backend, moe_backend=moe_backend,
                                       num_mtp_layers=num_mtp)
-    _load_into(model, root, config, quant, torch_dtype, device, progress)
+    _load_into(model, root, config, quant, torch_dtype, device, progress, routed_experts)
     from deepinfer.engine.quant.linear import set_fp8_activations
 
     set_fp8_activations(model, fp8_activations)
@@ -779,6 +845,8 @@ def load_checkpoint(
 
     set_indexer_numerics(model, indexer_numerics)
     model.eval().requires_grad_(False)
+    if before_prepare is not None:
+        before_prepare(model)
     model.prepare_for_inference()  # once, on the loaded weights: small-op picks, MoE backend packing
     return model, config
 

@@ -266,7 +266,7 @@ def run_migrating(generate: Callable, req, request: entrypoint_pb2.GenerateReque
                 if attempt:
                     _fix_usage(response, num_responses, num_prompt_tokens, first_cached,
                                len(generated) + len(response.token_ids))
-                is_stopped_here = text.on_response(response, len(generated) + len(response.token_ids))
+                is_stopped_here = text.on_response(response, len(generated))
                 generated.extend(response.token_ids)
                 num_responses += 1
                 if is_stopped_here:
@@ -388,9 +388,10 @@ def is_process_gone(stub, timeout_s: float = 0.5) -> bool:
 
 
 def is_address_gone(address: str, timeout_s: float = 0.5) -> bool:
-    """`is_process_gone` over a fresh channel to `address`: a channel whose calls just broke answers
-    with the error that broke them (a reset) while it backs off, not with the refusal of a new connect."""
-    channel = secure_channel(address)
+    """`is_process_gone` over a fresh connection to `address`: a channel whose calls just broke answers
+    with the error that broke them (a reset) while it backs off, not with the refusal of a new connect.
+    NOTE: gRPC shares subchannels between channels to the same address; a local pool gives a new one."""
+    channel = secure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
     try:
         return is_process_gone(prefill_pb2_grpc.PrefillStub(channel), timeout_s)  # any service: refused is refused
     finally:

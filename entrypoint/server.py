@@ -309,6 +309,8 @@ class _Request:
                 stub.Abort(common_pb2.AbortRequest(request_id=self.request_id, reason=reason), timeout=rpc_timeout_s)
             except grpc.RpcError as e:
                 logger.warning("aborting %s on %s failed: %s", self.request_id, instance_id, e.code().name)
+            except ValueError:  # the entrypoint is shutting down: its channels are closed
+                logger.info("not aborting %s on %s: the entrypoint stopped", self.request_id, instance_id)
 
 
 # ---------------------------------------------------------------------------------------- service
@@ -325,6 +327,8 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         self.image_token_id = IMAGE_TOKEN_ID
         """The model's image position id (config.json `image_token_id`)."""
         self._channels: dict[str, grpc.Channel] = {}
+        self._old_channels: list[grpc.Channel] = []
+        """Channels replaced after their instance came back (their calls may still run; closed at the end)."""
         self._lock = threading.Lock()
         self._inflight: dict[str, _Request] = {}
         self.prefill_lb = loadbalancer_pb2_grpc.LoadBalancerStub(self._channel(config.prefill_lb_address))
@@ -347,7 +351,8 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         self.liveness.close()
         self.prefill_liveness.close()
         with self._lock:
-            channels, self._channels = list(self._channels.values()), {}
+            channels, self._channels = list(self._channels.values()) + self._old_channels, {}
+            self._old_channels = []
         for channel in channels:
             channel.close()
 
@@ -367,7 +372,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
-                channel = self._channels[address] = secure_channel(address)
+                channel = self._channels[address] = secure_channel(address, options=_LOCAL_POOL)
             return channel
 
     # ------------------------------------------------------------------ Generate
@@ -431,7 +436,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         self._await_stage(req, "decode", self.decode_lb, deadline)
 
         reserve, d_stub = None, None
-        excluded: list[str] = list(req.lost_instance_ids)
+        excluded: list[str] = self._still_lost(req.lost_instance_ids)
         for attempt in range(self.config.max_attempts):
             d_inst = self._pick(req, "decode", self.decode_lb, loadbalancer_pb2.PickRequest(
                 request_id=rid, stage=common_pb2.STAGE_DECODE, num_prompt_tokens=len(prompt),
@@ -476,7 +481,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         if reserve.HasField("state_slot"):
             destination.state_slot = reserve.state_slot
         hashes = prompt_block_hashes(prompt, reserve.block_size, images)
-        excluded = list(req.lost_instance_ids)
+        excluded = self._still_lost(req.lost_instance_ids)
         for attempt in range(self.config.max_attempts):
             p_inst = self._pick(req, "prefill", self.prefill_lb, loadbalancer_pb2.PickRequest(
                 request_id=rid, stage=common_pb2.STAGE_PREFILL, prompt_block_hashes=hashes,
@@ -672,7 +677,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                 raise _Cancelled() from None
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
-                    if self._revive_excluded(stage, stub, pick) or self._wait_for_outage(req, stage, deadline):
+                    if self._revive_excluded(req, stage, stub, pick) or self._wait_for_outage(req, stage, deadline):
                         continue
                 if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
                     address = getattr(self.config, f"{stage}_lb_address")
@@ -684,16 +689,31 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
             # a lost instance its balancer still lists (its heartbeats not timed out yet): pick again
             pick.exclude_instance_ids.append(instance.instance_id)
 
+    def _still_lost(self, instance_ids: list[str]) -> list[str]:
+        """Those of `instance_ids` (lost by the request's last attempt) that did not answer a probe since."""
+        return [i for i in instance_ids if self.outages.is_known_lost(i)]
+
     def _probe(self, stage: str, address: str) -> bool:
-        """Whether the `stage` instance at `address` answers a Health call now."""
+        """Whether the `stage` instance at `address` answers a Health call now, over a new connection;
+        when it does, later calls to `address` get a new channel too.
+
+        NOTE: a channel whose connection broke fails calls at once while it backs off from reconnecting
+        (gRPC's backoff grows to minutes), so an instance restarted on the same address would be refused
+        by the old channel; gRPC shares connections between channels unless a local pool is asked for."""
         stub_class = {"prefill": prefill_pb2_grpc.PrefillStub, "decode": decode_pb2_grpc.DecodeStub,
                       "vision": vision_pb2_grpc.VisionStub}[stage]
+        channel = secure_channel(address, options=_LOCAL_POOL)
         try:
-            stub_class(self._channel(address)).Health(common_pb2.HealthRequest(),
-                                                      timeout=self.config.liveness_probe_timeout_s)
-            return True
+            stub_class(channel).Health(common_pb2.HealthRequest(), timeout=self.config.liveness_probe_timeout_s)
         except grpc.RpcError:
+            channel.close()
             return False
+        with self._lock:
+            old = self._channels.get(address)
+            self._channels[address] = channel
+            if old is not None:
+                self._old_channels.append(old)
+        return True
 
     def _is_usable(self, stage: str, instance) -> bool:
         return self.outages.is_usable(instance.instance_id, instance.address,
@@ -709,13 +729,14 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         return [i for i in listed.instances if i.load.is_healthy and not i.load.is_draining
                 and self._is_usable(stage, i)]
 
-    def _revive_excluded(self, stage: str, lb, pick: loadbalancer_pb2.PickRequest) -> bool:
-        """Drop from the pick's exclusions the instances that serve again (a lost instance restarted
-        under its id, a hung one back); True when any was dropped."""
-        if not pick.exclude_instance_ids:
+    def _revive_excluded(self, req: _Request, stage: str, lb, pick: loadbalancer_pb2.PickRequest) -> bool:
+        """Drop from the pick's exclusions the instances lost by the request's last attempt that serve
+        again (restarted under their id, a hung one back); True when any was dropped."""
+        lost = {i for i in pick.exclude_instance_ids if i in req.lost_instance_ids}
+        if not lost:  # excluded for being full or draining: stays excluded
             return False
         usable = {i.instance_id for i in self._usable_instances(stage, lb)}
-        kept = [i for i in pick.exclude_instance_ids if i not in usable]
+        kept = [i for i in pick.exclude_instance_ids if i not in lost or i not in usable]
         if len(kept) == len(pick.exclude_instance_ids):
             return False
         del pick.exclude_instance_ids[:]
@@ -735,9 +756,16 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
     def _await_stage(self, req: _Request, stage: str, lb, deadline: float | None) -> None:
         """While `stage` is out (`StageOutages`), blocks until one of its instances is usable, the
         outage window ends or the deadline is near (then the pick answers)."""
+        since = None
         while self.outages.wait_until(stage) is not None and not self._usable_instances(stage, lb):
+            if since is None:
+                since = time.monotonic()
+                logger.info("%s: waiting for a %s instance to serve (the stage lost one)", req.request_id, stage)
             if not self._wait_for_outage(req, stage, deadline):
+                logger.warning("%s: no %s instance came back in time", req.request_id, stage)
                 return
+        if since is not None:
+            logger.info("%s: a %s instance serves again after %.1f s", req.request_id, stage, time.monotonic() - since)
 
     def _unary(self, req: _Request, method, message, deadline: float | None, what: str):
         timeout = None if deadline is None else max(0.001, deadline - time.monotonic())
@@ -793,6 +821,10 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         context.set_trailing_metadata(((STATS_METADATA_KEY, json.dumps(stats)),))
         message = "; ".join(problems + [f"degraded: {d}" for d in stats.get("degraded", ())])
         return common_pb2.HealthResponse(is_healthy=not problems, instance_id=self.instance_id, message=message)
+
+
+_LOCAL_POOL = [("grpc.use_local_subchannel_pool", 1)]
+"""Channel option: its own connection (see `EntrypointServicer._probe`)."""
 
 
 def _is_images_lost(error: common_pb2.Error) -> bool:

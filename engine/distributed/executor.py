@@ -179,7 +179,7 @@ class MultiRankExecutor(Executor):
         import time
 
         t0 = time.perf_counter()
-        plans, rows_of_rank = split_step(step.batch, self.world_size)
+        plans, rows_of_rank = split_step(step.batch, self.world_size, self.spec.num_blocks)
         results = self._run_all([Command("step", p) for p in plans])
         t1 = time.perf_counter()
         self._num_steps += 1
@@ -208,6 +208,11 @@ class MultiRankExecutor(Executor):
         """Blocks while every rank reports its measured MoE loads (`reset`: the counters restart)."""
         per_rank = self._broadcast("loads", reset)
         return ExpertLoads(per_rank, imbalance_of(per_rank))
+
+    def rank_memory(self) -> list:
+        """Blocks while every rank reports what it holds (`worker.RankMemory`: routed experts, their bytes, KV
+        blocks), by rank."""
+        return self._broadcast("memory")
 
     def close(self) -> None:
         """Blocks until the rank processes have stopped; leaves the group. Idempotent."""

@@ -1,26 +1,27 @@
 """A step's plan per rank: attention data parallelism over one scheduler's batch.
 
-Rank 0 holds the scheduler view: one `Scheduler` over one slot pool and one block pool, whose ids
-are valid on every rank (each rank allocates a cache of the same geometry). A request belongs to the
-rank `rank_of_slot(slot)` for as long as it holds its state slot; its KV blocks are written and read
-on that rank only, so each rank owns its requests and their KV. `split_step` cuts the engine's flat
+Rank 0 holds the scheduler view: one `Scheduler` over one slot pool and one block-id space cut in
+per-rank pools (`engine.distributed.kv_pools`: global id `rank * blocks_per_rank + local`; each rank's
+cache holds `blocks_per_rank` blocks). A request belongs to the rank `rank_of_slot(slot)` for as long
+as it holds its state slot, and its blocks are that rank's, so each rank owns its requests and their KV;
+`split_step` hands a rank its requests' block tables in local ids. `split_step` cuts the engine's flat
 batch into one `RankPlan` per rank; a rank builds its own batch and attention metadata from it
 (`RankPlan.build`). A rank whose plan is empty joins the step's MoE collectives with zero rows
 (`engine.distributed.expert_parallel.idle_step`).
 
-NOTE: block ids are global, so a prefix-cache hit could name blocks another rank wrote; prefix caching is
-therefore off with more than one rank (the engine turns it off), and a preempted request that resumes in a
-slot of another rank recomputes its KV there. Per-rank pools (and a balancer picking the rank) are the next
-step for real capacity scaling: today every rank allocates the whole pool.
+NOTE: a preempted request that resumes in a slot of another rank recomputes its KV there (its blocks were
+freed); a prefix hit is only taken on the rank holding the prefix (`kv_pools.RankedKVCacheManager`).
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer.engine.distributed.kv_pools import to_local_block_table
 from deepinfer.engine.forward_batch import ForwardBatch, SeqChunk
 
 
@@ -57,9 +58,11 @@ class RankPlan:
         return batch
 
 
-def split_step(batch: ForwardBatch, world_size: int) -> tuple[list[RankPlan], list[list[int]]]:
+def split_step(batch: ForwardBatch, world_size: int,
+               blocks_per_rank: int | None = None) -> tuple[list[RankPlan], list[list[int]]]:
     """The engine's flat batch as one plan per rank, and per rank the step's sampling rows its logits
-    fill (`rows_of_rank[r][i]` is the row of `plans[r].logits_rows[i]`)."""
+    fill (`rows_of_rank[r][i]` is the row of `plans[r].logits_rows[i]`). `blocks_per_rank`: block tables
+    are global ids of per-rank pools and become the rank's local ids (None: left as they are)."""
     if batch.num_dummy_rows:
         raise ValueError("a multi-rank step cannot carry CUDA-graph padding rows (the engine runs it eagerly)")
     plans = [RankPlan() for _ in range(world_size)]
@@ -68,6 +71,8 @@ def split_step(batch: ForwardBatch, world_size: int) -> tuple[list[RankPlan], li
     num_tokens = [0] * world_size
     for seq, start in zip(batch.seqs, batch.starts):
         r = rank_of_slot(seq.slot, world_size)
+        if blocks_per_rank is not None:
+            seq = dataclasses.replace(seq, block_table=to_local_block_table(seq.block_table, blocks_per_rank, r))
         plans[r].seqs.append(seq)
         plans[r].token_ids.append(ids[start:start + seq.num_new_tokens])
         local_start.append(num_tokens[r])

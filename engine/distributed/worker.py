@@ -6,9 +6,10 @@ from rank 0 on the control group until `stop`. Commands (`Command.kind`):
 
   * `step`: run this rank's `RankPlan` (an empty plan: the MoE collectives with zero rows) and return
     the logits of its sampling rows (on the host);
-  * `rebalance`: EPLB over the loads measured since the last one (a collective; no weights move, see
-    `engine.distributed.expert_parallel`);
+  * `rebalance`: EPLB over the loads measured since the last one (a collective; experts a rank gains are
+    sent to it by a rank holding them, `engine.distributed.expert_parallel.move_experts`);
   * `loads`: this rank's per-layer `LayerLoad`s (`payload=True` also resets them);
+  * `memory`: what the rank holds (`RankMemory`: its routed experts and their bytes, its KV blocks);
   * `stop`: leave the group and exit.
 
 A failure on a rank is returned as a `RankError` (rank 0 raises it); the rank then exits, since the
@@ -26,9 +27,12 @@ import torch.distributed as dist
 
 from deepinfer.engine.distributed.expert_parallel import (
     apply_rebalance,
+    held_expert_bytes,
+    held_experts_of,
     idle_step,
     install_expert_parallel,
     layer_loads,
+    rank_load_kwargs,
 )
 from deepinfer.engine.distributed.group import GroupAddress, join_group, leave_group, rank_device
 
@@ -38,7 +42,7 @@ class Command:
     """What every rank does next (one per rank, scattered from rank 0)."""
 
     kind: str
-    """step | rebalance | loads | stop."""
+    """step | rebalance | loads | memory | stop."""
     payload: Any = None
     """`step`: the rank's `RankPlan`; `loads`: whether to reset the counters."""
 
@@ -49,6 +53,16 @@ class RankError:
 
     rank: int
     message: str
+
+
+@dataclass
+class RankMemory:
+    """What a rank holds (the `memory` command): which routed experts, their bytes, its KV blocks."""
+
+    expert_ids: list[list[int]]
+    """Per MoE layer: the routed experts whose weights this rank holds."""
+    expert_bytes: int
+    num_blocks: int
 
 
 @dataclass
@@ -77,6 +91,8 @@ class RankState:
     """One rank's model, cache and EP backends; runs commands (the same code on every rank)."""
 
     def __init__(self, rank: int, model, cache, num_redundant_experts: int) -> None:
+        """`model` is normally loaded with `rank_load_kwargs` (its experts only, EP backends installed); a model
+        loaded whole is wrapped here (each rank then computes only its experts but holds all)."""
         self.rank = rank
         self.model = model
         self.cache = cache
@@ -97,17 +113,22 @@ class RankState:
             return [p.phy2log for p in apply_rebalance(self.model, self.backends)]
         if cmd.kind == "loads":
             return layer_loads(self.backends, reset=bool(cmd.payload))
+        if cmd.kind == "memory":
+            return RankMemory(held_experts_of(self.model), held_expert_bytes(self.model), self.cache.num_blocks)
         raise ValueError(f"unknown rank command {cmd.kind!r}")
 
 
 def _load_rank(spec: RankSpec, rank: int) -> RankState:
     from deepinfer.engine.cache.kv_cache import V4KVCache
-    from deepinfer.engine.loader import load_checkpoint
+    from deepinfer.engine.loader import load_checkpoint, read_checkpoint_config
 
     device = rank_device(spec.device, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model, mc = load_checkpoint(spec.model_path, device=str(device), **spec.load_kwargs)
+    mc, _ = read_checkpoint_config(spec.model_path)
+    model, mc = load_checkpoint(spec.model_path, device=str(device), **spec.load_kwargs,
+                                **rank_load_kwargs(mc, spec.address.world_size, rank, spec.num_redundant_experts,
+                                                   spec.batch_invariant))
     if spec.batch_invariant:
         from deepinfer.engine.batch_invariant import enable_batch_invariant
 

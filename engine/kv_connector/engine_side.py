@@ -68,6 +68,14 @@ class ExternalKVMixin:
         """Hand the engine its KV connector (once, before any request uses it)."""
         if self._loading or self._connector_saves:
             raise RuntimeError("cannot change the KV connector while loads or saves are pending")
+        if connector is not None and self.config.expert_parallel_size > 1:
+            # NOTE: a connector names blocks of one pool; a multi-rank instance has one pool per rank
+            # (`engine.distributed.kv_pools`), and rank-aware descriptors are not implemented yet
+            raise ValueError(
+                f"a KV connector ({type(connector).__name__}) cannot serve an instance with expert_parallel_size="
+                f"{self.config.expert_parallel_size} yet: its KV lives in per-rank pools the connector does not "
+                "address. Run prefill / decode stages (and KV stores) with expert_parallel_size=1, or serve this "
+                "instance without a connector.")
         self.kv_connector = connector
 
     def poll_kv_connector(self) -> KVPollResult:
@@ -111,6 +119,9 @@ class ExternalKVMixin:
         save = None
         if hold_state and not hold_kv:
             raise InvalidRequestError("hold_state needs hold_kv", field="hold_state")
+        if (hold_kv or load is not None) and self.config.expert_parallel_size > 1:
+            raise InvalidRequestError("KV loads and holds (hold_kv) are not supported with expert_parallel_size > 1 "
+                                      "yet (per-rank KV pools)", field="hold_kv" if hold_kv else "kv_load")
         if hold_kv:
             if params.n != 1:
                 raise InvalidRequestError("hold_kv requests must have n = 1", field="n")

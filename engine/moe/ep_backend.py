@@ -164,13 +164,15 @@ class AllToAllDispatcher(Dispatcher):
     on the host (`tolist`), so this dispatcher is not CUDA-graph safe.
     """
 
-    def __init__(self, group=None) -> None:
+    def __init__(self, group=None, *, world_size: int | None = None, rank: int | None = None) -> None:
+        """`world_size` and `rank` given: no torch.distributed call here (the dispatcher may be built before
+        the group is joined, e.g. while the checkpoint loads); the group must be joined before `dispatch`."""
         import torch.distributed as dist
 
         self._dist = dist
         self.group = group
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group) if world_size is None else world_size
+        self.rank = dist.get_rank(group) if rank is None else rank
 
     def dispatch(self, x, dest_rank, local_ids):
         W = self.world_size

@@ -32,8 +32,10 @@ from deepinfer.engine.executor import Executor, PreparedStep, StepResult
 from deepinfer.engine.forward_batch import ForwardBatch
 from deepinfer.engine.scheduler import SchedulerOutput
 from deepinfer.engine.spec_decode.acceptance import num_accepted
+from deepinfer.engine.spec_decode.confidence import load_confidence_head
 from deepinfer.engine.spec_decode.mtp_drafter import DraftSeq, MTPDrafter
 from deepinfer.engine.spec_decode.rollback import RingRollback
+from deepinfer.engine.spec_decode.step_cost import StepCostTable
 from deepinfer.engine.spec_decode.verify_rows import batch_verify_chunks
 from deepinfer.engine.spec_decode.verify_schedule import choose_verify_lengths
 
@@ -133,21 +135,27 @@ class SpecStepResult(StepResult):
     """Per sampling request: its drafts for the next step (empty when it wants none)."""
     draft_probs: list[list[float]] = field(default_factory=list)
     """Per sampling request: the MTP's probability of each draft (a confidence estimate)."""
+    draft_features: list[torch.Tensor | None] = field(default_factory=list)
+    """Per sampling request: its drafts' confidence features [k, num_features] when the drafter keeps them
+    (`MTPDrafter.keep_features`), else None (before any scheduler trim)."""
 
 
 class SpecDecoding:
     """The engine's speculative-decoding state: drafter, rollback, metrics and the executor."""
 
     def __init__(self, model, cache, sampler, num_slots: int, num_draft_tokens: int, method: str = "mtp",
-                 verify_schedule: str = "full", verify_floor: int = 1, batched_verify: bool | None = None) -> None:
+                 verify_schedule: str = "full", verify_floor: int = 1, batched_verify: bool | None = None,
+                 model_dir=None, cost_table: StepCostTable | None = None) -> None:
         if method != "mtp":
             raise ValueError(f"unknown speculative_method {method!r}; known: mtp")
         if verify_schedule not in ("full", "confidence"):
             raise ValueError(f"unknown verify_schedule {verify_schedule!r}; known: full, confidence")
         self.verify_schedule = verify_schedule
         """"full": every request verifies all its drafts; "confidence": `verify_schedule.choose_verify_lengths`
-        over the drafts' MTP probabilities picks a prefix per request (at least `verify_floor` drafts)."""
+        over the drafts' confidences picks a prefix per request (at least `verify_floor` drafts)."""
         self.verify_floor = verify_floor
+        self.cost_table = cost_table
+        """The profiled step costs the confidence schedule trades against (`step_cost`); None = linear stand-in."""
         backend = next((m.backend for m in model.modules() if isinstance(getattr(m, "backend", None),
                                                                        AttentionBackend)), None)
         supported = getattr(backend, "supports_verify_rows", False)
@@ -161,6 +169,11 @@ class SpecDecoding:
         self.cache = cache
         self.sampler = sampler
         self.drafter = MTPDrafter(model, num_slots, num_draft_tokens)
+        weight = model.model.embed_tokens.weight
+        self.confidence_head = (load_confidence_head(model_dir, model.config.hidden_size, weight.device)
+                                if verify_schedule == "confidence" else None)
+        """The checkpoint's confidence head (`confidence`), or None: the drafts' MTP probabilities are the confidences."""
+        self.drafter.keep_features = self.confidence_head is not None
         self.rollback = RingRollback(cache)
         if num_draft_tokens > self.rollback.max_positions_per_slot:
             raise ValueError(
@@ -243,16 +256,27 @@ class SpecDecoding:
         self.rollback.restore(snap, rejected)
         t2 = time.perf_counter()
         seq_ids, seqs = self._draft_seqs(step, token_ids)
-        drafts, probs = self.drafter.propose(streams, seqs)
+        drafts, probs, feats = self.drafter.propose(streams, seqs)
         at = {i: n for n, i in enumerate(seq_ids)}
         per_req_drafts = [drafts[at[v.seq_idx]] if v.seq_idx in at else [] for v in step.verify]
         per_req_probs = [probs[at[v.seq_idx]] if v.seq_idx in at else [] for v in step.verify]
+        per_req_feats = [feats[at[v.seq_idx]] if v.seq_idx in at else None for v in step.verify]
         if self.verify_schedule == "confidence":
-            lengths = choose_verify_lengths(per_req_probs, floor=self.verify_floor)
+            confidences = per_req_probs
+            if self.confidence_head is not None and any(f is not None for f in per_req_feats):
+                have = [f for f in per_req_feats if f is not None]
+                c = self.confidence_head(torch.cat(have)).tolist()
+                confidences, n = [], 0
+                for f in per_req_feats:
+                    m = 0 if f is None else f.shape[0]
+                    confidences.append(c[n:n + m])
+                    n += m
+            lengths = choose_verify_lengths(confidences, floor=self.verify_floor, cost_table=self.cost_table)
             per_req_drafts = [d[:n] for d, n in zip(per_req_drafts, lengths)]
         self.metrics.num_proposed_drafts += sum(len(d) for d in per_req_drafts)
         return SpecStepResult(token_ids, logprobs, t1 - t0 + time.perf_counter() - t2, t2 - t1,
-                              draft_token_ids=per_req_drafts, draft_probs=per_req_probs)
+                              draft_token_ids=per_req_drafts, draft_probs=per_req_probs,
+                              draft_features=per_req_feats)
 
     @staticmethod
     def _draft_seqs(step: SpecPreparedStep, emitted: list[list[int]]) -> tuple[list[int], list[DraftSeq]]:

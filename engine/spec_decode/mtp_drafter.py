@@ -16,7 +16,10 @@ Per engine step, after the target forward (which returned its pre-`hc_head` stre
 Drafts are greedy (the argmax of the MTP logits): a one-hot draft distribution, which makes the
 engine's acceptance rule standard rejection sampling (`engine.spec_decode.acceptance`). The
 drafter also reports each draft's probability under the MTP (its softmax at the argmax): the
-fallback confidence of a verify scheduler for checkpoints without a confidence head.
+fallback confidence of a verify scheduler for checkpoints without a confidence head. With
+`keep_features` set (a confidence head is loaded, or a training script records), it also returns
+each draft's `confidence.confidence_features` (the MTP hidden state it was read from, its softmax
+statistics and its position), the head's input.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.engine.forward_batch import ForwardBatch, SeqChunk
+from deepinfer.engine.spec_decode.confidence import confidence_features
 from deepinfer.engine.spec_decode.rollback import RingRollback
 
 
@@ -78,6 +82,8 @@ class MTPDrafter:
         self.num_draft_tokens = num_draft_tokens
         self.numerics = getattr(model, "numerics", contextlib.nullcontext)
         self.rollback = RingRollback(self.cache)
+        self.keep_features = False
+        """Also return each draft's confidence features from `propose` (costs a top-2 and an entropy per draft)."""
         if num_draft_tokens - 1 > self.rollback.max_positions_per_slot:
             raise ValueError(f"num_draft_tokens={num_draft_tokens} exceeds the MTP window "
                              f"({self.rollback.max_positions_per_slot + 1})")
@@ -89,11 +95,13 @@ class MTPDrafter:
             return self.layer(streams, batch, self.cache, meta, m.embed_tokens, return_streams=True)
 
     @torch.inference_mode()
-    def propose(self, streams: torch.Tensor, seqs: list[DraftSeq]) -> tuple[list[list[int]], list[list[float]]]:
-        """Blocks while drafting: per seq, its `num_draft_tokens` drafts and their MTP probabilities
-        (empty lists for seqs that want none). `streams` [T, hc, H]: the target's streams of the step."""
+    def propose(self, streams: torch.Tensor, seqs: list[DraftSeq]
+                ) -> tuple[list[list[int]], list[list[float]], list[torch.Tensor | None]]:
+        """Blocks while drafting: per seq, its `num_draft_tokens` drafts, their MTP probabilities (empty
+        lists for seqs that want none) and, with `keep_features`, their confidence features
+        [num_draft_tokens, num_features] (else None). `streams` [T, hc, H]: the target's streams of the step."""
         if not seqs:
-            return [], []
+            return [], [], []
         device = streams.device
         chunks = [SeqChunk(s.slot, [], s.first_pos, len(s.stream_rows), s.state_start) for s in seqs]
         ends = torch.tensor([len(s.stream_rows) for s in seqs]).cumsum(0).tolist()
@@ -104,14 +112,17 @@ class MTPDrafter:
         hidden, x = self._run(streams[rows], batch)  # [T', H], [T', hc, H]
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[float]] = [[] for _ in seqs]
+        feats: list[list[torch.Tensor]] = [[] for _ in seqs]
         if not drafting:
-            return drafts, probs
+            return drafts, probs, [None] * len(seqs)
         last = batch.logits_indices
-        tok, prob = self._greedy(hidden[last])
+        tok, prob, feat = self._greedy(hidden[last], 0)
         cur_streams = x[last]  # [B, hc, H]
         for b, i in enumerate(drafting):
             drafts[i].append(tok[b])
             probs[i].append(prob[b])
+            if feat is not None:
+                feats[i].append(feat[b])
         k = self.num_draft_tokens
         if k > 1:
             last_pos = [seqs[i].first_pos + len(seqs[i].stream_rows) - 1 for i in drafting]
@@ -121,15 +132,20 @@ class MTPDrafter:
                 step = [SeqChunk(seqs[i].slot, [], p + j, 1, seqs[i].state_start) for i, p in zip(drafting, last_pos)]
                 ids = torch.tensor([drafts[i][-1] for i in drafting], dtype=torch.long, device=device)
                 hidden, cur_streams = self._run(cur_streams, ForwardBatch(input_ids=ids, seqs=step))
-                tok, prob = self._greedy(hidden)
+                tok, prob, feat = self._greedy(hidden, j)
                 for b, i in enumerate(drafting):
                     drafts[i].append(tok[b])
                     probs[i].append(prob[b])
+                    if feat is not None:
+                        feats[i].append(feat[b])
             self.rollback.restore(snap, [True] * len(snap.slots))
-        return drafts, probs
+        return drafts, probs, [torch.stack(f) if f else None for f in feats]
 
-    def _greedy(self, hidden: torch.Tensor) -> tuple[list[int], list[float]]:
-        """Argmax tokens of the shared head's logits and their softmax probabilities."""
+    def _greedy(self, hidden: torch.Tensor, position: int) -> tuple[list[int], list[float], torch.Tensor | None]:
+        """Argmax tokens of the shared head's logits, their softmax probabilities and (with `keep_features`)
+        their confidence features [B, num_features] at draft `position`."""
         logits = self.model.compute_logits(hidden)  # [B, vocab] float32
-        prob, tok = logits.softmax(dim=-1).max(dim=-1)
-        return tok.tolist(), prob.tolist()
+        softmax = logits.softmax(dim=-1)
+        prob, tok = softmax.max(dim=-1)
+        feat = confidence_features(hidden, softmax, position) if self.keep_features else None
+        return tok.tolist(), prob.tolist(), feat

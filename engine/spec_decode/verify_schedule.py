@@ -9,16 +9,21 @@ drafts (ties broken by position, then request, so every rank decides the same), 
 number of accepted drafts is the sum of the chosen survivals. The budget `K` maximises expected
 emitted tokens per unit of step time, `(num_reqs + sum of the chosen a) / cost(num_reqs + K)`, over a
 step-cost table (seconds of one target forward by total verified tokens) profiled per device and
-model; without a table, a linear cost `1 + K / num_reqs * cost_slope` stands in.
+model (`step_cost.StepCostTable`: `StepCostTable.cost_fn(num_reqs)` is the `step_cost` argument);
+without a table, a linear cost `1 + K / num_reqs * cost_slope` (relative units) stands in.
 
-Confidence: a confidence head over the draft hidden state (not trained here) or, as now, the
-draft's own probability under the MTP layer (`MTPDrafter.propose` reports it). The acceptance rule
-is unchanged, so whatever this picks, outputs stay identical to non-speculative decoding.
+Confidence: the checkpoint's confidence head over the draft's MTP hidden state and softmax
+statistics (`confidence`, `confidence_head.safetensors`; trained for the built-in model by
+`tools/demo_model/train_confidence.py`) or, for a checkpoint without one, the draft's own probability
+under the MTP layer (`MTPDrafter.propose` reports both). The acceptance rule is unchanged, so whatever
+this picks, outputs stay identical to non-speculative decoding.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+
+from deepinfer.engine.spec_decode.step_cost import StepCostTable
 
 
 def survival(confidences: Sequence[float]) -> list[float]:
@@ -46,13 +51,17 @@ def top_k_prefixes(confidences: Sequence[Sequence[float]], k: int, floor: int = 
 
 
 def choose_verify_lengths(confidences: Sequence[Sequence[float]], step_cost: Callable[[int], float] | None = None,
-                          floor: int = 0, cost_slope: float = 0.05) -> list[int]:
+                          floor: int = 0, cost_slope: float = 0.05, cost_table: StepCostTable | None = None
+                          ) -> list[int]:
     """The per-request number of drafts to verify next step, maximising expected emitted tokens per
-    second. `step_cost(num_tokens)`: seconds of a target forward over that many verified tokens (a
-    profiled table); None = `1 + cost_slope * num_tokens / num_reqs` (relative units)."""
+    second. `step_cost(num_tokens)`: seconds of a target forward over that many verified tokens; else
+    `cost_table` (a profiled `StepCostTable`, read at this step's number of requests); else
+    `1 + cost_slope * num_tokens / num_reqs` (relative units)."""
     num_reqs = len(confidences)
     if num_reqs == 0:
         return []
+    if step_cost is None and cost_table is not None:
+        step_cost = cost_table.cost_fn(num_reqs)
     if step_cost is None:
         def step_cost(n: int) -> float:
             return 1.0 + cost_slope * n / num_reqs

@@ -91,12 +91,44 @@ def _skewed_eplb(rank: int):
     return before, moe.backend.num_recv_rows, before_out, after_out, placement.phy2log
 
 
+def _moved_quantized(rank: int):
+    """FP4 experts, each rank holding only its own (the others `AbsentExpert`s, as the loader leaves them): a
+    skewed EPLB re-placement must send the experts a rank gains as FP4 bytes. Returns the outputs before and
+    after, the held experts per placement, and whether every held expert equals the original bit for bit."""
+    from deepinfer.engine.loader import AbsentExpert
+
+    full = _moe("fp4", "fp4", False)
+    moe = _moe("fp4", "fp4", False)
+    placement = ExpertPlacement.contiguous(6, WORLD, 2)
+    for e in set(range(6)) - set(placement.local_experts(rank)):
+        moe.experts[e] = AbsentExpert(moe.experts[e].limit, "cpu")
+    moe.backend = ExpertParallelMoEBackend(moe.backend, AllToAllDispatcher(), placement)
+    moe.prepare()
+    g = torch.Generator().manual_seed(20 + rank)
+    T = 32
+    x = torch.randn(T, 64, generator=g)
+    ids = torch.stack([torch.full((T,), 5), torch.tensor([0, 1, 2, 3, 4])[torch.randint(0, 5, (T,), generator=g)]], 1)
+    w = torch.full((T, 2), 0.75)
+    before_out = moe.backend(x, w, ids)
+    held_before = [e for e, ex in enumerate(moe.experts) if not isinstance(ex, AbsentExpert)]
+    model = SimpleNamespace(model=SimpleNamespace(layers=[SimpleNamespace(ffn=moe)]))
+    (new,) = apply_rebalance(model, [moe.backend])
+    after_out = moe.backend(x, w, ids)
+    held_after = [e for e, ex in enumerate(moe.experts) if not isinstance(ex, AbsentExpert)]
+    same = all(isinstance(moe.experts[e].w1, Fp4Linear)
+               and all(torch.equal(a, b) for a, b in zip(moe.experts[e].state_dict().values(),
+                                                         full.experts[e].state_dict().values()))
+               for e in held_after)
+    return before_out, after_out, held_before, held_after, new.local_experts(rank), same
+
+
 def _rank(rank: int, port: int, q) -> None:
     torch.set_num_threads(1)
     try:
         join_group(GroupAddress("127.0.0.1", port, WORLD, timeout_s=120), rank)
         res = {name: _run_case(rank, *case) for name, case in CASES.items()}
         res["skewed_eplb"] = _skewed_eplb(rank)
+        res["moved_fp4"] = _moved_quantized(rank)
         q.put((rank, res))
     except BaseException:
         q.put((rank, traceback.format_exc()))
@@ -159,3 +191,14 @@ def test_eplb_on_a_skewed_workload_lowers_the_measured_imbalance_and_keeps_outpu
     assert before > 1.3 and after <= 1.10, (before, after)
     for r in range(WORLD):
         torch.testing.assert_close(results[r]["skewed_eplb"][3], results[r]["skewed_eplb"][2], rtol=1e-5, atol=1e-6)
+
+
+def test_eplb_moves_quantized_experts_between_ranks_that_hold_only_their_own(results):
+    """Ranks that hold only their experts: after re-placement each holds exactly its new experts, the ones it
+    gained arrived as FP4 bytes equal to the originals, and the outputs are unchanged."""
+    for r in range(WORLD):
+        before_out, after_out, held_before, held_after, want, same = results[r]["moved_fp4"]
+        assert held_before == sorted(ExpertPlacement.contiguous(6, WORLD, 2).local_experts(r))
+        assert held_after == sorted(want) and same
+        torch.testing.assert_close(after_out, before_out, rtol=1e-5, atol=1e-6)
+    assert any(results[r]["moved_fp4"][2] != results[r]["moved_fp4"][3] for r in range(WORLD))  # experts moved

@@ -10,7 +10,9 @@ import torch
 from pydantic import ValidationError
 
 from deepinfer.engine import SamplingParams
+from deepinfer.engine.distributed.expert_parallel import held_expert_bytes
 from deepinfer.engine.engine import Engine, EngineConfig
+from deepinfer.engine.errors import InvalidRequestError
 from deepinfer.engine.testing.make_checkpoint import make_checkpoint
 from deepinfer.engine.testing.presets import PRESETS
 
@@ -59,6 +61,11 @@ def test_ep2_builtin_model_matches_one_process_and_a_killed_rank_fails_the_insta
         loads = ep.executor.expert_loads()
         assert len(loads.imbalance) == 4 and all(x >= 1.0 for x in loads.imbalance)
         assert sum(loads.expert_counts(1)) > 0
+        # KV from / to outside names one pool's blocks: refused with per-rank pools (until rank-aware descriptors)
+        with pytest.raises(ValueError, match="expert_parallel_size=2"):
+            ep.set_kv_connector(object())
+        with pytest.raises(InvalidRequestError, match="expert_parallel_size > 1"):
+            ep.add_request("held", prompts[0], SamplingParams(max_tokens=2), hold_kv=True)
         ep.executor._procs[0].kill()
         ep.executor._procs[0].join(timeout=30)
         ep.add_request("late", prompts[0], SamplingParams(max_tokens=2))
@@ -85,14 +92,56 @@ def test_ep4_random_model_with_redundant_experts_and_eplb_is_bit_identical(tiny8
     max_tokens = [4, 7, 2, 8, 5, 6]
     one = Engine(**kw)
     ref = _generate(one, prompts, max_tokens)
+    one_bytes = held_expert_bytes(one.model)
     one.shutdown()
     ep = Engine(expert_parallel_size=4, num_redundant_experts=4, eplb_interval_steps=3, **kw)
     try:
+        mem = ep.executor.rank_memory()  # each rank loaded only its 3 of the 12 slots' experts
+        for r, m in enumerate(mem):
+            assert m.expert_ids == [sorted(set((*range(8), 0, 1, 2, 3)[3 * r:3 * r + 3]))] * 4
+            assert m.expert_bytes * 8 == one_bytes * 3 and m.num_blocks == ep.cache.num_blocks
         got = _generate(ep, prompts, max_tokens)
         assert got == ref
         placements = ep.executor.rebalance_experts()
         assert all(p == placements[0] for p in placements)  # every rank computed the same placement
         assert any(layer != tuple(range(8)) + (0, 1, 2, 3) for layer in placements[0])  # EPLB moved experts
+        for r, m in enumerate(ep.executor.rank_memory()):  # the weights moved with the placement
+            assert m.expert_ids == [sorted(set(layer[3 * r:3 * r + 3])) for layer in placements[0]]
+        assert _generate(ep, prompts, max_tokens) == ref  # and the moved experts compute the same bits
+    finally:
+        ep.shutdown()
+
+
+def test_ep2_prefix_caching_hits_on_the_rank_holding_the_prefix(tiny8):
+    """Prefix caching with EP = 2 (per-rank pools, block ids carry the rank): requests sharing a prompt prefix
+    with a finished one land on its rank, hit the cache there, and give the one-process engine's bits."""
+    kw = dict(model=tiny8, max_num_seqs=4, max_model_len=128, batch_invariant=True, block_size=8)
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(2, 500, (64,), generator=g).tolist()
+    first = [prefix + [11, 12, 13]]
+    later = [prefix + [21, 22], prefix + [31], torch.randint(2, 500, (20,), generator=g).tolist()]
+
+    def run(engine):
+        out = _generate(engine, first, [3])
+        for i, p in enumerate(later):
+            engine.add_request(f"l{i}", p, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1))
+        engine.step()
+        ranks = {f"l{i}": engine.slots.get_slot_id(f"l{i}") % 2 for i in range(len(later))}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    out[o.request_id] = (o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs])
+        return out, ranks, engine.kv_manager.num_prefix_hit_tokens
+
+    one = Engine(**kw)
+    ref, _, ref_hits = run(one)
+    one.shutdown()
+    ep = Engine(expert_parallel_size=2, **kw)
+    try:
+        got, ranks, hits = run(ep)
+        assert got == ref
+        assert ranks["l0"] == ranks["l1"] == 0 and ranks["l2"] == 1  # the prefix's rank (0: the first request's)
+        assert hits == ref_hits > 0
     finally:
         ep.shutdown()
 

@@ -1,0 +1,96 @@
+"""Per-rank KV pools of a multi-rank instance (`engine.distributed.kv_pools`), in process: block ids carry
+their rank, a new request goes to the rank holding its prefix when that rank has room, its state slot is
+on the same rank, and a rank's attention reads local ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from deepinfer.engine.cache.block_pool import NoFreeSlotsError
+from deepinfer.engine.distributed.kv_pools import (
+    RankedBlockPool,
+    RankedKVCacheManager,
+    RankedStateSlotPool,
+    to_local_block_table,
+)
+from deepinfer.engine.distributed.plan import rank_of_slot
+
+BS = 4
+
+
+@dataclass
+class _Req:
+    req_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int = 0
+    num_prompt_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.all_token_ids)
+
+
+def _manager(world=2, blocks=8, slots=4):
+    slot_pool = RankedStateSlotPool(slots, world)
+    return RankedKVCacheManager(RankedBlockPool(world, blocks, BS), slot_pool), slot_pool
+
+
+def _admit(kv, slots, req):
+    """What the scheduler does for a waiting request: prefix lookup, blocks, then the slot."""
+    hit, n = kv.get_computed_blocks(req)
+    assert kv.allocate_slots(req, len(req.all_token_ids) - n, hit, num_computed_tokens=n)
+    req.num_computed_tokens = len(req.all_token_ids)
+    return slots.allocate(req.req_id), hit
+
+
+def test_block_ids_carry_the_rank_and_a_prefix_hit_sends_the_request_to_that_rank():
+    kv, slots = _manager()
+    prefix = list(range(100, 112))  # 3 full blocks
+    a = _Req("a", prefix + [1, 2])
+    slot_a, hit = _admit(kv, slots, a)
+    assert hit == []
+    rank_a = rank_of_slot(slot_a, 2)
+    ids_a = kv.get_block_ids(a)
+    assert all(b // 8 == rank_a for b in ids_a)  # every block of `a` on its rank
+    assert to_local_block_table(ids_a, 8, rank_a) == [b - 8 * rank_a for b in ids_a]
+    with pytest.raises(ValueError, match="another rank"):
+        to_local_block_table(ids_a, 8, 1 - rank_a)
+    kv.cache_full_blocks(a, len(a.all_token_ids))
+    other = _Req("other", [7] * 6)  # no prefix: the rank with more free blocks, i.e. not a's
+    slot_o, _ = _admit(kv, slots, other)
+    assert rank_of_slot(slot_o, 2) == 1 - rank_a
+    b = _Req("b", prefix + [9])
+    slot_b, hit_b = _admit(kv, slots, b)
+    assert rank_of_slot(slot_b, 2) == rank_a and hit_b == ids_a[:3]  # to the rank holding the prefix
+    assert kv.num_prefix_hit_tokens == 12
+
+
+def test_a_request_goes_elsewhere_when_the_prefix_rank_has_no_room():
+    kv, slots = _manager(world=2, blocks=4, slots=4)
+    prefix = list(range(50, 58))  # 2 full blocks
+    a = _Req("a", prefix + [1] * 7)  # 4 blocks: a's rank is full
+    slot_a, _ = _admit(kv, slots, a)
+    rank_a = rank_of_slot(slot_a, 2)
+    kv.cache_full_blocks(a, len(a.all_token_ids))
+    filler = _Req("filler", [3] * 3)  # 1 block on the other rank
+    _admit(kv, slots, filler)
+    big = _Req("big", prefix + list(range(4)))  # 3 blocks: a's rank has the 2-block hit but no free block
+    slot_big, hit = _admit(kv, slots, big)
+    assert rank_of_slot(slot_big, 2) != rank_a and hit == []
+
+
+def test_slots_follow_the_rank_and_run_out_per_rank():
+    kv, slots = _manager(world=2, blocks=8, slots=2)  # one slot per rank
+    reqs = [_Req(str(i), [i] * 5) for i in range(2)]
+    got = {rank_of_slot(_admit(kv, slots, r)[0], 2) for r in reqs}
+    assert got == {0, 1}
+    kv.free(reqs[0])
+    slots.free("0")
+    assert slots.num_free_slots_of(0) + slots.num_free_slots_of(1) == 1
+    c = _Req("c", [4] * 5)
+    slot_c, _ = _admit(kv, slots, c)  # only the freed rank has a slot
+    assert all(b // 8 == rank_of_slot(slot_c, 2) for b in kv.get_block_ids(c))
+    slots.rank_of_request = lambda req_id: 1 - rank_of_slot(slot_c, 2)
+    with pytest.raises(NoFreeSlotsError, match="rank"):
+        slots.allocate("d")
