@@ -8,7 +8,9 @@
              --served-model-name --max-model-len --prefill N --decode N), one instance per stage by default
   ls         the recorded clusters and whether each is up, starting or stale
   logs       the log tail of a stage's processes (`deepinfer logs decode`), on the cluster's head node
-  status     a table of the cluster's instances (state, health, load, KV cache use) and services (address, pid)
+  status     a table of the cluster's instances (state, health, load, KV cache use) and services (address, pid),
+             and the persistent KV store's figures (blocks, bytes and TTL per traffic class)
+  store      the persistent KV store: `deepinfer store stats|evict|clear` (the cluster's embedded store, or --dir)
   scale      change instance counts live: `deepinfer scale prefill=2 decode=3 vision=2` (`decode.GROUP=N` per group)
   down       stop the cluster
 
@@ -24,6 +26,11 @@ the entrypoint is healthy and the HTTP front answers /health. Other commands ans
 when the named cluster is not recorded, still starting, or gone (a stale record is removed). Each
 start generates a cluster secret that every internal gRPC call carries (`serving.auth`); it is
 kept in the (user-only) record so that `generate` can reach the entrypoint.
+
+The prefill stage keeps prompts' compressed KV in the embedded persistent store (`kvstore`) unless its
+worker settings say `kv_store: "off"`: by default in a fresh directory for each `up`
+(`ClusterConfig.kv_store_dir`, recorded as `kv_store_dir`, removed when the cluster goes down), or in the
+YAML's `kv_store_dir`, which outlives the cluster.
 
 Attached or detached: `up` stays attached by default — it serves until Ctrl-C / SIGTERM, then
 takes the cluster down (a local Ray cluster started by `up` lives exactly as long as `up`). With
@@ -152,6 +159,7 @@ def _cmd_demo(args) -> int:
         code = 1
     finally:
         stop_cluster(controller)
+        _remove_fresh_store(_kv_store_dirs(config))  # the demo's per-start KV store goes with it
         ray.shutdown()
     return code
 
@@ -525,6 +533,7 @@ def _cmd_up(args, parser) -> int:
                 pass
         remove_state(config.name, pid)
         remove_private_files(config.name)
+        _remove_fresh_store(_kv_store_dirs(config))
         if started_ray:
             ray.shutdown()
         if isinstance(e, KeyboardInterrupt):
@@ -538,7 +547,7 @@ def _cmd_up(args, parser) -> int:
         raise
     state = {"name": config.name, "status": "up", "ray_address": ray.get_runtime_context().gcs_address,
              **addresses, "pid": pid, "is_detached": bool(args.detach), "model": config.model,
-             "revision": config.revision, "log_dir": _ray_log_dir()}
+             "revision": config.revision, "log_dir": _ray_log_dir(), "kv_store_dir": _kv_store_dirs(config)}
     write_state({**state, "cluster_secret": secret})
     print(json.dumps(state), flush=True)
     print(f"# deepinfer cluster {config.name!r} up: entrypoint {addresses['entrypoint']}"
@@ -564,6 +573,7 @@ def _cmd_up(args, parser) -> int:
             stop_cluster(controller)
         remove_state(config.name, pid)
         remove_private_files(config.name)
+        _remove_fresh_store(_kv_store_dirs(config))
         if started_ray:
             ray.shutdown()
     return 0
@@ -626,6 +636,61 @@ def _cmd_logs(args) -> int:
             lines = f.read_text(errors="replace").splitlines()[-args.lines:]
             print("\n".join(lines))
     return 0
+
+
+def _kv_store_dirs(config) -> str:
+    """The prefill stage's embedded KV store directories (comma-separated), "" when it runs without one."""
+    worker = config.role_config("prefill", instance_id="prefill-check", lb_address="127.0.0.1:1")
+    return worker.kv_store_dirs if worker.kv_store == "embedded" else ""
+
+
+def _remove_fresh_store(dirs: str | None) -> None:
+    """Delete a per-start store directory (`config.is_fresh_store_dir`) once its cluster is down; a directory
+    the YAML named is kept (it is meant to outlive the cluster)."""
+    import shutil
+
+    from deepinfer.deploy.config import fresh_store_root, is_fresh_store_dir
+
+    for d in (dirs or "").split(","):
+        if is_fresh_store_dir(d.strip()):
+            shutil.rmtree(d.strip(), ignore_errors=True)
+            for parent in (fresh_store_root(), fresh_store_root().parent):  # and the folders it made, once empty
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
+
+
+def _store_figures(name: str) -> dict | None:
+    """`KVStore.stats()` of the recorded cluster `name`'s embedded store (None: none recorded, or nothing stored)."""
+    from deepinfer.deploy.launcher import read_state
+    from deepinfer.kvstore.cli import store_stats
+
+    dirs = ((read_state(name) or {}).get("kv_store_dir") or "").split(",")
+    try:
+        return store_stats(tuple(d.strip() for d in dirs if d.strip()))
+    except Exception as e:  # the figures are extra: a store that cannot be read never fails `status`
+        print(f"# the KV store in {dirs[0]} cannot be read: {e}", file=sys.stderr)
+        return None
+
+
+def _cmd_store(args) -> int:
+    """`deepinfer store stats|evict|clear`: on --dir, else on the recorded cluster's embedded store (`--name`,
+    default as `status`), else on the embedded default directory (`kvstore.config.default_store_dir`)."""
+    from deepinfer.kvstore.cli import run_store
+
+    if args.backend == "embedded" and not args.dirs:
+        from deepinfer.deploy.launcher import default_cluster_name, read_state
+
+        name = default_cluster_name(args.name)
+        state = read_state(name)
+        if state is not None and state.get("kv_store_dir"):
+            args.dirs = state["kv_store_dir"]
+        elif state is not None or args.name:
+            print(f"deepinfer store: the cluster {name!r} has no embedded KV store recorded; give --dir",
+                  file=sys.stderr)
+            return 1
+    return run_store(args)
 
 
 def _fmt_status(status: dict) -> str:
@@ -748,6 +813,10 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("targets", nargs="+", metavar="STAGE=N")
     down = sub.add_parser("down", help="stop the cluster")
     _add_ray_args(down)
+    from deepinfer.kvstore.cli import add_store_parser
+
+    store = add_store_parser(sub)
+    store.add_argument("--name", default=None, help="the recorded cluster whose store to use (default: as `status`)")
     return parser
 
 
@@ -761,6 +830,8 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_ls()
     if args.cmd == "logs":
         return _cmd_logs(args)
+    if args.cmd == "store":
+        return _cmd_store(args)
     if args.cmd in ("status", "scale", "down"):
         from deepinfer.deploy.launcher import ClusterNotFound, remove_private_files, remove_state, stop_cluster
 
@@ -774,7 +845,13 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.cmd == "status":
             st = ray.get(controller.status.remote())
-            print(json.dumps(st) if args.json else _fmt_status(st))
+            kv = _store_figures(name)
+            if args.json:
+                print(json.dumps({**st, "kv_store": kv}))
+            else:
+                from deepinfer.kvstore.cli import format_stats
+
+                print(_fmt_status(st) + ("" if kv is None else "\n" + format_stats(kv)))
         elif args.cmd == "scale":
             try:
                 print(json.dumps(ray.get(controller.scale.remote(targets))))
@@ -783,9 +860,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"deepinfer scale: {cause}", file=sys.stderr)
                 return 2 if isinstance(cause, (ValueError, KeyError)) else 1
         else:
+            from deepinfer.deploy.launcher import read_state
+
+            recorded = read_state(name) or {}
             stop_cluster(controller)
             remove_state(name)
             remove_private_files(name)
+            _remove_fresh_store(recorded.get("kv_store_dir"))
             print("# cluster down", file=sys.stderr)
         return 0
     if args.cmd == "demo":

@@ -19,6 +19,7 @@ decode:
     - {datacenter: dc-b, num_instances: 1, resources_per_rank: {GPU: 1}}
 entrypoint: {max_attempts: 3}         # any EntrypointConfig field the launcher does not set itself
 http: {enabled: true, port: 8000}
+kv_store_dir: /nvme/deepinfer-kvstore # omitted = a fresh directory for each `up` (see `kv_store_dir`)
 ```
 
 `ClusterConfig.load(path)` reads and validates a file; errors name the field and how to fix it.
@@ -29,6 +30,9 @@ Each instance of a group is one Ray placement group of `num_ranks` bundles of `r
 from __future__ import annotations
 
 import ipaddress
+import os
+import secrets
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -214,6 +218,23 @@ class HttpConfig(_Frozen):
         return value
 
 
+PREFILL_KV_STORE_DEFAULT = "embedded"
+"""The prefill stage's `kv_store` when its worker settings name none: the embedded persistent KV store
+(`kvstore`), in `ClusterConfig.kv_store_dir` unless the settings give `kv_store_dirs`; `kv_store: "off"` disables it."""
+
+
+def fresh_store_root() -> Path:
+    """Where `up` keeps the per-start embedded KV store directories: `$DEEPINFER_HOME/clusters/kvstore`
+    (beside the cluster records; default home `~/.cache/deepinfer`)."""
+    home = os.environ.get("DEEPINFER_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "deepinfer")
+    return Path(home) / "clusters" / "kvstore"
+
+
+def is_fresh_store_dir(path: str | None) -> bool:
+    """Whether `path` is a per-start store directory made by `ClusterConfig` (removed when its cluster goes down)."""
+    return bool(path) and Path(path).parent == fresh_store_root()
+
+
 def _default_prefill() -> StageConfig:
     return StageConfig(balancer=BalancerSettings(policy="prefix_aware"))
 
@@ -272,6 +293,22 @@ class ClusterConfig(_Frozen):
     cluster_secret_file: str | None = None
     """File (on every node) holding the secret every internal gRPC call carries and every server checks
     (`serving.auth`); None = `deepinfer up` generates a fresh one for each start."""
+    kv_store_dir: str | None = None
+    """Directory of the prefill stage's embedded KV store (`PREFILL_KV_STORE_DEFAULT`) when the prefill worker
+    settings name no `kv_store_dirs`. Omitted: a fresh directory for each start, under `fresh_store_root()`, that
+    lives as long as the cluster (instances restarted by Ray or added by `scale` share it; `deepinfer down`
+    removes it), so separate runs never see each other's blocks. Name one to keep the store across `down`/`up`
+    and machine restarts (on a multi-node cluster: a path that exists on every prefill node)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fresh_store_dir(cls, data: Any) -> Any:
+        # NOTE: resolved here, not per role, so the controller (which gets this config as JSON) and every prefill
+        # instance of one start agree on the directory
+        if isinstance(data, dict) and not data.get("kv_store_dir"):
+            stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+            data = {**data, "kv_store_dir": str(fresh_store_root() / f"{stamp}-{secrets.token_hex(4)}")}
+        return data
 
     @field_validator("entrypoint")
     @classmethod
@@ -316,7 +353,14 @@ class ClusterConfig(_Frozen):
         common = dict(host=self.host, port=0, advertise_host=advertise_host)
         if role in STAGES:
             cls = {"vision": VisionWorkerConfig, "prefill": PrefillWorkerConfig, "decode": DecodeWorkerConfig}[role]
-            return cls(**self.stage(role).worker, **common, model=self.model, revision=self.revision, dtype=self.dtype,
+            worker = dict(self.stage(role).worker)
+            if role == "prefill":
+                worker.setdefault("kv_store", PREFILL_KV_STORE_DEFAULT)
+                if worker["kv_store"] is False:  # YAML reads an unquoted `off` as false
+                    worker["kv_store"] = "off"
+                if worker["kv_store"] == "embedded" and not worker.get("kv_store_dirs"):
+                    worker["kv_store_dirs"] = self.kv_store_dir
+            return cls(**worker, **common, model=self.model, revision=self.revision, dtype=self.dtype,
                        device=self.device,
                        lb_address=lb_address, instance_id=instance_id, agent_name=instance_id, datacenter=datacenter,
                        loopback_ucx=loopback,

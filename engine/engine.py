@@ -298,9 +298,11 @@ class Engine(ExternalKVMixin):
 
             self.replay_tokens = max(self.replay_tokens, drafter_replay_tokens(mc))
         blocks_per_seq = -(-self.max_model_len // block_size)
-        num_blocks = config.num_blocks or min(blocks_per_seq * config.max_num_seqs, 1 << 16, self.fit.max_num_blocks)
+        # NOTE: `fit.num_slots` is max_num_seqs, or a rank's share of them with expert_parallel_size > 1 (each rank's
+        # cache holds only its requests' blocks and state slots)
+        num_blocks = config.num_blocks or min(blocks_per_seq * self.fit.num_slots, 1 << 16, self.fit.max_num_blocks)
         dtype = self.model.model.embed_tokens.weight.dtype
-        self.cache = V4KVCache(mc, num_blocks, block_size, config.max_num_seqs, dtype=dtype, device=config.device,
+        self.cache = V4KVCache(mc, num_blocks, block_size, self.fit.num_slots, dtype=dtype, device=config.device,
                                max_model_len=self.max_model_len)
         if config.expert_parallel_size > 1:  # `num_blocks` per rank; each rank's cache holds its requests' KV only
             from deepinfer.engine.distributed.kv_pools import RankedBlockPool, RankedKVCacheManager, RankedStateSlotPool

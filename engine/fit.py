@@ -146,6 +146,11 @@ class FitReport:
     num_redundant_experts: int = 0
 
     @property
+    def num_slots(self) -> int:
+        """State slots on one device: `max_num_seqs`, split over the ranks of an expert-parallel instance."""
+        return -(-self.max_num_seqs // self.expert_parallel_size)
+
+    @property
     def rank_weight_bytes(self) -> int:
         """Weight bytes one rank (one device) holds: all of them, or its expert-parallel share."""
         if self.expert_parallel_size == 1:
@@ -173,8 +178,8 @@ class FitReport:
 
     @property
     def max_num_blocks(self) -> int:
-        """Most cache blocks the budget holds beside `max_num_seqs` state slots."""
-        left = self.kv_budget_bytes - self.max_num_seqs * self.state_bytes_per_seq
+        """Most cache blocks the budget holds beside the state slots (`num_slots`)."""
+        left = self.kv_budget_bytes - self.num_slots * self.state_bytes_per_seq
         return max(0, left // self.block_bytes) if self.block_bytes else 1 << 62
 
     @property
@@ -275,7 +280,7 @@ def check_fit(path: str | Path, config: ModelConfig, *, dtype: torch.dtype, devi
     if num_blocks is not None and num_blocks > report.max_num_blocks:
         raise ModelDoesNotFitError(
             f"num_blocks={num_blocks} does not fit on {device}: the budget holds {report.max_num_blocks} blocks of "
-            f"{report.block_bytes / 2**20:.2f} MiB beside {max_num_seqs} state slots ({report.summary()}). "
+            f"{report.block_bytes / 2**20:.2f} MiB beside {report.num_slots} state slots ({report.summary()}). "
             "Lower num_blocks or leave it unset."
         )
     return report

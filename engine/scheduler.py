@@ -462,16 +462,19 @@ class Scheduler:
             )
             return False
         while not kv.allocate_slots(req, num_new_tokens):
-            victim = self._pick_victim()
+            victim = self._pick_victim(req)
             self._preempt(victim, step)
             if victim is req:
                 return False
         return True
 
-    def _pick_victim(self) -> Request:
+    def _pick_victim(self, req: Request) -> Request:
+        """The running request to preempt so that `req` can grow: among those whose blocks free room for it
+        (`KVCacheManager.shares_pool`: every request, except across the ranks of a multi-rank instance)."""
+        candidates = [r for r in self.running.values() if self.kv_cache_manager.shares_pool(r, req)]
         if self.config.policy == "priority":
-            return max(self.running.values(), key=lambda r: (r.priority, r.arrival_time, self._arrival_seq[r.req_id]))
-        return max(self.running.values(), key=lambda r: (r.arrival_time, self._arrival_seq[r.req_id]))
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time, self._arrival_seq[r.req_id]))
+        return max(candidates, key=lambda r: (r.arrival_time, self._arrival_seq[r.req_id]))
 
     def _preempt(self, req: Request, step: _StepBuilder) -> None:
         del self.running[req.req_id]

@@ -219,6 +219,8 @@ class TextAcrossMigration:
             stop, cut = check_stop_strings(self.sent + unsent, len(delta), self.stops, self.include_stop)
             if stop is not None:
                 del response.token_ids[i + 1:]
+                if len(response.logprobs) > i + 1:
+                    del response.logprobs[i + 1:]
                 response.text = cut[len(self.sent):]
                 self.sent, self.pending = self.sent + response.text, ""
                 response.finish_reason = common_pb2.FINISH_REASON_STOP

@@ -1,15 +1,22 @@
 """`deepinfer store stats|evict|clear`: the KV store's figures and housekeeping from the command line.
 
 `add_store_parser(subparsers)` adds the `store` command to a CLI (deploy/cli.py's), `run_store(args)` runs
-it; both read the store the flags describe (the embedded default directory when none are given).
+it; both read the store the flags describe (`--dir`; the embedded default directory when none is given;
+deploy/cli.py fills in the directory of a recorded cluster). `store_stats(dirs)` is what `deepinfer status`
+shows. An embedded directory that does not exist is reported, never created.
+
+NOTE: these open the store without its writer and sweeper threads (`start_threads=False`), so running them
+beside live prefill instances is safe: no orphan cleanup races their writes, and SQLite serialises the index.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
-from deepinfer.kvstore.config import KVStoreConfig
+from deepinfer.kvstore.config import KVStoreConfig, default_store_dir
 from deepinfer.kvstore.store import KVStore
 
 
@@ -18,7 +25,8 @@ def add_store_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("store", help="the persistent KV store: stats, evict (LRU) or clear")
     p.add_argument("action", choices=("stats", "evict", "clear"))
     p.add_argument("--backend", choices=("embedded", "mooncake"), default="embedded")
-    p.add_argument("--dirs", default="", help="comma-separated store directories (default: the embedded default)")
+    p.add_argument("--dir", "--dirs", dest="dirs", default="",
+                   help="comma-separated store directories (default: the embedded default)")
     p.add_argument("--mooncake-master", default="127.0.0.1:50051")
     p.add_argument("--mooncake-metadata", default="http://127.0.0.1:8080/metadata")
     p.add_argument("--bytes", type=float, default=0.0, help="evict: GiB to free, least recently used first")
@@ -30,6 +38,9 @@ def add_store_parser(subparsers) -> argparse.ArgumentParser:
 def run_store(args) -> int:
     """Run a parsed `store` command; returns the exit code."""
     dirs = tuple(d.strip() for d in args.dirs.split(",") if d.strip())
+    if args.backend == "embedded" and not os.path.isdir((dirs or (default_store_dir(),))[0]):
+        print(f"no KV store in {(dirs or (default_store_dir(),))[0]} (nothing stored there yet)", file=sys.stderr)
+        return 1
     config = KVStoreConfig(backend=args.backend, directories=dirs, mooncake_master=args.mooncake_master,
                            mooncake_metadata_server=args.mooncake_metadata)
     store = KVStore(config, start_threads=False)
@@ -46,6 +57,19 @@ def run_store(args) -> int:
     finally:
         store.close()
     return 0
+
+
+def store_stats(dirs: tuple[str, ...]) -> dict | None:
+    """`KVStore.stats()` of the embedded store in `dirs` (its index is in the first), or None when that
+    directory does not exist (nothing was stored yet). The per-process counters (hit rate, loads) are this
+    reader's, hence empty: the serving instances export theirs (Health stats, metrics)."""
+    if not dirs or not os.path.isdir(dirs[0]):
+        return None
+    store = KVStore(KVStoreConfig(backend="embedded", directories=tuple(dirs)), start_threads=False)
+    try:
+        return store.stats()
+    finally:
+        store.close()
 
 
 def format_stats(st: dict) -> str:

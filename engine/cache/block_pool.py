@@ -353,6 +353,10 @@ class KVCacheManager:
         """Blocks needed to hold `num_tokens` tokens."""
         return _cdiv(num_tokens, self.block_size)
 
+    def shares_pool(self, a: CacheRequest, b: CacheRequest) -> bool:
+        """Whether freeing `a`'s blocks makes room for `b` (one pool: always; per-rank pools override it)."""
+        return True
+
     # ------------------------------------------------------------------ prefix cache
 
     def get_computed_blocks(self, req: CacheRequest) -> tuple[list[int], int]:

@@ -2,15 +2,21 @@
 
   * `group`: joining the rank group (torch.distributed: gloo on CPU ranks, NCCL on GPUs; control on gloo).
   * `plan`: cutting the engine's step into one `RankPlan` per rank (a request runs on the rank owning
-    its state slot; each rank owns its requests' KV).
-  * `expert_parallel`: the rank side of EP: wrapping each MoE layer in `engine.moe.ep_backend`'s
-    `ExpertParallelMoEBackend`, the zero-row dummy step of a rank without work, EPLB re-placement and the
-    measured loads (`engine.moe.eplb`).
+    its state slot; each rank owns its requests' KV, in rank-local block and slot ids).
+  * `kv_pools`: the per-rank KV pools behind rank 0's one scheduler (block ids carry their rank; a new
+    request goes to the rank holding its prefix when it has room; prefix caching works with EP > 1).
+  * `expert_parallel`: the rank side of EP: loading only a rank's routed experts (`rank_load_kwargs`),
+    wrapping each MoE layer in `engine.moe.ep_backend`'s `ExpertParallelMoEBackend`, the zero-row dummy
+    step of a rank without work, EPLB re-placement (moving expert weights between ranks) and the measured
+    loads (`engine.moe.eplb`).
   * `worker`: a rank's state and the command loop of ranks 1..N-1 (SPMD).
   * `executor`: `MultiRankExecutor`, the `engine.executor` seam's multi-rank executor ("multirank"),
     picked when `EngineConfig.expert_parallel_size > 1`.
 
-`check_config` holds the configuration rules of a multi-rank instance (called by `EngineConfig`).
+`check_config` holds the configuration rules of a multi-rank instance (called by `EngineConfig`). Not
+supported yet with EP > 1 (refused with a message): speculative decoding, async scheduling, prompt
+logprobs, KV connectors and KV loads / holds (a connector names one pool's blocks; rank-aware descriptors
+are the next step).
 """
 
 from __future__ import annotations

@@ -10,8 +10,13 @@ single-process engine draws it. Ranks 1..N-1 are processes this executor starts 
 
 `max_inflight = 1`: the step runs inside `submit` (no overlap yet).
 
+Memory: each rank holds its own routed experts only (loaded that way, `expert_parallel.rank_load_kwargs`)
+and its own KV pool (`num_blocks` blocks and its share of the state slots, `kv_pools`); `rank_memory()`
+reports what each rank holds.
+
 EPLB: `rebalance_experts()` (or every `eplb_interval_steps` steps) re-places each MoE layer's experts
-from the loads measured since the last rebalance; `expert_loads()` returns the measured loads and the
+from the loads measured since the last rebalance, moving the weights a rank gains from a rank that holds
+them; `expert_loads()` returns the measured loads and the
 imbalance (max / mean rows per rank per MoE layer), the metric EPLB drives down.
 
 Failures: an exception on any rank (or a rank process that died) fails the step's future and the

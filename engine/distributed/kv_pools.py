@@ -16,8 +16,11 @@ request that runs on that rank.
     executor runs a request on the rank owning its slot (`engine.distributed.plan`).
   * `to_local_block_table`: the rank-local ids a rank's attention reads (`plan.split_step`).
 
-The scheduler is unchanged: it sees a manager whose `num_blocks` is a rank's pool (the most one request
-can use) and whose `num_free_blocks` counts all ranks.
+The scheduler sees a manager whose `num_blocks` is a rank's pool (the most one request can use), whose
+`num_free_blocks` is the emptiest rank's (what a new request can get), and whose `shares_pool` keeps
+preemption on the rank that is short. NOTE: the instance's load as a balancer sees it
+(`num_kv_blocks`, `num_free_kv_blocks`) is therefore one rank's view; per-rank loads in `deepinfer status`
+and a balancer picking (instance, rank) are not done yet.
 """
 
 from __future__ import annotations
@@ -74,11 +77,7 @@ class RankedBlockPool:
 
     @property
     def num_blocks(self) -> int:
-        """Blocks of one rank's pool: the most one request can hold."""
-        return self.blocks_per_rank
-
-    @property
-    def num_blocks_total(self) -> int:
+        """Blocks of all ranks (global ids are `range(num_blocks)`)."""
         return self.blocks_per_rank * self.world_size
 
     @property
@@ -93,7 +92,7 @@ class RankedBlockPool:
 
     @property
     def usage(self) -> float:
-        return 1.0 - sum(p.num_free_blocks for p in self.pools) / self.num_blocks_total
+        return 1.0 - sum(p.num_free_blocks for p in self.pools) / self.num_blocks
 
     @property
     def num_cached_blocks(self) -> int:
@@ -145,7 +144,7 @@ class RankedBlockPool:
         return pool.cache_block(b, block_hash)
 
     def reset_prefix_cache(self) -> bool:
-        if self.num_free_blocks != self.num_blocks_total:
+        if sum(p.num_free_blocks for p in self.pools) != self.num_blocks:
             return False
         return all(p.reset_prefix_cache() for p in self.pools)
 
@@ -188,9 +187,24 @@ class RankedKVCacheManager(KVCacheManager):
         self._rank_of: dict[str, int] = {}
         slots.rank_of_request = self.rank_of
 
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of one rank's pool: the most one request can hold (what the scheduler checks requests against)."""
+        return self.block_pool.blocks_per_rank
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks of the rank with the most: what a new request can take at most (so that `num_blocks -
+        num_free_blocks` is the load of the fullest-free rank, and never negative)."""
+        return max(self.block_pool.num_free_blocks_of(r) for r in range(self.world_size))
+
     def rank_of(self, req_id: str) -> int | None:
         """The rank request `req_id`'s blocks live on (None before its first allocation)."""
         return self._rank_of.get(req_id)
+
+    def shares_pool(self, a: CacheRequest, b: CacheRequest) -> bool:
+        """Requests on one rank share its pool: preempting `a` makes room for `b` only then."""
+        return self._rank_of.get(a.req_id) == self._rank_of.get(b.req_id)
 
     def _has_slot(self, req_id: str, rank: int) -> bool:
         held = self.slots.get_slot_id(req_id)

@@ -62,7 +62,8 @@ def split_step(batch: ForwardBatch, world_size: int,
                blocks_per_rank: int | None = None) -> tuple[list[RankPlan], list[list[int]]]:
     """The engine's flat batch as one plan per rank, and per rank the step's sampling rows its logits
     fill (`rows_of_rank[r][i]` is the row of `plans[r].logits_rows[i]`). `blocks_per_rank`: block tables
-    are global ids of per-rank pools and become the rank's local ids (None: left as they are)."""
+    are global ids of per-rank pools and become the rank's local ids, and slot `s` becomes the rank's local
+    slot `s // world_size` (None: both left as they are)."""
     if batch.num_dummy_rows:
         raise ValueError("a multi-rank step cannot carry CUDA-graph padding rows (the engine runs it eagerly)")
     plans = [RankPlan() for _ in range(world_size)]
@@ -71,8 +72,9 @@ def split_step(batch: ForwardBatch, world_size: int,
     num_tokens = [0] * world_size
     for seq, start in zip(batch.seqs, batch.starts):
         r = rank_of_slot(seq.slot, world_size)
-        if blocks_per_rank is not None:
-            seq = dataclasses.replace(seq, block_table=to_local_block_table(seq.block_table, blocks_per_rank, r))
+        if blocks_per_rank is not None:  # the rank's own pools: local block ids, local slot (slots interleave)
+            seq = dataclasses.replace(seq, slot=seq.slot // world_size,
+                                      block_table=to_local_block_table(seq.block_table, blocks_per_rank, r))
         plans[r].seqs.append(seq)
         plans[r].token_ids.append(ids[start:start + seq.num_new_tokens])
         local_start.append(num_tokens[r])

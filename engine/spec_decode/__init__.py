@@ -44,14 +44,17 @@ request's first decode step verifies nothing (one step of speculation fewer than
 
 Greedy outputs equal non-speculative ones token for token; seeded sampled outputs too (the same
 per-position noise, `acceptance`). `verify_schedule = "confidence"` verifies a prefix of each
-request's drafts chosen over the batch (`verify_schedule`; confidence = the draft's MTP probability,
-cost = a linear stand-in until a profiled step-cost table exists). Not supported yet: async
-scheduling and multi-rank instances (refused at construction), drafts for structured-output
-requests (they verify none), a trained confidence head, batched compressors / indexer in the
+request's drafts chosen over the batch (`verify_schedule`): confidences from the checkpoint's
+confidence head (`confidence`, `confidence_head.safetensors`; the built-in model ships one) or, without
+one, the drafts' MTP probabilities; step costs from a profiled table (`step_cost`,
+`EngineConfig.verify_cost_table`; a CPU table ships, elsewhere a linear stand-in until one is
+profiled). Not supported yet: async scheduling and multi-rank instances (refused at construction),
+drafts for structured-output requests (they verify none), batched compressors / indexer in the
 batched verify path (they still run per request).
 """
 
 from deepinfer.engine.spec_decode.acceptance import expand_bitmask, expand_verify_rows, num_accepted, rejection_sample
+from deepinfer.engine.spec_decode.confidence import ConfidenceHead, confidence_features, load_confidence_head
 from deepinfer.engine.spec_decode.executor import (
     SpecDecodeMetrics,
     SpecDecoding,
@@ -61,10 +64,12 @@ from deepinfer.engine.spec_decode.executor import (
 )
 from deepinfer.engine.spec_decode.mtp_drafter import MTPDrafter, drafter_replay_tokens
 from deepinfer.engine.spec_decode.rollback import RingRollback, max_draft_tokens
+from deepinfer.engine.spec_decode.step_cost import StepCostTable, load_cost_table, profile_step_cost
 from deepinfer.engine.spec_decode.verify_rows import VerifyRows, batch_verify_chunks
 from deepinfer.engine.spec_decode.verify_schedule import choose_verify_lengths, survival, top_k_prefixes
 
 __all__ = [
+    "ConfidenceHead",
     "MTPDrafter",
     "RingRollback",
     "SpecDecodeMetrics",
@@ -72,14 +77,19 @@ __all__ = [
     "SpecExecutor",
     "SpecPreparedStep",
     "SpecStepResult",
+    "StepCostTable",
     "VerifyRows",
     "batch_verify_chunks",
     "choose_verify_lengths",
+    "confidence_features",
     "drafter_replay_tokens",
     "expand_bitmask",
     "expand_verify_rows",
+    "load_confidence_head",
+    "load_cost_table",
     "max_draft_tokens",
     "num_accepted",
+    "profile_step_cost",
     "rejection_sample",
     "survival",
     "top_k_prefixes",

@@ -46,16 +46,21 @@ def num_features(hidden_size: int) -> int:
     return hidden_size + 3 + MAX_POSITIONS
 
 
-def confidence_features(hidden: torch.Tensor, probs: torch.Tensor, position: int) -> torch.Tensor:
+def confidence_features(hidden: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor, position: int) -> torch.Tensor:
     """Features of B drafts read at one draft position (see the module docstring).
 
-    hidden [B, H]: the MTP hidden states; probs [B, V]: the MTP softmax (float32) -> [B, num_features]."""
-    if hidden.dim() != 2 or probs.dim() != 2 or hidden.shape[0] != probs.shape[0]:
-        raise ValueError(f"hidden [B, H] and probs [B, V] expected, got {tuple(hidden.shape)}, {tuple(probs.shape)}")
+    hidden [B, H]: the MTP hidden states; logits / probs [B, V]: the MTP logits and their softmax
+    (float32) -> [B, num_features]."""
+    if hidden.dim() != 2 or probs.dim() != 2 or hidden.shape[0] != probs.shape[0] or logits.shape != probs.shape:
+        raise ValueError(f"hidden [B, H], logits and probs [B, V] expected, got {tuple(hidden.shape)}, "
+                         f"{tuple(logits.shape)}, {tuple(probs.shape)}")
     if not 0 <= position < MAX_POSITIONS:
         raise ValueError(f"draft position {position} outside the head's 0 .. {MAX_POSITIONS - 1}")
-    top2 = probs.topk(2, dim=-1).values  # [B, 2]
-    entropy = -(probs * probs.clamp_min(1e-30).log()).sum(dim=-1, keepdim=True)  # [B, 1]
+    top2, arg = probs.topk(2, dim=-1)  # [B, 2]
+    # NOTE: entropy = logsumexp(l) - sum(p * l), with logsumexp(l) = l_max - log(p_max): one pass over the
+    # vocabulary instead of a log per entry (nansum: a -inf logit has p = 0 and contributes nothing)
+    lmax = logits.gather(-1, arg[:, :1])  # [B, 1]
+    entropy = lmax - top2[:, :1].log() - (probs * logits).nansum(dim=-1, keepdim=True)  # [B, 1]
     onehot = torch.zeros(hidden.shape[0], MAX_POSITIONS, dtype=torch.float32, device=hidden.device)
     onehot[:, position] = 1.0
     return torch.cat([hidden.float(), top2.float(), entropy.float(), onehot], dim=-1)

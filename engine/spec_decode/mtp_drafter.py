@@ -147,5 +147,5 @@ class MTPDrafter:
         logits = self.model.compute_logits(hidden)  # [B, vocab] float32
         softmax = logits.softmax(dim=-1)
         prob, tok = softmax.max(dim=-1)
-        feat = confidence_features(hidden, softmax, position) if self.keep_features else None
+        feat = confidence_features(hidden, logits, softmax, position) if self.keep_features else None
         return tok.tolist(), prob.tolist(), feat

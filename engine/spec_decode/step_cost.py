@@ -5,8 +5,10 @@ against step time; how a step's time grows with the verified tokens depends on t
 model (on a GPU a decode batch is memory bound, so a few more tokens per request are nearly free; on
 a CPU every token costs). `profile_step_cost` measures it on the current device: for each number of
 requests `B` and drafts per request `d`, one verify forward over `B` chunks of `1 + d` tokens after
-`context` tokens each (the batched verify path where the attention backend has it), best of
-`repeats`. The table is a grid `seconds[i][j]` over `num_reqs[i]` x `tokens_per_req[j]` (`1 + d`).
+`context` tokens each (the batched verify path where the attention backend has it), its logits at
+every verified position and their argmax (a small model with a 129k vocabulary spends much of a step
+there), best of `repeats`. The drafter's passes and the host work of a step are not in it: they do not
+depend on how many drafts are verified. The table is a grid `seconds[i][j]` over `num_reqs[i]` x `tokens_per_req[j]` (`1 + d`).
 
 File (JSON, `StepCostTable.save` / `load`):
 
@@ -122,8 +124,10 @@ def profile_step_cost(model, num_reqs: Sequence[int], max_drafts: int, context: 
 
     `model`: a loaded target (`Engine.model`). Each B gets a fresh cache whose B slots hold `context`
     random tokens; then every (B, d) cell restores that state and times `build_attention_metadata`,
-    the batched-verify regrouping (when the attention backend has it and B > 1) and the forward; the
-    best of `repeats` interleaved runs counts. Cells are in seconds on the model's device (synchronized)."""
+    the batched-verify regrouping (when the attention backend has it and B > 1), the forward and the logits
+    (+ argmax) of every position; the best of `repeats` interleaved runs counts (wall time on a GPU, the
+    process's CPU time on the CPU: run it with one torch thread there), and each row is made
+    non-decreasing in tokens per request (noise can put a cell below its left neighbour). Cells are in seconds on the model's device (synchronized)."""
     from deepinfer.engine.cache.kv_cache import V4KVCache
     from deepinfer.engine.forward_batch import ForwardBatch, SeqChunk
     from deepinfer.engine.spec_decode.verify_rows import batch_verify_chunks
@@ -141,6 +145,9 @@ def profile_step_cost(model, num_reqs: Sequence[int], max_drafts: int, context: 
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+
+    # NOTE: on the CPU, the process's CPU time: on a shared host, wall time mostly measures the neighbours
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
 
     sizes = [int(b) for b in num_reqs]
     tokens = list(range(1, max_drafts + 2))
@@ -161,14 +168,16 @@ def profile_step_cost(model, num_reqs: Sequence[int], max_drafts: int, context: 
                 for k, v in cache.state_tensors().items():
                     v.copy_(state[k])
                 sync()
-                t0 = time.perf_counter()
+                t0 = clock()
                 meta = model.build_attention_metadata(batch, cache)
                 if supports and n > 1 and B > 1:
                     batch_verify_chunks(meta, set(range(B)))
-                model(batch, cache, meta)
+                hidden = model(batch, cache, meta)  # [B * n, H]
+                model.compute_logits(hidden).argmax(dim=-1)  # every verified position is sampled
                 sync()
-                best[j] = min(best[j], time.perf_counter() - t0)
-        grid.append(best)
+                best[j] = min(best[j], clock() - t0)
+        # NOTE: more tokens never cost less; on a noisy host a cell can come out below its left neighbour
+        grid.append([max(best[:j + 1]) for j in range(len(best))])
         if log is not None:
             log({"num_reqs": B, "tokens_per_req": tokens, "ms": [round(s * 1e3, 3) for s in best]})
     meta = {"device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),

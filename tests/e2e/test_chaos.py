@@ -27,7 +27,7 @@ import torch
 
 from deepinfer.deploy.processes import ServiceProcesses
 from deepinfer.entrypoint.client import Client, GenerateError
-from deepinfer.protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from deepinfer.protos import common_pb2, decode_pb2_grpc, entrypoint_pb2_grpc, prefill_pb2_grpc
 
 pytest.importorskip("nixl")
 
@@ -153,23 +153,24 @@ def test_every_accepted_request_survives_kills_and_hangs(tmp_path_factory):
 
         chaos = _Chaos(processes, ckpt, random.Random(SEED))
         chaos_thread = threading.Thread(target=chaos.run, name="chaos")
-        results: dict[int, list[dict] | GenerateError] = {}
-        next_index = iter(range(len(prompts)))
+        results: list[tuple[int, list[dict] | GenerateError]] = []  # (request spec, its fate), one per request
+        counter = iter(range(1 << 30))
         lock = threading.Lock()
 
         def client_loop() -> None:
-            # requests keep coming while the schedule runs; every request of the list is sent at least once
+            # requests keep coming while the schedule runs (cycling through the specs), each list once at least
             while True:
                 with lock:
-                    i = next(next_index, None)
-                if i is None:
+                    n = next(counter)
+                if n >= len(prompts) and not chaos_thread.is_alive():
                     return
+                i = n % len(prompts)
                 try:
-                    results[i] = list(client.stream(prompts[i], deadline_ms=DEADLINE_MS, **kwargs[i]))
+                    fate = list(client.stream(prompts[i], deadline_ms=DEADLINE_MS, **kwargs[i]))
                 except GenerateError as e:
-                    results[i] = e
-                if chaos_thread.is_alive():
-                    time.sleep(0.2)
+                    fate = e
+                with lock:
+                    results.append((i, fate))
 
         chaos_thread.start()
         with ThreadPoolExecutor(NUM_CLIENTS) as pool:
@@ -178,16 +179,22 @@ def test_every_accepted_request_survives_kills_and_hangs(tmp_path_factory):
         chaos_thread.join()
         schedule = "\n".join(chaos.log)
 
-        failed = {i: r for i, r in results.items() if isinstance(r, GenerateError)}
+        failed = [(i, r) for i, r in results if isinstance(r, GenerateError)]
         assert not failed, f"failed requests (no stage was down longer than their deadline):\n{failed}\n{schedule}"
-        for i, deltas in results.items():
+        for i, deltas in results:
             tokens = [t for d in deltas for t in d["token_ids"]]
             assert tokens == ref[i], f"request {i}: {tokens} != {ref[i]}\n{schedule}"
             assert deltas[-1]["finish_reason"] == "length"
             assert deltas[-1]["usage"]["prompt_tokens"] == len(prompts[i])
             assert deltas[-1]["usage"]["completion_tokens"] == len(ref[i])
-        health = client.health()
-        assert health["is_healthy"], health
+        with grpc.insecure_channel(info["entrypoint"]["address"]) as channel:
+            reply, call = entrypoint_pb2_grpc.EntrypointStub(channel).Health.with_call(common_pb2.HealthRequest(),
+                                                                                       timeout=RPC_TIMEOUT_S)
+        assert reply.is_healthy, reply.message
+        stats = json.loads(dict(call.trailing_metadata())[STATS_KEY])
+        print(f"chaos: {len(results)} requests accepted and completed, {stats['num_migrated_requests_total']} "
+              f"migrated ({stats['num_migrations_total']} migrations), 0 failed, 0 lost\n{schedule}")
+        assert stats["num_migrations_total"] > 0  # the faults hit requests in flight
         # quarantined reservations (a hung prefill might still have written) end with their lease
         deadline = time.monotonic() + KV_LEASE_MS / 1000 + 10
         while not _all_drained(processes):

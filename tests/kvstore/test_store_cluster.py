@@ -3,13 +3,15 @@ the embedded store, one decode instance, the entrypoint).
 
 A long prompt is served; the prefill instance is stopped and a new one started over the same store directory
 (nothing of the first survives but the disk); the same prompt again reports its stored blocks as cached
-prompt tokens and gives the cold run's tokens, token for token (greedy).
+prompt tokens and gives the cold run's tokens, token for token (greedy). Then requests with a
+`kv_traffic_class` (agent, chat) through the entrypoint file their blocks under that class's TTL.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import time
 
 import pytest
@@ -85,7 +87,41 @@ def test_store_hit_after_prefill_restart(tmp_path):
             _, call = prefill_pb2_grpc.PrefillStub(channel).Health.with_call(common_pb2.HealthRequest(), timeout=10)
         stats = json.loads(dict(call.trailing_metadata())["deepinfer-stats-json"])
         assert stats["kvstore_hit_blocks_total"] == 4 and stats["kvstore_loads_total"] == 1
+        _check_traffic_classes(client, store_dir, kwargs)
     finally:
         if client is not None:
             client.close()
         processes.stop(10.0)
+
+
+def _check_traffic_classes(client: Client, store_dir, kwargs: dict) -> None:
+    """`GenerateRequest.kv_traffic_class` (what the HTTP front sets per API key) reaches the store through the
+    entrypoint and the prefill instance (`PrefillRequest.kv_traffic_class`): an `agent` prompt's blocks are
+    filed under agent with its 3-day TTL, a `chat` prompt's under chat with 7 days."""
+    from deepinfer.entrypoint.client import sampling_params_proto
+    from deepinfer.kvstore import DEFAULT_CLASS_TTLS_S
+    from deepinfer.protos import entrypoint_pb2
+
+    prompts = {}
+    for i, cls in enumerate(("agent", "chat")):
+        prompt = torch.randint(2, 512, (200,), generator=torch.Generator().manual_seed(10 + i)).tolist()
+        request = entrypoint_pb2.GenerateRequest(request_id=f"class-{cls}", prompt_token_ids=prompt,
+                                                 sampling_params=sampling_params_proto(**kwargs), kv_traffic_class=cls)
+        assert [m for m in client._stub.Generate(request, timeout=60.0) if m.HasField("error")] == []
+        prompts[cls] = prompt
+    # the prefill's writer thread files the blocks after the request ended: read the index until they are there
+    deadline = time.monotonic() + 30
+    while True:
+        with sqlite3.connect(f"file:{store_dir / 'index.sqlite'}?mode=ro", uri=True, timeout=10.0) as db:
+            rows = db.execute("SELECT class, expires_at - last_used FROM entries").fetchall()
+        by_class: dict[str, list[float]] = {}
+        for cls, ttl in rows:
+            by_class.setdefault(cls, []).append(ttl)
+        if (len(by_class.get("agent", ())) >= 3 and len(by_class.get("chat", ())) >= 7) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    # 3 full blocks of 64 per 200-token prompt; the restart test's prompt (no class: the default, chat) adds 4
+    assert len(by_class.get("agent", ())) == 3, by_class.keys()
+    assert len(by_class.get("chat", ())) == 3 + 4
+    assert all(abs(t - DEFAULT_CLASS_TTLS_S["agent"]) < 1.0 for t in by_class["agent"])
+    assert all(abs(t - DEFAULT_CLASS_TTLS_S["chat"]) < 1.0 for t in by_class["chat"])

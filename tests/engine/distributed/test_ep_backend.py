@@ -7,6 +7,7 @@ One spawn of 2 ranks runs every case (process start-up dominates the time on sma
 
 from __future__ import annotations
 
+import pickle
 import traceback
 from types import SimpleNamespace
 
@@ -129,7 +130,9 @@ def _rank(rank: int, port: int, q) -> None:
         res = {name: _run_case(rank, *case) for name, case in CASES.items()}
         res["skewed_eplb"] = _skewed_eplb(rank)
         res["moved_fp4"] = _moved_quantized(rank)
-        q.put((rank, res))
+        # NOTE: plain pickle bytes: a queued tensor would be shared through a file descriptor that dies with
+        # this process, which may exit before the parent reads it
+        q.put((rank, pickle.dumps(res)))
     except BaseException:
         q.put((rank, traceback.format_exc()))
     finally:
@@ -148,7 +151,7 @@ def results():
     for _ in range(WORLD):
         rank, res = q.get(timeout=300)
         assert not isinstance(res, str), f"rank {rank} failed:\n{res}"
-        out[rank] = res
+        out[rank] = pickle.loads(res)
     for p in procs:
         p.join(timeout=30)
     return out

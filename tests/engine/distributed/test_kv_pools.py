@@ -64,6 +64,11 @@ def test_block_ids_carry_the_rank_and_a_prefix_hit_sends_the_request_to_that_ran
     slot_b, hit_b = _admit(kv, slots, b)
     assert rank_of_slot(slot_b, 2) == rank_a and hit_b == ids_a[:3]  # to the rank holding the prefix
     assert kv.num_prefix_hit_tokens == 12
+    # the scheduler's view: a rank's pool is the most one request can use; free = the emptiest rank's
+    assert kv.num_blocks == 8 and kv.block_pool.num_blocks == 16
+    assert kv.num_free_blocks == 8 - 2 and kv.usage == 1 - (4 + 6) / 16  # a+b: 4 blocks on rank a, other: 2
+    hashes = [kv.block_pool.block_hash(g) for g in range(kv.block_pool.num_blocks)]
+    assert sum(h is not None for h in hashes) == 3  # the cached blocks of every rank are listed
 
 
 def test_a_request_goes_elsewhere_when_the_prefix_rank_has_no_room():
@@ -94,3 +99,11 @@ def test_slots_follow_the_rank_and_run_out_per_rank():
     slots.rank_of_request = lambda req_id: 1 - rank_of_slot(slot_c, 2)
     with pytest.raises(NoFreeSlotsError, match="rank"):
         slots.allocate("d")
+
+
+def test_only_requests_of_the_same_rank_share_a_pool():
+    kv, slots = _manager()
+    a, b, c = _Req("a", [1] * 5), _Req("b", [2] * 5), _Req("c", [3] * 5)
+    ranks = [rank_of_slot(_admit(kv, slots, r)[0], 2) for r in (a, b, c)]
+    assert ranks == [0, 1, 0]  # new requests spread to the emptier rank
+    assert kv.shares_pool(a, c) and not kv.shares_pool(a, b)

@@ -92,10 +92,12 @@ def test_ep4_random_model_with_redundant_experts_and_eplb_is_bit_identical(tiny8
     max_tokens = [4, 7, 2, 8, 5, 6]
     one = Engine(**kw)
     ref = _generate(one, prompts, max_tokens)
-    one_bytes = held_expert_bytes(one.model)
+    one_bytes, one_blocks = held_expert_bytes(one.model), one.cache.num_blocks
     one.shutdown()
     ep = Engine(expert_parallel_size=4, num_redundant_experts=4, eplb_interval_steps=3, **kw)
     try:
+        # each rank's cache: its 2 of the 6 state slots and the blocks of 2 sequences
+        assert ep.cache.num_slots == 2 and 3 * ep.cache.num_blocks == one_blocks
         mem = ep.executor.rank_memory()  # each rank loaded only its 3 of the 12 slots' experts
         for r, m in enumerate(mem):
             assert m.expert_ids == [sorted(set((*range(8), 0, 1, 2, 3)[3 * r:3 * r + 3]))] * 4
@@ -142,6 +144,27 @@ def test_ep2_prefix_caching_hits_on_the_rank_holding_the_prefix(tiny8):
         assert got == ref
         assert ranks["l0"] == ranks["l1"] == 0 and ranks["l2"] == 1  # the prefix's rank (0: the first request's)
         assert hits == ref_hits > 0
+    finally:
+        ep.shutdown()
+
+
+def test_ep2_preemption_in_a_short_rank_pool_keeps_the_tokens(tiny8):
+    """Per-rank pools of 6 blocks of 8 tokens: requests growing on one rank preempt a request of that rank
+    (never one of the other rank, whose blocks would not help); tokens stay bit-identical to one process."""
+    kw = dict(model=tiny8, max_num_seqs=4, max_model_len=48, batch_invariant=True, block_size=8,
+              enable_prefix_caching=False)
+    prompts = _prompts(4, 500, seed=7)
+    prompts = [p[:20] for p in prompts]
+    max_tokens = [20, 20, 20, 20]
+    one = Engine(**kw)
+    ref = _generate(one, prompts, max_tokens)
+    one.shutdown()
+    ep = Engine(expert_parallel_size=2, num_blocks=6, **kw)
+    try:
+        got = _generate(ep, prompts, max_tokens)
+        assert {r: t for r, (t, _) in got.items()} == {r: t for r, (t, _) in ref.items()}
+        assert got == ref
+        assert ep.scheduler.num_preemptions > 0
     finally:
         ep.shutdown()
 

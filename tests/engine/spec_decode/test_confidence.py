@@ -41,9 +41,14 @@ def test_head_file_round_trips_and_the_builtin_head_loads(tmp_path):
     # the built-in model ships one; it runs on real features and gives probabilities
     builtin = load_confidence_head(builtin_model_path(), 128)
     assert builtin is not None
-    probs = torch.softmax(torch.randn(4, 1000), dim=-1)
-    feats = confidence_features(torch.randn(4, 128), probs, 2)
+    logits = torch.randn(4, 1000) * 3
+    logits[:, 7] = float("-inf")  # a masked entry adds nothing to the entropy
+    probs = torch.softmax(logits, dim=-1)
+    feats = confidence_features(torch.randn(4, 128), logits, probs, 2)
     assert feats.shape == (4, num_features(128)) and feats[:, -8:].argmax(dim=-1).eq(2).all()
+    entropy = -(probs * probs.clamp_min(1e-30).log()).sum(dim=-1)
+    assert torch.allclose(feats[:, 130], entropy, atol=1e-4)
+    assert torch.equal(feats[:, 128], probs.max(dim=-1).values)
     c = builtin(feats)
     assert c.shape == (4,) and ((c >= 0) & (c <= 1)).all()
 
