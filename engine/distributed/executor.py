@@ -4,9 +4,10 @@ The engine's process is rank 0: it holds the scheduler view (`Engine`), prepares
 and this executor runs it over the group: `split_step` cuts the batch into one `RankPlan` per rank
 (a request runs on the rank owning its state slot, `rank_of_slot`), rank 0 scatters the plans over
 the control group, every rank runs its plan (the same `RankState.run`: SPMD; a rank without requests
-joins the MoE collectives with zero rows), and rank 0 gathers each rank's logits, puts them in the
-step's sampling order and samples once, with its sampler, so every token is drawn exactly as the
-single-process engine draws it. Ranks 1..N-1 are processes this executor starts (`spawn`) and stops.
+joins the MoE collectives with zero rows), each rank samples its own rows (rank 0 resolves the
+unseeded rows' seeds with its sampler first, `engine.distributed.sampling`, so every token is drawn
+exactly as the single-process engine draws it), and rank 0 gathers the token ids and logprobs in the
+step's sampling order. Ranks 1..N-1 are processes this executor starts (`spawn`) and stops.
 
 `max_inflight = 1`: the step runs inside `submit` (no overlap yet).
 
@@ -23,9 +24,8 @@ Failures: an exception on any rank (or a rank process that died) fails the step'
 executor: the group's collectives cannot line up again, so the instance fails as a whole and must be
 restarted (a new engine).
 
-NOTE: the logits travel to rank 0 as host tensors over the gloo control group ([rows, vocab] float32
-per rank per step), which is fine for CPU ranks and small batches; on GPUs each rank should sample its
-own rows with a shared generator state (the next step for this executor).
+NOTE: only token ids and per-row logprobs travel back to rank 0 (over the gloo control group), never
+`[rows, vocab]` logits.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import torch.multiprocessing as mp
 from deepinfer.engine.distributed.expert_parallel import LayerLoad, imbalance_of
 from deepinfer.engine.distributed.group import GroupAddress, backend_for, free_port, join_group, leave_group
 from deepinfer.engine.distributed.plan import split_step
+from deepinfer.engine.distributed.sampling import resolve_seeds, select_rows
 from deepinfer.engine.distributed.worker import Command, RankError, RankSpec, RankState, rank_main
 from deepinfer.engine.executor import Executor, PreparedStep, StepResult
 
@@ -185,6 +186,13 @@ class MultiRankExecutor(Executor):
 
         t0 = time.perf_counter()
         plans, rows_of_rank = split_step(step.batch, self.world_size, self.spec.num_blocks)
+        if step.sampling_batch is not None:
+            # NOTE: the engine's sampler draws the unseeded rows' seeds here, exactly as its `sample` would, so
+            # the ranks sample bit-identically to one process (`engine.distributed.sampling`)
+            sampling = resolve_seeds(step.sampling_batch, self.sampler._generator)
+            for plan, rows in zip(plans, rows_of_rank):
+                if rows:
+                    plan.sampling = select_rows(sampling, rows)
         results = self._run_all([Command("step", p) for p in plans])
         t1 = time.perf_counter()
         self._num_steps += 1
@@ -193,15 +201,11 @@ class MultiRankExecutor(Executor):
         if step.sampling_batch is None:
             return StepResult([], [], t1 - t0, 0.0)
         num_rows = sum(len(r) for r in rows_of_rank)
-        logits = None
+        token_ids: list[int] = [0] * num_rows
+        logprobs: list = [None] * num_rows
         for rows, part in zip(rows_of_rank, results):
-            if rows:
-                if logits is None:
-                    logits = part.new_empty(num_rows, part.shape[1])
-                logits[torch.tensor(rows)] = part
-        logits = logits.to(self.runner.device)  # [num_sampling_rows, vocab]
-        sampled = self.sampler.sample(logits, step.sampling_batch)
-        token_ids, logprobs = sampled.sampled_token_ids.tolist(), sampled.request_logprobs()
+            for row, token_id, lp in zip(rows, *part) if rows else ():
+                token_ids[row], logprobs[row] = token_id, lp
         return StepResult(token_ids, logprobs, t1 - t0, time.perf_counter() - t1)
 
     def rebalance_experts(self) -> list[list[tuple[int, ...]]]:

@@ -23,6 +23,7 @@ import torch
 
 from deepinfer.engine.distributed.kv_pools import to_local_block_table
 from deepinfer.engine.forward_batch import ForwardBatch, SeqChunk
+from deepinfer.engine.sampling.sampler import SamplingBatch
 
 
 def rank_of_slot(slot: int, world_size: int) -> int:
@@ -41,6 +42,9 @@ class RankPlan:
     """Per request of the rank: its cache handles (slot, block table, positions)."""
     logits_rows: list[int] = field(default_factory=list)
     """Flat indices (in the rank's batch) whose logits the step samples, in the order rank 0 expects them."""
+    sampling: SamplingBatch | None = None
+    """The sampling inputs of the rank's `logits_rows`, seeds resolved (`engine.distributed.sampling`); None when
+    the step samples nothing here."""
     input_embeds: torch.Tensor | None = None
     """[num_tokens, hidden] image embeddings replacing rows where `embeds_mask` is set, or None."""
     embeds_mask: torch.Tensor | None = None

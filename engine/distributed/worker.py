@@ -4,8 +4,8 @@ Every rank, rank 0 included (in the engine's process), runs the same `RankState.
 command per step; ranks 1..N-1 run `rank_main` in their own process, a loop over commands received
 from rank 0 on the control group until `stop`. Commands (`Command.kind`):
 
-  * `step`: run this rank's `RankPlan` (an empty plan: the MoE collectives with zero rows) and return
-    the logits of its sampling rows (on the host);
+  * `step`: run this rank's `RankPlan` (an empty plan: the MoE collectives with zero rows) and sample its
+    rows (`engine.distributed.sampling`): returns `(token_ids, logprobs)` of its sampling rows, or None;
   * `rebalance`: EPLB over the loads measured since the last one (a collective; experts a rank gains are
     sent to it by a rank holding them, `engine.distributed.expert_parallel.move_experts`);
   * `loads`: this rank's per-layer `LayerLoad`s (`payload=True` also resets them);
@@ -35,6 +35,8 @@ from deepinfer.engine.distributed.expert_parallel import (
     rank_load_kwargs,
 )
 from deepinfer.engine.distributed.group import GroupAddress, join_group, leave_group, rank_device
+from deepinfer.engine.distributed.sampling import to_device
+from deepinfer.engine.sampling.sampler import Sampler
 
 
 @dataclass
@@ -98,6 +100,7 @@ class RankState:
         self.cache = cache
         self.device = cache.device
         self.backends = install_expert_parallel(model, num_redundant_experts)
+        self.sampler = Sampler()  # NOTE: draws nothing of its own: rank 0 resolves every row's seed
 
     @torch.inference_mode()
     def run(self, cmd: Command):
@@ -108,7 +111,10 @@ class RankState:
                 idle_step(self.model)
                 return None
             logits = self.model.step(plan.build(self.model, self.cache, self.device), self.cache)
-            return logits.cpu()
+            if plan.sampling is None:
+                return None
+            sampled = self.sampler.sample(logits, to_device(plan.sampling, logits.device))
+            return sampled.sampled_token_ids.tolist(), sampled.request_logprobs()
         if cmd.kind == "rebalance":
             return [p.phy2log for p in apply_rebalance(self.model, self.backends)]
         if cmd.kind == "loads":

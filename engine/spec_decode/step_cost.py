@@ -7,17 +7,22 @@ a CPU every token costs). `profile_step_cost` measures it on the current device:
 requests `B` and drafts per request `d`, one verify forward over `B` chunks of `1 + d` tokens after
 `context` tokens each (the batched verify path where the attention backend has it), its logits at
 every verified position and their argmax (a small model with a 129k vocabulary spends much of a step
-there), best of `repeats`. The drafter's passes and the host work of a step are not in it: they do not
-depend on how many drafts are verified. The table is a grid `seconds[i][j]` over `num_reqs[i]` x `tokens_per_req[j]` (`1 + d`).
+there), best of `repeats`; and, per B, the drafter's step (`draft_seconds`: the MTP's committed pass and
+chained drafts with their logits), which every step pays whatever it verifies (`StepCostTable.cost_fn`
+adds it; it dilutes what verifying more costs). The host work of a step is in neither. The table is a
+grid `seconds[i][j]` over `num_reqs[i]` x `tokens_per_req[j]` (`1 + d`).
 
 File (JSON, `StepCostTable.save` / `load`):
 
     {"format": "deepinfer-step-cost", "version": 1, "device": ..., "model": ..., "context": ...,
-     "date": ..., "num_reqs": [1, 2, 4, ...], "tokens_per_req": [1, 2, 3, 4], "seconds": [[...], ...]}
+     "date": ..., "num_reqs": [1, 2, 4, ...], "tokens_per_req": [1, 2, 3, 4],
+     "draft_seconds": [...], "seconds": [[...], ...]}
 
 `StepCostTable.seconds(num_reqs, num_tokens)` interpolates linearly in tokens per request and in the
 number of requests, and beyond the largest profiled batch scales the last row in proportion to the
-requests. `default_cost_table_path()` is the table shipped with deepinfer (`step_cost_cpu.json`,
+requests. NOTE: a step whose requests verify different numbers of drafts is priced at its mean tokens
+per request (the batched verify path pads every chunk to the longest, so such a step can cost more).
+`default_cost_table_path()` is the table shipped with deepinfer (`step_cost_cpu.json`,
 the built-in model on the 2-core development VM's CPU); `benchmarks/speculative.py --profile-cost
 --json FILE` writes one for the device at hand, and `EngineConfig.verify_cost_table` points the
 engine at it.
@@ -59,6 +64,9 @@ class StepCostTable:
     tokens_per_req: list[int]
     seconds: list[list[float]]
     """[len(num_reqs)][len(tokens_per_req)]."""
+    draft_seconds: list[float] | None = None
+    """Per `num_reqs[i]`: the step's drafting (the MTP's committed pass and chained drafts with their logits),
+    which every step pays whatever it verifies; None = not measured (0)."""
     meta: dict = field(default_factory=dict)
     """Where it was measured: device, model, context, date (informational)."""
 
@@ -74,6 +82,9 @@ class StepCostTable:
             raise ValueError(f"seconds must be a {len(self.num_reqs)} x {len(self.tokens_per_req)} grid")
         if any(not s > 0 for r in self.seconds for s in r):
             raise ValueError("step costs are positive seconds")
+        if self.draft_seconds is not None and (len(self.draft_seconds) != len(self.num_reqs)
+                                               or any(s < 0 for s in self.draft_seconds)):
+            raise ValueError(f"draft_seconds must be {len(self.num_reqs)} non-negative seconds")
 
     def seconds_for(self, num_reqs: int, num_tokens: int) -> float:
         """Estimated seconds of a forward over `num_tokens` tokens of `num_reqs` requests (interpolated)."""
@@ -86,13 +97,27 @@ class StepCostTable:
             return rows[-1] * num_reqs / top
         return max(_interp(self.num_reqs, rows, num_reqs), 1e-9)
 
+    def draft_seconds_for(self, num_reqs: int) -> float:
+        """The step's drafting time at `num_reqs` requests (interpolated; 0 when not measured)."""
+        if self.draft_seconds is None:
+            return 0.0
+        top = self.num_reqs[-1]
+        if num_reqs > top:
+            return self.draft_seconds[-1] * num_reqs / top
+        return max(_interp(self.num_reqs, self.draft_seconds, num_reqs), 0.0)
+
     def cost_fn(self, num_reqs: int):
-        """`step_cost(num_tokens)` for a step of `num_reqs` requests (what `choose_verify_lengths` takes)."""
-        return lambda num_tokens: self.seconds_for(num_reqs, num_tokens)
+        """`step_cost(num_tokens)` for a step of `num_reqs` requests (what `choose_verify_lengths` takes): the
+        verify forward plus the drafting every step pays (it dilutes what verifying more costs)."""
+        draft = self.draft_seconds_for(num_reqs)
+        return lambda num_tokens: self.seconds_for(num_reqs, num_tokens) + draft
 
     def to_dict(self) -> dict:
-        return {"format": FORMAT, "version": 1, **self.meta, "num_reqs": list(self.num_reqs),
-                "tokens_per_req": list(self.tokens_per_req), "seconds": [list(r) for r in self.seconds]}
+        d = {"format": FORMAT, "version": 1, **self.meta, "num_reqs": list(self.num_reqs),
+             "tokens_per_req": list(self.tokens_per_req)}
+        if self.draft_seconds is not None:
+            d["draft_seconds"] = [round(x, 7) for x in self.draft_seconds]
+        return {**d, "seconds": [list(r) for r in self.seconds]}
 
     def save(self, path: str | Path) -> None:
         """Write the JSON of the module docstring (one line per field, one row of seconds per line)."""
@@ -107,9 +132,12 @@ class StepCostTable:
         if d.get("format") != FORMAT:
             raise ValueError(f"not a step-cost table (format {d.get('format')!r}); write one with "
                              "`python -m deepinfer.benchmarks.speculative --profile-cost --json FILE`")
-        meta = {k: v for k, v in d.items() if k not in ("format", "version", "num_reqs", "tokens_per_req", "seconds")}
+        keys = ("format", "version", "num_reqs", "tokens_per_req", "seconds", "draft_seconds")
+        meta = {k: v for k, v in d.items() if k not in keys}
+        draft = d.get("draft_seconds")
         return cls([int(b) for b in d["num_reqs"]], [int(t) for t in d["tokens_per_req"]],
-                   [[float(s) for s in r] for r in d["seconds"]], meta)
+                   [[float(s) for s in r] for r in d["seconds"]], None if draft is None else [float(x) for x in draft],
+                   meta)
 
     @classmethod
     def load(cls, path: str | Path) -> StepCostTable:
@@ -127,7 +155,9 @@ def profile_step_cost(model, num_reqs: Sequence[int], max_drafts: int, context: 
     the batched-verify regrouping (when the attention backend has it and B > 1), the forward and the logits
     (+ argmax) of every position; the best of `repeats` interleaved runs counts (wall time on a GPU, the
     process's CPU time on the CPU: run it with one torch thread there), and each row is made
-    non-decreasing in tokens per request (noise can put a cell below its left neighbour). Cells are in seconds on the model's device (synchronized)."""
+    non-decreasing in tokens per request (noise can put a cell below its left neighbour). With the
+    model's MTP layer, `draft_seconds[i]` times the drafter's step for B requests (`MTPDrafter.propose`
+    of `max_drafts` drafts after one committed position each). Cells are in seconds."""
     from deepinfer.engine.cache.kv_cache import V4KVCache
     from deepinfer.engine.forward_batch import ForwardBatch, SeqChunk
     from deepinfer.engine.spec_decode.verify_rows import batch_verify_chunks
@@ -151,7 +181,7 @@ def profile_step_cost(model, num_reqs: Sequence[int], max_drafts: int, context: 
 
     sizes = [int(b) for b in num_reqs]
     tokens = list(range(1, max_drafts + 2))
-    grid = []
+    grid, draft_seconds = [], []
     for B in sizes:
         per_seq = -(-(context + max_drafts + 1) // bs)
         cache = V4KVCache(mc, per_seq * B, bs, B, dtype=dtype, device=device)
@@ -178,11 +208,34 @@ def profile_step_cost(model, num_reqs: Sequence[int], max_drafts: int, context: 
                 best[j] = min(best[j], clock() - t0)
         # NOTE: more tokens never cost less; on a noisy host a cell can come out below its left neighbour
         grid.append([max(best[:j + 1]) for j in range(len(best))])
+        if getattr(model, "mtp", None):
+            draft_seconds.append(_time_drafting(model, B, max_drafts, context, repeats, clock, sync, g, vocab_hi))
         if log is not None:
-            log({"num_reqs": B, "tokens_per_req": tokens, "ms": [round(s * 1e3, 3) for s in best]})
+            log({"num_reqs": B, "tokens_per_req": tokens, "ms": [round(s * 1e3, 3) for s in best],
+                 "draft_ms": round(draft_seconds[-1] * 1e3, 3) if draft_seconds else None})
     meta = {"device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
             "context": context, "repeats": repeats, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    return StepCostTable(sizes, tokens, grid, meta)
+    return StepCostTable(sizes, tokens, grid, draft_seconds or None, meta)
+
+
+def _time_drafting(model, B: int, num_drafts: int, context: int, repeats: int, clock, sync, g, vocab_hi: int) -> float:
+    """Best-of-`repeats` seconds of `MTPDrafter.propose` for B requests at one committed position each."""
+    from deepinfer.engine.spec_decode.mtp_drafter import DraftSeq, MTPDrafter
+
+    drafter = MTPDrafter(model, B, num_drafts)
+    mc = model.config
+    weight = model.model.embed_tokens.weight
+    streams = torch.randn(B, mc.hc_mult, mc.hidden_size, generator=g).to(weight)  # [B, hc, H]
+    seqs = [DraftSeq(b, context, [b], [int(torch.randint(10, vocab_hi, (1,), generator=g))], context, True)
+            for b in range(B)]
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        t0 = clock()
+        drafter.propose(streams, seqs)
+        sync()
+        best = min(best, clock() - t0)
+    return best
 
 
 def load_cost_table(spec: str | None, device: str = "cpu") -> StepCostTable | None:

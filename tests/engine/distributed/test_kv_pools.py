@@ -66,7 +66,7 @@ def test_block_ids_carry_the_rank_and_a_prefix_hit_sends_the_request_to_that_ran
     assert kv.num_prefix_hit_tokens == 12
     # the scheduler's view: a rank's pool is the most one request can use; free = the emptiest rank's
     assert kv.num_blocks == 8 and kv.block_pool.num_blocks == 16
-    assert kv.num_free_blocks == 8 - 2 and kv.usage == 1 - (4 + 6) / 16  # a+b: 4 blocks on rank a, other: 2
+    assert kv.num_free_blocks == 8 - 2 and kv.usage == 7 / 16  # a, b: 4 + 1 blocks on a's rank; other: 2
     hashes = [kv.block_pool.block_hash(g) for g in range(kv.block_pool.num_blocks)]
     assert sum(h is not None for h in hashes) == 3  # the cached blocks of every rank are listed
 

@@ -169,6 +169,41 @@ def test_ep2_preemption_in_a_short_rank_pool_keeps_the_tokens(tiny8):
         ep.shutdown()
 
 
+def test_ep2_ranks_sample_their_rows_bit_identically(tiny8):
+    """Each rank samples its own rows (seeds of unseeded rows drawn by rank 0's sampler as one process would):
+    random sampling with and without request seeds, penalties, logit bias, min_tokens, top-k/p and logprobs
+    give the one-process engine's tokens and logprobs bit for bit."""
+    kw = dict(model=tiny8, max_num_seqs=4, max_model_len=96, batch_invariant=True, seed=123)
+    prompts = _prompts(5, 500, seed=9)
+    params = [
+        SamplingParams(max_tokens=6, temperature=0.9, seed=7, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=5, temperature=1.1, top_k=20, top_p=0.9, logprobs=1, ignore_eos=True),
+        SamplingParams(max_tokens=7, temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5,
+                       logit_bias={5: 3.0, 9: -2.0}, ignore_eos=True),
+        SamplingParams(max_tokens=4, temperature=0.7, min_p=0.05, min_tokens=3, frequency_penalty=0.4, logprobs=0),
+        SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True),
+    ]
+
+    def run(engine):
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(str(i), p, sp)
+        out = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    out[o.request_id] = (o.outputs[0].token_ids, o.outputs[0].logprobs)
+        return out
+
+    one = Engine(**kw)
+    ref = run(one)
+    one.shutdown()
+    ep = Engine(expert_parallel_size=2, **kw)
+    try:
+        assert run(ep) == ref
+    finally:
+        ep.shutdown()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL all-to-all between ranks)")
 def test_ep2_on_two_gpus_matches_one_gpu(tiny8):

@@ -1,7 +1,7 @@
 """Loading one expert-parallel rank's share of a checkpoint (`engine.loader.load_checkpoint(routed_experts=...)`,
 `engine.distributed.expert_parallel.rank_load_kwargs`): only the rank's routed experts are read from the shards
-(quantized ones stay quantized), the others are `AbsentExpert`s, and the EP backends are in place before the
-first prepare."""
+(quantized ones stay quantized), the others are `AbsentExpert`s, the EP backends are in place before the
+first prepare, and the MTP layers are left out."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from deepinfer.engine.testing.presets import PRESETS
 @pytest.fixture(scope="module")
 def published_fp4(tmp_path_factory):
     cfg = {**PRESETS["tiny"].hf_config(), "n_routed_experts": 8}
-    return make_checkpoint(tmp_path_factory.mktemp("pub8"), preset=cfg, seed=3, format="published", mtp_layers=0)
+    return make_checkpoint(tmp_path_factory.mktemp("pub8"), preset=cfg, seed=3, format="published", mtp_layers=1)
 
 
 @pytest.mark.parametrize("rank", [0, 3])
@@ -45,6 +45,7 @@ def test_a_rank_reads_only_its_routed_experts_and_keeps_them_fp4(published_fp4, 
             else:
                 assert isinstance(ex, AbsentExpert) and not ex.state_dict()
     assert held_expert_bytes(part) * 8 == held_expert_bytes(full) * len(want)
+    assert full.mtp and not part.mtp  # no MTP layers on a rank (speculative decoding is off with EP)
     # the shards' other experts were never read: the state dict lists only what this rank holds
     names = [n for n in part.state_dict() if ".ffn.experts." in n]
     assert {int(n.split(".experts.")[1].split(".")[0]) for n in names} == set(want)

@@ -94,15 +94,16 @@ def test_confidence_head_schedule_is_lossless_greedy_and_seeded():
     assert full.spec.confidence_head is None and full.spec.cost_table is None
 
 
-def _table(seconds) -> StepCostTable:
-    return StepCostTable([1, 4], [1, 2, 3, 4], seconds, {"device": "synthetic"})
+def _table(seconds, draft_seconds=None) -> StepCostTable:
+    return StepCostTable([1, 4], [1, 2, 3, 4], seconds, draft_seconds, meta={"device": "synthetic"})
 
 
 def test_cost_table_round_trips_and_interpolates(tmp_path):
-    t = _table([[1.0, 2.0, 3.0, 4.0], [2.0, 4.0, 6.0, 8.0]])
+    t = _table([[1.0, 2.0, 3.0, 4.0], [2.0, 4.0, 6.0, 8.0]], [0.5, 1.0])
     t.save(tmp_path / "t.json")
     back = StepCostTable.load(tmp_path / "t.json")
     assert back == t and load_cost_table(str(tmp_path / "t.json")) == t
+    assert t.cost_fn(4)(8) == 5.0 and t.draft_seconds_for(2) == pytest.approx(2 / 3)
     assert t.seconds_for(1, 3) == 3.0 and t.seconds_for(4, 8) == 4.0
     assert t.seconds_for(1, 2) < t.seconds_for(2, 4) < t.seconds_for(4, 8)  # between rows: interpolated
     assert t.seconds_for(8, 16) == pytest.approx(8.0)  # past the largest batch: in proportion
@@ -128,6 +129,9 @@ def test_budget_follows_the_table():
     mild = _table([[1.0, 1.5, 2.0, 2.5], [1.0, 1.5, 2.0, 2.5]])  # a draft per request: +50% step time
     lengths = choose_verify_lengths(conf, cost_table=mild, floor=0)
     assert 0 < sum(lengths) < 12 and lengths[2] == max(lengths)  # the confident request verifies most
+    # drafting that every step pays anyway makes verifying relatively cheaper: a larger budget
+    diluted = _table(mild.seconds, [3.0, 3.0])
+    assert sum(choose_verify_lengths(conf, cost_table=diluted, floor=0)) > sum(lengths)
 
 
 def test_profile_step_cost_measures_a_small_grid():
@@ -137,3 +141,4 @@ def test_profile_step_cost_measures_a_small_grid():
     t = profile_step_cost(model, [1, 2], max_drafts=1, context=16, repeats=1)
     assert t.num_reqs == [1, 2] and t.tokens_per_req == [1, 2]
     assert all(s > 0 for r in t.seconds for s in r) and t.meta["context"] == 16
+    assert len(t.draft_seconds) == 2 and all(s > 0 for s in t.draft_seconds)  # the built-in model has an MTP layer
