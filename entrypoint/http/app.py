@@ -34,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from deepinfer.engine.config import read_config_json
 from deepinfer.entrypoint.http import completions
@@ -209,12 +210,56 @@ async def _start(front: Front, endpoint: str, request: Request, t_accept: float,
         raise
 
 
-async def _read_body(request: Request, max_bytes: int) -> bytes:
-    """Blocks until the body is read; 413 past `max_bytes` (whatever Content-Length claimed)."""
+_DRAIN_TIMEOUT_S = 10.0
+"""How long a refused request's body is read (and thrown away) at most before the answer."""
+
+
+async def _discard(chunks: AsyncIterator[bytes], limit: int) -> bool:
+    """Reads and throws away `chunks` to their end; False if they pass `limit` bytes, take longer than
+    `_DRAIN_TIMEOUT_S` or the client leaves.
+
+    Why: uvicorn (h11) closes the connection when a response is complete while the request body is
+    still arriving, and the unread bytes in the socket make the kernel answer with a reset; a client
+    that writes the whole body before reading its answer (urllib) then sees the reset, not the error.
+    Once the body is read the connection stays healthy (and keep-alive). NOTE: uvicorn's `receive`
+    answers http.disconnect once a response is complete, so the body cannot be read after the answer.
+    """
+    async def drain() -> bool:
+        seen = 0
+        async for chunk in chunks:
+            seen += len(chunk)
+            if seen > limit:
+                return False
+        return True
+
+    try:
+        return await asyncio.wait_for(drain(), _DRAIN_TIMEOUT_S)
+    except (asyncio.TimeoutError, ClientDisconnect):
+        return False
+
+
+async def _receive_chunks(receive) -> AsyncIterator[bytes]:
+    """The request body's chunks straight from the ASGI `receive` (ends at the last one or a disconnect)."""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        yield message.get("body", b"")
+        if not message.get("more_body", False):
+            return
+
+
+async def _read_body(request: Request, config: HttpConfig) -> bytes:
+    """Blocks until the body is read; 413 past `config.max_body_bytes` (whatever Content-Length
+    claimed), after reading the rest of a body up to `config.drain_body_bytes` (see `_discard`)."""
+    max_bytes, drain_bytes = config.max_body_bytes, config.drain_body_bytes
     chunks, size = [], 0
-    async for chunk in request.stream():
+    stream = request.stream()
+    async for chunk in stream:
         size += len(chunk)
         if size > max_bytes:
+            if size <= drain_bytes:
+                await _discard(stream, drain_bytes - size)
             raise ApiError(413, f"the request body is larger than {max_bytes} bytes", code="request_too_large")
         chunks.append(chunk)
     return b"".join(chunks)
@@ -288,7 +333,7 @@ async def _recipe_events(front: Front, prepared: Prepared, run: _Run,
 
 async def _recipe_route(front: Front, api: str, request: Request) -> Response:
     t_accept = time.monotonic()
-    prepared = front.recipe.prepare(api, await _read_body(request, front.config.max_body_bytes))
+    prepared = front.recipe.prepare(api, await _read_body(request, front.config))
     _set_request_id(request, prepared.response_id)
     headers = prepared.sampling_headers()
     seed = prepared.request.inference_options.seed
@@ -337,7 +382,14 @@ async def _recipe_choices(front: Front, api: str, prepared: Prepared, request: R
             await events.aclose()
             run.close()
 
-    tasks = [asyncio.ensure_future(one(i)) for i in range(prepared.n)]
+    return json.dumps(await _gather_choices(prepared.n, one))
+
+
+async def _gather_choices(n: int, one) -> dict:
+    """Runs `one(i)` (an awaitable answer with one choice) for i < n concurrently, all cancelled if one
+    fails; returns the first answer with choice i at index i and usage summed over the choices (the
+    prompt counted once; completion_tokens_details summed where every answer has them)."""
+    tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
     try:
         answers = await asyncio.gather(*tasks)
     finally:
@@ -354,7 +406,7 @@ async def _recipe_choices(front: Front, api: str, prepared: Prepared, request: R
         if all(isinstance(d, dict) for d in details):
             usage["completion_tokens_details"] = {
                 k: sum(d.get(k) or 0 for d in details) for k in details[0] if isinstance(details[0][k], int)}
-    return json.dumps(merged)
+    return merged
 
 
 async def _recipe_sse(api: str, events: AsyncIterator[Any], run: _Run) -> AsyncIterator[bytes]:
@@ -450,6 +502,8 @@ class _Guard:
                     error = e
             if error is not None:
                 self.front.metrics.errors.labels(error.code or "none", str(error.status)).inc()
+                if self._drainable(headers):
+                    await _discard(_receive_chunks(receive), self.front.config.drain_body_bytes)
                 await _error_response(path, error)(scope, receive, send_and_record)
                 return
             await self.app(scope, receive, send_and_record)
@@ -474,6 +528,17 @@ class _Guard:
         access_logger.info("%s %s %d %.1fms client=%s client_request_id=%s", scope["method"], scope["path"], status,
                            duration_s * 1000, fields["client"], client_id or "-",
                            extra={"request_id": request_id, "fields": fields})
+
+    def _drainable(self, headers: dict[bytes, bytes]) -> bool:
+        """Whether a refused request's body is read before the answer (see `_discard`): not when the
+        client waits for `100 Continue` (it sends no body unless asked; reading would ask for it), nor
+        when Content-Length already says it is past `drain_body_bytes`."""
+        if headers.get(b"expect", b"").lower() == b"100-continue":
+            return False
+        length = headers.get(b"content-length")
+        if length is not None:
+            return length.isdigit() and 0 < int(length) <= self.front.config.drain_body_bytes
+        return b"transfer-encoding" in headers
 
     def _refusal(self, path: str, headers: dict[bytes, bytes], state: dict) -> ApiError | None:
         keys = self.front.api_keys
@@ -557,7 +622,7 @@ def create_app(config: HttpConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def text_completions(request: Request):
         t_accept = time.monotonic()
-        body = completions.parse(completions.CompletionBody, await _read_body(request, config.max_body_bytes))
+        body = completions.parse(completions.CompletionBody, await _read_body(request, config))
         front.recipe.check_model(body.model)
         rid = f"cmpl-{uuid.uuid4().hex}"
         _set_request_id(request, rid)
@@ -582,7 +647,7 @@ def create_app(config: HttpConfig) -> FastAPI:
     @app.post("/v1/generate")
     async def generate(request: Request):
         t_accept = time.monotonic()
-        body = completions.parse(completions.GenerateBody, await _read_body(request, config.max_body_bytes))
+        body = completions.parse(completions.GenerateBody, await _read_body(request, config))
         if body.model is not None:
             front.recipe.check_model(body.model)
         rid = body.request_id or f"gen-{uuid.uuid4().hex}"
@@ -616,7 +681,7 @@ def create_app(config: HttpConfig) -> FastAPI:
     async def tokenize(request: Request):
         """`{"prompt": TEXT}` -> its token ids, or `{"messages": [...], "model"?}` -> the chat prompt's ids
         as the chat API renders it (recipe's encoding); `count` is their number."""
-        body = json_object(await _read_body(request, config.max_body_bytes))
+        body = json_object(await _read_body(request, config))
         if isinstance(body.get("prompt"), str):
             ids = front.recipe.tokenizer.encode(body["prompt"])
         elif isinstance(body.get("messages"), list):
@@ -687,18 +752,7 @@ async def _completion_choices(front: Front, body, rid: str, prompt_ids: list[int
         finally:
             run.close()
 
-    tasks = [asyncio.ensure_future(one(i)) for i in range(body.n)]
-    try:
-        answers = await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-    merged = answers[0]
-    merged["choices"] = [{**a["choices"][0], "index": i} for i, a in enumerate(answers)]
-    completion = sum(a["usage"]["completion_tokens"] for a in answers)
-    merged["usage"] = {**merged["usage"], "completion_tokens": completion,
-                       "total_tokens": merged["usage"]["prompt_tokens"] + completion}
-    return merged
+    return await _gather_choices(body.n, one)
 
 
 async def _token_messages(run: _Run, first: entrypoint_pb2.GenerateResponse):

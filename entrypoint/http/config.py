@@ -44,6 +44,11 @@ class HttpConfig(BaseModel):
     """Context length of prompt + output; None = min(max_position_embeddings, 8192), as the entrypoint."""
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
     """Largest request body accepted; larger ones get 413."""
+    drain_body_bytes: int = Field(128 * 1024 * 1024, ge=0)
+    """A refused request (413, 401, 429) whose body is at most this large is read to its end and thrown
+    away before the answer: a client that writes the whole body before reading (Python's urllib) would
+    otherwise get a connection reset instead of the error. Larger bodies are answered at once and the
+    connection closed. 0 = never drain."""
     max_inflight_requests: int = Field(256, gt=0)
     """Requests served at once; more get 429 with Retry-After."""
     image_url_allowed_hosts: str = ""
