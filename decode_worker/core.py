@@ -87,13 +87,7 @@ class DecodeCore:
         """Lift the quarantine of an aborted reservation at the connector's next poll (in `step()`),
         for when its writer is known dead (its process is gone: no WRITE of it can land any more);
         False when the transfer is not quarantined (its KV had arrived, or it never was reserved)."""
-        # NOTE: PDConnector has no public call for this: a quarantine whose release time has passed
-        # is lifted (and its blocks freed by the engine) by the next poll
-        quarantine = self.connector._quarantine
-        if transfer_id not in quarantine:
-            return False
-        quarantine[transfer_id] = float("-inf")
-        return True
+        return self.connector.release_quarantine(transfer_id)
 
     @property
     def num_quarantined(self) -> int:

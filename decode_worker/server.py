@@ -41,7 +41,6 @@ from deepinfer.decode_worker.core import DecodeCore, DecodeFailed
 from deepinfer.engine.cache.block_pool import NoFreeBlocksError, NoFreeSlotsError
 from deepinfer.engine.engine import RequestOutput
 from deepinfer.engine.errors import InvalidRequestError
-from deepinfer.entrypoint.migration import WRITER_GONE_REASON
 from deepinfer.kv_transfer.embeddings import EmbeddingSource
 from deepinfer.protos import common_pb2, decode_pb2, decode_pb2_grpc, loadbalancer_pb2
 from deepinfer.protos.convert import sampling_params_from_proto, token_chunk
@@ -183,14 +182,19 @@ class DecodeWorker(EngineShell):
         self._emit(st, decode_pb2.TokenChunk(request_id=st.request_id, finish_reason=finish_reason, usage=usage,
                                              error=common_pb2.Error(code=code, message=message)))
 
-    def _abort(self, request_id: str, reason: str, code: int = common_pb2.ERROR_CODE_ABORTED) -> bool:
+    def _abort_rpc(self, request_id: str, reason: str, writer_gone: bool) -> bool:
         st = self._streams.get(request_id)
-        self.core.abort(request_id)
-        if st is not None and reason.startswith(WRITER_GONE_REASON):
+        was_found = self._abort(request_id, reason)
+        if st is not None and writer_gone:
             # the entrypoint found the prefill that was to WRITE here dead: no late WRITE can land, so the
             # reservation's blocks go back now instead of after the lease (a restarted prefill needs them)
             if self.core.release_quarantine(st.transfer_id):
                 self.logger.info("released the reservation of %s at once: %s", request_id, reason)
+        return was_found
+
+    def _abort(self, request_id: str, reason: str, code: int = common_pb2.ERROR_CODE_ABORTED) -> bool:
+        st = self._streams.get(request_id)
+        self.core.abort(request_id)
         if st is None or st.is_finished:
             if st is not None and not st.is_started:
                 # a reservation that already failed (e.g. its KV load) and that nobody will Start now: free

@@ -38,7 +38,7 @@ the same instance finds the request id free; a decode instance quarantines the a
 blocks until its lease ends, so a late WRITE of the lost prefill cannot land in blocks reused by
 others), the lost one in a daemon thread (it may never answer). When the lost prefill's process is
 certainly gone (its port refuses connections, `is_process_gone`), no WRITE of it can land: the abort
-says so (`WRITER_GONE_REASON`) and decode frees the reservation at once instead of at lease end. A hung decode instance that comes
+says so (`AbortRequest.writer_gone`) and decode frees the reservation at once instead of at lease end. A hung decode instance that comes
 back is *fenced*: the entrypoint cancelled its Start stream, so on SIGCONT its gRPC server sees the
 cancellation and aborts the request there (its blocks are freed, its stale stream goes nowhere), and
 it re-registers with its balancer on its next heartbeat (`serving.membership`), rejoining clean.
@@ -70,9 +70,8 @@ RETRY_BACKOFF_S = 0.5
 OUTAGE_POLL_S = 0.25
 """How often a request waiting for a stage to come back looks at its balancer again."""
 WRITER_GONE_REASON = "writer gone: "
-"""Prefix of an Abort reason telling a decode instance that the prefill writing into the request's
-reservation is dead (its process no longer exists), so no late WRITE can land: the reservation's
-blocks are freed at once instead of being quarantined until the lease ends (`decode_worker.server`)."""
+"""Prefix of the (logged) reason of an Abort sent with `writer_gone=True`: the prefill writing into the
+request's reservation on decode is dead (its process no longer exists)."""
 
 
 class DecodeLost(Exception):
@@ -366,7 +365,7 @@ def _release_attempt(req, e: Exception, rpc_timeout_s: float) -> str | None:
         # the prefill that was to WRITE into D's reservation no longer exists: D frees it now rather
         # than quarantining it until its lease ends (the restarted or other prefill needs the room)
         req._abort_stages([decode], f"{WRITER_GONE_REASON}prefill instance {prefill[0]} is gone; {reason}",
-                          rpc_timeout_s)
+                          rpc_timeout_s, writer_gone=True)
         reachable = [s for s in reachable if s is not decode]
     if reachable:
         req._abort_stages(reachable, reason, rpc_timeout_s)

@@ -303,10 +303,11 @@ class _Request:
                          name="entrypoint-abort", daemon=True).start()
         return True
 
-    def _abort_stages(self, stages, reason: str, rpc_timeout_s: float) -> None:
+    def _abort_stages(self, stages, reason: str, rpc_timeout_s: float, writer_gone: bool = False) -> None:
         for instance_id, stub in stages:
             try:
-                stub.Abort(common_pb2.AbortRequest(request_id=self.request_id, reason=reason), timeout=rpc_timeout_s)
+                stub.Abort(common_pb2.AbortRequest(request_id=self.request_id, reason=reason, writer_gone=writer_gone),
+                           timeout=rpc_timeout_s)
             except grpc.RpcError as e:
                 logger.warning("aborting %s on %s failed: %s", self.request_id, instance_id, e.code().name)
             except ValueError:  # the entrypoint is shutting down: its channels are closed

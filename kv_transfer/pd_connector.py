@@ -159,6 +159,15 @@ class PDConnector(KVConnector):
         save = self._saves.get(req_id)
         return save.num_bytes if save is not None else 0
 
+    def release_quarantine(self, transfer_id: str) -> bool:
+        """Lift the quarantine of an aborted reservation at the next `poll` (which then releases its blocks),
+        for when its writer is known dead (its process is gone: no WRITE of it can land any more); False
+        when the transfer is not quarantined (its KV had arrived, or it never was reserved here)."""
+        if transfer_id not in self._quarantine:
+            return False
+        self._quarantine[transfer_id] = float("-inf")
+        return True
+
     @property
     def num_quarantined(self) -> int:
         """Aborted reservations whose blocks wait for their lease to end (or their WRITE to land)."""

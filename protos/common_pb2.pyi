@@ -184,12 +184,14 @@ class HealthResponse(_message.Message):
     def __init__(self, is_healthy: _Optional[bool] = ..., is_draining: _Optional[bool] = ..., instance_id: _Optional[str] = ..., stage: _Optional[_Union[Stage, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id", "reason")
+    __slots__ = ("request_id", "reason", "writer_gone")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    WRITER_GONE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reason: str
-    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    writer_gone: bool
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ..., writer_gone: _Optional[bool] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("was_found",)

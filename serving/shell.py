@@ -121,6 +121,12 @@ class WorkerShell:
         """Loop thread: abort one request everywhere on this instance; True when it was found."""
         raise NotImplementedError
 
+    def _abort_rpc(self, request_id: str, reason: str, writer_gone: bool) -> bool:
+        """Loop thread: an `Abort` call (`AbortRequest.writer_gone`: the KV writer of the request's reservation
+        is known dead; only a stage holding reservations uses it)."""
+        del writer_gone
+        return self._abort(request_id, reason)
+
     def _abort_all(self) -> None:
         """Loop thread: abort every request (the drain timed out)."""
         raise NotImplementedError
@@ -257,10 +263,11 @@ class WorkerShell:
         return common_pb2.HealthResponse(is_healthy=not message, is_draining=self.is_draining,
                                          instance_id=self.instance_id, stage=self.stage, message=message)
 
-    def abort_request(self, request_id: str, reason: str, context: grpc.ServicerContext) -> common_pb2.AbortResponse:
+    def abort_request(self, request_id: str, reason: str, context: grpc.ServicerContext,
+                      writer_gone: bool = False) -> common_pb2.AbortResponse:
         """The `Abort` answer: aborts on the loop thread; a stuck loop ends the call with UNAVAILABLE."""
         try:
-            was_found = self.loop.call(partial(self._abort, request_id, reason), LOOP_CALL_TIMEOUT_S)
+            was_found = self.loop.call(partial(self._abort_rpc, request_id, reason, writer_gone), LOOP_CALL_TIMEOUT_S)
         except Exception as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"the {self.stage_name} {self.loop_name} did not answer: {e}")
         return common_pb2.AbortResponse(was_found=was_found)
@@ -338,7 +345,8 @@ class ShellServicer:
         self.worker = worker
 
     def Abort(self, request, context):
-        return self.worker.abort_request(request.request_id, request.reason or "Abort RPC", context)
+        return self.worker.abort_request(request.request_id, request.reason or "Abort RPC", context,
+                                         writer_gone=request.writer_gone)
 
     def Health(self, request, context):
         return self.worker.health(context)

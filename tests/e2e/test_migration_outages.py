@@ -103,9 +103,9 @@ class _Req:
         self.calls: list = []
         self.lost_instance_ids: list[str] = []
 
-    def _abort_stages(self, stages, reason: str, rpc_timeout_s: float) -> None:
+    def _abort_stages(self, stages, reason: str, rpc_timeout_s: float, writer_gone: bool = False) -> None:
         for _, stub in stages:
-            stub.Abort(type("A", (), {"reason": reason})(), timeout=rpc_timeout_s)
+            stub.Abort(type("A", (), {"reason": reason, "writer_gone": writer_gone})(), timeout=rpc_timeout_s)
 
 
 class _Lost(Exception):
