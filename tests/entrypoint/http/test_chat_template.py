@@ -16,12 +16,11 @@ from deepinfer.engine.tokenizer import load_chat_encoding
 from deepinfer.entrypoint.http.app import create_app
 from deepinfer.entrypoint.http.config import HttpConfig
 from deepinfer.entrypoint.http.conversion import TEMPLATE_ENCODING, ImageUrlPolicy, RecipeFront
-from deepinfer.protos import common_pb2, entrypoint_pb2
+from tests.entrypoint.http.fakes import FakeBackend
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 WORDS = ["<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "hello", "there", "be", "brief", "[UNK]"]
-EOS = 1
 
 
 def _template_checkpoint(root):
@@ -40,35 +39,6 @@ def _template_checkpoint(root):
     return ckpt
 
 
-class _FakeCall:
-    def __init__(self, request_id: str, deltas: list[entrypoint_pb2.GenerateResponse]) -> None:
-        self.request_id, self._deltas = request_id, list(deltas)
-
-    async def read(self):
-        return self._deltas.pop(0) if self._deltas else None
-
-    def cancel(self) -> None:
-        pass
-
-
-class _FakeBackend:
-    """Answers every Generate with the tokens "hello there" then EOS, and records the requests."""
-
-    def __init__(self) -> None:
-        self.requests: list[entrypoint_pb2.GenerateRequest] = []
-
-    def generate(self, request):
-        self.requests.append(request)
-        n = len(request.prompt_token_ids)
-        first = entrypoint_pb2.GenerateResponse(token_ids=[5, 6], usage=common_pb2.Usage(prompt_tokens=n))
-        last = entrypoint_pb2.GenerateResponse(token_ids=[EOS], finish_reason=common_pb2.FINISH_REASON_STOP,
-                                               usage=common_pb2.Usage(prompt_tokens=n, completion_tokens=3))
-        return _FakeCall(request.request_id, [first, last])
-
-    async def close(self) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return _template_checkpoint(tmp_path_factory.mktemp("chat-template"))
@@ -78,7 +48,7 @@ def ckpt(tmp_path_factory):
 def client(ckpt):
     app = create_app(HttpConfig(entrypoint="127.0.0.1:1", model=str(ckpt), served_model_name="tmpl"))
     with TestClient(app) as c:
-        backend = _FakeBackend()
+        backend = FakeBackend()
         app.state.front.backend = backend
         c.backend = backend
         yield c

@@ -21,45 +21,11 @@ from fastapi.testclient import TestClient
 from deepinfer.engine.builtin_model import builtin_model_path
 from deepinfer.entrypoint.http.app import create_app
 from deepinfer.entrypoint.http.config import HttpConfig
-from deepinfer.protos import common_pb2, entrypoint_pb2
+from deepinfer.protos import common_pb2
+from tests.entrypoint.http.fakes import FakeBackend
 
-EOS = 1
 KEYS = ("key-a", "key-b")
 HEADERS = {"Authorization": f"Bearer {KEYS[0]}"}
-
-
-class _FakeCall:
-    def __init__(self, request_id: str, deltas: list[entrypoint_pb2.GenerateResponse]) -> None:
-        self.request_id, self._deltas = request_id, list(deltas)
-
-    async def read(self):
-        return self._deltas.pop(0) if self._deltas else None
-
-    def cancel(self) -> None:
-        pass
-
-
-class _FakeBackend:
-    """Answers every Generate with tokens 5, 6 then EOS, and records the requests."""
-
-    def __init__(self) -> None:
-        self.requests: list[entrypoint_pb2.GenerateRequest] = []
-
-    def generate(self, request):
-        self.requests.append(request)
-        n = len(request.prompt_token_ids)
-        first = entrypoint_pb2.GenerateResponse(request_id=request.request_id, token_ids=[5, 6],
-                                                usage=common_pb2.Usage(prompt_tokens=n))
-        last = entrypoint_pb2.GenerateResponse(request_id=request.request_id, token_ids=[EOS],
-                                               finish_reason=common_pb2.FINISH_REASON_STOP,
-                                               usage=common_pb2.Usage(prompt_tokens=n, completion_tokens=3))
-        return _FakeCall(request.request_id, [first, last])
-
-    async def health(self, timeout_s: float = 5.0):
-        return True, "", {}
-
-    async def close(self) -> None:
-        pass
 
 
 def _client(**config) -> TestClient:
@@ -71,7 +37,7 @@ def _client(**config) -> TestClient:
 @pytest.fixture(scope="module")
 def client():
     with _client() as c:
-        c.backend = c.app.state.front.backend = _FakeBackend()
+        c.backend = c.app.state.front.backend = FakeBackend()
         yield c
 
 
@@ -246,7 +212,7 @@ def test_thinking_mode_says_it_overrode_temperature(client):
 
 def test_server_thinking_default_and_request_sampling():
     with _client(default_thinking=False, thinking_sampling="request") as c:
-        c.backend = c.app.state.front.backend = _FakeBackend()
+        c.backend = c.app.state.front.backend = FakeBackend()
         r = _chat(c, temperature=0)
         assert r.headers["x-deepinfer-thinking"] == "disabled" and _sent(c).temperature == 0.0
         r = _chat(c, temperature=0.2, thinking={"type": "enabled"})

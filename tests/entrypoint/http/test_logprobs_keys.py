@@ -19,9 +19,9 @@ from deepinfer.entrypoint.http.app import create_app
 from deepinfer.entrypoint.http.config import HttpConfig
 from deepinfer.entrypoint.http.errors import ApiError
 from deepinfer.entrypoint.http.keys import KeyLimiter, key_name, parse_keys
-from deepinfer.protos import common_pb2, entrypoint_pb2
+from deepinfer.protos import common_pb2
+from tests.entrypoint.http.fakes import EOS, FakeBackend
 
-EOS = 1
 KEYS = "sk-alpha;name=team-a;class=agent;rpm=3,sk-bravo;max_concurrent=1"
 LP = {5: (-0.25, [(5, -0.25), (9, -2.0)]), 6: (-0.5, [(6, -0.5), (9, -1.5)]), EOS: (-0.125, [(EOS, -0.125), (9, -3.0)])}
 
@@ -32,44 +32,12 @@ def _lp(token_id: int, k: int) -> common_pb2.TokenLogprobs:
                                     top_logprobs=[v for _, v in top[:k]])
 
 
-class _FakeCall:
-    def __init__(self, request_id: str, deltas) -> None:
-        self.request_id, self._deltas = request_id, list(deltas)
-
-    async def read(self):
-        return self._deltas.pop(0) if self._deltas else None
-
-    def cancel(self) -> None:
-        pass
-
-
-class _FakeBackend:
+class _FakeBackend(FakeBackend):
     """Answers tokens 5, 6 then EOS (with logprobs when asked) and records the requests."""
 
-    def __init__(self) -> None:
-        self.requests: list[entrypoint_pb2.GenerateRequest] = []
-
-    def generate(self, request):
-        self.requests.append(request)
-        n = len(request.prompt_token_ids)
+    def logprobs(self, request, token_ids):
         sp = request.sampling_params
-        k = sp.logprobs if sp.HasField("logprobs") else None
-
-        def lps(ids):
-            return [] if k is None else [_lp(t, k) for t in ids]
-
-        first = entrypoint_pb2.GenerateResponse(request_id=request.request_id, token_ids=[5, 6], logprobs=lps([5, 6]),
-                                                usage=common_pb2.Usage(prompt_tokens=n))
-        last = entrypoint_pb2.GenerateResponse(request_id=request.request_id, token_ids=[EOS], logprobs=lps([EOS]),
-                                               finish_reason=common_pb2.FINISH_REASON_STOP,
-                                               usage=common_pb2.Usage(prompt_tokens=n, completion_tokens=3))
-        return _FakeCall(request.request_id, [first, last])
-
-    async def health(self, timeout_s: float = 5.0):
-        return True, "", {}
-
-    async def close(self) -> None:
-        pass
+        return [_lp(t, sp.logprobs) for t in token_ids] if sp.HasField("logprobs") else []
 
 
 @pytest.fixture(scope="module")
