@@ -189,7 +189,7 @@ class DecodeWorker(EngineShell):
             # the entrypoint found the prefill that was to WRITE here dead: no late WRITE can land, so the
             # reservation's blocks go back now instead of after the lease (a restarted prefill needs them)
             if self.core.release_quarantine(st.transfer_id):
-                self.logger.info("released the reservation of %s at once: %s", request_id, reason)
+                self.logger.info("shortened the quarantine of %s (its writer is gone): %s", request_id, reason)
         return was_found
 
     def _abort(self, request_id: str, reason: str, code: int = common_pb2.ERROR_CODE_ABORTED) -> bool:

@@ -38,7 +38,8 @@ the same instance finds the request id free; a decode instance quarantines the a
 blocks until its lease ends, so a late WRITE of the lost prefill cannot land in blocks reused by
 others), the lost one in a daemon thread (it may never answer). When the lost prefill's process is
 certainly gone (its port refuses connections, `is_process_gone`), no WRITE of it can land: the abort
-says so (`AbortRequest.writer_gone`) and decode frees the reservation at once instead of at lease end. A hung decode instance that comes
+says so (`AbortRequest.writer_gone`) and decode frees the reservation after a one-second grace (bytes still
+in flight) instead of at lease end. A hung decode instance that comes
 back is *fenced*: the entrypoint cancelled its Start stream, so on SIGCONT its gRPC server sees the
 cancellation and aborts the request there (its blocks are freed, its stale stream goes nowhere), and
 it re-registers with its balancer on its next heartbeat (`serving.membership`), rejoining clean.

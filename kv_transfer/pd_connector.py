@@ -34,6 +34,7 @@ bytes. The decode instance never reads it from a control-plane message.
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -94,13 +95,15 @@ class PDConnector(KVConnector):
 
     def __init__(self, agent: KVTransferAgent, agent_name: str | None = None, *,
                  quarantine_margin_s: float = 2.0, clock=time.monotonic) -> None:
-        """`agent_name`: this agent's name (transfer ids are `{req_id}/{agent_name}`); defaults to the
-        agent's. `quarantine_margin_s`: extra time past a reservation's lease before the blocks of an
+        """`agent_name`: this agent's name (transfer ids are `{req_id}/{agent_name}/{nonce}.{n}`, one per
+        reservation); defaults to the agent's. `quarantine_margin_s`: extra time past a reservation's lease before the blocks of an
         aborted, never-completed transfer are reused (covers clock skew with the prefill host)."""
         self.agent = agent
         self.agent_name = agent_name or agent.name
         self.quarantine_margin_s = quarantine_margin_s
         self._clock = clock
+        self._nonce = secrets.token_hex(4)  # this process's reservations only (a restart reuses the agent name)
+        self._num_reservations = 0
         self._loads: dict[str, _Load] = {}
         self._by_transfer: dict[str, str] = {}
         self._quarantine: dict[str, float] = {}  # transfer id -> clock() it may be released
@@ -115,7 +118,11 @@ class PDConnector(KVConnector):
         prefill within `lease_s`; returns the transfer id."""
         if req_id in self._loads:
             raise ValueError(f"request id {req_id!r} already has a pending load")
-        tid = f"{req_id}/{self.agent_name}"
+        # one id per reservation, never per request: a retry of the request on this instance (after its
+        # prefill was lost) must not be completed by the lost attempt's late WRITE notice, and each aborted
+        # reservation keeps its own quarantine
+        self._num_reservations += 1
+        tid = f"{req_id}/{self.agent_name}/{self._nonce}.{self._num_reservations}"
         self._loads[req_id] = _Load(tid, num_tokens, lease_s)
         return tid
 
@@ -159,13 +166,15 @@ class PDConnector(KVConnector):
         save = self._saves.get(req_id)
         return save.num_bytes if save is not None else 0
 
-    def release_quarantine(self, transfer_id: str) -> bool:
-        """Lift the quarantine of an aborted reservation at the next `poll` (which then releases its blocks),
-        for when its writer is known dead (its process is gone: no WRITE of it can land any more); False
-        when the transfer is not quarantined (its KV had arrived, or it never was reserved here)."""
-        if transfer_id not in self._quarantine:
+    def release_quarantine(self, transfer_id: str, grace_s: float = 1.0) -> bool:
+        """Shorten the quarantine of an aborted reservation to `grace_s` from now (then a `poll` releases its
+        blocks), for when its writer is known dead (its process is gone: it posts nothing more; the grace
+        covers bytes of it still in flight on the network); False when the transfer is not quarantined (its
+        KV had arrived, or it never was reserved here)."""
+        until = self._quarantine.get(transfer_id)
+        if until is None:
             return False
-        self._quarantine[transfer_id] = float("-inf")
+        self._quarantine[transfer_id] = min(until, self._clock() + grace_s)
         return True
 
     @property

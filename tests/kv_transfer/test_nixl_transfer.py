@@ -255,3 +255,34 @@ def test_wire_layout_is_the_cache_layout(local_agents):
     b.expect("req-wire", [3], 10.0)
     a.send_blocks("req-wire", "local-b", [4], [3])
     assert _pump(a, b) == (["req-wire"], ["req-wire"])
+
+
+def test_late_write_of_an_aborted_attempt_does_not_complete_the_retry(local_agents):
+    """A request retried on the same decode instance (its first prefill was lost) gets a new transfer id:
+    the lost prefill's late WRITE lands in the quarantined blocks of the first reservation and lifts that
+    quarantine, and never counts as the retry's KV (which would decode from blocks nobody wrote)."""
+    from deepinfer.kv_transfer.pd_connector import PDConnector, encode_notice
+
+    a, b = local_agents
+    conn = PDConnector(b)
+    first = conn.expect_load("req-retry", 1, 10.0)
+    conn.start_load("req-retry", [3], None)
+    assert conn.abort_load("req-retry") == first and conn.num_quarantined == 1
+    retry = conn.expect_load("req-retry", 1, 10.0)
+    conn.start_load("req-retry", [4], None)
+    assert retry != first
+
+    def deliver(tid: str, src: int, dst: int):
+        a.send_blocks(tid, "local-b", [src], [dst], encode_notice([7]))
+        t0, sent, events = time.monotonic(), [], []
+        while time.monotonic() - t0 < 10 and not (sent and any(e.loaded or e.released for e in events)):
+            sent += a.poll().sent_ids
+            events.append(conn.poll())
+        assert sent == [tid]
+        return events
+
+    late = deliver(first, 0, 3)
+    assert not any(e.loaded for e in late), "the lost attempt's WRITE completed the retry's reservation"
+    assert [t for e in late for t in e.released] == [first] and conn.num_quarantined == 0
+    on_time = deliver(retry, 1, 4)
+    assert [dict(e.loaded) for e in on_time if e.loaded] == [{"req-retry": [7]}]
