@@ -44,7 +44,7 @@ from deepinfer.engine.errors import InvalidRequestError
 from deepinfer.kv_transfer.embeddings import EmbeddingSource
 from deepinfer.protos import common_pb2, decode_pb2, decode_pb2_grpc, loadbalancer_pb2
 from deepinfer.protos.convert import sampling_params_from_proto, token_chunk
-from deepinfer.serving.errors import Refused, error_of
+from deepinfer.serving.errors import STALE_RESERVATION_FIELD, Refused, error_of
 from deepinfer.serving.loop import LoopMode
 from deepinfer.serving.shell import LOOP_CALL_TIMEOUT_S, EngineShell, ShellServicer, queue_items, serve_worker
 
@@ -92,8 +92,10 @@ class DecodeWorker(EngineShell):
     def _reserve(self, request_id: str, prompt_token_ids: list[int], params, lease_s: float,
                  deadline: float | None, images=()):
         if request_id in self._streams:
-            raise InvalidRequestError(f"request id {request_id!r} already holds a reservation here",
-                                      field="request_id")
+            # NOTE: the entrypoint that owns the id retries it here while the Abort of its earlier attempt is
+            # still on its way (sent in a daemon thread to an instance it had lost): it aborts and retries
+            raise Refused(common_pb2.ERROR_CODE_UNAVAILABLE, f"request id {request_id!r} already holds a "
+                          f"reservation on decode instance {self.instance_id}; abort it first", STALE_RESERVATION_FIELD)
         num_needed = self.engine.num_kv_blocks_for(len(prompt_token_ids))
         num_free = self.engine.num_free_kv_blocks
         if num_needed > num_free:

@@ -85,7 +85,7 @@ from deepinfer.protos import (
 from deepinfer.protos.convert import sampling_params_from_proto
 from deepinfer.protos.metadata import ERROR_FIELD_METADATA_KEY, STATS_METADATA_KEY
 from deepinfer.serving.auth import secure_channel, server_interceptors
-from deepinfer.serving.errors import RETRYABLE_ERRORS, status_of
+from deepinfer.serving.errors import RETRYABLE_ERRORS, STALE_RESERVATION_FIELD, status_of
 from deepinfer.serving.loop import MAX_DEADLINE_S, call_time_remaining
 
 logger = logging.getLogger("entrypoint")
@@ -465,6 +465,18 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                 continue
             if not reserve.error.code:
                 break
+            if (reserve.error.code == common_pb2.ERROR_CODE_UNAVAILABLE and not is_last
+                    and reserve.error.field == STALE_RESERVATION_FIELD):
+                # an earlier attempt of this request still holds a reservation there (its Abort went to the
+                # instance while we had lost it, in a daemon thread): the instance answers now, so abort it
+                # synchronously (its blocks are quarantined as usual) and reserve there again
+                logger.info("%s: aborting an earlier attempt's reservation on decode instance %s", rid,
+                            d_inst.instance_id)
+                req._abort_stages([req.decode], "superseded by a new attempt of the same request",
+                                  self.config.rpc_timeout_s)
+                with req.lock:
+                    req.decode = None
+                continue
             with req.lock:
                 req.decode = None
             if reserve.error.code not in RETRYABLE_ERRORS or is_last:

@@ -72,6 +72,10 @@ STATUS_OF_ERROR: dict[int, grpc.StatusCode] = {
 }
 """Wire `ErrorCode` -> gRPC status at the edge (the entrypoint's answer to its client)."""
 
+STALE_RESERVATION_FIELD = "request_id"
+"""`Error.field` of a decode Reserve refused UNAVAILABLE because the request id still holds an earlier
+attempt's reservation there (its Abort is still on the way): the entrypoint aborts it and reserves again."""
+
 RETRYABLE_ERRORS = (common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, common_pb2.ERROR_CODE_UNAVAILABLE)
 """Codes after which the same request may succeed on another instance of the stage."""
 

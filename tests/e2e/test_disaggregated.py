@@ -218,6 +218,27 @@ def test_abort_mid_stream_frees_blocks_on_both_workers(cluster):
                                                             timeout=RPC_TIMEOUT_S).instances] == [0])
 
 
+def test_retry_supersedes_an_earlier_attempts_reservation(cluster):
+    """A request id that still holds a reservation on decode (an earlier attempt whose Abort has not arrived,
+    e.g. sent while the instance was lost) does not fail the new attempt: the entrypoint aborts it there and
+    reserves again; the output is the offline engine's."""
+    from deepinfer.engine import LLM, SamplingParams
+    from deepinfer.protos import decode_pb2
+
+    prompt = list(range(40, 110))
+    stale = cluster.stub("decode").Reserve(decode_pb2.ReserveRequest(
+        request_id="retried", prompt_token_ids=prompt, sampling_params=common_pb2.SamplingParams(max_tokens=4),
+        num_kv_tokens=len(prompt), lease_ms=500), timeout=RPC_TIMEOUT_S)
+    assert not stale.error.code, stale.error
+    out = cluster.client.generate(prompt, request_id="retried", max_tokens=6, temperature=0.0, ignore_eos=True)
+    ref = LLM(cluster.checkpoint).generate([{"prompt_token_ids": prompt}],
+                                           [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)],
+                                           use_tqdm=False)
+    assert out["token_ids"] == ref[0].outputs[0].token_ids
+    # the superseded reservation's blocks come back after its quarantine (lease 0.5 s + margin)
+    _wait_for("blocks freed after the superseded reservation's quarantine", lambda: _blocks_freed(cluster), 15.0)
+
+
 def test_deadline_aborts_the_request(cluster):
     with pytest.raises(GenerateError) as e:
         cluster.client.generate(list(range(3, 40)), max_tokens=3000, temperature=0.0, ignore_eos=True,
