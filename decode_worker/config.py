@@ -77,6 +77,11 @@ class DecodeWorkerConfig(BaseModel):
     batch_invariant: bool = False
     """Batch-invariant numerics (`engine.batch_invariant`): a request's logits do not depend on its batch, chunking or
     cache hits; set it on the prefill and the decode instances alike."""
+    expert_parallel_size: int = Field(1, ge=1)
+    """Ranks of this instance (one process each: attention data-parallel, routed experts split over them, each rank
+    with its own KV pools and KV transfer agent, `kv_transfer.ranked`); 1 = one process."""
+    num_redundant_experts: int = Field(0, ge=0)
+    """Extra replicas of hot routed experts per MoE layer (EPLB), with expert_parallel_size > 1."""
     speculative_tokens: int = Field(0, ge=0)
     """Draft tokens proposed per request per step and verified in the next one (speculative decoding,
     `engine.spec_decode`; lossless); 0 = off. Needs `bounded_state` "replay" (the default then)."""
@@ -85,6 +90,45 @@ class DecodeWorkerConfig(BaseModel):
     verify_schedule: Literal["full", "confidence"] = "full"
     """Drafts verified per request: "full" all of them, "confidence" a prefix chosen over the batch from the
     drafts' confidences (`engine.spec_decode.verify_schedule`)."""
+    verify_cost_table: str | None = None
+    """Step-cost table (JSON, `benchmarks/speculative.py --profile-cost --json FILE`) of the "confidence" schedule,
+    checked when the config is built (a host that validates it, e.g. `deepinfer up`'s, must read it too); None = the
+    shipped CPU table on a CPU device, the linear stand-in elsewhere; "linear" = the linear stand-in."""
+
+    kv_store: Literal["off", "embedded", "mooncake"] = "off"
+    """Persistent compressed-KV store (`kvstore`) finished conversation turns are written to (requests reserved with
+    `is_conversation`: their prompt's and answer's full blocks, so the next turn's prefill loads the whole
+    conversation): off, embedded or mooncake. Give it the prefill stage's store (`deepinfer up` does)."""
+    kv_store_dirs: str = ""
+    """Comma-separated directories of the store (as the prefill worker's `kv_store_dirs`)."""
+    kv_store_capacity_gb: float = Field(64.0, gt=0)
+    """GiB of stored blocks before least-recently-used eviction."""
+    kv_store_mooncake_master: str = "127.0.0.1:50051"
+    """mooncake: the master's host:port."""
+    kv_store_mooncake_metadata: str = "http://127.0.0.1:8080/metadata"
+    """mooncake: the metadata server URL (the master's embedded HTTP one by default)."""
+
+    def kv_store_config(self):
+        """The `kvstore.KVStoreConfig` of `kv_store`, or None when it is off."""
+        from deepinfer.kvstore.config import worker_store_config
+
+        return worker_store_config(self.kv_store, self.kv_store_dirs, self.kv_store_capacity_gb,
+                                   self.kv_store_mooncake_master, self.kv_store_mooncake_metadata,
+                                   self.advertise_host or self.host)
+
+    @model_validator(mode="after")
+    def _cost_table_is_usable(self) -> DecodeWorkerConfig:
+        # NOTE: the engine loads the table only after the weights; a bad path or file fails here, before anything loads
+        if self.verify_cost_table is None:
+            return self
+        if not self.speculative_tokens or self.verify_schedule != "confidence":
+            raise ValueError("verify_cost_table prices the 'confidence' verify schedule of speculative decoding: set "
+                             "speculative_tokens > 0 and verify_schedule='confidence' (--speculative-tokens K "
+                             "--verify-schedule confidence) or leave it unset")
+        from deepinfer.engine.spec_decode.step_cost import load_cost_table
+
+        load_cost_table(self.verify_cost_table, self.device)  # ValueError naming the file and how to write one
+        return self
 
     @model_validator(mode="after")
     def _speculation_needs_replay(self) -> DecodeWorkerConfig:
@@ -109,4 +153,7 @@ class DecodeWorkerConfig(BaseModel):
                             moe_backend=self.moe_backend, fp8_activations=self.fp8_activations,
                             indexer_numerics=self.indexer_numerics, enforce_eager=self.enforce_eager,
                             batch_invariant=self.batch_invariant, speculative_tokens=self.speculative_tokens,
-                            speculative_method=self.speculative_method, verify_schedule=self.verify_schedule)
+                            speculative_method=self.speculative_method, verify_schedule=self.verify_schedule,
+                            verify_cost_table=self.verify_cost_table,
+                            expert_parallel_size=self.expert_parallel_size,
+                            num_redundant_experts=self.num_redundant_experts)

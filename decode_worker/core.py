@@ -13,16 +13,36 @@ drains `step()`. One request's life here:
    or, on an agent built with `send_state=True`, on the state the prefill wrote into the reserved
    slot. An expired lease aborts the request; its blocks are quarantined until no WRITE can land.
 3. `step()` returns the engine's incremental outputs (`RequestOutput`) and `DecodeFailed` events.
+4. With a KV store (`store=`), a request reserved with `is_conversation` that finishes normally has the
+   full blocks of its prompt and answer written to the store (`StoreConnector.save_computed`: one copy
+   out of the pools on the loop thread, the write itself on the store's writer thread), so the next turn
+   of the conversation, whose prompt is this prompt + this answer + a new message, loads all of it on
+   prefill instead of recomputing the answer.
+
+Which requests are conversations is the caller's word (`ReserveRequest.is_conversation`, set by the HTTP
+front on its chat APIs), not a guess here: a decode-side write costs a device-to-host copy of the answer's
+blocks and their bytes on disk, and pays off only when a later prompt extends this one. That is what a chat
+turn is by construction (the client sends the history back), and what a one-shot completion or a raw
+token request rarely is; a traffic class alone does not tell them apart (every HTTP request has one, from
+its API key). NOTE: a template that drops earlier turns' reasoning (thinking mode) changes the answer's
+tokens in the next prompt: the store then hits up to the answer's start, as without these writes.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from deepinfer.engine.engine import Engine, RequestOutput
+from deepinfer.engine.kv_connector.store_connector import StoreConnector
 from deepinfer.engine.sampling import SamplingParams
 from deepinfer.kv_transfer import KVTransferAgent
 from deepinfer.kv_transfer.pd_connector import PDConnector
+from deepinfer.kvstore import KVStore
+
+_MAX_CONVERSATIONS = 4096
+"""Conversation turns tracked at most (a request that never reports a finish is forgotten, oldest first)."""
 
 
 @dataclass
@@ -30,7 +50,8 @@ class Reservation:
     request_id: str
     transfer_id: str
     peer: str
-    """This instance's agent name (the prefill side sends to it)."""
+    """The agent the prefill side sends to: this instance's, or on a multi-rank instance the agent of the rank
+    whose pools hold the request's KV (`block_ids` and `state_slot` are then that rank's own)."""
     block_ids: list[int]
     lease_s: float
     state_slot: int | None = None
@@ -48,31 +69,56 @@ class DecodeCore:
     the engine's KV connector (`kv_transfer.PDConnector`), which does the loading."""
 
     def __init__(self, engine: Engine, agent: KVTransferAgent, agent_name: str, *,
-                 quarantine_margin_s: float = 2.0) -> None:
+                 quarantine_margin_s: float = 2.0, store: KVStore | None = None) -> None:
         """`quarantine_margin_s`: extra time past a reservation's lease before the blocks of an
-        aborted, never-completed transfer are reused (covers clock skew with the prefill host)."""
+        aborted, never-completed transfer are reused (covers clock skew with the prefill host).
+        `store`: the persistent KV store finished conversation turns are written to (module docstring)."""
         self.engine = engine
         self.agent = agent
         self.agent_name = agent_name
         self.connector = PDConnector(agent, agent_name, quarantine_margin_s=quarantine_margin_s)
         engine.set_kv_connector(self.connector)
+        # NOTE: not the engine's connector (loads come from the prefill, and nothing is pinned for a save):
+        # it serves `save_computed` only. A multi-rank instance keeps its KV in per-rank pools the store
+        # connector does not address (as `Engine.set_kv_connector` says): no writes there yet
+        if store is not None and engine.config.expert_parallel_size > 1:
+            logging.getLogger("deepinfer.kvstore").warning(
+                "decode instance with expert_parallel_size=%d: finished conversation turns are not written to the "
+                "KV store (per-rank KV pools)", engine.config.expert_parallel_size)
+            store = None
+        self.store_writer = StoreConnector.for_engine(engine, store) if store is not None else None
+        self._conversations: OrderedDict[str, tuple[list[int], str | None]] = OrderedDict()
+        """request_id -> (prompt, traffic class) of reserved conversation turns (written to the store at their end)."""
+        self.num_conversation_blocks_saved = 0
+        """Blocks of finished conversation turns queued for the store, since start."""
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                lease_s: float = 60.0, images=None) -> Reservation:
+                lease_s: float = 60.0, images=None, *, traffic_class: str | None = None,
+                is_conversation: bool = False, rank: int | None = None) -> Reservation:
         """Reserve blocks for the prompt's KV; raises InvalidRequestError on bad input,
         NoFreeBlocksError / NoFreeSlotsError when full (reserving nothing).
 
         `images`: the prompt's `engine.multimodal.ImageSpan`s with embeddings, so this instance can
-        compute image positions (bounded replay, recompute after preemption)."""
+        compute image positions (bounded replay, recompute after preemption). `is_conversation`: write
+        the prompt and answer to the store when the request finishes (with a store; filed under
+        `traffic_class`, None = the store's default class). `rank`: on a multi-rank instance, the rank a
+        balancer picked (taken when it has room); the reservation names the rank whose pools hold the KV:
+        its agent and its own block ids and slot (`PDConnector.destination`)."""
+        self.engine.prefer_kv_rank(request_id, rank)
         transfer_id = self.connector.expect_load(request_id, len(prompt_token_ids), lease_s)
         try:
             self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params,
                                     **({"images": images} if images else {}))
         except BaseException:
             self.connector.forget_load(request_id)
+            self.engine.prefer_kv_rank(request_id, None)
             raise
-        block_ids, slot = self.connector.reservation(request_id)
-        return Reservation(request_id, transfer_id, self.agent_name, block_ids, lease_s, slot)
+        if is_conversation and self.store_writer is not None and not images:
+            self._conversations[request_id] = (list(prompt_token_ids), traffic_class or None)
+            while len(self._conversations) > _MAX_CONVERSATIONS:
+                self._conversations.popitem(last=False)
+        peer, block_ids, slot = self.connector.destination(request_id)
+        return Reservation(request_id, transfer_id, peer, block_ids, lease_s, slot)
 
     def abort(self, request_id: str) -> None:
         """Abort wherever the request is; its reserved or running blocks are freed.
@@ -81,6 +127,7 @@ class DecodeCore:
         cannot recall it): its blocks and state slot stay out of circulation until the lease (which
         bounds the prefill's send) has ended plus `quarantine_margin_s`, then `step()` frees them.
         """
+        self._conversations.pop(request_id, None)
         self.engine.abort_request(request_id)
 
     def release_quarantine(self, transfer_id: str) -> bool:
@@ -107,4 +154,23 @@ class DecodeCore:
         events += [DecodeFailed(rid, error) for rid, error in res.load_failed.items()]
         if self.engine.has_runnable_requests():
             events += self.engine.step()
+        if self._conversations:
+            self._save_conversations(events)
         return events
+
+    def _save_conversations(self, events: list[RequestOutput | DecodeFailed]) -> None:
+        """Write the finished conversation turns among `events` to the store (before the next step's
+        allocations may reuse their freed, still cached blocks)."""
+        for ev in events:
+            if isinstance(ev, DecodeFailed):
+                self._conversations.pop(ev.request_id, None)
+                continue
+            if not ev.finished:
+                continue
+            turn = self._conversations.pop(ev.request_id, None)
+            if turn is None or ev.error is not None or ev.outputs[0].finish_reason in ("abort", "error"):
+                continue
+            prompt, traffic_class = turn
+            # the last answer token's KV was never computed: its block, if full, is not cached (nor saved)
+            self.num_conversation_blocks_saved += self.store_writer.save_computed(
+                prompt + list(ev.outputs[0].token_ids), traffic_class)

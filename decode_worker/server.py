@@ -42,9 +42,10 @@ from deepinfer.engine.cache.block_pool import NoFreeBlocksError, NoFreeSlotsErro
 from deepinfer.engine.engine import RequestOutput
 from deepinfer.engine.errors import InvalidRequestError
 from deepinfer.kv_transfer.embeddings import EmbeddingSource
+from deepinfer.kvstore.store import open_worker_store
 from deepinfer.protos import common_pb2, decode_pb2, decode_pb2_grpc, loadbalancer_pb2
 from deepinfer.protos.convert import sampling_params_from_proto, token_chunk
-from deepinfer.serving.errors import STALE_RESERVATION_FIELD, Refused, error_of
+from deepinfer.serving.errors import STALE_RESERVATION_FIELD, Refused, count_error, error_of
 from deepinfer.serving.loop import LoopMode
 from deepinfer.serving.shell import LOOP_CALL_TIMEOUT_S, EngineShell, ShellServicer, queue_items, serve_worker
 
@@ -80,7 +81,9 @@ class DecodeWorker(EngineShell):
         # image prompts: the embeddings are READ (during Reserve) from the vision instance holding them
         super().__init__(config, send_state=config.is_state_sent)
         self.agent_layout = self.agent.layout().SerializeToString()  # NOTE: as agent_metadata
-        self.core = DecodeCore(self.engine, self.agent, self.agent_name)
+        self.agent_infos = self.agent.agent_infos()  # each rank's agent (name, metadata, layout): Reserve names one
+        self.kv_store = open_worker_store(config.kv_store_config(), self.logger)  # conversation turns (`core`)
+        self.core = DecodeCore(self.engine, self.agent, self.agent_name, store=self.kv_store)
         self._streams: dict[str, _Stream] = {}  # loop-thread state
         self._bind(decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(self))
 
@@ -90,7 +93,8 @@ class DecodeWorker(EngineShell):
         return sum(not st.is_finished for st in self._streams.values())
 
     def _reserve(self, request_id: str, prompt_token_ids: list[int], params, lease_s: float,
-                 deadline: float | None, images=()):
+                 deadline: float | None, images=(), traffic_class: str = "", is_conversation: bool = False,
+                 rank: int | None = None):
         if request_id in self._streams:
             # NOTE: the entrypoint that owns the id retries it here while the Abort of its earlier attempt is
             # still on its way (sent in a daemon thread to an instance it had lost): it aborts and retries
@@ -120,7 +124,9 @@ class DecodeWorker(EngineShell):
             spans = [ImageSpan(ref.offset, ref.num_tokens, ref.content_hash, embeds=emb)
                      for (ref, _), emb in zip(images, embeds)]
         try:
-            reservation = self.core.reserve(request_id, prompt_token_ids, params, lease_s=lease_s, images=spans)
+            reservation = self.core.reserve(request_id, prompt_token_ids, params, lease_s=lease_s, images=spans,
+                                            traffic_class=traffic_class, is_conversation=is_conversation,
+                                            rank=rank)
         except (NoFreeBlocksError, NoFreeSlotsError):  # RESOURCE_EXHAUSTED (serving.errors)
             self.engine.abort_request(request_id)
             raise
@@ -181,6 +187,7 @@ class DecodeWorker(EngineShell):
     def _finish(self, st: _Stream, finish_reason: int, code: int, message: str,
                 usage: common_pb2.Usage | None = None) -> None:
         """Emit the last chunk of a request that did not finish normally (error or abort)."""
+        count_error(code)  # errors by cause in Health's stats (`serving.errors`)
         self._emit(st, decode_pb2.TokenChunk(request_id=st.request_id, finish_reason=finish_reason, usage=usage,
                                              error=common_pb2.Error(code=code, message=message)))
 
@@ -235,12 +242,20 @@ class DecodeWorker(EngineShell):
         stats.update(num_streams=len(self._streams), num_unfinished_requests=self._num_unfinished(),
                      num_kv_blocks_used=load.num_kv_blocks_used, num_kv_blocks_total=load.num_kv_blocks_total,
                      num_running_requests=load.num_running_requests)
+        if self.kv_store is not None:  # the store's counters and per-class figures (`kvstore_*`)
+            stats.update(self.kv_store.health_stats(),
+                         kvstore_conversation_blocks_saved_total=self.core.num_conversation_blocks_saved)
         if self.engine.spec is not None:  # speculative decoding: acceptance figures (`spec_decode_*`)
             stats.update(self.engine.spec.metrics.health_stats())
         return stats
 
     def _load_and_hashes(self) -> tuple[loadbalancer_pb2.LoadReport, None]:
         return self._load(), None
+
+    def _close(self) -> None:
+        super()._close()
+        if self.kv_store is not None:
+            self.kv_store.close()  # bounded wait for queued writes
 
 
 class DecodeServicer(ShellServicer, decode_pb2_grpc.DecodeServicer):
@@ -266,11 +281,14 @@ class DecodeServicer(ShellServicer, decode_pb2_grpc.DecodeServicer):
             deadline = time.monotonic() + request.deadline_ms / 1000 if request.deadline_ms else None
             now_unix = time.time()
             reservation = w.loop.call(partial(w._reserve, rid, list(request.prompt_token_ids), params, lease_s,
-                                              deadline, images), LOOP_CALL_TIMEOUT_S)
+                                              deadline, images, request.kv_traffic_class, request.is_conversation,
+                                              request.rank if request.HasField("rank") else None),
+                                      LOOP_CALL_TIMEOUT_S)
         except Exception as e:
             return decode_pb2.ReserveResponse(request_id=rid, error=_error(e))
+        agent = w.agent_infos[reservation.peer]  # the agent of the rank whose pools hold the KV
         return decode_pb2.ReserveResponse(
-            request_id=rid, agent_name=w.agent_name, agent_metadata=w.agent_metadata, agent_layout=w.agent_layout,
+            request_id=rid, agent_name=agent.name, agent_metadata=agent.metadata, agent_layout=agent.layout,
             block_ids=reservation.block_ids, block_size=w.block_size, transfer_id=reservation.transfer_id,
             lease_deadline_unix_ms=int((now_unix + lease_s) * 1000), state_slot=reservation.state_slot)
 

@@ -23,6 +23,8 @@ import time
 
 import ray
 
+from deepinfer.deploy.network import is_network, resolve_host
+
 logger = logging.getLogger("deploy")
 
 STOP_GRACE_S = 1.0
@@ -57,6 +59,8 @@ class ServiceActor:
         self.is_restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self._server = None
         self._balancer = None
+        if is_network(config.get("host", "")):  # the cluster network: this node's address in it (`deploy.network`)
+            config = {**config, "host": resolve_host(config["host"])}
         advertise = _advertise_host(config.get("host", ""))
         if advertise and "advertise_host" in config:
             config = {**config, "advertise_host": advertise}

@@ -27,10 +27,12 @@ when the named cluster is not recorded, still starting, or gone (a stale record 
 start generates a cluster secret that every internal gRPC call carries (`serving.auth`); it is
 kept in the (user-only) record so that `generate` can reach the entrypoint.
 
-The prefill stage keeps prompts' compressed KV in the embedded persistent store (`kvstore`) unless its
-worker settings say `kv_store: "off"`: by default in a fresh directory for each `up`
-(`ClusterConfig.kv_store_dir`, recorded as `kv_store_dir`, removed when the cluster goes down), or in the
-YAML's `kv_store_dir`, which outlives the cluster.
+The prefill stage keeps prompts' compressed KV in the embedded persistent store (`kvstore`), and the decode
+stage writes finished conversation turns there, unless the worker settings say `kv_store: "off"` (or the YAML
+`kv_store_dir: off`, or `up --kv-store-dir off`): by default in `$DEEPINFER_HOME/kvstore/<name>`
+(`ClusterConfig.kv_store_dir`, recorded as `kv_store_dir`), which outlives `down` / `up` and machine restarts;
+`--kv-store-dir PATH` or the YAML's `kv_store_dir` name another; `fresh` takes a new directory for one start,
+removed when the cluster goes down (the demo's).
 
 Attached or detached: `up` stays attached by default — it serves until Ctrl-C / SIGTERM, then
 takes the cluster down (a local Ray cluster started by `up` lives exactly as long as `up`). With
@@ -128,8 +130,11 @@ def _cmd_demo(args) -> int:
     model = str(resolve_model(args.model, args.revision))  # a repo id: its snapshot, which the workers then find cached
     encoding = load_chat_encoding(model)
     tokenizer = load_tokenizer(model)
-    config = ClusterConfig.model_validate({"name": "deepinfer-demo", "model": model, "http": {"enabled": False}})
+    config = ClusterConfig.model_validate({"name": "deepinfer-demo", "model": model, "http": {"enabled": False},
+                                           "kv_store_dir": "fresh"})  # a demo leaves no store behind
     t0 = time.perf_counter()
+    print(f"# starting a local cluster for {model}: Ray, the balancers, 1 prefill + 1 decode instance (loading the "
+          "model), the entrypoint", file=sys.stderr, flush=True)
     connect_ray(None, num_cpus=max(os.cpu_count() or 1, 8))
     controller = start_cluster(config)
     code = 0
@@ -204,6 +209,7 @@ def _recorded_cluster(name: str | None) -> dict | None:
 
     from deepinfer.deploy.launcher import ClusterNotFound, default_cluster_name, find_state
     from deepinfer.protos import common_pb2, entrypoint_pb2_grpc
+    from deepinfer.serving.auth import secure_channel
 
     cluster_name = default_cluster_name(name)
     try:
@@ -216,11 +222,13 @@ def _recorded_cluster(name: str | None) -> dict | None:
     if not address:
         return None
     try:
-        with grpc.insecure_channel(address) as channel:  # Health needs no cluster secret
+        _use_tls(state.get("tls") or {})
+        with secure_channel(address, secret="") as channel:  # Health needs no cluster secret; TLS as recorded
             entrypoint_pb2_grpc.EntrypointStub(channel).Health(common_pb2.HealthRequest(), timeout=1.0)
         return state
-    except grpc.RpcError:
-        print(f"# the cluster {cluster_name!r} recorded in {_state_file(cluster_name)} ({address}) does not answer; "
+    except (grpc.RpcError, RuntimeError) as e:
+        why = str(e) if isinstance(e, RuntimeError) else "does not answer"
+        print(f"# the cluster {cluster_name!r} recorded in {_state_file(cluster_name)} ({address}): {why}; "
               "generating offline", file=sys.stderr)
         return None
 
@@ -293,6 +301,12 @@ def _config_from_args(args, parser):
     except ValueError as e:
         parser.error(str(e))
     data = config.model_dump()
+    from deepinfer.deploy.config import cluster_store_dir
+
+    if args.name and data["kv_store_dir"] == str(cluster_store_dir(config.name)):
+        data["kv_store_dir"] = None  # the default store follows the name (resolved again below)
+    if getattr(args, "kv_store_dir", None):
+        data["kv_store_dir"] = args.kv_store_dir
     for key in ("name", "model", "revision"):
         if getattr(args, key, None):
             data[key] = getattr(args, key)
@@ -306,7 +320,8 @@ def _config_from_args(args, parser):
         data["http"]["enabled"] = False
     if getattr(args, "batch_invariant", False):
         data["batch_invariant"] = True
-    spec = {k: getattr(args, k, None) for k in ("speculative_tokens", "speculative_method", "verify_schedule")}
+    spec = {k: getattr(args, k, None) for k in ("speculative_tokens", "speculative_method", "verify_schedule",
+                                                "verify_cost_table")}
     if any(v is not None for v in spec.values()):  # speculative decoding: a decode-stage worker setting
         data["decode"]["worker"] = {**data["decode"]["worker"], **{k: v for k, v in spec.items() if v is not None}}
     thinking = None if args.default_thinking is None else args.default_thinking == "on"
@@ -324,6 +339,10 @@ def _config_from_args(args, parser):
             data[stage]["groups"][0]["num_instances"] = count
     if args.cluster_secret_file:
         data["cluster_secret_file"] = args.cluster_secret_file
+    tls = {k: v for k, v in (("cert_file", getattr(args, "tls_cert", None)), ("key_file", getattr(args, "tls_key", None)),
+                             ("ca_file", getattr(args, "tls_ca", None))) if v}
+    if tls:  # the flags override the YAML's `tls:` field by field
+        data["tls"] = {**(data.get("tls") or {}), **tls}
     try:
         return ClusterConfig.model_validate(data)
     except ValueError as e:
@@ -371,7 +390,13 @@ def _refusal(config, is_local: bool) -> str | None:
         ports = [("the HTTP front", config.http.host, config.http.port)] if config.http.enabled else []
         ports += [(f"the {s} balancer", config.host, config.stage(s).balancer.port) for s in ("prefill", "decode")]
         ports += [("the entrypoint", config.host, int(config.entrypoint.get("port", 0)))]
+        from deepinfer.deploy.network import resolve_host
+
         for what, host, port in ports:
+            try:
+                host = resolve_host(host)  # a network: this node's address in it
+            except RuntimeError as e:
+                return str(e)
             if port and not is_port_free(host, port):
                 return (f"port {port} on {host} (for {what}) is taken, by another cluster or program; "
                         "pick another with --port (HTTP) or in the config, or stop what holds it")
@@ -413,7 +438,33 @@ def _role_secrets(config, secret: str, is_local: bool) -> dict:
         env[SECRET_FILE_ENV] = write_private_file(config.name, "secret", secret)
     if is_local and config.http.api_keys:
         env[API_KEY_FILE_ENV] = write_private_file(config.name, "api_keys", ",".join(config.http.api_keys))
+    if config.tls is not None:
+        env.update(config.tls.env())  # every role serves and dials TLS (serving.auth)
     return {"secret": None if SECRET_FILE_ENV in env else secret, "role_env": env}
+
+
+def _use_tls(env: dict[str, str]) -> None:
+    """Make a cluster's TLS settings (`TlsConfig.env()`, as `up` records them) this process's, so its
+    clients (health checks, `generate`) dial TLS; RuntimeError naming a missing or bad file."""
+    from deepinfer.serving.auth import TLS_ENVS, tls_settings
+
+    for key in TLS_ENVS:
+        if env.get(key):
+            os.environ[key] = env[key]
+        else:
+            os.environ.pop(key, None)
+    tls_settings()
+
+
+def _https_context(url: str):
+    """The SSL context an https URL of the cluster is checked with: the cluster's CA (`DEEPINFER_TLS_CA`)."""
+    if not url.startswith("https://"):
+        return None
+    import ssl
+
+    from deepinfer.serving.auth import TLS_CA_ENV
+
+    return ssl.create_default_context(cafile=os.environ.get(TLS_CA_ENV) or None)
 
 
 def _log_env(args) -> dict[str, str]:
@@ -453,7 +504,7 @@ def _wait_healthy(addresses: dict, secret: str, expect_healthy: bool, timeout_s:
         url = base.rstrip("/") + "/health"
         while True:
             try:
-                with urllib.request.urlopen(url, timeout=2.0) as r:
+                with urllib.request.urlopen(url, timeout=2.0, context=_https_context(url)) as r:
                     if r.status == 200:
                         return None
             except (OSError, ValueError) as e:
@@ -501,7 +552,8 @@ def _cmd_up(args, parser) -> int:
         return 1
     try:
         secret = _cluster_secret(config)
-    except ValueError as e:
+        _use_tls(config.tls.env() if config.tls is not None else {})  # checked before anything starts
+    except (ValueError, RuntimeError) as e:
         print(f"deepinfer {args.cmd}: {e}", file=sys.stderr)
         return 2
     pid = os.getpid()
@@ -548,6 +600,8 @@ def _cmd_up(args, parser) -> int:
     state = {"name": config.name, "status": "up", "ray_address": ray.get_runtime_context().gcs_address,
              **addresses, "pid": pid, "is_detached": bool(args.detach), "model": config.model,
              "revision": config.revision, "log_dir": _ray_log_dir(), "kv_store_dir": _kv_store_dirs(config)}
+    if config.tls is not None:  # how later commands dial the cluster (`_use_tls`)
+        state["tls"] = config.tls.env()
     write_state({**state, "cluster_secret": secret})
     print(json.dumps(state), flush=True)
     print(f"# deepinfer cluster {config.name!r} up: entrypoint {addresses['entrypoint']}"
@@ -676,7 +730,7 @@ def _store_figures(name: str) -> dict | None:
 
 def _cmd_store(args) -> int:
     """`deepinfer store stats|evict|clear`: on --dir, else on the recorded cluster's embedded store (`--name`,
-    default as `status`), else on the embedded default directory (`kvstore.config.default_store_dir`)."""
+    default as `status`), else on that cluster's default store (`config.cluster_store_dir`: it outlives `down`)."""
     from deepinfer.kvstore.cli import run_store
 
     if args.backend == "embedded" and not args.dirs:
@@ -686,7 +740,11 @@ def _cmd_store(args) -> int:
         state = read_state(name)
         if state is not None and state.get("kv_store_dir"):
             args.dirs = state["kv_store_dir"]
-        elif state is not None or args.name:
+        elif state is None:  # not up: its default store, which outlives it (`config.cluster_store_dir`)
+            from deepinfer.deploy.config import cluster_store_dir
+
+            args.dirs = str(cluster_store_dir(name))
+        else:
             print(f"deepinfer store: the cluster {name!r} has no embedded KV store recorded; give --dir",
                   file=sys.stderr)
             return 1
@@ -705,6 +763,11 @@ def _fmt_status(status: dict) -> str:
                      str(r.get("num_running_requests", "-")), str(r.get("num_waiting_requests", "-")),
                      f"{used}/{total}" if total else "-", f"{100 * used / total:.0f}%" if total else "-",
                      str(r.get("heartbeat_age_ms", "-")), str(r.get("pid", "-"))])
+        for rk in r.get("ranks", ()):  # a multi-rank instance: one line per rank (its requests, its KV pool)
+            total, used = rk["num_kv_blocks_total"], rk["num_kv_blocks_used"]
+            rows.append(["", f"  rank {rk['rank']}", "", "", "", str(rk["num_running_requests"]),
+                         str(rk["num_waiting_requests"]), f"{used}/{total}" if total else "-",
+                         f"{100 * used / total:.0f}%" if total else "-", "", ""])
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in rows]
@@ -760,6 +823,9 @@ def _add_up_args(p: argparse.ArgumentParser, *, is_serve: bool) -> None:
     p.add_argument("--log-format", choices=["text", "json"], default=None,
                    help="log lines as text or one JSON object each (every process; request ids on both)")
     p.add_argument("--no-http", action="store_true", help="no HTTP front (the token entrypoint only)")
+    p.add_argument("--kv-store-dir", default=None, metavar="PATH|fresh|off",
+                   help="the KV store's directory (default: $DEEPINFER_HOME/kvstore/NAME, kept across down/up); "
+                        "fresh: a new one removed at down; off: no store")
     p.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant numerics on every prefill and decode worker (bit-identical outputs whatever "
                         "the batch; slower)")
@@ -769,8 +835,16 @@ def _add_up_args(p: argparse.ArgumentParser, *, is_serve: bool) -> None:
     p.add_argument("--speculative-method", choices=["mtp"], default=None, help="drafter of speculative decoding")
     p.add_argument("--verify-schedule", choices=["full", "confidence"], default=None,
                    help="drafts verified per request: all (full) or a prefix chosen by confidence")
+    p.add_argument("--verify-cost-table", default=None, metavar="FILE",
+                   help="step-cost table (JSON, benchmarks/speculative.py --profile-cost) of the confidence schedule; "
+                        "'linear' = the linear stand-in (default: the shipped CPU table on a CPU)")
     p.add_argument("--cluster-secret-file", default=None,
                    help="file holding the secret of internal calls (default: a fresh one per start)")
+    p.add_argument("--tls-cert", default=None, metavar="PATH",
+                   help="PEM certificate every gRPC service and the HTTP front present: TLS everywhere (with --tls-key)")
+    p.add_argument("--tls-key", default=None, metavar="PATH", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", default=None, metavar="PATH",
+                   help="PEM CA bundle clients check the services' certificates against (default: the system roots)")
     p.add_argument("--detach", action="store_true", help="return once up (needs --address); `deepinfer down` stops it")
     p.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of a local Ray cluster")
     p.add_argument("--resources", type=json.loads, default=None,
@@ -849,9 +923,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 print(json.dumps({**st, "kv_store": kv}))
             else:
-                from deepinfer.kvstore.cli import format_stats
+                from deepinfer.kvstore.cli import format_instance_figures, format_stats
 
-                print(_fmt_status(st) + ("" if kv is None else "\n" + format_stats(kv)))
+                live = format_instance_figures(st["instances"])
+                print(_fmt_status(st) + ("" if kv is None else "\n" + format_stats(kv)) + (live and "\n" + live))
         elif args.cmd == "scale":
             try:
                 print(json.dumps(ray.get(controller.scale.remote(targets))))

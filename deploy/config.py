@@ -19,7 +19,8 @@ decode:
     - {datacenter: dc-b, num_instances: 1, resources_per_rank: {GPU: 1}}
 entrypoint: {max_attempts: 3}         # any EntrypointConfig field the launcher does not set itself
 http: {enabled: true, port: 8000}
-kv_store_dir: /nvme/deepinfer-kvstore # omitted = a fresh directory for each `up` (see `kv_store_dir`)
+tls: {cert_file: /etc/deepinfer/tls.crt, key_file: /etc/deepinfer/tls.key, ca_file: /etc/deepinfer/ca.crt}  # optional
+kv_store_dir: /nvme/deepinfer-kvstore # omitted = $DEEPINFER_HOME/kvstore/<name>, kept across down/up; fresh; off
 ```
 
 `ClusterConfig.load(path)` reads and validates a file; errors name the field and how to fix it.
@@ -29,7 +30,6 @@ Each instance of a group is one Ray placement group of `num_ranks` bundles of `r
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import secrets
 import time
@@ -218,9 +218,55 @@ class HttpConfig(_Frozen):
         return value
 
 
+class TlsConfig(_Frozen):
+    """TLS for every internal gRPC service and the HTTP front (`serving.auth`). Files are paths on every node;
+    `deepinfer up` hands them to every role through its environment (`DEEPINFER_TLS_*`)."""
+
+    cert_file: str
+    """PEM certificate (chain) every gRPC server presents (and the HTTP front, unless `http.settings` name
+    `https_cert` / `https: false`); its names (SANs) must cover every address services are dialled at (the
+    cluster `host` or the nodes' IPs), or set `server_name`."""
+    key_file: str
+    """PEM private key of `cert_file`."""
+    ca_file: str | None = None
+    """PEM CA bundle every client (roles, the CLI) checks server certificates against; None = the system roots."""
+    server_name: str | None = None
+    """Name clients expect in server certificates instead of the dialled host (one DNS name for the whole cluster)."""
+
+    def env(self) -> dict[str, str]:
+        """The `serving.auth` environment of these settings."""
+        from deepinfer.serving.auth import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TLS_SERVER_NAME_ENV
+
+        env = {TLS_CERT_ENV: self.cert_file, TLS_KEY_ENV: self.key_file}
+        if self.ca_file:
+            env[TLS_CA_ENV] = self.ca_file
+        if self.server_name:
+            env[TLS_SERVER_NAME_ENV] = self.server_name
+        return env
+
+
 PREFILL_KV_STORE_DEFAULT = "embedded"
 """The prefill stage's `kv_store` when its worker settings name none: the embedded persistent KV store
-(`kvstore`), in `ClusterConfig.kv_store_dir` unless the settings give `kv_store_dirs`; `kv_store: "off"` disables it."""
+(`kvstore`), in `ClusterConfig.kv_store_dir` unless the settings give `kv_store_dirs`; `kv_store: "off"` disables it.
+The decode stage gets the prefill stage's store settings unless its own name a `kv_store` (it writes finished
+conversation turns there: `decode_worker.core`)."""
+
+STORE_SETTINGS = ("kv_store", "kv_store_dirs", "kv_store_capacity_gb", "kv_store_mooncake_master",
+                  "kv_store_mooncake_metadata")
+"""Worker settings of the KV store, the same on prefill and decode workers."""
+
+STORE_DIR_FRESH = "fresh"
+"""`kv_store_dir: fresh`: a new directory for this start, removed when the cluster goes down (the demo's)."""
+STORE_DIR_OFF = "off"
+"""`kv_store_dir: off`: no KV store (the stages' `kv_store` default to "off")."""
+
+
+def cluster_store_dir(name: str) -> Path:
+    """The default embedded KV store of cluster `name`: `$DEEPINFER_HOME/kvstore/<name>` (default home
+    `~/.cache/deepinfer`), kept across `down` / `up` and machine restarts. One per cluster name, not per model:
+    the store's keys are rooted in the model and cache fingerprint, so another model never reads these blocks."""
+    home = os.environ.get("DEEPINFER_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "deepinfer")
+    return Path(home) / "kvstore" / name
 
 
 def fresh_store_root() -> Path:
@@ -274,7 +320,8 @@ class ClusterConfig(_Frozen):
     device: str = "cpu"
     """torch device of the workers: cpu, or cuda (Ray sets CUDA_VISIBLE_DEVICES per rank)."""
     host: str = "127.0.0.1"
-    """Interface every server binds; 0.0.0.0 = all, advertised as the node's IP."""
+    """Interface every internal server binds: an address, or the cluster network (`10.0.0.0/8`: each node's own
+    address in it, `deploy.network`); 0.0.0.0 = every interface (public ones too), advertised as the node's IP."""
     loopback_ucx: bool | None = None
     """Keep NIXL's UCX on loopback; None = true exactly when `host` is a loopback address."""
     batch_invariant: bool = False
@@ -293,22 +340,38 @@ class ClusterConfig(_Frozen):
     cluster_secret_file: str | None = None
     """File (on every node) holding the secret every internal gRPC call carries and every server checks
     (`serving.auth`); None = `deepinfer up` generates a fresh one for each start."""
+    tls: TlsConfig | None = None
+    """TLS certificate paths for the gRPC services and the HTTP front; None = plaintext (keep internal
+    addresses on a private network: README, "What is exposed")."""
     kv_store_dir: str | None = None
-    """Directory of the prefill stage's embedded KV store (`PREFILL_KV_STORE_DEFAULT`) when the prefill worker
-    settings name no `kv_store_dirs`. Omitted: a fresh directory for each start, under `fresh_store_root()`, that
-    lives as long as the cluster (instances restarted by Ray or added by `scale` share it; `deepinfer down`
-    removes it), so separate runs never see each other's blocks. Name one to keep the store across `down`/`up`
-    and machine restarts (on a multi-node cluster: a path that exists on every prefill node)."""
+    """Directory of the stages' embedded KV store (`PREFILL_KV_STORE_DEFAULT`) when the worker settings name no
+    `kv_store_dirs`. Omitted: `cluster_store_dir(name)`, which survives `down` / `up` and machine restarts (a
+    prompt served before a restart is a store hit after it). "fresh": a new directory for this start under
+    `fresh_store_root()`, shared by its instances (restarted by Ray or added by `scale`) and removed by `deepinfer
+    down`. "off": no store. On a multi-node cluster name a path that exists on every prefill and decode node."""
 
     @model_validator(mode="before")
     @classmethod
-    def _fresh_store_dir(cls, data: Any) -> Any:
-        # NOTE: resolved here, not per role, so the controller (which gets this config as JSON) and every prefill
-        # instance of one start agree on the directory
-        if isinstance(data, dict) and not data.get("kv_store_dir"):
+    def _resolve_store_dir(cls, data: Any) -> Any:
+        # NOTE: resolved here, on the host that loads the config, not per role: the controller (which gets this
+        # config as JSON) and every instance of one start agree on the directory
+        if not isinstance(data, dict):
+            return data
+        chosen = data.get("kv_store_dir")
+        if chosen is False:  # YAML reads an unquoted `off` as false
+            chosen = STORE_DIR_OFF
+            data = {**data, "kv_store_dir": chosen}
+        if not chosen:
+            data = {**data, "kv_store_dir": str(cluster_store_dir(data.get("name") or "deepinfer"))}
+        elif chosen == STORE_DIR_FRESH:
             stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
             data = {**data, "kv_store_dir": str(fresh_store_root() / f"{stamp}-{secrets.token_hex(4)}")}
         return data
+
+    @property
+    def is_store_off(self) -> bool:
+        """`kv_store_dir: off`: the stages run without a KV store unless their worker settings name one."""
+        return self.kv_store_dir == STORE_DIR_OFF
 
     @field_validator("entrypoint")
     @classmethod
@@ -331,10 +394,9 @@ class ClusterConfig(_Frozen):
 
     @property
     def is_loopback(self) -> bool:
-        try:
-            return ipaddress.ip_address(self.host).is_loopback
-        except ValueError:
-            return self.host == "localhost"
+        from deepinfer.deploy.network import is_loopback_host
+
+        return is_loopback_host(self.host)
 
     def stage(self, stage: str) -> StageConfig:
         if stage not in STAGES:
@@ -345,6 +407,20 @@ class ClusterConfig(_Frozen):
         """The stages this deployment runs: vision only when the model has a vision tower."""
         return STAGES if model_has_vision(self.model, self.revision) else tuple(s for s in STAGES if s != "vision")
 
+    def _with_store_defaults(self, worker: dict[str, Any]) -> dict[str, Any]:
+        """A prefill or decode worker's settings with the cluster's KV store defaults filled in (`kv_store`
+        embedded, or off with `kv_store_dir: off`; the directory)."""
+        worker = dict(worker)
+        worker.setdefault("kv_store", "off" if self.is_store_off else PREFILL_KV_STORE_DEFAULT)
+        if worker["kv_store"] is False:  # YAML reads an unquoted `off` as false
+            worker["kv_store"] = "off"
+        if worker["kv_store"] == "embedded" and not worker.get("kv_store_dirs"):
+            if self.is_store_off:
+                raise ValueError("kv_store_dir is off but a worker's settings ask for the embedded store: give them "
+                                 "kv_store_dirs, or name a kv_store_dir")
+            worker["kv_store_dirs"] = self.kv_store_dir
+        return worker
+
     def role_config(self, role: str, *, instance_id: str = "", lb_address: str = "", datacenter: str = "",
                     lb_addresses: tuple[str, str] = ("", ""), advertise_host: str | None = None,
                     vision_lb_address: str = ""):
@@ -354,12 +430,11 @@ class ClusterConfig(_Frozen):
         if role in STAGES:
             cls = {"vision": VisionWorkerConfig, "prefill": PrefillWorkerConfig, "decode": DecodeWorkerConfig}[role]
             worker = dict(self.stage(role).worker)
-            if role == "prefill":
-                worker.setdefault("kv_store", PREFILL_KV_STORE_DEFAULT)
-                if worker["kv_store"] is False:  # YAML reads an unquoted `off` as false
-                    worker["kv_store"] = "off"
-                if worker["kv_store"] == "embedded" and not worker.get("kv_store_dirs"):
-                    worker["kv_store_dirs"] = self.kv_store_dir
+            if role == "decode" and "kv_store" not in worker:  # the prefill stage's store (conversation turns)
+                prefill = self._with_store_defaults(self.prefill.worker)
+                worker = {**{k: v for k, v in prefill.items() if k in STORE_SETTINGS}, **worker}
+            elif role in ("prefill", "decode"):
+                worker = self._with_store_defaults(worker)
             return cls(**worker, **common, model=self.model, revision=self.revision, dtype=self.dtype,
                        device=self.device,
                        lb_address=lb_address, instance_id=instance_id, agent_name=instance_id, datacenter=datacenter,

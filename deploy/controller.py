@@ -35,6 +35,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from deepinfer.deploy.actors import ProcessActor, ServiceActor
 from deepinfer.deploy.config import STAGES, ClusterConfig, InstanceGroup
+from deepinfer.deploy.network import resolve_host
 from deepinfer.protos import (
     common_pb2,
     decode_pb2_grpc,
@@ -119,7 +120,8 @@ class ClusterController:
                 vision_lb_address=self.addresses.get("vision_lb", "")))
             self.addresses["entrypoint"] = self._wait_roles(["entrypoint"])["entrypoint"]["address"]
             if c.http.enabled and _has_module("deepinfer.entrypoint.http.__main__"):
-                args = ["--entrypoint", self.addresses["entrypoint"], "--host", c.http.host, "--port", str(c.http.port),
+                http_host = resolve_host(c.http.host)  # a network: this node's address in it (the front runs here)
+                args = ["--entrypoint", self.addresses["entrypoint"], "--host", http_host, "--port", str(c.http.port),
                         # the balancers let /metrics gather the stages' figures (KV blocks, transfer bytes)
                         "--prefill-lb-address", self.addresses["prefill_lb"],
                         "--decode-lb-address", self.addresses["decode_lb"]]
@@ -138,7 +140,7 @@ class ClusterController:
                 self._roles["http"] = ProcessActor.options(
                     num_cpus=0, max_concurrency=2, max_restarts=-1, namespace=NAMESPACE, name=f"{c.name}-http",
                     runtime_env={"env_vars": _front_env(c.http.api_keys)},
-                    scheduling_strategy=self._this_node()).remote("http", "deepinfer.entrypoint.http", args, c.http.host,
+                    scheduling_strategy=self._this_node()).remote("http", "deepinfer.entrypoint.http", args, http_host,
                                                                   c.http.port)
                 self.addresses["http"] = self._wait_roles(["http"])["http"]["address"]
             elif c.http.enabled:
@@ -274,6 +276,10 @@ class ClusterController:
                    num_queued_prefill_tokens=load.num_queued_prefill_tokens,
                    num_kv_blocks_used=load.num_kv_blocks_used, num_kv_blocks_total=load.num_kv_blocks_total,
                    num_cached_block_hashes=seen.num_cached_block_hashes, heartbeat_age_ms=seen.heartbeat_age_ms)
+        if load.ranks:  # a multi-rank instance: each rank's own requests and KV pool
+            row["ranks"] = [{"rank": r.rank, "num_running_requests": r.num_running_requests,
+                             "num_waiting_requests": r.num_waiting_requests, "num_kv_blocks_used": r.num_kv_blocks_used,
+                             "num_kv_blocks_total": r.num_kv_blocks_total} for r in load.ranks]
         stub_cls = {"vision": vision_pb2_grpc.VisionStub, "prefill": prefill_pb2_grpc.PrefillStub,
                     "decode": decode_pb2_grpc.DecodeStub}[inst.stage]
         try:
@@ -295,7 +301,7 @@ class ClusterController:
         port is picked here, once, and the actor (restarted by Ray like the workers) binds it each time.
         """
         if config.port == 0:
-            config = config.model_copy(update={"port": _free_port(config.host)})
+            config = config.model_copy(update={"port": _free_port(resolve_host(config.host))})
         self._roles[role] = ServiceActor.options(
             num_cpus=0, max_concurrency=4, max_restarts=-1, namespace=NAMESPACE, name=f"{self.config.name}-{role}",
             runtime_env=_role_runtime_env(),
@@ -388,10 +394,11 @@ def _flags(settings: dict) -> list[str]:
 
 
 def _secret_env() -> dict[str, str]:
-    """The cluster secret this controller got (`serving.auth`: its value or its file's path)."""
-    from deepinfer.serving.auth import SECRET_ENV, SECRET_FILE_ENV
+    """The cluster secret this controller got (`serving.auth`: its value or its file's path) and its TLS
+    files (`DEEPINFER_TLS_*`), which every role gets too."""
+    from deepinfer.serving.auth import SECRET_ENV, SECRET_FILE_ENV, tls_env
 
-    return {k: os.environ[k] for k in (SECRET_ENV, SECRET_FILE_ENV) if os.environ.get(k)}
+    return {**{k: os.environ[k] for k in (SECRET_ENV, SECRET_FILE_ENV) if os.environ.get(k)}, **tls_env()}
 
 
 def _role_runtime_env() -> dict | None:

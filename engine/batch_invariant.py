@@ -23,7 +23,8 @@ end-to-end result):
   chunks (`nhd,ndw->nhw` over an `unfold`, keys in position order; entries shared by the chunk)
   reduce in different orders, and the number of compressed entries in a reduction depends on the
   batch (decode pads to the longest row) and on the chunk. `BatchInvariantAttentionBackend` gives
-  both paths one per-query function with fixed tiles (`attend_tiled`).
+  both paths one per-query function with fixed tiles (`attend_tiled`). Speculative decoding's verify chunks take
+  the per-query prefill path too (the backend does not offer the torch backend's batched verify rows).
 * MoE: an expert's matmul sees as many rows as tokens routed to it (fixed by the row padding), and
   `index_add_` adds a token's experts in an order that is not defined on CUDA; the mode's backend
   (`BatchInvariantMoEBackend`) adds each token's experts in ascending expert id, one add at a time.
@@ -346,6 +347,10 @@ class BatchInvariantAttentionBackend(TorchAttentionBackend):
     for a position whatever path, batch or chunk computes it."""
 
     batch_invariant_safe = True
+    supports_verify_rows = False
+    """NOTE: speculative decoding's verify chunks then run as prefill chunks (`_attend_one`, per-query tiles), so a
+    verified position gets the bits a plain decode step gives it; the torch backend's batched verify path
+    (`_verify_batched`) reduces over [B, N] queries by einsum, whose order follows the batch."""
 
     def _decode_batched(self, spec: LayerSpec, dm: DecodeRows, inputs: AttentionInputs, r,
                         cache: V4KVCache) -> torch.Tensor:

@@ -344,11 +344,13 @@ class ModelConfig(BaseModel):
         """Normalise a transformers-style config dict (legacy keys included) and validate it."""
         d = dict(raw)
         if is_v41_config(d):
-            # NOTE: V4.1's layout and math differ (docs/V4_1.md); `V41Config` parses it, the engine cannot serve it
+            # NOTE: V4.1's layout and math differ (docs/V4_1.md): `V41Config` is its config, not this class
             v41 = V41Config.from_hf_dict(d)
+            missing = v41.unsupported()
             raise ValueError(
-                "this is a DeepSeek-V4.1 config (`model_type` 'deepseek_v41'): it parses (engine.config.V41Config), but "
-                "the engine cannot serve it yet: " + "; ".join(v41.unsupported()) + "."
+                "this is a DeepSeek-V4.1 config (`model_type` 'deepseek_v41'): it is a V41Config (engine.config."
+                "V41Config, what engine.loader.read_checkpoint_config returns for it), not a V4 ModelConfig"
+                + ("; the engine cannot serve yet: " + "; ".join(missing) if missing else "") + "."
             )
         model_type = d.pop("model_type", "deepseek_v4")
         if model_type != "deepseek_v4":
@@ -706,19 +708,27 @@ class V41Config(BaseModel):
             return ()
         return (self.eos_token_id,) if isinstance(self.eos_token_id, int) else tuple(self.eos_token_id)
 
+    @property
+    def compress_rates(self) -> dict[str, int]:
+        """The KV sources' distinct ratios by a name (`ratio_{r}`): what sizes blocks and bounded replay
+        (`engine.cache.layout.default_block_size`, `exact_replay_tokens`), as V4's `compress_rates`."""
+        return {f"ratio_{r}": r for r in sorted({self.compress_ratios[s] for s in self.kv_source_layer_ids})}
+
+    @property
+    def engram_history_tokens(self) -> int:
+        """Tokens of history each new token's Engram hashes read (`engram_max_ngram_size - 1`; 0 without Engram):
+        bounded state of the paged engine, rebuilt by replay like the window rings."""
+        return self.engram_max_ngram_size - 1 if self.engram_layer_ids else 0
+
     def unsupported(self) -> list[str]:
         """What the serving engine cannot do with this checkpoint yet, each naming its config field.
 
-        NOTE: keep in step with what exists: the CPU forward of `engine.models.deepseek_v41` computes the
-        architecture, but the paged engine (cache anatomy, attention backends, loader) does not serve it.
+        NOTE: keep in step with what exists: the paged engine serves V4.1's text backbone (cache anatomy
+        `engine.cache.v41`, the paged forward of `engine.models.deepseek_v41`, the published layout read by
+        `deepseek_v41.load_published`, weights dequantized to float); DSpark stages and the vision tower are
+        not built.
         """
-        out = ["V4.1's cache anatomy (`kv_source_layer_ids` / `index_source_layer_ids` reuse, `compress_ratios` 1 "
-               "and 2) in the paged engine"]
-        if self.engram_layer_ids:
-            out.append(f"Engram tables (`engram_layer_ids`={list(self.engram_layer_ids)}): loading and placement")
-        q = self.quantization_config or {}
-        if list(q.get("weight_block_size", [])) == [32, 32]:
-            out.append("`quantization_config.weight_block_size`=[32, 32] FP8 linears")
+        out = []
         if self.num_nextn_predict_layers:
             out.append(f"DSpark draft stages (`num_nextn_predict_layers`={self.num_nextn_predict_layers})")
         if self.vision_config is not None:

@@ -25,12 +25,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deepinfer.engine.cache.block_pool import BlockPool, KVCacheManager, StateSlotPool
-from deepinfer.engine.cache.kv_cache import V4KVCache, compressed_bytes_per_token
+from deepinfer.engine.cache.kv_cache import compressed_bytes_per_token, make_kv_cache
 from deepinfer.engine.cache.layout import default_block_size, exact_replay_tokens
 from deepinfer.engine.errors import InvalidRequestError
 from deepinfer.engine.executor import PreparedStep, StepResult, executor_name, make_executor
 from deepinfer.engine.kv_connector import KVLoadSpec, KVSaveSpec
 from deepinfer.engine.kv_connector.engine_side import ExternalKVMixin
+from deepinfer.engine.latency import LatencyHistograms
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.multimodal import ImageSpan
 from deepinfer.engine.sampling import IncrementalDetokenizer, Sampler, SamplingBatch, SamplingParams
@@ -221,6 +222,10 @@ class _Parent:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     error: str | None = None
     image_spans: tuple[ImageSpan, ...] = ()
+    queued_at: float | None = None
+    """time.monotonic() when the first sequence entered the scheduler (after its KV load, if any)."""
+    scheduled_at: float | None = None
+    """time.monotonic() of its first scheduling (`Engine.latency`'s queue and prefill times)."""
 
 
 @dataclass
@@ -257,6 +262,13 @@ class Engine(ExternalKVMixin):
         """The checkpoint directory this engine serves (the built-in demo model's when none was given; a
         repo id's snapshot in the Hugging Face cache)."""
         mc, _ = read_checkpoint_config(path)
+        if hasattr(mc, "kv_source_layer_ids"):  # a V41Config: what its paged path does not have yet (docs/V4_1.md §12)
+            if config.speculative_tokens:
+                raise ValueError("speculative_tokens > 0: DeepSeek-V4.1's drafter (its DSpark stages) is not built; "
+                                 "set speculative_tokens=0")
+            if config.batch_invariant:
+                raise ValueError("batch_invariant: DeepSeek-V4.1's paged attention has no batch-invariant mode yet; "
+                                 "set batch_invariant=False")
         self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
         block_size = config.block_size or default_block_size(mc.compress_rates.values())  # the layout decides
         self.fit = check_fit(path, mc, dtype=parse_dtype(config.dtype), device=config.device,
@@ -301,9 +313,11 @@ class Engine(ExternalKVMixin):
         # NOTE: `fit.num_slots` is max_num_seqs, or a rank's share of them with expert_parallel_size > 1 (each rank's
         # cache holds only its requests' blocks and state slots)
         num_blocks = config.num_blocks or min(blocks_per_seq * self.fit.num_slots, 1 << 16, self.fit.max_num_blocks)
-        dtype = self.model.model.embed_tokens.weight.dtype
-        self.cache = V4KVCache(mc, num_blocks, block_size, self.fit.num_slots, dtype=dtype, device=config.device,
-                               max_model_len=self.max_model_len)
+        embed = getattr(self.model, "embed", None) or self.model.model.embed_tokens  # V4.1's is top level
+        dtype = embed.weight.dtype
+        # V4's cache, or V4.1's (only KV sources own compressed pools: `engine.cache.v41`)
+        self.cache = make_kv_cache(mc, num_blocks, block_size, self.fit.num_slots, dtype=dtype, device=config.device,
+                                   max_model_len=self.max_model_len)
         if config.expert_parallel_size > 1:  # `num_blocks` per rank; each rank's cache holds its requests' KV only
             from deepinfer.engine.distributed.kv_pools import RankedBlockPool, RankedKVCacheManager, RankedStateSlotPool
 
@@ -343,6 +357,15 @@ class Engine(ExternalKVMixin):
         self.bytes_per_token = compressed_bytes_per_token(mc, dtype)
         self.timings = {"schedule": 0.0, "model": 0.0, "sample": 0.0, "steps": 0, "tokens": 0}
         """Seconds spent scheduling, in the model and sampling; steps run; tokens computed (replay included)."""
+        self.latency = LatencyHistograms()
+        """Per-request and per-step latency histograms (`engine.latency`), exported by the serving workers:
+        `queue` (entered the scheduler -> first scheduled; after the KV load on a decode instance), `prefill` (first
+        scheduled -> first token sampled: the prompt's compute, every chunk; on instances that compute it) and
+        `step` (one engine step's schedule + model + sample time)."""
+        self._step_seconds_seen = 0.0
+        self.prefix_cache_tokens = {"queried": 0, "hit": 0}
+        """Prompt tokens of requests scheduled since start, and those served from the prefix cache (hit / queried:
+        the instance's prefix-cache hit rate)."""
         self.spec = None
         """Speculative decoding (`engine.spec_decode.SpecDecoding`: drafter, rollback, metrics), or None when off."""
         if config.speculative_tokens:
@@ -521,6 +544,7 @@ class Engine(ExternalKVMixin):
                           sampling_params=seq.params, arrival_time=time.monotonic(), image_spans=p.image_spans)
         self._seqs[rid] = seq
         if load is None:
+            p.queued_at = p.queued_at or time.monotonic()
             self.scheduler.add_request(seq.req)
             return
         try:
@@ -633,6 +657,12 @@ class Engine(ExternalKVMixin):
             seq = self._seqs.get(n.req_id)
             if seq is not None and not n.is_resumed and seq.index == 0:
                 seq.parent.num_cached_tokens = hits.get(n.req_id, 0)
+                if seq.parent.scheduled_at is None:
+                    seq.parent.scheduled_at = time.monotonic()
+                    self.prefix_cache_tokens["queried"] += len(seq.parent.prompt_token_ids)
+                    self.prefix_cache_tokens["hit"] += seq.parent.num_cached_tokens
+                    if seq.parent.queued_at is not None:
+                        self.latency.observe("queue", seq.parent.scheduled_at - seq.parent.queued_at)
         for req_id, msg in out.error_messages.items():
             seq = self._seqs.get(req_id)
             if seq is not None:
@@ -759,9 +789,15 @@ class Engine(ExternalKVMixin):
                 req.spec_token_ids = drafts
         self.timings["schedule"] += time.perf_counter() - t0
         self.timings["steps"] += 1
+        # NOTE: with an overlapping executor the next step's scheduling may already be counted; the sum is exact
+        spent = self.timings["schedule"] + self.timings["model"] + self.timings["sample"]
+        self.latency.observe("step", spent - self._step_seconds_seen)
+        self._step_seconds_seen = spent
         for rid, (toks, text) in deltas.items():
             seq = self._seqs[rid]
             co = seq.parent.outputs[seq.index]
+            if seq.index == 0 and not co.token_ids and toks and seq.parent.scheduled_at is not None:
+                self.latency.observe("prefill", time.monotonic() - seq.parent.scheduled_at)
             co.token_ids.extend(toks)
             co.text += text
             if seq.logprobs is not None:

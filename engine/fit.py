@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.engine.cache.layout import CacheLayout
+from deepinfer.engine.cache.layout import cache_layout
 from deepinfer.engine.config import ModelConfig
 
 MEMORY_UTILIZATION = 0.9
@@ -81,8 +81,10 @@ class WeightBytes:
         return self.other_bytes - self.mtp_other_bytes + -(-main_experts * min(slots, num_experts) // num_experts)
 
 
-def checkpoint_weight_bytes(path: str | Path, dtype: torch.dtype) -> WeightBytes:
-    """Resident bytes of the checkpoint at `path` once loaded at `dtype`, from its headers only."""
+def checkpoint_weight_bytes(path: str | Path, dtype: torch.dtype, dequantized: bool = False) -> WeightBytes:
+    """Resident bytes of the checkpoint at `path` once loaded at `dtype`, from its headers only.
+    `dequantized`: FP8 / packed FP4 weights are held dequantized at `dtype` and their scales dropped (V4.1's
+    loader today, `deepseek_v41.load_for_engine`)."""
     from deepinfer.engine.loader import MTP_PREFIXES, scan_checkpoint
     from deepinfer.engine.models.deepseek_v4_weights import is_fp32_kept, official_to_spec_name
 
@@ -92,6 +94,8 @@ def checkpoint_weight_bytes(path: str | Path, dtype: torch.dtype) -> WeightBytes
         numel = math.prod(stored.shape)
         if stored.dtype in _FLOAT_TAGS:  # cast at load: the engine dtype, or float32 for the kept set
             nbytes = numel * (4 if is_fp32_kept(official_to_spec_name(name)) else itemsize)
+        elif dequantized:  # FP8 one value a byte, packed FP4 two; scales (`.scale`) are folded in
+            nbytes = 0 if name.endswith(".scale") else numel * (2 if stored.dtype in ("I8", "U8") else 1) * itemsize
         else:  # integers, FP8 / packed FP4 weights and their scales stay as stored
             nbytes = stored.num_bytes
         is_mtp = name.startswith(MTP_PREFIXES)
@@ -241,7 +245,7 @@ def plan_fit(config: ModelConfig, weights: WeightBytes, *, dtype: torch.dtype, d
     """The memory plan from known numbers (no I/O): what `check_fit` evaluates (per rank with
     `expert_parallel_size` > 1; `device_bytes` is then one rank's)."""
     itemsize = torch.tensor([], dtype=dtype).element_size()
-    layout = CacheLayout.from_config(config)
+    layout = cache_layout(config)  # V4's or V4.1's anatomy
     pools = layout.pools(1, block_size, 1, itemsize)  # one block, one slot
     block_bytes = sum(p.nbytes for p in pools.values() if not p.is_state)
     state_bytes = sum(p.nbytes for p in pools.values() if p.is_state)
@@ -268,7 +272,8 @@ def check_fit(path: str | Path, config: ModelConfig, *, dtype: torch.dtype, devi
         device_bytes = available_device_bytes(device)
         if torch.device(device).type != "cuda":
             device_bytes //= expert_parallel_size  # CPU ranks share the host's memory
-    report = plan_fit(config, checkpoint_weight_bytes(path, dtype), dtype=dtype, device=device,
+    dequantized = hasattr(config, "kv_source_layer_ids")  # a V41Config: its loader dequantizes (no FP8 kept yet)
+    report = plan_fit(config, checkpoint_weight_bytes(path, dtype, dequantized), dtype=dtype, device=device,
                       device_bytes=device_bytes, max_model_len=max_model_len, block_size=block_size,
                       max_num_seqs=max_num_seqs, expert_parallel_size=expert_parallel_size,
                       num_redundant_experts=num_redundant_experts)

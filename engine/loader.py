@@ -42,7 +42,8 @@ stay as published (resident bytes = checkpoint bytes). Everything else (BF16 nor
 is cast as in a dense checkpoint. Refused with the tensor or field and the fix: an unknown
 `quant_method` or quantization field, a scale grid that does not match its weight, a quantized
 tensor without its scale, an expert storage that contradicts `expert_dtype`, and V4.1's 32x32 blocks
-and Engram tables (until V4.1 support lands).
+and Engram tables in a V4 config. A V4.1 checkpoint (`model_type` deepseek_v41, `text_config`) is read by
+its own model's reader (`engine.models.deepseek_v41.load_for_engine`: dequantized, not streamed).
 
 The loader imports the models (their tensor specs, the classes it builds: `load_checkpoint`, and
 `load_vision_tower` for the vision stage); no model imports the loader.
@@ -266,7 +267,8 @@ _EXPERT_WEIGHT_RE = re.compile(r"(?:model\.layers|mtp)\.\d+\.ffn\.experts\.\d+\.
 _QUANT_STORAGE = {"F8_E4M3": torch.float8_e4m3fn, "I8": torch.int8, "U8": torch.int8}
 _SCALE_STORAGE = {"F8_E8M0": torch.float8_e8m0fnu, "F32": torch.float32}
 _TORCH_TAG = {torch.float8_e4m3fn: "F8_E4M3", torch.int8: "I8", torch.float8_e8m0fnu: "F8_E8M0", torch.float32: "F32"}
-V41_HINT = ("V4.1 checkpoints are refused until V4.1 support lands in the engine (its config parses: engine.config.V41Config; its CPU forward: engine.models.deepseek_v41; docs/V4_1.md)")
+V41_HINT = ("V4.1 checkpoints are served only in their own layout (config.json `model_type` 'deepseek_v41' with a "
+            "`text_config`: engine.config.V41Config, engine.models.deepseek_v41; docs/V4_1.md), not as a V4 config")
 
 
 @register_weight_transform("fp8")
@@ -451,8 +453,9 @@ def _read_index(index_path: Path) -> dict[str, str]:
     return weight_map
 
 
-def read_checkpoint_config(path: str | Path) -> tuple[ModelConfig, dict[str, Any] | None]:
-    """The checkpoint's `ModelConfig` and its raw `quantization_config` (None when unquantized).
+def read_checkpoint_config(path: str | Path) -> tuple[ModelConfig | V41Config, dict[str, Any] | None]:
+    """The checkpoint's `ModelConfig` (a `V41Config` for DeepSeek-V4.1, whose published layout
+    `engine.models.deepseek_v41.load_published` reads) and its raw `quantization_config` (None when unquantized).
 
     NOTE: the one place that decides whether a checkpoint's quantization can be loaded: it refuses
     (CheckpointError) exactly what `WeightLoader` cannot load, so a stage that checks a checkpoint
@@ -472,7 +475,10 @@ def read_checkpoint_config(path: str | Path) -> tuple[ModelConfig, dict[str, Any
             v41 = V41Config.from_hf_dict(raw)
         except ValueError as e:
             raise CheckpointError(f"{file}: {e}") from None
-        raise CheckpointError(f"{file}: DeepSeek-V4.1; {V41_HINT}. Not served yet: " + "; ".join(v41.unsupported()) + ".")
+        if v41.unsupported():
+            raise CheckpointError(f"{file}: DeepSeek-V4.1; the engine serves its text backbone only. Not served yet: "
+                                  + "; ".join(v41.unsupported()) + ".")
+        return v41, v41.quantization_config
     quant = raw.pop("quantization_config", None) or None
     engram = sorted(k for k in raw if "engram" in k.lower())
     if engram:
@@ -831,6 +837,18 @@ def load_checkpoint(
     root = Path(path)
     torch_dtype = parse_dtype(dtype)
     config, quant = read_checkpoint_config(root)
+    if isinstance(config, V41Config):  # V4.1: its own model and reader (docs/V4_1.md §12)
+        from deepinfer.engine.models.deepseek_v41 import load_for_engine
+
+        if attention_backend != "torch" or fp8_activations != "bf16" or indexer_numerics != "transformers" \
+                or routed_experts is not None:
+            raise CheckpointError(f"{root}: DeepSeek-V4.1 runs its own torch attention path with float weights; "
+                                  "attention_backend='torch', fp8_activations='bf16', indexer_numerics='transformers' "
+                                  "and no expert parallelism are what it supports.")
+        model = load_for_engine(root, config, torch_dtype, device, moe_backend)
+        if before_prepare is not None:
+            before_prepare(model)
+        return model, config
     # the MTP layer is built when the checkpoint ships it (transformers' save_pretrained writes none)
     num_mtp = config.num_nextn_predict_layers if load_mtp and any(n.startswith(MTP_PREFIXES)
                                                                   for n in scan_checkpoint(root)) else 0

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.engine.cache.kv_cache import V4KVCache
+from deepinfer.engine.cache.kv_cache import V4KVCache, make_kv_cache
 from deepinfer.engine.cache.layout import exact_replay_tokens  # noqa: F401  (re-export: the layout owns it)
 from deepinfer.engine.cuda_graph import CudaGraphRunner, graph_batch_sizes, graph_blockers
 from deepinfer.engine.forward_batch import ForwardBatch, SeqChunk
@@ -149,10 +149,11 @@ class ScratchModelRunner:
         cfg = model.config
         self.block_size = block_size or math.lcm(*cfg.compress_rates.values())
         blocks_per_seq = -(-max_len // self.block_size)
-        dtype = model.model.embed_tokens.weight.dtype
-        device = model.model.embed_tokens.weight.device
+        embed = getattr(model, "embed", None) or model.model.embed_tokens  # V4.1's embedding is top level
+        dtype, device = embed.weight.dtype, embed.weight.device
         self.model = model
-        self.cache = V4KVCache(cfg, blocks_per_seq * max_seqs, self.block_size, max_seqs, dtype=dtype, device=device)
+        self.cache = make_kv_cache(cfg, blocks_per_seq * max_seqs, self.block_size, max_seqs, dtype=dtype,
+                                   device=device)  # V4's or V4.1's anatomy
         self.tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(max_seqs)]
         """Per sequence: its block table."""
         self.lens = [0] * max_seqs

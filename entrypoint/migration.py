@@ -32,6 +32,9 @@ Queued work survives a restart (`StageOutages`): once a stage lost an instance, 
 no usable instance of it (none listed, or only lost ones that do not answer a Health probe yet) wait
 for one, bounded by their deadline and `--outage-wait-s`, before reserving anything on decode; a
 restarted instance (same id, new port) is used as soon as it answers. Waiting costs no migration.
+A stage whose *balancer* cannot be reached (killed, restarting on the same address) is out too
+(`StageOutages.mark_out`): picks wait for it, and for its instances to re-register on their next
+heartbeat (`serving.membership`), within the same bounds, instead of failing the request.
 
 Before a retry the attempt's stages are aborted: a reachable instance synchronously (so a retry on
 the same instance finds the request id free; a decode instance quarantines the aborted reservation's
@@ -424,6 +427,18 @@ class StageOutages:
         self._lost: dict[str, str] = {}  # instance id -> the address it was lost at
         self._probes: dict[str, tuple[float, bool]] = {}  # address -> (when, answered)
 
+    def mark_out(self, stage: str) -> None:
+        """`stage` is out with no instance lost: its balancer cannot be reached (it died or restarts;
+        a restarted balancer knows no instance until their next heartbeats re-register them).
+
+        NOTE: unlike `mark_lost` it does not extend an outage already marked: callers mark on every
+        failed poll, and a balancer that stays away must not keep requests waiting past `wait_s`."""
+        with self._lock:
+            now = self._clock()
+            lost_at = self._lost_at.get(stage)
+            if lost_at is None or now >= lost_at + self.wait_s:
+                self._lost_at[stage] = now
+
     def mark_lost(self, stage: str, instance_id: str, address: str = "") -> None:
         with self._lock:
             self._lost_at[stage] = self._clock()
@@ -469,12 +484,15 @@ class StageLiveness:
     is probed with a direct Health call (`probe_timeout_s`); when that fails too, every request
     watched on it is marked lost (`req.lost_<stage>_id`) and its calls cancelled, so its stage call
     ends and `run_migrating` moves it. A balancer that cannot be reached marks nothing (it may be
-    restarting). `on_lost(instance_id)` is called once per instance found lost.
+    restarting). `on_lost(instance_id)` is called once per instance found lost;
+    `on_balancer_unreachable()` each time the balancer cannot be reached.
     """
 
     def __init__(self, lb, interval_s: float = 0.5, probe_timeout_s: float = 1.0, stage: str = "decode",
-                 on_lost: Callable[[str], None] | None = None) -> None:
+                 on_lost: Callable[[str], None] | None = None,
+                 on_balancer_unreachable: Callable[[], None] | None = None) -> None:
         self.lb = lb
+        self.on_balancer_unreachable = on_balancer_unreachable
         self.stage = stage
         self.interval_s = interval_s
         self.probe_timeout_s = probe_timeout_s
@@ -505,7 +523,10 @@ class StageLiveness:
             try:
                 listed = self.lb.ListInstances(loadbalancer_pb2.ListInstancesRequest(),
                                                timeout=max(self.interval_s, 1.0))
-            except grpc.RpcError:
+            except grpc.RpcError as e:
+                if (e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                        and self.on_balancer_unreachable is not None):
+                    self.on_balancer_unreachable()
                 continue
             present = {i.instance_id for i in listed.instances}
             missing: dict[str, object] = {}
@@ -546,5 +567,6 @@ class DecodeLiveness(StageLiveness):
     """`StageLiveness` of the decode stage (hung decode instances: SIGSTOP, a stuck kernel)."""
 
     def __init__(self, decode_lb, interval_s: float = 0.5, probe_timeout_s: float = 1.0,
-                 on_lost: Callable[[str], None] | None = None) -> None:
-        super().__init__(decode_lb, interval_s, probe_timeout_s, "decode", on_lost)
+                 on_lost: Callable[[str], None] | None = None,
+                 on_balancer_unreachable: Callable[[], None] | None = None) -> None:
+        super().__init__(decode_lb, interval_s, probe_timeout_s, "decode", on_lost, on_balancer_unreachable)

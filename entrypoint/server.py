@@ -31,7 +31,9 @@ request to another prefill -> decode pair, prompt plus the tokens already stream
 `migration_limit` times (`entrypoint.migration`); the failed attempt is aborted first, and D
 quarantines the reservation a lost P may still write into until its lease ends (frees it at once
 when P's process is certainly gone). A stage that just lost an instance makes requests finding none
-usable wait for one (a restart), bounded by their deadline and `outage_wait_s`.
+usable wait for one (a restart), bounded by their deadline and `outage_wait_s`; so do picks while a
+stage's balancer cannot be reached (killed and restarting on its address: the instances re-register
+on their next heartbeat), instead of failing.
 Failures end the call with the gRPC status the wire `Error` maps to (`serving.errors`); a stage
 without a healthy instance gives UNAVAILABLE naming the stage. The client cancelling the call,
 `deadline_ms` (or the call's own deadline) running out, or `Abort` cancel the stage calls in flight
@@ -58,6 +60,7 @@ import grpc
 from deepinfer.engine.cache.block_pool import hash_block_tokens
 from deepinfer.engine.errors import InvalidRequestError
 from deepinfer.engine.images import IMAGE_TOKEN_ID
+from deepinfer.engine.latency import LatencyHistograms
 from deepinfer.engine.sampling import SamplingParams
 from deepinfer.entrypoint.config import EntrypointConfig
 from deepinfer.entrypoint.migration import (
@@ -84,9 +87,10 @@ from deepinfer.protos import (
 )
 from deepinfer.protos.convert import sampling_params_from_proto
 from deepinfer.protos.metadata import ERROR_FIELD_METADATA_KEY, STATS_METADATA_KEY
-from deepinfer.serving.auth import secure_channel, server_interceptors
+from deepinfer.serving.auth import add_port, secure_channel, server_interceptors
 from deepinfer.serving.errors import RETRYABLE_ERRORS, STALE_RESERVATION_FIELD, status_of
 from deepinfer.serving.loop import MAX_DEADLINE_S, call_time_remaining
+from deepinfer.serving.membership import BALANCER_CHANNEL_OPTIONS
 
 logger = logging.getLogger("entrypoint")
 
@@ -194,37 +198,15 @@ def prompt_block_hashes(prompt_token_ids: list[int], block_size: int, images=())
 PHASE_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-class PhaseTimes:
+class PhaseTimes(LatencyHistograms):
     """Latency histograms of each request's phases here, for Health's stats (the HTTP front exports them
     as `deepinfer_entrypoint_phase_seconds{phase}`): `queue` (accepted -> prefill call sent: images,
     decode pick and reservation, prefill pick), `prefill` (prefill call -> answered: the prefill's own queue,
-    its compute and the KV write landing on decode), `first_decode` (-> decode's first chunk). Thread-safe."""
+    its compute and the KV write landing on decode), `first_decode` (-> decode's first chunk). Thread-safe
+    (`engine.latency.LatencyHistograms`, the workers' histograms' shape)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._phases: dict[str, list] = {}
-        """phase -> [bucket counts (non-cumulative, +Inf last), sum, count]."""
-
-    def observe(self, phase: str, seconds: float) -> None:
-        index = next((i for i, b in enumerate(PHASE_BUCKETS_S) if seconds <= b), len(PHASE_BUCKETS_S))
-        with self._lock:
-            h = self._phases.setdefault(phase, [[0] * (len(PHASE_BUCKETS_S) + 1), 0.0, 0])
-            h[0][index] += 1
-            h[1] += seconds
-            h[2] += 1
-
-    def as_dict(self) -> dict:
-        """`{phase: {"le": bounds, "buckets": cumulative counts (+Inf last), "sum", "count"}}`."""
-        with self._lock:
-            phases = {p: (list(h[0]), h[1], h[2]) for p, h in self._phases.items()}
-        out = {}
-        for phase, (counts, total, n) in phases.items():
-            cumulative, running = [], 0
-            for c in counts:
-                running += c
-                cumulative.append(running)
-            out[phase] = {"le": list(PHASE_BUCKETS_S), "buckets": cumulative, "sum": total, "count": n}
-        return out
+        super().__init__(PHASE_BUCKETS_S)
 
 
 # ---------------------------------------------------------------------------------------- one request
@@ -260,6 +242,8 @@ class _Request:
         self.prefill: tuple[str, prefill_pb2_grpc.PrefillStub] | None = None
         """(instance id, stub) while P may hold the request."""
         self.decode: tuple[str, decode_pb2_grpc.DecodeStub] | None = None
+        self.decode_rank: int | None = None
+        """The rank of the picked decode instance the decode balancer chose (multi-rank instances), else None."""
         """(instance id, stub) while D may hold the request."""
         self.vision: tuple[str, vision_pb2_grpc.VisionStub] | None = None
         """(instance id, stub) while V may hold the request's embeddings."""
@@ -332,6 +316,9 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         """Channels replaced after their instance came back (their calls may still run; closed at the end)."""
         self._lock = threading.Lock()
         self._inflight: dict[str, _Request] = {}
+        for address in (config.prefill_lb_address, config.decode_lb_address, config.vision_lb_address):
+            if address:  # reconnect within a second of a balancer restart (serving.membership)
+                self._channels[address] = secure_channel(address, options=_LOCAL_POOL + BALANCER_CHANNEL_OPTIONS)
         self.prefill_lb = loadbalancer_pb2_grpc.LoadBalancerStub(self._channel(config.prefill_lb_address))
         self.decode_lb = loadbalancer_pb2_grpc.LoadBalancerStub(self._channel(config.decode_lb_address))
         self.vision_lb = (loadbalancer_pb2_grpc.LoadBalancerStub(self._channel(config.vision_lb_address))
@@ -343,10 +330,12 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         self._tokenizer = None
         self.outages = StageOutages(config.outage_wait_s)
         self.liveness = DecodeLiveness(self.decode_lb, config.liveness_interval_s, config.liveness_probe_timeout_s,
-                                       on_lost=lambda iid: self.outages.mark_lost("decode", iid))
+                                       on_lost=lambda iid: self.outages.mark_lost("decode", iid),
+                                       on_balancer_unreachable=lambda: self.outages.mark_out("decode"))
         self.prefill_liveness = StageLiveness(self.prefill_lb, config.liveness_interval_s,
                                               config.liveness_probe_timeout_s, stage="prefill",
-                                              on_lost=lambda iid: self.outages.mark_lost("prefill", iid))
+                                              on_lost=lambda iid: self.outages.mark_lost("prefill", iid),
+                                              on_balancer_unreachable=lambda: self.outages.mark_out("prefill"))
 
     def close(self) -> None:
         self.liveness.close()
@@ -450,7 +439,9 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                 reserve = self._unary(req, d_stub.Reserve, decode_pb2.ReserveRequest(
                     request_id=rid, prompt_token_ids=prompt, sampling_params=sampling, num_kv_tokens=len(prompt),
                     deadline_ms=deadline_ms(), lease_ms=self.config.kv_lease_ms,
-                    images=images, image_embeddings=image_embeddings),
+                    images=images, image_embeddings=image_embeddings, kv_traffic_class=request.kv_traffic_class,
+                    is_conversation=request.is_conversation,
+                    **({"rank": req.decode_rank} if req.decode_rank is not None else {})),
                     deadline, f"reserving KV on decode instance {d_inst.instance_id}")
             except _Failed as e:
                 # NOTE: an unreachable instance (e.g. dead, not yet expired at its balancer) is skipped
@@ -685,22 +676,45 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
             call = stub.Pick.future(pick, timeout=timeout)
             req.add_call(call)
             try:
-                instance = call.result().instance
+                picked = call.result()
+                instance = picked.instance
             except grpc.FutureCancelledError:
                 raise _Cancelled() from None
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                code = e.code()
+                is_own_deadline = deadline is not None and time.monotonic() >= deadline - 0.01
+                if ((code == grpc.StatusCode.DEADLINE_EXCEEDED and not is_own_deadline)
+                        or (code == grpc.StatusCode.UNAVAILABLE and not self._balancer_answers(stub))):
+                    # the balancer itself is gone (killed, restarting, its link cut): the stage is out,
+                    # the pick waits for it (and its instances' re-registration) within the deadline
+                    if self.outages.wait_until(stage) is None:
+                        logger.warning("%s: the %s balancer does not answer (%s); requests wait for it",
+                                       req.request_id, stage, code.name)
+                    self.outages.mark_out(stage)
+                    code = grpc.StatusCode.UNAVAILABLE
+                if code == grpc.StatusCode.UNAVAILABLE:
                     if self._revive_excluded(req, stage, stub, pick) or self._wait_for_outage(req, stage, deadline):
                         continue
-                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
                     address = getattr(self.config, f"{stage}_lb_address")
-                    raise _Failed(e.code(), f"no {stage} instance can take the request (balancer {address}): "
+                    raise _Failed(code, f"no {stage} instance can take the request (balancer {address}): "
                                   f"{e.details()}") from None
                 raise self._translate(req, e, f"picking a {stage} instance") from None
             if self._is_usable(stage, instance):
+                if stage == "decode":  # the (instance, rank) of a rank-aware decode balancer; Reserve passes it on
+                    req.decode_rank = picked.rank if picked.HasField("rank") else None
                 return instance
             # a lost instance its balancer still lists (its heartbeats not timed out yet): pick again
             pick.exclude_instance_ids.append(instance.instance_id)
+
+    def _balancer_answers(self, lb) -> bool:
+        """Whether the balancer behind `lb` answers a ListInstances call now (a refused Pick may be its
+        own answer: no instance can take the request)."""
+        try:
+            lb.ListInstances(loadbalancer_pb2.ListInstancesRequest(), timeout=self.config.liveness_probe_timeout_s)
+            return True
+        except grpc.RpcError:
+            return False
 
     def _still_lost(self, instance_ids: list[str]) -> list[str]:
         """Those of `instance_ids` (lost by the request's last attempt) that did not answer a probe since."""
@@ -878,7 +892,7 @@ class EntrypointServer:
             max_workers=config.max_rpc_threads, thread_name_prefix="entrypoint-rpc"),
             interceptors=server_interceptors())  # the cluster secret (serving.auth)
         entrypoint_pb2_grpc.add_EntrypointServicer_to_server(self.servicer, self.server)
-        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        self.port = add_port(self.server, f"{config.host}:{config.port}")  # TLS when set (serving.auth)
         if self.port == 0:
             raise RuntimeError(f"cannot bind the entrypoint to {config.host}:{config.port}")
         self.address = f"{config.advertise_host or config.host}:{self.port}"

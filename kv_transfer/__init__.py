@@ -4,7 +4,10 @@ the blocks a decode process reserved for it, with NIXL (UCX backend). This docst
 Pieces
 ------
 One `KVTransferAgent` per process (per rank of an instance) wraps one NIXL agent over that
-process's `V4KVCache`. At construction it registers every non-empty compressed pool
+process's `V4KVCache`; a multi-rank instance (expert parallelism) holds one per rank, each over its
+rank's own pools, which `kv_transfer.ranked.RankedAgents` drives from rank 0 as one agent in the
+instance's global block ids (a decode reservation names the agent of the rank holding the KV, and a
+prefill sends from the rank that computed it: `ranked.py`'s docstring). At construction it registers every non-empty compressed pool
 (`csa_entries`, `index_entries`, `hca_entries`; and the bounded-state tensors with
 `send_state=True`) as NIXL memory, `DRAM` for CPU tensors and `VRAM` for CUDA ones. The tensors
 stay registered for the agent's life: the engine never reallocates them.

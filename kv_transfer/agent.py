@@ -29,6 +29,7 @@ import torch
 
 from deepinfer.engine.cache.kv_cache import V4KVCache
 from deepinfer.engine.cache.layout import PoolLayout
+from deepinfer.engine.latency import LatencyHistograms
 from deepinfer.protos import kv_transfer_pb2
 
 logger = logging.getLogger("kv_transfer")
@@ -165,6 +166,15 @@ def block_runs(src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> tu
     return s[starts], d[starts], ends - starts
 
 
+@dataclass(frozen=True)
+class AgentInfo:
+    """What a sender needs to connect to one agent: its name, NIXL metadata and serialized `KVLayout`."""
+
+    name: str
+    metadata: bytes
+    layout: bytes
+
+
 @dataclass
 class KVTransferEvents:
     """What one `poll()` observed. Each id appears in exactly one list, exactly once, ever."""
@@ -271,6 +281,8 @@ class KVTransferAgent:
         self._arrived: dict[str, tuple[bytes, float]] = {}  # notifications not yet matched to an `expect`
         self._stuck_handles: list = []  # handles NIXL refused to release (could not cancel); retried
         self._durations: deque[float] = deque(maxlen=_RECENT_DURATIONS)
+        self.latency = LatencyHistograms()
+        """`kv_transfer`: each completed send, post to DONE (the serving shells export it, `engine.latency`)."""
         self._counters = {
             "kv_transfer_sent_bytes_total": 0,
             "kv_transfer_sent_blocks_total": 0,
@@ -286,9 +298,21 @@ class KVTransferAgent:
 
     # ------------------------------------------------------------------ handshake (control plane)
 
+    num_ranks = 1
+    """Ranks whose pools this agent addresses (`kv_transfer.ranked.RankedAgents` addresses several)."""
+
     def metadata(self) -> bytes:
         """This agent's NIXL metadata (connection info + registered memory), for the control plane."""
         return self._nixl.get_agent_metadata()
+
+    def agent_infos(self) -> dict[str, AgentInfo]:
+        """What a sender needs to connect to each agent of this instance, by agent name (this one agent)."""
+        return {self.name: AgentInfo(self.name, self.metadata(), self.layout().SerializeToString())}
+
+    def locate(self, block_ids: Sequence[int], slot: int | None = None) -> tuple[str, list[int], int | None]:
+        """`(agent name, block ids, slot)` a peer addresses to reach these blocks of this agent's cache (the
+        identity here; `RankedAgents` maps an instance's global ids to a rank's agent and its local ids)."""
+        return self.name, list(block_ids), slot
 
     def pool_layout(self) -> dict[str, dict]:
         """Per registered region (pool or state tensor): address, size, memory type, device and shape.
@@ -426,10 +450,7 @@ class KVTransferAgent:
         if dst_slot is not None and not self.send_state:
             raise ValueError("dst_slot needs an agent built with send_state=True")
         _check_ids(dst_block_ids, self.cache.num_blocks, "destination block")
-        pools = [r for r in self._regions.values() if not r.is_state]
-        num_bytes = len(dst_block_ids) * sum(r.num_layers * r.unit_nbytes for r in pools)
-        if dst_slot is not None:
-            num_bytes += sum(r.num_layers * r.unit_nbytes for r in self._regions.values() if r.is_state)
+        num_bytes = self.transfer_nbytes(len(dst_block_ids), dst_slot is not None)
         now = self._clock()
         self._expects[transfer_id] = _Expect(transfer_id, list(dst_block_ids), dst_slot, num_bytes, now, now + lease_s)
 
@@ -440,6 +461,17 @@ class KVTransferAgent:
         sender has reported failure or its lease (shorter than this one) has surely passed.
         """
         return self._expects.pop(transfer_id, None) is not None
+
+    def transfer_nbytes(self, num_blocks: int, with_slot: bool = False) -> int:
+        """Bytes a transfer of `num_blocks` blocks (every pool and layer; `with_slot`: plus one slot of state) moves."""
+        num_bytes = num_blocks * sum(r.num_layers * r.unit_nbytes for r in self._regions.values() if not r.is_state)
+        if with_slot:
+            num_bytes += sum(r.num_layers * r.unit_nbytes for r in self._regions.values() if r.is_state)
+        return num_bytes
+
+    def unmatched_notification_ids(self) -> list[str]:
+        """Transfer ids whose notification arrived without an `expect` claiming it (yet)."""
+        return list(self._arrived)
 
     def notification_arrived(self, transfer_id: str) -> bool:
         """Whether the sender's completion notification of `transfer_id` came without an `expect`
@@ -460,6 +492,7 @@ class KVTransferAgent:
             if state == "DONE":
                 dt = now - send.t_start
                 self._durations.append(dt)
+                self.latency.observe("kv_transfer", dt)
                 c["kv_transfer_send_seconds_sum"] += dt
                 c["kv_transfer_sent_bytes_total"] += send.num_bytes
                 c["kv_transfer_sent_blocks_total"] += send.num_blocks

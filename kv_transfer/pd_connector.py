@@ -25,6 +25,13 @@ the slot when the destination names one) whose notification carries the `KVTrans
 with the first token. The agent's `sent_ids` / `send_failed_ids` become `saved` / `save_failed`;
 a refused or too-late send is reported as `save_failed` at the next poll.
 
+Multi-rank instances
+--------------------
+Over `kv_transfer.ranked.RankedAgents` (one agent per rank of an instance with expert_parallel_size > 1) the
+same calls work on the engine's global block ids and slots: `destination(req_id)` names the rank's agent and
+its local ids (what the decode answers Reserve with), and a save is posted by the rank that computed the
+prompt. `serves_ranks` tells the engine which instances the connector serves.
+
 The transfer notice
 -------------------
 NOTE: the first token travels in one channel only: the NIXL notification's payload, a serialized
@@ -133,9 +140,19 @@ class PDConnector(KVConnector):
             del self._loads[req_id]
 
     def reservation(self, req_id: str) -> tuple[list[int], int | None]:
-        """The blocks and slot the engine reserved for a started load (what the prefill writes into)."""
+        """The blocks and slot the engine reserved for a started load, in the engine's ids."""
         load = self._loads[req_id]
         return list(load.block_ids), load.state_slot
+
+    def destination(self, req_id: str) -> tuple[str, list[int], int | None]:
+        """`(agent name, block ids, slot)` the prefill writes a started load into: the agent of the rank whose pools
+        hold the reservation, and that agent's own ids (the engine's ids on a one-rank instance)."""
+        load = self._loads[req_id]
+        return self.agent.locate(load.block_ids, load.state_slot)
+
+    def serves_ranks(self, world_size: int) -> bool:
+        """One agent serves a one-rank instance; `RankedAgents` the instance whose ranks it was built over."""
+        return getattr(self.agent, "num_ranks", 1) == world_size
 
     def expect_save(self, req_id: str, destination: KVDestination) -> KVSaveSpec:
         """Prefill side: the next `add_request(req_id)` sends its prompt KV to `destination` once computed.

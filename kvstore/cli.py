@@ -82,6 +82,31 @@ def format_stats(st: dict) -> str:
     return "\n".join(lines)
 
 
+def format_instance_figures(rows: list[dict]) -> str:
+    """The serving instances' live store figures, one line each (what `deepinfer status` adds below the store's
+    own): per traffic class the hit rate and loads, then blocks written, evicted, expired, corrupt, dropped and
+    degraded lookups since the instance started. `rows` are the controller's status rows (their `stats`: the
+    instance's Health stats, `KVStore.health_stats`); instances without a store are left out; "" when none has."""
+    mib = 1 << 20
+    lines = []
+    for row in rows:
+        st = row.get("stats") or {}
+        if "kvstore_loads_total" not in st:
+            continue
+        classes = st.get("kvstore_classes") or {}
+        per_class = ", ".join(f"{c} {100 * v.get('hit_rate', 0.0):.0f}% hit / {v.get('loads', 0)} loads"
+                              for c, v in sorted(classes.items()) if v.get("lookup_blocks"))
+        extra = ""
+        if st.get("kvstore_conversation_blocks_saved_total"):
+            extra = f", {st['kvstore_conversation_blocks_saved_total']} conversation blocks saved"
+        lines.append(f"  {row.get('stage', '?')} {row.get('instance_id', '?')}: {per_class or 'no lookups'}; "
+                     f"written {st.get('kvstore_written_bytes_total', 0) / mib:.1f} MiB{extra}, "
+                     f"{st.get('kvstore_evictions_total', 0)} evicted, {st.get('kvstore_expirations_total', 0)} expired, "
+                     f"{st.get('kvstore_corrupt_blocks_total', 0)} corrupt, {st.get('kvstore_dropped_writes_total', 0)} "
+                     f"dropped, {st.get('kvstore_degraded_lookups_total', 0)} degraded lookups")
+    return "\n".join(["KV store per instance (since it started):", *lines]) if lines else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     """`store ...` alone (for tests and tools)."""
     parser = argparse.ArgumentParser(prog="deepinfer")

@@ -97,3 +97,14 @@ class KVStoreConfig(BaseModel):
     def class_of(self, traffic_class: str | None) -> str:
         """The class name an entry is filed under (unknown names fall back to `default_class`)."""
         return traffic_class if traffic_class in self.class_ttls_s else self.default_class
+
+
+def worker_store_config(kind: str, dirs: str, capacity_gb: float, mooncake_master: str, mooncake_metadata: str,
+                        local_hostname: str) -> KVStoreConfig | None:
+    """A worker's `KVStoreConfig` from its flat `kv_store*` fields (`kind` "off": None); `dirs` comma-separated."""
+    if kind == "off":
+        return None
+    directories = tuple(d.strip() for d in dirs.split(",") if d.strip())
+    return KVStoreConfig(backend=kind, directories=directories, capacity_bytes=int(capacity_gb * (1 << 30)),
+                         mooncake_master=mooncake_master, mooncake_metadata_server=mooncake_metadata,
+                         mooncake_local_hostname=local_hostname)

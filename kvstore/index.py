@@ -56,10 +56,18 @@ class StoreIndex:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        self._scan_lock = threading.Lock()
+        self._scan_db: sqlite3.Connection | None = None
+        """A second connection for whole-index scans (`stats_by_class`): under WAL it reads a snapshot beside the
+        main connection, so a scan of a large index never holds up lookups and writes behind `_lock`."""
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
+        with self._scan_lock:
+            if self._scan_db is not None:
+                self._scan_db.close()
+                self._scan_db = None
 
     def _rows(self, sql: str, args=()) -> list[tuple]:
         with self._lock:
@@ -136,9 +144,12 @@ class StoreIndex:
         return {r[0]: int(r[1]) for r in self._rows("SELECT ref, SUM(nbytes) FROM entries GROUP BY ref")}
 
     def stats_by_class(self) -> dict[str, tuple[int, int]]:
-        """class -> (blocks, bytes)."""
-        return {r[0]: (int(r[1]), int(r[2])) for r in self._rows(
-            "SELECT class, COUNT(*), SUM(nbytes) FROM entries GROUP BY class")}
+        """class -> (blocks, bytes). Blocks on a whole-index scan (on its own connection: see `_scan_db`)."""
+        with self._scan_lock:
+            if self._scan_db is None:
+                self._scan_db = sqlite3.connect(self.path, timeout=10.0, check_same_thread=False, isolation_level=None)
+            rows = self._scan_db.execute("SELECT class, COUNT(*), SUM(nbytes) FROM entries GROUP BY class").fetchall()
+        return {r[0]: (int(r[1]), int(r[2])) for r in rows}
 
     def __len__(self) -> int:
         return int(self._rows("SELECT COUNT(*) FROM entries")[0][0])

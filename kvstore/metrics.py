@@ -10,6 +10,36 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+HEALTH_STATS = {
+    "kvstore_bytes": "KV store: bytes of blocks stored (the store the instance uses; instances sharing one report "
+                     "the same figure)",
+    "kvstore_lookup_blocks_total": "KV store: prompt blocks the instance looked up",
+    "kvstore_hit_blocks_total": "KV store: prompt blocks the instance loaded from the store",
+    "kvstore_loads_total": "KV store: requests whose prefix the instance loaded from the store",
+    "kvstore_written_bytes_total": "KV store: bytes of blocks the instance wrote",
+    "kvstore_evictions_total": "KV store: blocks the instance evicted under capacity pressure (LRU)",
+    "kvstore_expirations_total": "KV store: blocks the instance's sweeper removed (TTL passed)",
+    "kvstore_corrupt_blocks_total": "KV store: blocks the instance refused (checksum, truncation, key) and deleted",
+    "kvstore_dropped_writes_total": "KV store: blocks the instance did not write (queue full, store down)",
+    "kvstore_degraded_lookups_total": "KV store: lookups the instance answered as misses (store down or slow)",
+    "kvstore_conversation_blocks_saved_total": "KV store: blocks of finished conversation turns the decode instance "
+                                               "queued for the store",
+}
+"""Flat store figures of a worker's Health stats (`KVStore.health_stats`), by name: what the HTTP front exports per
+instance (`deepinfer_stage_<name>{stage,instance}`)."""
+
+CLASS_STATS = {
+    "hit_rate": "KV store: hit blocks over looked-up blocks on the instance, by traffic class",
+    "lookup_blocks": "KV store: prompt blocks the instance looked up, by traffic class",
+    "hit_blocks": "KV store: prompt blocks the instance loaded from the store, by traffic class",
+    "loads": "KV store: requests whose prefix the instance loaded from the store, by traffic class",
+    "expirations": "KV store: blocks the instance's sweeper removed (TTL passed), by traffic class",
+    "stored_blocks": "KV store: blocks stored, by traffic class (the store's; as its sweeper last read it)",
+    "stored_bytes": "KV store: bytes stored, by traffic class (the store's; as its sweeper last read it)",
+}
+"""Per-class figures of a worker's Health stats (`kvstore_classes[class][name]`), exported by the HTTP front as
+`deepinfer_stage_kvstore_class_<name>{stage,instance,traffic_class}`."""
+
 
 class KVStoreMetrics:
     """Counters and gauges of one `KVStore`, with plain-number mirrors for `stats()` and tests."""

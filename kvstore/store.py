@@ -5,7 +5,8 @@ Writes go through a background writer thread (`put_async`: a bounded queue, drop
 never waited for); reads are `load_prefix` (the longest prefix of a key chain whose blocks all pass their
 checks), and the connector calls it through `load_prefix_bounded`, which answers a miss when the store is
 down or slower than `lookup_timeout_s` and then leaves the backend alone for `backoff_s` (a degraded store
-costs requests nothing but their hits). A sweeper thread removes expired entries every `sweep_interval_s`.
+costs requests nothing but their hits). A sweeper thread removes expired entries every `sweep_interval_s` and
+reads the bytes stored per class every `STATS_REFRESH_S` (for `health_stats`, what workers export).
 
 TTL: an entry expires `ttl(class)` seconds after its last write or hit (a hit restarts it; the longer of
 two classes' expiries wins). Capacity: once the stored bytes pass `high_watermark * capacity_bytes`, the
@@ -32,6 +33,10 @@ logger = logging.getLogger("deepinfer.kvstore")
 
 INDEX_NAME = "index.sqlite"
 
+STATS_REFRESH_S = 10.0
+"""Seconds between the sweeper thread's reads of the bytes stored per class (an index scan, kept off the
+serving threads: `health_stats` reports the last reading)."""
+
 
 class KVStore:
     """The persistent compressed-KV store over one backend (see the module docstring)."""
@@ -52,6 +57,7 @@ class KVStore:
         self._ref_bytes = self.index.bytes_by_ref()  # per directory (embedded): where new blocks go
         self._bytes_lock = threading.Lock()
         self._down_until = 0.0  # monotonic time before which lookups skip the backend (it failed or was slow)
+        self._stored_by_class: dict[str, tuple[int, int]] = {}  # class -> (blocks, bytes), as last read (sweeper)
         self._readers = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-read")
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
@@ -313,7 +319,17 @@ class KVStore:
             self.remove_orphans()
         except Exception:
             logger.exception("KV store orphan cleanup failed")
-        while not self._stop.wait(self.config.sweep_interval_s):
+        next_sweep = time.monotonic() + self.config.sweep_interval_s
+        while True:
+            try:
+                self.refresh_stored()
+            except Exception:
+                logger.exception("KV store stats refresh failed")
+            if self._stop.wait(max(0.0, min(STATS_REFRESH_S, next_sweep - time.monotonic()))):
+                return
+            if time.monotonic() < next_sweep:
+                continue
+            next_sweep = time.monotonic() + self.config.sweep_interval_s
             try:
                 self.sweep()
                 self.evict_to_watermark()  # other processes sharing the index write too
@@ -322,10 +338,17 @@ class KVStore:
 
     # ------------------------------------------------------------------ introspection
 
+    def refresh_stored(self) -> dict[str, tuple[int, int]]:
+        """Blocks on an index scan: the blocks and bytes stored per class now (also the `stored_bytes` gauge
+        and what `health_stats` reports until the next refresh)."""
+        by_class = self.index.stats_by_class()
+        self._stored_by_class = by_class
+        self.metrics.set_stored(by_class)
+        return by_class
+
     def stats(self) -> dict:
         """Blocks and bytes per class, capacity, and the hit / load / eviction / expiry counts so far."""
-        by_class = self.index.stats_by_class()
-        self.metrics.set_stored(by_class)
+        by_class = self.refresh_stored()
         m = self.metrics
         return {
             "backend": self.backend.name,
@@ -349,6 +372,20 @@ class KVStore:
                 "kvstore_expirations_total": sum(m.expirations.values()), "kvstore_corrupt_blocks_total": m.corrupt_blocks,
                 "kvstore_dropped_writes_total": m.dropped_writes, "kvstore_degraded_lookups_total": sum(m.degraded.values())}
 
+    def health_stats(self) -> dict:
+        """What a worker's Health stats carry (no index scan): `counters()` plus `kvstore_classes`, per traffic
+        class this process looked up or the store holds: lookup and hit blocks, hit rate, loads, expirations
+        (this process's counts) and the blocks and bytes stored (the whole store, as the sweeper thread last
+        read it: instances sharing a store report the same figure)."""
+        m, stored = self.metrics, self._stored_by_class
+        classes = {}
+        for c in sorted(set(m.lookup_blocks) | set(stored) | set(m.expirations)):
+            n, nbytes = stored.get(c, (0, 0))
+            classes[c] = {"lookup_blocks": m.lookup_blocks.get(c, 0), "hit_blocks": m.hit_blocks.get(c, 0),
+                          "hit_rate": m.hit_rate(c), "loads": m.loads.get(c, 0),
+                          "expirations": m.expirations.get(c, 0), "stored_blocks": n, "stored_bytes": nbytes}
+        return {**self.counters(), "kvstore_backend": self.backend.name, "kvstore_classes": classes}
+
     def close(self) -> None:
         """Blocks until queued writes are done (bounded) and the threads stopped; closes the backend."""
         self.flush(10.0)
@@ -363,3 +400,15 @@ class KVStore:
 def open_store(config: KVStoreConfig | None = None, **kwargs) -> KVStore:
     """A `KVStore` for `config` (the embedded default when None)."""
     return KVStore(config, **kwargs)
+
+
+def open_worker_store(config: KVStoreConfig | None, log: logging.Logger) -> KVStore | None:
+    """A serving instance's store: None when `config` is None (off) or the store cannot be opened (logged: the
+    instance serves without it, a store that is down costs hits, never the instance)."""
+    if config is None:
+        return None
+    try:
+        return open_store(config)
+    except Exception as e:
+        log.error("the %s KV store cannot be opened (serving without it): %s", config.backend, e)
+        return None

@@ -53,6 +53,11 @@ class Balancer:
 
     def pick(self, request: RequestInfo | None = None) -> Instance:
         """The instance to send `request` to; raises `NoHealthyInstance` / `InsufficientCapacity`."""
+        return self.pick_placement(request)[0]
+
+    def pick_placement(self, request: RequestInfo | None = None) -> tuple[Instance, int | None]:
+        """The instance to send `request` to and, from a rank-aware policy (`Policy.select_rank`), the rank of a
+        multi-rank instance it should go to (None: the instance picks); raises as `pick`."""
         request = request or RequestInfo()
         with self.membership.lock:
             candidates = self.membership.pickable(self.stage)
@@ -68,9 +73,10 @@ class Balancer:
                 raise InsufficientCapacity(
                     self.stage, f"none of {len(candidates)} candidate(s) has room for request {request.request_id!r}"
                 )
-            self._count_pick(chosen, request)
+            rank = self.policy.select_rank(chosen, request)
+            self._count_pick(chosen, request, rank)
             self._balance_samples.append(self.balance())
-            return chosen
+            return chosen, rank
 
     def balance(self) -> float:
         """max / mean of the policy's load over pickable instances: 1.0 is perfectly even (also when all
@@ -87,7 +93,7 @@ class Balancer:
         samples = self._balance_samples
         return sum(samples) / len(samples) if samples else 0.0
 
-    def _count_pick(self, chosen: Instance, request: RequestInfo) -> None:
+    def _count_pick(self, chosen: Instance, request: RequestInfo, rank: int | None = None) -> None:
         num_prefill_tokens = num_kv_blocks = 0
         if self.stage == Stage.PREFILL:
             num_prefill_tokens = max(0, request.num_prompt_tokens - matched_prefix_tokens(chosen, request))
@@ -98,7 +104,8 @@ class Balancer:
             cached = sum(h in chosen.cached_block_hashes for h in request.block_hashes)
             num_prefill_tokens = request.num_prompt_tokens * (num_images - cached) // num_images
         self.membership.add_pending(
-            chosen.instance_id, num_prefill_tokens=num_prefill_tokens, num_requests=1, num_kv_blocks=num_kv_blocks
+            chosen.instance_id, num_prefill_tokens=num_prefill_tokens, num_requests=1, num_kv_blocks=num_kv_blocks,
+            rank=rank,
         )
 
     def _why_none(self) -> str:

@@ -66,6 +66,22 @@ class InstanceInfo:
 
 
 @dataclass(frozen=True)
+class RankLoad:
+    """The load of one rank of a multi-rank instance (mirrors `deepinfer.v1.RankLoad`)."""
+
+    rank: int
+    num_running_requests: int = 0
+    num_waiting_requests: int = 0
+    """Requests placed on the rank that do not run yet (waiting, or their KV loading)."""
+    num_kv_blocks_used: int = 0
+    num_kv_blocks_total: int = 0
+
+    @property
+    def num_kv_blocks_free(self) -> int:
+        return max(0, self.num_kv_blocks_total - self.num_kv_blocks_used)
+
+
+@dataclass(frozen=True)
 class InstanceLoad:
     """One heartbeat's load report (mirrors `deepinfer.v1.LoadReport`)."""
 
@@ -89,8 +105,11 @@ class InstanceLoad:
     """False: the instance stays registered but is not picked."""
     is_draining: bool = False
     """True: not picked; its in-flight requests finish."""
+    ranks: tuple[RankLoad, ...] = ()
+    """Per rank of a multi-rank instance, by rank (the fields above are then its emptiest rank's); () for one rank."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "ranks", tuple(self.ranks))
         for name in ("cached_block_hashes", "evicted_block_hashes"):
             value = getattr(self, name)
             if not isinstance(value, frozenset):
@@ -202,23 +221,29 @@ class Membership:
             return HeartbeatResult(is_known=True, needs_full_cached_hashes=not inst.has_full_cached_hashes)
 
     def add_pending(
-        self, instance_id: str, *, num_prefill_tokens: int = 0, num_requests: int = 0, num_kv_blocks: int = 0
+        self, instance_id: str, *, num_prefill_tokens: int = 0, num_requests: int = 0, num_kv_blocks: int = 0,
+        rank: int | None = None,
     ) -> None:
-        """Count a pick toward an instance's load until its next heartbeat replaces the report.
+        """Count a pick toward an instance's load (and, with `rank`, that rank's) until its next heartbeat
+        replaces the report.
 
         NOTE: without this, every pick between two heartbeats would see the same loads and go to the
-        same instance (herding).
+        same instance (herding), or the same rank.
         """
         with self.lock:
             inst = self._instances.get(instance_id)
             if inst is None:
                 return
             load = inst.load
+            ranks = tuple(dataclasses.replace(r, num_waiting_requests=r.num_waiting_requests + num_requests,
+                                              num_kv_blocks_used=r.num_kv_blocks_used + num_kv_blocks)
+                          if r.rank == rank else r for r in load.ranks)
             inst.load = dataclasses.replace(
                 load,
                 num_queued_prefill_tokens=load.num_queued_prefill_tokens + num_prefill_tokens,
                 num_waiting_requests=load.num_waiting_requests + num_requests,
                 num_kv_blocks_used=load.num_kv_blocks_used + num_kv_blocks,
+                ranks=ranks,
             )
 
     def expire(self) -> list[str]:

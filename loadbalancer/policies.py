@@ -11,10 +11,15 @@ request (the balancer then raises `InsufficientCapacity`). Register a new one wi
 | `power_of_two` | any | two distinct random candidates (seeded RNG); the lower `stage_load` wins |
 | `prefix_aware` | prefill | max `alpha * matched_tokens - queued_prefill_tokens`; ties to lower load |
 | `prefix_store_aware` | prefill | `prefix_aware`, where a prefix the shared KV store holds counts on every instance at `store_weight` |
-| `kv_load` | decode | fewest KV blocks used, then fewest running requests, among those with room |
+| `kv_load` | decode | fewest KV blocks used, then fewest running requests, among those with room; on multi-rank instances per (instance, rank) |
 | `image_affinity` | vision | max `alpha * cached_image_tokens - pending_image_tokens`; ties to fewer requests |
 
 Ties always end on the instance id, so every policy is deterministic given its seed.
+
+Ranks: a multi-rank instance (expert_parallel_size > 1) reports each rank's load (`InstanceLoad.ranks`: each
+rank owns its requests and their KV pools). A rank-aware policy also names the rank a request goes to
+(`select_rank`, returned in `PickResponse.rank` and passed to the decode's Reserve); the others leave the
+choice to the instance.
 """
 
 from __future__ import annotations
@@ -117,6 +122,11 @@ class Policy(abc.ABC):
     @abc.abstractmethod
     def select(self, candidates: Sequence[Instance], request: RequestInfo) -> Instance | None:
         """One of `candidates` (non-empty, sorted by id), or None if none can take the request."""
+
+    def select_rank(self, chosen: Instance, request: RequestInfo) -> int | None:
+        """The rank of `chosen` (just selected) the request should go to; None leaves it to the instance (the
+        default, and always for a one-rank instance)."""
+        return None
 
 
 POLICIES: dict[str, type[Policy]] = {}
@@ -270,13 +280,34 @@ class PrefixStoreAware(PrefixAware):
 @register_policy("kv_load")
 class KVLoad(Policy):
     """Decode: the fewest KV blocks in use, then the fewest running requests, then the id; instances
-    with fewer free blocks than the request needs (`num_kv_blocks_needed`) are refused."""
+    with fewer free blocks than the request needs (`num_kv_blocks_needed`) are refused.
+
+    Multi-rank instances are compared rank by rank: a request goes to one rank's pools, so the (instance, rank)
+    with the fewest blocks used among the ranks with room wins, then the fewest running (and waiting) requests
+    on that rank; `select_rank` names the rank."""
 
     def select(self, candidates: Sequence[Instance], request: RequestInfo) -> Instance | None:
-        fits = [c for c in candidates if c.load.num_kv_blocks_free >= num_kv_blocks_needed(c, request)]
-        if not fits:
+        best = min(((key, c) for c in candidates for key, _ in self._fitting(c, request)), default=None,
+                   key=lambda kc: kc[0])
+        return best[1] if best is not None else None
+
+    def select_rank(self, chosen: Instance, request: RequestInfo) -> int | None:
+        if not chosen.load.ranks:
             return None
-        return min(fits, key=lambda c: (c.load.num_kv_blocks_used, c.load.num_running_requests, c.instance_id))
+        return min(self._fitting(chosen, request), key=lambda kr: kr[0], default=(None, None))[1]
+
+    @staticmethod
+    def _fitting(c: Instance, request: RequestInfo):
+        """`(key, rank)` of each place in `c` with room for the request (rank None: a one-rank instance)."""
+        needed = num_kv_blocks_needed(c, request)
+        if not c.load.ranks:
+            if c.load.num_kv_blocks_free >= needed:
+                yield (c.load.num_kv_blocks_used, c.load.num_running_requests, 0, c.instance_id, 0), None
+            return
+        for r in c.load.ranks:
+            if r.num_kv_blocks_free >= needed:
+                yield (r.num_kv_blocks_used, r.num_running_requests, r.num_waiting_requests, c.instance_id,
+                       r.rank), r.rank
 
 
 @register_policy("image_affinity")

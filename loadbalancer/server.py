@@ -28,11 +28,12 @@ from deepinfer.loadbalancer.membership import (
     InstanceInfo,
     InstanceLoad,
     Membership,
+    RankLoad,
     Stage,
 )
 from deepinfer.loadbalancer.policies import Policy, RequestInfo, make_policy, matched_prefix_tokens
 from deepinfer.protos import common_pb2, loadbalancer_pb2, loadbalancer_pb2_grpc
-from deepinfer.serving.auth import server_interceptors
+from deepinfer.serving.auth import add_port, server_interceptors
 
 logger = logging.getLogger("loadbalancer")
 
@@ -60,6 +61,8 @@ def load_from_proto(msg: loadbalancer_pb2.LoadReport) -> InstanceLoad:
         evicted_block_hashes=frozenset(msg.evicted_block_hashes),
         is_healthy=msg.is_healthy,
         is_draining=msg.is_draining,
+        ranks=tuple(RankLoad(r.rank, r.num_running_requests, r.num_waiting_requests, r.num_kv_blocks_used,
+                             r.num_kv_blocks_total) for r in msg.ranks),
     )
 
 
@@ -74,6 +77,10 @@ def load_to_proto(load: InstanceLoad, *, with_hashes: bool = True) -> loadbalanc
         is_cached_hashes_delta=load.is_cached_hashes_delta,
         is_healthy=load.is_healthy,
         is_draining=load.is_draining,
+        ranks=[loadbalancer_pb2.RankLoad(rank=r.rank, num_running_requests=r.num_running_requests,
+                                         num_waiting_requests=r.num_waiting_requests,
+                                         num_kv_blocks_used=r.num_kv_blocks_used,
+                                         num_kv_blocks_total=r.num_kv_blocks_total) for r in load.ranks],
     )
     if with_hashes:
         msg.cached_block_hashes.extend(sorted(load.cached_block_hashes))
@@ -139,10 +146,11 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServicer):
         )
         try:
             with self.membership.lock:
-                chosen = self.balancer.pick(info)
+                chosen, rank = self.balancer.pick_placement(info)
                 return loadbalancer_pb2.PickResponse(
                     instance=self._instance_to_proto(chosen),
                     num_matched_prefix_tokens=matched_prefix_tokens(chosen, info),
+                    **({"rank": rank} if rank is not None else {}),
                 )
         except InsufficientCapacity as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
@@ -210,7 +218,7 @@ def start_server(
     )
     loadbalancer_pb2_grpc.add_LoadBalancerServicer_to_server(LoadBalancerServicer(balancer), server)
     try:
-        port = server.add_insecure_port(address)
+        port = add_port(server, address)  # TLS when set (serving.auth)
     except RuntimeError as e:
         raise RuntimeError(f"cannot bind the {balancer.stage.value} balancer to {address!r}: {e}") from e
     if port == 0:

@@ -73,6 +73,11 @@ class PrefillWorkerConfig(BaseModel):
     batch_invariant: bool = False
     """Batch-invariant numerics (`engine.batch_invariant`): a request's logits do not depend on its batch, chunking or
     cache hits; set it on the prefill and the decode instances alike."""
+    expert_parallel_size: int = Field(1, ge=1)
+    """Ranks of this instance (one process each: attention data-parallel, routed experts split over them, each rank
+    with its own KV pools and KV transfer agent, `kv_transfer.ranked`); 1 = one process."""
+    num_redundant_experts: int = Field(0, ge=0)
+    """Extra replicas of hot routed experts per MoE layer (EPLB), with expert_parallel_size > 1."""
 
     kv_store: Literal["off", "embedded", "mooncake"] = "off"
     """Persistent compressed-KV store (`kvstore`): off, embedded (block files on local disk, SQLite index) or
@@ -107,4 +112,6 @@ class PrefillWorkerConfig(BaseModel):
                             max_model_len=self.max_model_len, attention_backend=self.attention_backend,
                             moe_backend=self.moe_backend, fp8_activations=self.fp8_activations,
                             indexer_numerics=self.indexer_numerics, enforce_eager=self.enforce_eager,
-                            batch_invariant=self.batch_invariant)
+                            batch_invariant=self.batch_invariant,
+                            expert_parallel_size=self.expert_parallel_size,
+                            num_redundant_experts=self.num_redundant_experts)

@@ -20,6 +20,7 @@ request's life here:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, replace
 
 from deepinfer.engine.engine import Engine
@@ -114,6 +115,13 @@ class PrefillCore:
         self.agent = agent
         self.emb_agent = emb_agent
         self.connector = PDConnector(agent)
+        if store is not None and engine.config.expert_parallel_size > 1:
+            # NOTE: the store connector addresses one pool; a multi-rank instance's KV lives in per-rank pools
+            # (`KVConnector.serves_ranks`): served without the store rather than refused
+            logging.getLogger("deepinfer.kvstore").warning(
+                "prefill instance with expert_parallel_size=%d: the KV store is not used (per-rank KV pools)",
+                engine.config.expert_parallel_size)
+            store = None
         self.store_connector = (StoreConnector.for_engine(engine, store, primary=self.connector) if store is not None
                                 else None)
         engine.set_kv_connector(self.store_connector or self.connector)

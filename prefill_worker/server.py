@@ -198,7 +198,7 @@ class PrefillWorker(EngineShell):
                      num_kv_blocks_total=load.num_kv_blocks_total,
                      num_queued_prefill_tokens=load.num_queued_prefill_tokens, num_peers=len(self._peer_digests))
         if self.kv_store is not None:
-            stats.update(self.kv_store.counters())
+            stats.update(self.kv_store.health_stats())  # incl. per-class figures (the HTTP front's /metrics)
         return stats
 
 

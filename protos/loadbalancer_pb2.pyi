@@ -36,7 +36,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_queued_prefill_tokens", "num_running_requests", "num_waiting_requests", "num_kv_blocks_used", "num_kv_blocks_total", "cached_block_hashes", "is_cached_hashes_delta", "evicted_block_hashes", "is_healthy", "is_draining")
+    __slots__ = ("num_queued_prefill_tokens", "num_running_requests", "num_waiting_requests", "num_kv_blocks_used", "num_kv_blocks_total", "cached_block_hashes", "is_cached_hashes_delta", "evicted_block_hashes", "is_healthy", "is_draining", "ranks")
     NUM_QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class LoadReport(_message.Message):
     EVICTED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     IS_HEALTHY_FIELD_NUMBER: _ClassVar[int]
     IS_DRAINING_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     num_queued_prefill_tokens: int
     num_running_requests: int
     num_waiting_requests: int
@@ -57,7 +58,22 @@ class LoadReport(_message.Message):
     evicted_block_hashes: _containers.RepeatedScalarFieldContainer[int]
     is_healthy: bool
     is_draining: bool
-    def __init__(self, num_queued_prefill_tokens: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ..., is_cached_hashes_delta: _Optional[bool] = ..., evicted_block_hashes: _Optional[_Iterable[int]] = ..., is_healthy: _Optional[bool] = ..., is_draining: _Optional[bool] = ...) -> None: ...
+    ranks: _containers.RepeatedCompositeFieldContainer[RankLoad]
+    def __init__(self, num_queued_prefill_tokens: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ..., is_cached_hashes_delta: _Optional[bool] = ..., evicted_block_hashes: _Optional[_Iterable[int]] = ..., is_healthy: _Optional[bool] = ..., is_draining: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankLoad, _Mapping]]] = ...) -> None: ...
+
+class RankLoad(_message.Message):
+    __slots__ = ("rank", "num_running_requests", "num_waiting_requests", "num_kv_blocks_used", "num_kv_blocks_total")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    num_running_requests: int
+    num_waiting_requests: int
+    num_kv_blocks_used: int
+    num_kv_blocks_total: int
+    def __init__(self, rank: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("instance_id", "load")
@@ -118,12 +134,14 @@ class Instance(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., stage: _Optional[_Union[_common_pb2.Stage, str]] = ..., address: _Optional[str] = ..., kv_agent_name: _Optional[str] = ..., kv_agent_metadata: _Optional[bytes] = ..., datacenter: _Optional[str] = ..., block_size: _Optional[int] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., num_cached_block_hashes: _Optional[int] = ..., heartbeat_age_ms: _Optional[int] = ...) -> None: ...
 
 class PickResponse(_message.Message):
-    __slots__ = ("instance", "num_matched_prefix_tokens")
+    __slots__ = ("instance", "num_matched_prefix_tokens", "rank")
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     NUM_MATCHED_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     instance: Instance
     num_matched_prefix_tokens: int
-    def __init__(self, instance: _Optional[_Union[Instance, _Mapping]] = ..., num_matched_prefix_tokens: _Optional[int] = ...) -> None: ...
+    rank: int
+    def __init__(self, instance: _Optional[_Union[Instance, _Mapping]] = ..., num_matched_prefix_tokens: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
     __slots__ = ("instance_id",)

@@ -2,7 +2,8 @@
 
 ```python
 server = grpc.server(pool, interceptors=server_interceptors())    # refuses calls without the secret
-channel = secure_channel("127.0.0.1:50051")                      # attaches it to every call
+port = add_port(server, "0.0.0.0:50051")                         # TLS when this process has a certificate
+channel = secure_channel("127.0.0.1:50051")                      # attaches it to every call (TLS when set)
 ```
 
 The secret comes from the environment of each process: `DEEPINFER_CLUSTER_SECRET` (the value) or
@@ -15,6 +16,12 @@ A call without the right secret ends UNAUTHENTICATED before any handler runs, so
 reach a balancer, a worker or the entrypoint cannot generate, register, deregister, drain or abort.
 `Health` stays open (liveness probes; it changes nothing). The secret is compared in constant time
 and never logged.
+
+Optional TLS, also from the environment (`TLS_*_ENV`: set by `deepinfer up` from the YAML's `tls:`, or
+by the `--tls-cert/--tls-key/--tls-ca/--tls-server-name` flags of every service, `serving.config_cli`):
+`add_port` binds a server TLS-only when a certificate is set, and `secure_channel` /
+`secure_aio_channel` (every deepinfer client channel is made by one of them) dial TLS checked
+against the CA. Without it the transport is plaintext: the secret authenticates, it does not encrypt.
 """
 
 from __future__ import annotations
@@ -157,13 +164,19 @@ class _AttachSecret(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInte
 
 
 def secure_channel(address: str, secret: str | None = None, options=None) -> grpc.Channel:
-    """A channel to a deepinfer server whose calls carry the cluster secret (when one is set).
+    """A channel to a deepinfer server whose calls carry the cluster secret (when one is set), over TLS
+    when this process has TLS settings (`tls_settings`), else plaintext.
 
-    NOTE: the transport is plaintext gRPC; the secret authenticates, it does not encrypt. Keep
+    Every deepinfer client channel is made here (or by `secure_aio_channel`), so one setting switches
+    every internal call to TLS. NOTE: without TLS the secret authenticates, it does not encrypt: keep
     internal addresses on a private network (see README, "What is exposed").
     """
     secret = secret if secret is not None else cluster_secret()
-    channel = grpc.insecure_channel(address, options=options)
+    tls = tls_settings()
+    if tls is not None and tls.is_client:
+        channel = grpc.secure_channel(address, tls.channel_credentials(), options=tls.channel_options(options))
+    else:
+        channel = grpc.insecure_channel(address, options=options)
     return grpc.intercept_channel(channel, _AttachSecret(secret)) if secret else channel
 
 
@@ -193,4 +206,112 @@ def secure_aio_channel(address: str, secret: str | None = None) -> aio.Channel:
     """`secure_channel` for grpc.aio clients (the HTTP front)."""
     secret = secret if secret is not None else cluster_secret()
     interceptors = [_AioUnaryUnarySecret(secret), _AioUnaryStreamSecret(secret)] if secret else None
+    tls = tls_settings()
+    if tls is not None and tls.is_client:
+        return aio.secure_channel(address, tls.channel_credentials(), options=tls.channel_options(None),
+                                  interceptors=interceptors)
     return aio.insecure_channel(address, interceptors=interceptors)
+
+
+# ---------------------------------------------------------------------------------------------- TLS
+
+TLS_CERT_ENV = "DEEPINFER_TLS_CERT"
+"""PEM certificate (chain) this process's gRPC servers present; with `TLS_KEY_ENV` they serve TLS only."""
+TLS_KEY_ENV = "DEEPINFER_TLS_KEY"
+"""PEM private key of `TLS_CERT_ENV`."""
+TLS_CA_ENV = "DEEPINFER_TLS_CA"
+"""PEM CA bundle this process's clients check servers against; unset = the system's roots."""
+TLS_SERVER_NAME_ENV = "DEEPINFER_TLS_SERVER_NAME"
+"""Name the clients expect in every server's certificate instead of the dialled host (one certificate
+with one DNS name for a cluster reached by IP addresses); unset = the dialled host."""
+TLS_ENVS = (TLS_CERT_ENV, TLS_KEY_ENV, TLS_CA_ENV, TLS_SERVER_NAME_ENV)
+TLS_FLAGS = {"tls_cert": TLS_CERT_ENV, "tls_key": TLS_KEY_ENV, "tls_ca": TLS_CA_ENV,
+             "tls_server_name": TLS_SERVER_NAME_ENV}
+"""The `--tls-*` flag of every deepinfer process (`serving.config_cli`) -> the variable it sets."""
+
+
+def _read_pem(path: str, env: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise RuntimeError(f"cannot read the TLS file {path} ({env}): {e.strerror}") from None
+    if b"-----BEGIN " not in data:
+        raise RuntimeError(f"the TLS file {path} ({env}) is not PEM (no '-----BEGIN' line)")
+    return data
+
+
+class TlsSettings:
+    """One process's TLS files, read once (`tls_settings`): a server side (certificate + key) and a
+    client side (CA bundle, optional expected server name).
+
+    Servers serve TLS exactly when a certificate and key are set (plaintext clients are refused at the
+    handshake). Clients use TLS when a CA or a certificate is set: one cluster-wide switch, since a
+    service that serves TLS calls peers that do too. Server certificates are not asked of clients (the
+    cluster secret authenticates them; TLS adds confidentiality and server identity).
+    """
+
+    def __init__(self, cert: str | None, key: str | None, ca: str | None, server_name: str | None) -> None:
+        if bool(cert) != bool(key):
+            raise RuntimeError(f"TLS needs both a certificate and its key: got only the {'certificate' if cert else 'key'}"
+                               f" ({TLS_CERT_ENV} / {TLS_KEY_ENV}, `--tls-cert` / `--tls-key`)")
+        self.cert_path, self.key_path, self.ca_path, self.server_name = cert, key, ca, server_name or None
+        self.cert = _read_pem(cert, TLS_CERT_ENV) if cert else None
+        self.key = _read_pem(key, TLS_KEY_ENV) if key else None
+        self.ca = _read_pem(ca, TLS_CA_ENV) if ca else None
+
+    @property
+    def is_server(self) -> bool:
+        return self.cert is not None
+
+    @property
+    def is_client(self) -> bool:
+        return self.ca is not None or self.cert is not None
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self.key, self.cert)])
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self.ca)
+
+    def channel_options(self, options) -> list:
+        options = list(options or ())
+        if self.server_name:
+            options.append(("grpc.ssl_target_name_override", self.server_name))
+        return options
+
+
+_tls_cache: dict[tuple, TlsSettings | None] = {}
+
+
+def tls_settings() -> TlsSettings | None:
+    """This process's TLS settings from its environment (`TLS_*_ENV`, set by `deepinfer up`, by the
+    `--tls-*` flags of each service, or by hand), or None (plaintext). Read once per distinct setting;
+    RuntimeError naming the variable when a file is missing or not PEM."""
+    key = tuple(os.environ.get(env) or None for env in TLS_ENVS)
+    if key not in _tls_cache:
+        _tls_cache[key] = TlsSettings(*key) if any(key[:3]) else None
+    return _tls_cache[key]
+
+
+def set_tls(cert: str | None = None, key: str | None = None, ca: str | None = None,
+            server_name: str | None = None) -> None:
+    """Make these TLS files this process's (and its children's) settings: what the `--tls-*` flags do.
+    Values left None keep what the environment had. Checked at once (`tls_settings`)."""
+    for env, value in zip(TLS_ENVS, (cert, key, ca, server_name)):
+        if value is not None:
+            os.environ[env] = str(value)
+    tls_settings()
+
+
+def tls_env() -> dict[str, str]:
+    """The TLS variables of this process's environment (what a launcher hands on to the roles it starts)."""
+    return {env: os.environ[env] for env in TLS_ENVS if os.environ.get(env)}
+
+
+def add_port(server, address: str) -> int:
+    """Bind `server` (grpc or grpc.aio) to `address`: a TLS port when this process has a certificate
+    (`tls_settings`), else a plaintext one. Returns the port (0 = could not bind, as grpc does)."""
+    tls = tls_settings()
+    if tls is not None and tls.is_server:
+        return server.add_secure_port(address, tls.server_credentials())
+    return server.add_insecure_port(address)

@@ -22,6 +22,9 @@ as `extra` rows, checked before the shared ones.
 
 from __future__ import annotations
 
+import collections
+import threading
+
 import grpc
 
 from deepinfer.engine.cache.block_pool import NoFreeBlocksError, NoFreeSlotsError
@@ -109,5 +112,35 @@ def refusal(e: BaseException, *, request_id: str = "", loop_name: str = "engine 
 
 
 def error_of(e: BaseException, **kwargs) -> common_pb2.Error:
-    """The in-band `Error` of `e` (as `refusal(e, **kwargs)`)."""
-    return refusal(e, **kwargs).to_proto()
+    """The in-band `Error` of `e` (as `refusal(e, **kwargs)`), counted by cause (`count_error`)."""
+    error = refusal(e, **kwargs).to_proto()
+    count_error(error.code, error.field)
+    return error
+
+
+ERRORS_BY_CAUSE: collections.Counter[str] = collections.Counter()
+"""In-band errors this process answered, by cause (`cause_of`): a worker's `Health` stats carry them
+(`errors_by_cause`) and the HTTP front exports them as `deepinfer_stage_errors_total{stage,instance,cause}`."""
+_errors_lock = threading.Lock()
+
+
+def cause_of(code: int, field: str = "") -> str:
+    """The cause label of an in-band error: its `ErrorCode` in lower case, with the field that says more
+    (`unavailable/destination`: the KV write to decode failed; `unavailable/image_embeddings`)."""
+    try:
+        name = common_pb2.ErrorCode.Name(code).removeprefix("ERROR_CODE_").lower()
+    except ValueError:
+        name = f"code_{code}"
+    return f"{name}/{field}" if field else name
+
+
+def count_error(code: int, field: str = "") -> None:
+    """Count one in-band error answered by this process (every `error_of`, and errors a stage builds itself)."""
+    with _errors_lock:
+        ERRORS_BY_CAUSE[cause_of(code, field)] += 1
+
+
+def errors_by_cause() -> dict[str, int]:
+    """A copy of `ERRORS_BY_CAUSE`."""
+    with _errors_lock:
+        return dict(ERRORS_BY_CAUSE)

@@ -15,6 +15,14 @@ import grpc
 from deepinfer.protos import loadbalancer_pb2, loadbalancer_pb2_grpc
 from deepinfer.serving.auth import secure_channel
 
+BALANCER_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 1000)]
+"""Options of every channel to a balancer: reconnect within a second of its coming back.
+
+NOTE: a channel whose server died backs off between connection attempts, by default from 1 s
+growing to 2 minutes; a balancer restarted on the same address would then stay unreached (workers
+not re-registered, picks refused) long after it serves again. Capping the backoff at 1 s keeps a
+balancer restart a few-second outage (issue 26: a balancer kill is survived)."""
+
 
 class LoadReporter:
     """Registers one instance with its stage's balancer and heartbeats its load (a daemon thread).
@@ -23,6 +31,10 @@ class LoadReporter:
     hashes (None for instances without a prefix cache). Heartbeats carry the hashes as a delta
     against the previous successful report; a full set goes out after registration, when the
     balancer asks for it, and after a failed heartbeat (the lost delta cannot be replayed).
+
+    A balancer that restarted (same address) has forgotten every instance: its answer to the next
+    heartbeat (`is_known=False`) makes the reporter register again, so the instance is pickable again
+    one heartbeat interval after the balancer serves (`BALANCER_CHANNEL_OPTIONS` bound the reconnect).
     """
 
     def __init__(
@@ -40,7 +52,8 @@ class LoadReporter:
         self._collect = collect
         self._interval_s = interval_s
         self._rpc_timeout_s = rpc_timeout_s
-        self._channel = secure_channel(lb_address)  # carries the cluster secret (serving.auth)
+        # carries the cluster secret (serving.auth); reconnects fast after a balancer restart
+        self._channel = secure_channel(lb_address, options=BALANCER_CHANNEL_OPTIONS)
         self._stub = loadbalancer_pb2_grpc.LoadBalancerStub(self._channel)
         self._sent_hashes: frozenset[int] | None = None  # None: the next report carries the full set
         self._is_registered = False

@@ -36,12 +36,13 @@ from typing import Any, ClassVar
 
 import grpc
 
-from deepinfer.kv_transfer import LOOPBACK_UCX_ENV, KVTransferAgent
+from deepinfer.kv_transfer import LOOPBACK_UCX_ENV
 from deepinfer.kv_transfer.embeddings import EmbeddingAgent
+from deepinfer.kv_transfer.ranked import open_instance_agent
 from deepinfer.protos import common_pb2, loadbalancer_pb2
 from deepinfer.protos.metadata import STATS_METADATA_KEY
-from deepinfer.serving.auth import server_interceptors
-from deepinfer.serving.errors import Refused
+from deepinfer.serving.auth import add_port, server_interceptors
+from deepinfer.serving.errors import Refused, errors_by_cause
 from deepinfer.serving.loop import EngineLoop, LoopMode
 from deepinfer.serving.membership import LoadReporter
 
@@ -102,7 +103,7 @@ class WorkerShell:
             max_workers=self.config.max_rpc_threads, thread_name_prefix=f"{self.name}-rpc"),
             interceptors=server_interceptors())  # the cluster secret (serving.auth)
         add_servicer(servicer, self.server)
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        self.port = add_port(self.server, f"{self.config.host}:{self.config.port}")  # TLS when set (serving.auth)
         if self.port == 0:
             raise RuntimeError(f"cannot bind the {self.stage_name} server to {self.config.host}:{self.config.port}")
         self.address = f"{self.config.advertise_host or self.config.host}:{self.port}"
@@ -255,6 +256,7 @@ class WorkerShell:
         message = ""
         try:
             stats = self.loop.call(self._stats, LOOP_CALL_TIMEOUT_S)
+            stats.setdefault("errors_by_cause", errors_by_cause())  # every stage: in-band errors answered, by cause
             context.set_trailing_metadata(((STATS_METADATA_KEY, json.dumps(stats)),))
         except concurrent.futures.TimeoutError:
             message = f"the {self.loop_name} did not answer within {LOOP_CALL_TIMEOUT_S} s"
@@ -286,7 +288,8 @@ class EngineShell(WorkerShell):
 
         super().__init__(config)
         self.engine = Engine(config.engine_config())
-        self.agent = KVTransferAgent(self.agent_name, self.engine.cache, send_state=send_state, ucx_env=self.ucx_env)
+        # one agent over the engine's cache, or one per rank of a multi-rank instance (`kv_transfer.ranked`)
+        self.agent = open_instance_agent(self.engine, self.agent_name, send_state=send_state, ucx_env=self.ucx_env)
         self.agent_metadata = self.agent.metadata()
         self.emb_agent = self._image_embedding_agent(self.engine)
         self.block_size = self.engine.kv_block_size
@@ -306,10 +309,17 @@ class EngineShell(WorkerShell):
     def _kv_load(self, **fields: int) -> loadbalancer_pb2.LoadReport:
         """Loop thread: a load report with the KV pool's occupancy and the health flags, plus `fields`."""
         engine = self.engine
+        ranks = []
+        if engine.config.expert_parallel_size > 1:  # each rank's own pools and requests (balancers pick a rank)
+            ranks = [loadbalancer_pb2.RankLoad(rank=r.rank, num_running_requests=r.num_running_requests,
+                                               num_waiting_requests=r.num_waiting_requests,
+                                               num_kv_blocks_used=r.num_kv_blocks_used,
+                                               num_kv_blocks_total=r.num_kv_blocks_total)
+                     for r in engine.kv_rank_loads()]
         return loadbalancer_pb2.LoadReport(
             num_running_requests=engine.num_running_requests,
             num_kv_blocks_used=engine.num_kv_blocks - engine.num_free_kv_blocks, num_kv_blocks_total=engine.num_kv_blocks,
-            is_healthy=self.loop.error is None, is_draining=self.is_draining, **fields)
+            is_healthy=self.loop.error is None, is_draining=self.is_draining, ranks=ranks, **fields)
 
     def _transfer_stats(self) -> dict:
         """Loop thread: the kv_transfer counters of both agents (list-valued ones left out)."""
@@ -320,7 +330,20 @@ class EngineShell(WorkerShell):
         stats.update(engine_steps_total=timings["steps"],
                      engine_step_seconds_total=timings["schedule"] + timings["model"] + timings["sample"],
                      num_preemptions_total=self.engine.scheduler.num_preemptions)
+        stats.update(self._latency_stats())
         return stats
+
+    def _latency_stats(self) -> dict:
+        """Loop thread: the latency histograms (`latency_seconds`: the engine's queue, prefill and step times and
+        the KV sends' transfer time, `engine.latency`) and the prefix cache's token counts and hit rate."""
+        latency = self.engine.latency.as_dict()
+        agent = getattr(self.agent, "local", self.agent)  # a multi-rank instance's agents: rank 0's sends
+        if getattr(agent, "latency", None) is not None:
+            latency.update(agent.latency.as_dict())
+        cache = self.engine.prefix_cache_tokens
+        return {"latency_seconds": latency, "prefix_cache_queried_tokens_total": cache["queried"],
+                "prefix_cache_hit_tokens_total": cache["hit"],
+                "prefix_cache_hit_rate": cache["hit"] / cache["queried"] if cache["queried"] else 0.0}
 
 
 def queue_items(items: queue.SimpleQueue, context: grpc.ServicerContext, poll_s: float = 0.5) -> Iterator[Any]:

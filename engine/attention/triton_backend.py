@@ -16,9 +16,12 @@ to `cache.max_blocks_per_seq` with `cache.dummy_block`, no host value that chang
 one batch size, so a CUDA graph captured for B rows replays with the next step's metadata copied in.
 Padding rows (`cache.dummy_slot`, position 0) read and write nothing (the kernels mask them).
 
-Prefill chunks (and the prefill part of a mixed step) run the `torch` backend's per-chunk path,
-eagerly; decode rows of a mixed step still take the kernels. Decode rows of metadata built elsewhere
-(not static: the MTP layer's own builder) take the `torch` path too.
+Prefill chunks (and the prefill part of a mixed step) run eagerly, one chunk at a time: the compressors
+as the `torch` backend (entries written to the pools), for CSA the indexer's selection of every query
+with `indexer_topk` (each query a row at its own position), then the window + entries + sink in one
+`prefill_attention` kernel per chunk and layer (`kernels.prefill_attention`), and the chunk's last keys
+into the ring. Verify rows (speculative decoding) and decode rows of metadata built elsewhere (not
+static: the MTP layer's own builder) take the `torch` path.
 
 Each kernel is a module op of `kernels.registry` with a torch reference: on a device without Triton
 (the CPU) the backend runs those references, the same static-metadata arithmetic in plain torch;
@@ -37,6 +40,7 @@ from deepinfer.engine.attention.base import (
     AttentionMetadata,
     DecodeRows,
     LayerSpec,
+    PrefillChunk,
     RopeFn,
     build_attention_metadata,
     register_attention_backend,
@@ -47,9 +51,10 @@ from deepinfer.engine.cache.kv_cache import V4KVCache
 from deepinfer.kernels import compressor as _compressor  # noqa: F401  (registers the ops)
 from deepinfer.kernels import decode_attention as _decode_attention
 from deepinfer.kernels import indexer as _indexer  # noqa: F401
+from deepinfer.kernels import prefill_attention as _prefill_attention  # noqa: F401
 from deepinfer.kernels.registry import default_impl, get_op
 
-_OPS = ("ring_write", "compressor_decode", "write_entries", "indexer_topk", "decode_attention")
+_OPS = ("ring_write", "compressor_decode", "write_entries", "indexer_topk", "decode_attention", "prefill_attention")
 
 
 @dataclass(frozen=True)
@@ -61,18 +66,28 @@ class _DecodeOps:
     write_entries: object
     indexer_topk: object
     decode_attention: object
+    prefill_attention: object
+
+
+@dataclass
+class _ChunkEntries:
+    """A prefill chunk's compressed entries as the prefill kernel reads them (what this backend's
+    `_compressed` hands its `_attend_one`, in place of the `torch` backend's dense mask)."""
+
+    comp: torch.Tensor  # [C1, D] the request's entries 0 .. C1 - 1
+    selected: torch.Tensor | None  # [n, topk] int64 entry indices per query (-1 none; CSA), None: all visible
 
 
 @register_attention_backend("triton")
 class TritonAttentionBackend(TorchAttentionBackend):
-    """Fused Triton decode kernels over static metadata; prefill chunks as the `torch` backend."""
+    """Fused Triton decode kernels over static metadata; a prefill attention kernel per chunk."""
 
     cuda_graph_safe = True
     split_size: int = _decode_attention.DEFAULT_SPLIT_SIZE
     """Keys per flash-decoding split (fixed: a row's result does not depend on its batch)."""
 
     def __init__(self, impl: str | None = None) -> None:
-        """`impl`: "triton" or "torch" for every decode op, None for each op's default on the tensors'
+        """`impl`: "triton" or "torch" for every op (decode and prefill), None for each op's default on the tensors'
         device (the kernels on CUDA, the torch references elsewhere)."""
         self.impl = impl
         self._ops: dict[torch.device, _DecodeOps] = {}
@@ -133,3 +148,51 @@ class TritonAttentionBackend(TorchAttentionBackend):
         new = torch.empty((kv.shape[0], comp.dim), dtype=pool.dtype, device=pool.device)
         done = ops.compressor_decode(*args, entries_out=new)
         ops.write_entries(pool, rotate_and_quant(new).contiguous(), done, dm.pos, dm.block_tables, spec.compress_rate)
+
+    # -- prefill chunks --------------------------------------------------------------------------
+
+    def _compressed(self, spec: LayerSpec, chunk: PrefillChunk, inputs: AttentionInputs, sl: slice,
+                    cache: V4KVCache, meta: AttentionMetadata) -> _ChunkEntries | None:
+        """Run the chunk's compressors (the `torch` backend's, entries written to the pools), then for CSA
+        the indexer's selection per query as entry indices (`indexer_topk`, each query a row at its own
+        position over the request's blocks). None while the request has no entry."""
+        pool, buf_kv, buf_gate, ipool, ibuf_kv, ibuf_gate = _pools(spec, cache)
+        geo = chunk.compressors[(spec.compress_rate, spec.is_overlap)]
+        s = chunk.slot
+        comp = self._run_compressor(inputs.compressor, inputs.compressor_kv[sl], inputs.compressor_gate[sl],
+                                    buf_kv[s], buf_gate[s], geo, pool)
+        if spec.has_indexer:
+            self._run_compressor(inputs.indexer.compressor, inputs.index_kv[sl], inputs.index_gate[sl],
+                                 ibuf_kv[s], ibuf_gate[s], geo, ipool)
+        if geo.entry_rows is None:
+            return None
+        if not spec.has_indexer:
+            return _ChunkEntries(comp, None)
+        ops = self.ops_for(inputs.q.device)
+        indexer, epb = inputs.indexer, ipool.shape[1]
+        cos, sin = meta.rope[spec.rope]
+        qi = indexer._queries(inputs.q_res[sl], cos[sl], sin[sl]).to(ipool.dtype).contiguous()  # [n, IH, ID]
+        weights = (indexer.weights_proj(inputs.x[sl]).float() * indexer.num_heads**-0.5).contiguous()
+        # the blocks holding entries 0 .. C1 - 1 (entry c is flat pool row block_table[c // epb] * epb + c % epb)
+        blocks = geo.entry_rows[::epb] // epb
+        tables = blocks[None, :].expand(chunk.num_tokens, -1).contiguous()
+        selected = ops.indexer_topk(qi, weights, ipool, meta.positions[sl].contiguous(), tables, spec.compress_rate,
+                                    indexer.topk)
+        return _ChunkEntries(comp, selected)
+
+    def _attend_one(self, spec: LayerSpec, chunk: PrefillChunk, q, kv, sink, cache: V4KVCache,
+                    extra: _ChunkEntries | None) -> torch.Tensor:
+        """The chunk's window + entries + sink in one `prefill_attention` call, then its last keys into
+        the ring (after the kernel has read the history)."""
+        ring = cache.window_kv[spec.layer_idx]  # [slots, W, D]
+        dt = ring.dtype
+        kv = kv.to(dt).contiguous()
+        comp = sel = None
+        if extra is not None:
+            comp, sel = extra.comp.to(dt).contiguous(), extra.selected
+        out = self.ops_for(q.device).prefill_attention(
+            q.to(dt).contiguous(), kv, ring, chunk.slot, chunk.num_computed_tokens, chunk.state_start, comp, sel,
+            spec.compress_rate, sink.float())
+        tail = chunk.windows[spec.window].tail_rows
+        ring[chunk.slot, tail] = kv[-tail.shape[0]:]
+        return out.to(q.dtype)

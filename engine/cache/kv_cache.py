@@ -45,15 +45,26 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.engine.cache.layout import CacheLayout, PoolLayout
+from deepinfer.engine.cache.layout import CacheLayout, PoolLayout, cache_layout
 from deepinfer.engine.config import ModelConfig
 
-__all__ = ["CacheLayout", "PoolLayout", "V4KVCache", "compressed_bytes_per_token"]
+__all__ = ["CacheLayout", "PoolLayout", "V4KVCache", "compressed_bytes_per_token", "make_kv_cache"]
 
 
 def compressed_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> float:
     """Bytes of compressed KV (CSA main + CSA indexer keys + HCA main) one token adds, all layers."""
-    return CacheLayout.from_config(config).compressed_bytes_per_token(torch.tensor([], dtype=dtype).element_size())
+    return cache_layout(config).compressed_bytes_per_token(torch.tensor([], dtype=dtype).element_size())
+
+
+def make_kv_cache(config, num_blocks: int, block_size: int, num_slots: int, dtype: torch.dtype = torch.float32,
+                  device: torch.device | str = "cpu", max_model_len: int | None = None):
+    """The cache of a model config: `V4KVCache`, or `engine.cache.v41.V41KVCache` for a V4.1 config (its pools
+    follow the KV-source ownership)."""
+    if hasattr(config, "kv_source_layer_ids"):
+        from deepinfer.engine.cache.v41 import V41KVCache
+
+        return V41KVCache(config, num_blocks, block_size, num_slots, dtype, device, max_model_len)
+    return V4KVCache(config, num_blocks, block_size, num_slots, dtype=dtype, device=device, max_model_len=max_model_len)
 
 
 class V4KVCache:

@@ -43,9 +43,23 @@ def exact_replay_tokens(config) -> int:
     replayed token's layer-l state is exact once `l * (window - 1)` replayed tokens precede it.
     The ring needs the last `window - 1` tokens exact at every layer and the compressor buffers
     the last `2 * rate - 1`, so `num_layers * (window - 1) + 2 * max_rate` tokens suffice.
+    V4.1 (`V41Config`) adds its Engram history (`engram_history_tokens`): a replayed token's n-gram hashes
+    read the `max_ngram - 1` tokens before it, unknown before the replay's first token.
     """
     max_rate = max(config.compress_rates.values())
-    return config.num_hidden_layers * (config.sliding_window - 1) + 2 * max_rate
+    extra = getattr(config, "engram_history_tokens", 0)
+    return config.num_hidden_layers * (config.sliding_window - 1) + 2 * max_rate + extra
+
+
+def cache_layout(config):
+    """The cache layout of a model config: `CacheLayout` for V4, `engine.cache.v41.V41CacheLayout` for a
+    `V41Config` (only KV sources own compressed pools). Both give `pools(...)`, `compressed_bytes_per_token`,
+    `default_block_size` and `check_block_size`."""
+    if hasattr(config, "kv_source_layer_ids"):  # a V41Config (no import: engine.config is not needed here)
+        from deepinfer.engine.cache.v41 import V41CacheLayout
+
+        return V41CacheLayout.from_config(config)
+    return CacheLayout.from_config(config)
 
 
 def default_block_size(compress_rates) -> int:

@@ -13,10 +13,16 @@
   * `executor`: `MultiRankExecutor`, the `engine.executor` seam's multi-rank executor ("multirank"),
     picked when `EngineConfig.expert_parallel_size > 1`.
 
+The stages see ranks: a prefill or decode worker with `expert_parallel_size > 1` gives every rank its own
+KV transfer agent over the rank's pools (`kv_transfer.ranked`, attached as rank endpoints of the executor:
+`worker`'s `attach` / `endpoint` commands), its KV connector maps the scheduler's global block ids to a rank
+(`kv_pools.locate_blocks`), and its load report carries each rank's load (`kv_pools.rank_loads`), by which
+the decode balancer picks an (instance, rank) (`RankedKVCacheManager.prefer_rank`).
+
 `check_config` holds the configuration rules of a multi-rank instance (called by `EngineConfig`). Not
 supported yet with EP > 1 (refused with a message): speculative decoding, async scheduling, prompt
-logprobs, KV connectors and KV loads / holds (a connector names one pool's blocks; rank-aware descriptors
-are the next step).
+logprobs, KV loads / holds by hand (`reserve_kv`, `hold_kv`: they name one pool's bytes) and connectors that
+do not serve ranks (`KVConnector.serves_ranks`: the KV store's today).
 """
 
 from __future__ import annotations

@@ -20,6 +20,12 @@ from the loads measured since the last rebalance, moving the weights a rank gain
 them; `expert_loads()` returns the measured loads and the
 imbalance (max / mean rows per rank per MoE layer), the metric EPLB drives down.
 
+Rank endpoints: `attach_endpoints(factory, kwargs, local)` gives every rank an endpoint over its own cache (rank
+0's is `local`, built in this process; ranks 1..N-1 build theirs with `factory`, `worker` module docstring) and
+`call_endpoints(payloads)` hands each rank's endpoint its payload, between steps, as one command round. The
+KV transfer agents of a multi-rank prefill or decode instance run that way (`kv_transfer.ranked`): rank 0's
+KV connector coordinates them; the executor never looks inside the payloads.
+
 Failures: an exception on any rank (or a rank process that died) fails the step's future and the
 executor: the group's collectives cannot line up again, so the instance fails as a whole and must be
 restarted (a new engine).
@@ -222,6 +228,23 @@ class MultiRankExecutor(Executor):
         """Blocks while every rank reports what it holds (`worker.RankMemory`: routed experts, their bytes, KV
         blocks), by rank."""
         return self._broadcast("memory")
+
+    def attach_endpoints(self, factory, kwargs: dict, local) -> list:
+        """Blocks while every rank gets its endpoint: `local` (rank 0, already built here) and, on ranks 1..N-1,
+        `factory(rank, cache, **kwargs)` (`factory` must pickle by reference: a module-level function or class);
+        returns each endpoint's `describe()`, by rank. Raises RuntimeError (failing the instance) when a rank
+        cannot build its endpoint."""
+        if self.state.endpoint is not None:
+            raise RuntimeError("the ranks already have endpoints")
+        self.state.endpoint = local
+        return self._run_all([Command("attach", None)] + [Command("attach", (factory, kwargs))
+                                                          for _ in range(1, self.world_size)])
+
+    def call_endpoints(self, payloads: list) -> list:
+        """Blocks while each rank's endpoint handles its payload (`payloads[rank]`); their answers, by rank."""
+        if len(payloads) != self.world_size:
+            raise ValueError(f"need one payload per rank ({self.world_size}), got {len(payloads)}")
+        return self._run_all([Command("endpoint", p) for p in payloads])
 
     def close(self) -> None:
         """Blocks until the rank processes have stopped; leaves the group. Idempotent."""

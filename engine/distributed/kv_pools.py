@@ -16,17 +16,23 @@ request that runs on that rank.
     executor runs a request on the rank owning its slot (`engine.distributed.plan`).
   * `to_local_block_table`: the rank-local ids a rank's attention reads (`plan.split_step`).
 
+  * `locate_blocks`: a request's global block ids and state slot as (rank, the rank's ids, the rank's slot):
+    what a KV connector names in a transfer (`kv_transfer.ranked`: the agent of that rank sends or receives).
+  * `RankLoad` / `rank_loads`: each rank's KV blocks, running and waiting requests (the workers' load report,
+    what a balancer picks an (instance, rank) by); `RankedKVCacheManager.prefer_rank` places a request on the
+    rank a balancer picked when that rank has room.
+
 The scheduler sees a manager whose `num_blocks` is a rank's pool (the most one request can use), whose
 `num_free_blocks` is the emptiest rank's (what a new request can get), and whose `shares_pool` keeps
-preemption on the rank that is short. NOTE: the instance's load as a balancer sees it
-(`num_kv_blocks`, `num_free_kv_blocks`) is therefore one rank's view; per-rank loads in `deepinfer status`
-and a balancer picking (instance, rank) are not done yet.
+preemption on the rank that is short. NOTE: the instance's load in those two numbers is therefore one rank's
+view; `rank_loads` is the per-rank one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from deepinfer.engine.cache.block_pool import (
     BlockHash,
@@ -45,6 +51,50 @@ def to_local_block_table(block_ids: Sequence[int], blocks_per_rank: int, rank: i
     if any(not 0 <= b < blocks_per_rank for b in local):
         raise ValueError(f"a block table of rank {rank} names blocks of another rank: {list(block_ids)}")
     return local
+
+
+def locate_blocks(block_ids: Sequence[int], blocks_per_rank: int, world_size: int,
+                  slot: int | None = None) -> tuple[int, list[int], int | None]:
+    """`(rank, local block ids, local slot)` of one request's global block ids and state slot (slots interleave over
+    the ranks: `engine.distributed.plan.rank_of_slot`). Raises ValueError when they span ranks."""
+    if not block_ids:
+        raise ValueError("a request's KV names at least one block")
+    rank = block_ids[0] // blocks_per_rank
+    local = to_local_block_table(block_ids, blocks_per_rank, rank)
+    local_slot = None
+    if slot is not None:
+        if slot % world_size != rank:
+            raise ValueError(f"state slot {slot} is rank {slot % world_size}'s, the blocks are rank {rank}'s")
+        local_slot = slot // world_size
+    return rank, local, local_slot
+
+
+@dataclass
+class RankLoad:
+    """One rank's load (what a decode balancer picks an (instance, rank) by)."""
+
+    rank: int
+    num_kv_blocks_total: int
+    num_kv_blocks_used: int
+    num_running_requests: int
+    num_waiting_requests: int
+    """Requests placed on the rank that do not run yet (waiting in the scheduler, or their KV is loading)."""
+
+
+def rank_loads(manager: RankedKVCacheManager, running_req_ids: Iterable[str]) -> list[RankLoad]:
+    """Each rank's load: its pool's blocks and the requests on it (`running_req_ids`: the scheduler's running
+    requests; every other request placed on a rank counts as waiting there)."""
+    pool = manager.block_pool
+    running = [0] * manager.world_size
+    running_ids = set(running_req_ids)
+    waiting = [0] * manager.world_size
+    for req_id, rank in manager._rank_of.items():
+        if req_id in running_ids:
+            running[rank] += 1
+        else:
+            waiting[rank] += 1
+    return [RankLoad(r, pool.blocks_per_rank, pool.blocks_per_rank - pool.num_free_blocks_of(r), running[r], waiting[r])
+            for r in range(manager.world_size)]
 
 
 class RankedBlockPool:
@@ -185,6 +235,7 @@ class RankedKVCacheManager(KVCacheManager):
         self.slots = slots
         self.world_size = block_pool.world_size
         self._rank_of: dict[str, int] = {}
+        self._preferred: dict[str, int] = {}  # req_id -> the rank a balancer picked (`prefer_rank`), until placed
         slots.rank_of_request = self.rank_of
 
     @property
@@ -212,9 +263,20 @@ class RankedKVCacheManager(KVCacheManager):
             return held % self.world_size == rank
         return self.slots.num_free_slots_of(rank) > 0
 
+    def prefer_rank(self, req_id: str, rank: int | None) -> None:
+        """Place request `req_id` (not yet added) on `rank` when it has a free slot and room for it (a balancer's
+        pick); else the usual choice. None drops a preference."""
+        if rank is not None and not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not one of this instance's {self.world_size} ranks")
+        if rank is None:
+            self._preferred.pop(req_id, None)
+        else:
+            self._preferred[req_id] = rank
+
     def _pick_rank(self, req: CacheRequest) -> tuple[int, list[int]]:
         """The rank a new request goes to and the global ids of its prefix hit there."""
         pool = self.block_pool
+        preferred = self._preferred.pop(req.req_id, None)
         num_tokens = len(req.all_token_ids)
         hashes = (self._block_hashes(req, (num_tokens - 1) // self.block_size)
                   if self.enable_prefix_caching else [])
@@ -230,7 +292,7 @@ class RankedKVCacheManager(KVCacheManager):
                 hit.append(b)
             free = pool.num_free_blocks_of(r)
             has_room = free - sum(1 for b in hit if pool.ref_count(b) == 0) >= self.num_blocks_for(num_tokens) - len(hit)
-            key = (has_room, len(hit) if has_room else 0, free, -r)
+            key = (has_room, has_room and r == preferred, len(hit) if has_room else 0, free, -r)
             if best is None or key > best[0]:
                 best = (key, r, hit)
         if best is None:  # no slot anywhere (the scheduler checks first): the most free blocks
@@ -266,4 +328,5 @@ class RankedKVCacheManager(KVCacheManager):
 
     def free(self, req: CacheRequest) -> None:
         super().free(req)
+        self._preferred.pop(req.req_id, None)
         self._rank_of.pop(req.req_id, None)  # a resumed request picks its rank afresh (its KV is recomputed)

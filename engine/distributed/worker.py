@@ -10,7 +10,17 @@ from rank 0 on the control group until `stop`. Commands (`Command.kind`):
     sent to it by a rank holding them, `engine.distributed.expert_parallel.move_experts`);
   * `loads`: this rank's per-layer `LayerLoad`s (`payload=True` also resets them);
   * `memory`: what the rank holds (`RankMemory`: its routed experts and their bytes, its KV blocks);
-  * `stop`: leave the group and exit.
+  * `attach`: build the rank's endpoint (`payload = (factory, kwargs)`: `factory(rank, cache, **kwargs)`, a
+    picklable callable named by the caller) and return its `describe()`; rank 0's endpoint is set in-process
+    by the executor (`payload=None`);
+  * `endpoint`: hand `payload` to the rank's endpoint (`endpoint.handle(payload)`) and return its answer;
+  * `stop`: close the endpoint, leave the group and exit.
+
+A rank endpoint is what a layer above the engine runs on every rank over the rank's own cache, driven from
+rank 0 through these commands: the KV transfer agents of a multi-rank prefill or decode instance
+(`kv_transfer.ranked`, one NIXL agent per rank over the rank's pools). The engine never imports it: the
+factory travels pickled by reference and is resolved on the rank. Its contract: `describe()` and
+`handle(payload)` return picklable values and never block for long; `close()` releases it.
 
 A failure on a rank is returned as a `RankError` (rank 0 raises it); the rank then exits, since the
 group's collectives can no longer line up: the instance fails as a whole.
@@ -44,9 +54,10 @@ class Command:
     """What every rank does next (one per rank, scattered from rank 0)."""
 
     kind: str
-    """step | rebalance | loads | memory | stop."""
+    """step | rebalance | loads | memory | attach | endpoint | stop."""
     payload: Any = None
-    """`step`: the rank's `RankPlan`; `loads`: whether to reset the counters."""
+    """`step`: the rank's `RankPlan`; `loads`: whether to reset the counters; `attach`: `(factory, kwargs)`;
+    `endpoint`: what the rank's endpoint handles."""
 
 
 @dataclass
@@ -101,6 +112,8 @@ class RankState:
         self.device = cache.device
         self.backends = install_expert_parallel(model, num_redundant_experts)
         self.sampler = Sampler()  # NOTE: draws nothing of its own: rank 0 resolves every row's seed
+        self.endpoint = None
+        """What a layer above the engine runs on this rank (`attach`), or None."""
 
     @torch.inference_mode()
     def run(self, cmd: Command):
@@ -121,6 +134,19 @@ class RankState:
             return layer_loads(self.backends, reset=bool(cmd.payload))
         if cmd.kind == "memory":
             return RankMemory(held_experts_of(self.model), held_expert_bytes(self.model), self.cache.num_blocks)
+        if cmd.kind == "attach":
+            if cmd.payload is not None:
+                if self.endpoint is not None:
+                    raise RuntimeError(f"rank {self.rank} already has an endpoint")
+                factory, kwargs = cmd.payload
+                self.endpoint = factory(self.rank, self.cache, **kwargs)
+            if self.endpoint is None:
+                raise RuntimeError(f"rank {self.rank} has no endpoint to describe")
+            return self.endpoint.describe()
+        if cmd.kind == "endpoint":
+            if self.endpoint is None:
+                raise RuntimeError(f"rank {self.rank} has no endpoint (attach one first)")
+            return self.endpoint.handle(cmd.payload)
         raise ValueError(f"unknown rank command {cmd.kind!r}")
 
 
@@ -163,6 +189,7 @@ def rank_main(rank: int, spec: RankSpec, ready=None) -> None:
     if ready is not None:
         ready.put((rank, None))
     ctrl = join_group(spec.address, rank)
+    state = None
     try:
         state = RankState(rank, model, cache, spec.num_redundant_experts)
         while True:
@@ -179,4 +206,9 @@ def rank_main(rank: int, spec: RankSpec, ready=None) -> None:
             if isinstance(result, RankError):
                 break
     finally:
+        if state is not None and state.endpoint is not None:
+            try:
+                state.endpoint.close()
+            except Exception:  # the process exits anyway: its registrations go with it
+                traceback.print_exc()
         leave_group()

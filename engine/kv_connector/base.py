@@ -75,9 +75,16 @@ entries into the given blocks in `start_load` and reports `loaded[req_id] = []`.
 prompt's *full* blocks (the request may keep decoding into its last, partial one while pinned).
 Neither needs anything from `Engine` beyond these calls.
 
-A multi-rank executor (expert parallelism) will split the two sides: the scheduler side on the
-rank that schedules, `start_*` / `poll` on every rank with the ranks' events intersected; the
-calls above stay the same.
+Multi-rank instances (expert parallelism)
+-----------------------------------------
+With `expert_parallel_size > 1` each rank owns its requests' KV in its own pools, and rank 0's
+scheduler names their blocks by global ids (`engine.distributed.kv_pools`: block `g` is block
+`g % B` of rank `g // B`; a request's blocks and state slot are all on one rank). The calls above
+stay the same and keep those global ids; a connector that serves such an instance says so
+(`serves_ranks(world_size)`) and maps the ids to a rank and its local ids itself
+(`kv_pools.locate_blocks`), moving the bytes on that rank (`kv_transfer.ranked`: one NIXL agent per
+rank, driven from rank 0 through the executor's rank endpoints). `Engine.set_kv_connector` refuses
+a connector that does not serve the instance's ranks.
 """
 
 from __future__ import annotations
@@ -129,6 +136,11 @@ class KVConnector(ABC):
 
     Not thread-safe: the engine's thread calls every method.
     """
+
+    def serves_ranks(self, world_size: int) -> bool:
+        """Whether this connector addresses the KV of an instance of `world_size` ranks (global block ids of
+        per-rank pools, see the module docstring); the default serves one-rank instances only."""
+        return world_size == 1
 
     # ------------------------------------------------------------------ scheduler side
 

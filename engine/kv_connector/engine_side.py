@@ -15,6 +15,7 @@ and slot pool; it imports no transport.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -68,14 +69,15 @@ class ExternalKVMixin:
         """Hand the engine its KV connector (once, before any request uses it)."""
         if self._loading or self._connector_saves:
             raise RuntimeError("cannot change the KV connector while loads or saves are pending")
-        if connector is not None and self.config.expert_parallel_size > 1:
-            # NOTE: a connector names blocks of one pool; a multi-rank instance has one pool per rank
-            # (`engine.distributed.kv_pools`), and rank-aware descriptors are not implemented yet
+        world = self.config.expert_parallel_size
+        if connector is not None and not connector.serves_ranks(world):
+            # NOTE: a multi-rank instance has one pool per rank (`engine.distributed.kv_pools`): a connector must
+            # map its global block ids to a rank's pools (`kv_transfer.ranked`)
             raise ValueError(
-                f"a KV connector ({type(connector).__name__}) cannot serve an instance with expert_parallel_size="
-                f"{self.config.expert_parallel_size} yet: its KV lives in per-rank pools the connector does not "
-                "address. Run prefill / decode stages (and KV stores) with expert_parallel_size=1, or serve this "
-                "instance without a connector.")
+                f"the KV connector {type(connector).__name__} cannot serve an instance with expert_parallel_size="
+                f"{world}: its KV lives in per-rank pools the connector does not address. Give it the instance's "
+                "per-rank agents (`kv_transfer.ranked.RankedAgents`), run it with expert_parallel_size=1, or serve "
+                "this instance without it (the KV store does not serve multi-rank instances yet).")
         self.kv_connector = connector
 
     def poll_kv_connector(self) -> KVPollResult:
@@ -251,6 +253,7 @@ class ExternalKVMixin:
                 self._seqs.pop(seq.req.req_id, None)
                 del self._parents[request_id]
                 return [ro]
+        parent.queued_at = time.monotonic()  # its queue time (`Engine.latency`) starts now, not at the reservation
         self.scheduler.add_request(seq.req)
         return []
 
@@ -296,6 +299,27 @@ class ExternalKVMixin:
         """Prefix hashes of every cached block (what a cache-aware balancer routes by)."""
         pool = self.kv_manager.block_pool
         return frozenset(h for h in map(pool.block_hash, range(pool.num_blocks)) if h is not None)
+
+    def kv_rank_loads(self) -> list:
+        """Each rank's load (`engine.distributed.kv_pools.RankLoad`: KV blocks, running and waiting requests); one
+        entry for a one-rank instance."""
+        from deepinfer.engine.distributed.kv_pools import RankedKVCacheManager, RankLoad, rank_loads
+
+        if isinstance(self.kv_manager, RankedKVCacheManager):
+            return rank_loads(self.kv_manager, self.scheduler.running)
+        return [RankLoad(0, self.num_kv_blocks, self.num_kv_blocks - self.num_free_kv_blocks,
+                         self.num_running_requests, self.num_waiting_requests + self.num_loading_kv)]
+
+    def prefer_kv_rank(self, request_id: str, rank: int | None) -> None:
+        """Place the next `add_request(request_id)` on `rank` when it has room (a balancer's (instance, rank) pick);
+        ignored by a one-rank instance (rank 0 only). Raises InvalidRequestError for a rank the instance lacks."""
+        from deepinfer.engine.distributed.kv_pools import RankedKVCacheManager
+
+        world = self.config.expert_parallel_size
+        if rank is not None and not 0 <= rank < world:
+            raise InvalidRequestError(f"rank {rank} is not one of this instance's {world} rank(s)", field="rank")
+        if isinstance(self.kv_manager, RankedKVCacheManager):
+            self.kv_manager.prefer_rank(request_id, rank)
 
     @property
     def num_running_requests(self) -> int:

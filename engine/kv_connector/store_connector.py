@@ -23,6 +23,17 @@ thread (off the critical path: disk or network never delays the request); the ne
 save, dropping the pin. Prompts with image placeholders are neither loaded nor saved (their KV depends on
 the images, which the connector's calls do not carry).
 
+Conversations (a finished request's prompt and answer, from decode)
+-------------------------------------------------------------------
+`save_computed(token_ids, traffic_class)` writes the full blocks of a token sequence that this instance's
+prefix cache holds, skipping what the store has: the decode instance calls it for a finished turn of a
+conversation (`decode_worker.core`), so that the next turn (prompt = this prompt + this answer + a new
+message) loads the whole conversation on prefill, not just the previous prompt. It needs no pin and no
+connector call: a finished request's full blocks stay in the pool as cached blocks (their prefix hashes
+registered as they were computed) until an allocation reuses them, and the caller runs right after the
+engine step that finished the request, on the engine's thread, before any allocation. Such a connector
+serves only this call; the decode engine's connector stays its `PDConnector`.
+
 With a primary connector (`primary=`, e.g. the prefill's `PDConnector`) both run over one engine: the
 primary's loads win, its saves run beside the store's (the store's part is done before `start_save`
 returns, so the request's `saved` event is the primary's), and its events pass through.
@@ -231,16 +242,42 @@ class StoreConnector(KVConnector):
             logger.exception("saving request %s's KV to the store failed", req_id)
             self.store.metrics.dropped()
 
-    def _save_prompt(self, prompt: list[int], block_ids: list[int], traffic_class: str | None) -> None:
+    def _save_prompt(self, prompt: list[int], block_ids: list[int], traffic_class: str | None) -> int:
         n = min(len(prompt) // self.block_size, len(block_ids))
         keys = chain_keys(self.fingerprint, prompt, self.block_size, n)
         held = self.store.index.present([k.hex() for k in keys], self.store.clock())
         todo = [i for i, k in enumerate(keys) if k.hex() not in held]
         if not todo:
-            return
+            return 0
         raw = self.read_blocks([block_ids[i] for i in todo])  # [len(todo), block_nbytes]
         blocks = [(keys[i], keys[i - 1] if i else None, raw[j].numpy().tobytes()) for j, i in enumerate(todo)]
-        self.store.put_async(blocks, traffic_class)
+        return self.store.put_async(blocks, traffic_class)
+
+    def save_computed(self, token_ids: list[int], traffic_class: str | None = None) -> int:
+        """Queue for the store the full blocks of `token_ids` that this instance's prefix cache holds (the
+        longest cached prefix; blocks the store has are skipped); returns how many blocks were queued.
+
+        Call on the engine's thread, between engine steps (the blocks of a request that finished in the
+        last step are cached but free: the next step's allocations may reuse them). Never raises: a failed
+        save is logged and counted as dropped."""
+        tokens = list(token_ids)
+        if self.block_pool is None or not self._is_storable(tokens):
+            return 0
+        try:
+            bs, h, block_ids = self.block_size, None, []
+            for i in range(len(tokens) // bs):
+                h = hash_block_tokens(h, tokens[i * bs:(i + 1) * bs])
+                block_id = self.block_pool.get_cached_block(h)
+                if block_id is None:
+                    break
+                block_ids.append(block_id)
+            if len(block_ids) < self.store.config.min_blocks:
+                return 0
+            return self._save_prompt(tokens[:len(block_ids) * bs], block_ids, traffic_class)
+        except Exception:  # the store is best effort: a failed save never fails the instance
+            logger.exception("saving a finished request's KV to the store failed")
+            self.store.metrics.dropped()
+            return 0
 
     def poll(self) -> KVConnectorEvents:
         ev = self.primary.poll() if self.primary is not None else KVConnectorEvents()

@@ -7,8 +7,8 @@ def model_class(model_type: str):
     """The nn.Module class implementing `model_type`; the error lists what is supported.
 
     NOTE: "deepseek_v41" is DeepSeek-V4.1's own model (`engine.models.deepseek_v41`, built from a
-    `V41Config`): a full-sequence CPU forward so far; the paged engine refuses V4.1 checkpoints at load
-    (`engine.loader.read_checkpoint_config`).
+    `V41Config`): its text backbone, full-sequence (`forward_full`) and as the paged engine's step over
+    `engine.cache.v41.V41KVCache`; `engine.loader.load_checkpoint` builds it for a V4.1 checkpoint.
     """
     if model_type == "deepseek_v4":
         from deepinfer.engine.models.deepseek_v4 import DeepseekV4ForCausalLM

@@ -291,10 +291,13 @@ class Attention(nn.Module):
     `backend`'s (an `engine.attention` backend chosen once at model construction).
     """
 
-    def __init__(self, config: ModelConfig, spec: LayerSpec, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, spec: LayerSpec, backend: AttentionBackend,
+                 ops: OpTable | None = None) -> None:
         super().__init__()
         H, D, NH = config.hidden_size, config.head_dim, config.num_attention_heads
         self.spec = spec
+        self.ops = ops if ops is not None else OpTable(torch.get_default_device())
+        """The model's small-op implementations ("attn_norm_rope", "attn_out_proj": `kernels.attn_proj`)."""
         self.backend = backend
         self.layer_idx = spec.layer_idx
         self.num_heads, self.head_dim = NH, D
@@ -321,8 +324,8 @@ class Attention(nn.Module):
         cos, sin = meta.rope[spec.rope]  # [T, rd/2] of this layer's flavour
         q_res = self.q_norm(self.wq_a(x))  # [T, q_lora_rank]
         q = self.wq_b(q_res).view(T, NH, D)
-        q = apply_rope(rms_norm(q, None, self.eps), cos, sin)  # [T, NH, D]
-        kv = apply_rope(self.norm(self.wkv(x)), cos, sin)  # [T, D]
+        q = self.ops.attn_norm_rope(q, None, self.eps, cos, sin)  # [T, NH, D]: apply_rope(rms_norm(q))
+        kv = self.ops.attn_norm_rope(self.wkv(x), self.norm.weight, self.norm.eps, cos, sin)  # [T, D]
         inputs = AttentionInputs(q=q, kv=kv, x=x, q_res=q_res, sink=self.attn_sink)
         if spec.is_compressed:
             inputs.compressor = self.compressor
@@ -331,22 +334,21 @@ class Attention(nn.Module):
             inputs.indexer = self.indexer
             inputs.index_kv, inputs.index_gate = self.indexer.compressor.project(x)
         out = self.backend.forward(spec, inputs, cache, meta)  # [T, NH, D]
-        # rotate the rope channels of the output back by the query position
+        if type(self.wo_a) is nn.Linear:
+            # the rope channels rotated back by the query position, then the grouped wo_a (one op)
+            return self.wo_b(self.ops.attn_out_proj(out.contiguous(), cos, sin, self.wo_a.weight, self.o_groups))
+        # wo_a kept quantized (engine.quant, chosen by the loader): rotate back, then per group
         out = apply_rope(out, cos, -sin)
         grouped = out.reshape(T, self.o_groups, -1).transpose(0, 1)  # [G, T, NH*D/G]
-        if type(self.wo_a) is not nn.Linear:  # kept quantized (engine.quant, chosen by the loader)
-            views = _row_group_views(self, "wo_a", self.o_groups)
-            if views is not None:  # group g's rows as an FP8 linear of its own (views, no copy)
-                y = torch.cat([view(grouped[g]) for g, view in enumerate(views)], dim=-1)  # [T, G*R]
-            else:
-                # NOTE: groups that do not start on a scale-block row (tiny test models): the whole module
-                # per group, keeping the group's own R outputs: exact, G times the work
-                R = self.wo_a.out_features // self.o_groups
-                y = torch.cat([self.wo_a(grouped[g])[:, g * R:(g + 1) * R] for g in range(self.o_groups)], dim=-1)
-            return self.wo_b(y)  # [T, H]
-        w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])  # [G, R, NH*D/G]
-        y = torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(T, -1)  # [T, G*R]
-        return self.wo_b(y)
+        views = _row_group_views(self, "wo_a", self.o_groups)
+        if views is not None:  # group g's rows as an FP8 linear of its own (views, no copy)
+            y = torch.cat([view(grouped[g]) for g, view in enumerate(views)], dim=-1)  # [T, G*R]
+        else:
+            # NOTE: groups that do not start on a scale-block row (tiny test models): the whole module
+            # per group, keeping the group's own R outputs: exact, G times the work
+            R = self.wo_a.out_features // self.o_groups
+            y = torch.cat([self.wo_a(grouped[g])[:, g * R:(g + 1) * R] for g in range(self.o_groups)], dim=-1)
+        return self.wo_b(y)  # [T, H]
 
 
 def _row_group_views(owner: nn.Module, name: str, groups: int) -> list[nn.Module] | None:
@@ -454,7 +456,7 @@ class DecoderLayer(nn.Module):
         self.ops = ops if ops is not None else OpTable(torch.get_default_device())
         """The model's small-op implementations (`kernels`), shared by every layer; picked once."""
         self.hc, self.iters, self.hc_eps, self.eps = hc, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps
-        self.attn = Attention(config, spec, attention_backend)
+        self.attn = Attention(config, spec, attention_backend, self.ops)
         self.ffn = MoE(config, config.mlp_layer_types[layer_idx] == "hash_moe", moe_backend)
         self.attn_norm = RMSNorm(H, config.rms_norm_eps)
         self.ffn_norm = RMSNorm(H, config.rms_norm_eps)

@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1 in plain PyTorch: the full-sequence forward of one sequence (no paged cache yet).
+"""DeepSeek-V4.1 in plain PyTorch: the full-sequence forward of one sequence, and the paged engine's step.
 
 Written from the description of DeepSeek's official reference (`inference/model.py`, `inference/engram.py`
 of the DeepSeek-V4.1-Flash release) in docs/V4_1.md, not copied from it. Module paths are the published
@@ -22,9 +22,15 @@ Sinkhorn, the top-k tie rule, the MoE backends):
 * Engram: n-gram hashes of a normalised compressed vocabulary index two large tables; the rows, mixed by
   `wkv`, enter the residual streams through a per-stream sigmoid gate before the layer's block.
 
-The forward runs the layers in order over the whole sequence and passes what sources publish in a
+`forward_full` runs the layers in order over the whole sequence and passes what sources publish in a
 `SharedState` (no module globals). Causality is exact: a position's output depends only on tokens at or
-before it. Not here yet: the paged cache, decode steps, DSpark stages, the vision tower.
+before it.
+
+The paged engine (`engine.engine.Engine`) runs `step(batch, cache)` over `engine.cache.v41.V41KVCache`: V4's
+step metadata (`build_attention_metadata` over `v41_layer_specs`), chunked prefill and batched decode rows in
+`PagedAttention` (KV sources write their ratio's pools, later layers read them, index sources publish their
+selections within the step), Engram hashes from a per-slot history ring. Not here: DSpark stages, the vision
+tower, FP8 / FP4 weights kept quantized, decoder-side bounded replay in the paged prefill.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from deepinfer.kernels.mhc import hc_weights_torch, mhc_post_torch
 def compressed_token_map(tokenizer) -> tuple[list[int], int]:
     """Token id -> compressed id over V4.1's normalised vocabulary, and the number of compressed ids.
 
-    `tokenizer`: a transformers fast tokenizer (its `backend_tokenizer` is decoded one id at a time,
+    `tokenizer`: a transformers fast tokenizer or a `tokenizers.Tokenizer` (decoded one id at a time,
     special tokens kept, no clean-up). Keys: NFKC, NFD, accents stripped, lower case, whitespace runs to
     one space, a lone space protected from the final strip; an empty result keeps the decoded text, and a
     decode with U+FFFD (a partial UTF-8 byte token) is keyed by the raw token string. Ids are numbered in
@@ -63,10 +69,11 @@ def compressed_token_map(tokenizer) -> tuple[list[int], int]:
         normalizers.Replace(Regex(r"[ \t\r\n]+"), " "), normalizers.Replace(Regex(r"^ $"), guard),
         normalizers.Strip(), normalizers.Replace(guard, " "),
     ])
-    backend = tokenizer.backend_tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)  # a `tokenizers.Tokenizer` (the engine's) too
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.get_vocab_size(with_added_tokens=True)
     ids: dict[str, int] = {}
     out = []
-    for tid in range(len(tokenizer)):
+    for tid in range(size):
         text = backend.decode([tid], skip_special_tokens=False)
         key = backend.id_to_token(tid) if "\ufffd" in text else (norm.normalize_str(text) or text)
         out.append(ids.setdefault(key, len(ids)))
@@ -121,17 +128,21 @@ class NgramHasher(nn.Module):
         if self.token_map.numel() == 0:
             raise RuntimeError("the Engram token map is not set (NgramHasher.set_token_map)")
         T = input_ids.shape[0]
-        comp = self.token_map[input_ids]
-        if live is not None:
-            comp = comp.masked_fill(~live, -1)
-        pad = self.token_map[self.pad_token_id]
+        ids = input_ids if live is None else input_ids.masked_fill(~live, -1)
         pos = torch.arange(T, device=input_ids.device)
-        cols, blocked = [], torch.zeros(T, dtype=torch.bool, device=input_ids.device)
-        for s in range(self.max_ngram):
-            src = comp[(pos - s).clamp(min=0)]
-            blocked = blocked | (pos < s) | (src < 0)
-            cols.append(torch.where(blocked, pad, src))
-        grams = torch.stack(cols, dim=-1)  # [T, max]
+        grams = torch.stack([torch.where(pos >= s, ids[(pos - s).clamp(min=0)], -1) for s in range(self.max_ngram)],
+                            dim=-1)  # [T, max]: the token at t - s, -1 where there is none
+        return self.hash_grams(grams)
+
+    def hash_grams(self, grams: torch.Tensor) -> torch.Tensor:
+        """grams [T, max_ngram] raw token ids at t, t-1, .. (-1: none, before the sequence or dead) -> row ids
+        [T, L, cols]. From the first -1 on, every slot holds the pad's compressed id (the block latches).
+        The paged engine calls this with each request's history from its cache slot (`engram_tokens`)."""
+        if self.token_map.numel() == 0:
+            raise RuntimeError("the Engram token map is not set (NgramHasher.set_token_map)")
+        blocked = (grams < 0).to(torch.int32).cummax(dim=-1).values.bool()
+        comp = self.token_map[grams.clamp(min=0)]
+        grams = torch.where(blocked, self.token_map[self.pad_token_id], comp)  # [T, max]
         prod = grams[:, None, :] * self.multipliers  # [T, L, max] (no overflow: the multipliers' bound)
         rolling, out = prod[..., 0], []
         for s in range(1, self.max_ngram):
@@ -222,7 +233,19 @@ class Compressor(nn.Module):
         n = x.shape[0] // r * r
         kv = self.wkv(x[:n].float()).view(n // r, r, -1)
         score = self.wgate(x[:n].float()).view(n // r, r, -1)
-        return self.norm((kv * score.softmax(dim=1)).sum(dim=1).to(x.dtype))
+        return self.pool(kv, score).to(x.dtype)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token projections (kv, gate) [T, dim] in float32 (gate None at ratio 1): what a paged step
+        buffers per slot until a group completes."""
+        return self.wkv(x.float()), (self.wgate(x.float()) if self.ratio > 1 else None)
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """Groups' projections kv, gate [n, ratio, dim] -> latents [n, dim]: normed softmax-weighted sums
+        (ratio 1: the normed projection itself)."""
+        if self.ratio == 1:
+            return self.norm(kv[:, 0])
+        return self.norm((kv.float() * gate.float().softmax(dim=1)).sum(dim=1))
 
 
 def candidate_blocks(scores: torch.Tensor, counts: torch.Tensor, num_blocks: int, block: int) -> torch.Tensor:
@@ -236,8 +259,11 @@ def candidate_blocks(scores: torch.Tensor, counts: torch.Tensor, num_blocks: int
     best = F.pad(scores, (0, nb * block - C), value=float("-inf")).view(T, nb, block).amax(-1)  # [T, nb]
     newest = torch.div(counts - 1, block, rounding_mode="floor")  # -1: nothing visible
     best = best.masked_fill(torch.arange(nb, device=scores.device)[None] == newest[:, None], float("inf"))
-    top = best.topk(min(num_blocks, nb), dim=-1)
-    keep = torch.zeros_like(best, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    # NOTE: ties go to the lower block (a stable sort, as `topk_mask`): CUDA's topk order, and independent of
+    # how many (invisible) columns follow, so a paged step that sees fewer columns keeps the same blocks
+    top = torch.sort(best, dim=-1, descending=True, stable=True)
+    k = min(num_blocks, nb)
+    keep = torch.zeros_like(best, dtype=torch.bool).scatter_(-1, top.indices[:, :k], top.values[:, :k] > float("-inf"))
     return keep.repeat_interleave(block, dim=-1)[:, :C]
 
 
@@ -261,23 +287,46 @@ class Indexer(nn.Module):
     def forward(self, x: torch.Tensor, qr: torch.Tensor, latent: torch.Tensor | None, rope: RopeTables,
                 shared: SharedState) -> torch.Tensor:
         """The selection [T, C] bool of this layer (published for the layers that reuse it)."""
-        T = x.shape[0]
         if self.owns_k:
-            shared.index_keys = apply_rope(self.k_norm(self.wk(latent)), *rope.entries[self.ratio])
+            shared.index_keys = self.index_keys(latent, *rope.entries[self.ratio])
         keys = shared.index_keys  # [C, index_head_dim]
-        q = apply_rope(self.wq_b(qr).view(T, self.num_heads, self.head_dim), *rope.tokens)
-        scores = F.relu(torch.einsum("thd,cd->thc", q.float(), keys.float()))
-        weights = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.num_heads**-0.5)
-        scores = (scores * weights[:, :, None]).sum(dim=1)  # [T, C]
+        scores = self.scores(x, qr, keys, *rope.tokens)
         counts = torch.div(rope.positions + 1, self.ratio, rounding_mode="floor")  # visible entries per query
         visible = torch.arange(keys.shape[0], device=x.device)[None] < counts[:, None]
+        selection, candidates = self.select(scores, visible, counts, shared.candidates)
         if self.is_candidate_source:
-            shared.candidates = candidate_blocks(scores.masked_fill(~visible, float("-inf")), counts,
-                                                 self.num_blocks, self.block)
-        elif self.uses_candidates:
-            visible = visible & shared.candidates
+            shared.candidates = candidates
+        return selection
+
+    def index_keys(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """A KV source's index keys [C, index_head_dim] from its latents [C, head_dim] (rotated at the entries)."""
+        return apply_rope(self.k_norm(self.wk(latent)), cos, sin)
+
+    def scores(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+        """Index scores [T, C] of the queries of x [T, H] / qr [T, q_lora_rank] over keys [C, d] (shared) or
+        [T, C, d] (each query its own: the paged engine's decode rows)."""
+        T = x.shape[0]
+        q = apply_rope(self.wq_b(qr).view(T, self.num_heads, self.head_dim), cos, sin)
+        eq = "thd,cd->thc" if keys.dim() == 2 else "thd,tcd->thc"
+        scores = F.relu(torch.einsum(eq, q.float(), keys.float()))
+        weights = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.num_heads**-0.5)
+        return (scores * weights[:, :, None]).sum(dim=1)  # [T, C]
+
+    def select(self, scores: torch.Tensor, visible: torch.Tensor, counts: torch.Tensor,
+               candidates: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(selection [T, C] bool, the candidate mask this layer publishes or None) from the scores, the causal
+        visibility [T, C], the visible counts [T] and the candidate source's mask (used by later index sources)."""
+        if self.is_candidate_source:
+            candidates = candidate_blocks(scores.masked_fill(~visible, float("-inf")), counts, self.num_blocks,
+                                          self.block)
+            published = candidates
+        else:
+            published = None
+            if self.uses_candidates:
+                visible = visible & candidates
         # NOTE: ties go to the lower entry (topk_mask); masked entries are never picked (docs/V4_1.md §5)
-        return topk_mask(scores, visible, self.topk)
+        return topk_mask(scores, visible, self.topk), published
 
 
 class Attention(nn.Module):
@@ -303,9 +352,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: RopeTables, shared: SharedState) -> torch.Tensor:
         """x [T, H] (after attn_norm) -> [T, H]."""
         T, NH, D = x.shape[0], self.num_heads, self.head_dim
-        qr = self.q_norm(self.wq_a(x))
-        q = apply_rope(self.wq_b(qr).view(T, NH, D), *rope.tokens).float()  # NOTE: no per-head norm in V4.1
-        kv = apply_rope(self.kv_norm(self.wkv(x)), *rope.tokens).float()  # [T, D]
+        qr, q, kv = self.project(x, *rope.tokens)
         pos = rope.positions  # the window's keys are the computed tokens themselves
         ok = (pos[None] <= pos[:, None]) & (pos[None] > pos[:, None] - self.window)  # [T, T] window
         logits = torch.einsum("thd,sd->ths", q, kv).masked_fill(~ok[:, None], float("-inf"))
@@ -323,7 +370,22 @@ class Attention(nn.Module):
         sink = self.attn_sink.float()[None, :, None].expand(T, NH, 1)
         probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]  # the sink joins the denominator
         out = torch.einsum("ths,sd->thd", probs, values).to(x.dtype)
-        out = apply_rope(out, rope.tokens[0], -rope.tokens[1])  # rotate back by the query position
+        return self.output(out, *rope.tokens)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(qr [T, q_lora_rank], q [T, NH, D] float32, kv [T, D] float32): the low-rank query, the rotated queries
+        (NOTE: no per-head norm in V4.1) and the rotated shared K=V of x [T, H]."""
+        T = x.shape[0]
+        qr = self.q_norm(self.wq_a(x))
+        q = apply_rope(self.wq_b(qr).view(T, self.num_heads, self.head_dim), cos, sin).float()
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin).float()
+        return qr, q, kv
+
+    def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Attention output [T, NH, D] -> [T, H]: rotated back by the query position, then the grouped `wo_a`
+        (block-diagonal over `o_groups`) and `wo_b`."""
+        T = out.shape[0]
+        out = apply_rope(out, cos, -sin)
         grouped = out.reshape(T, self.groups, -1)
         w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])  # [G, R, NH*D/G]: block-diagonal
         return self.wo_b(torch.einsum("tgd,grd->tgr", grouped, w).reshape(T, -1))
@@ -376,6 +438,187 @@ class MoE(nn.Module):
         return self.backend(x, weights.to(x.dtype), ids) + self.shared_experts(x)
 
 
+# --------------------------------------------------------------------------- the paged engine's step
+
+
+class PagedAttention:
+    """V4.1 attention of one layer over the paged cache (`engine.cache.v41.V41KVCache`) for one engine step.
+
+    The step's `AttentionMetadata` is V4's (`engine.attention.base.build_attention_metadata` over V4.1's layer
+    specs: non-overlapping compressors of each ratio, no V4 indexer): decode rows run as one batch, each
+    prefill chunk alone, exactly as the `torch` attention backend does; the window part of a prefill chunk is
+    that backend's `_attend_one`. What V4.1 adds is the ownership: only a KV source runs its compressor and
+    writes entries and index keys (into its row of the ratio's pools); every compressed layer reads its latest
+    source's row; an index source scores those keys and publishes its selection (and the candidate source its
+    block mask) for the same requests in later layers of the step (`selection` / `candidates`, per group:
+    "decode" or a prefill chunk's index).
+
+    Not a registered `AttentionBackend`: the seam's `AttentionInputs` / `LayerSpec` carry V4's per-layer
+    compressor and indexer, not V4.1's cross-layer reuse. `cuda_graph_safe` is False (eager decode).
+    """
+
+    name = "v41-torch"
+    cuda_graph_safe = False
+
+    def __init__(self) -> None:
+        self.selection: dict[object, torch.Tensor | None] = {}
+        self.candidates: dict[object, torch.Tensor | None] = {}
+
+    def reset(self) -> None:
+        """Forget the previous step's selections (each step starts with its own sources)."""
+        self.selection.clear()
+        self.candidates.clear()
+
+    def __call__(self, attn: Attention, layer: int, x: torch.Tensor, meta, cache) -> torch.Tensor:
+        """x [T, H] (after attn_norm) of the flat batch -> [T, H]; reads and writes `cache`."""
+        from deepinfer.engine.attention.torch_backend import TorchAttentionBackend
+
+        lay, r = cache.layout, attn.ratio
+        cos, sin = meta.rope["compress" if r else "main"]
+        qr, q, kv = attn.project(x, cos, sin)
+        out = torch.empty_like(q)
+        sink = attn.attn_sink.float()
+        pools = None
+        if r:
+            row = lay.source_row[layer]
+            pools = (cache.entries(r)[row], cache.index_keys(r)[row], row)
+        spec, dt = _PagedSpec(layer, attn.window), cache.window_kv.dtype
+        dm = meta.decode
+        if dm is not None:
+            rr = dm.rows
+            extra = self._decode_compressed(attn, r, x[rr], qr[rr], cos[rr], sin[rr], dm, cache, pools) if r else None
+            out[rr] = self._decode_attend(q[rr], kv[rr], sink, cache.window_kv[layer], dm, attn.window, extra)
+        for ci, chunk in enumerate(meta.prefill):
+            sl = chunk.rows
+            extra = self._chunk_compressed(attn, r, ci, chunk, x[sl], qr[sl], cos[sl], sin[sl], cache,
+                                           pools) if r else None
+            if extra is not None:
+                extra = (extra[0].to(dt), extra[1])
+            # NOTE: in the cache's dtype, as V4's layers hand it over (a no-op in float32)
+            out[sl] = TorchAttentionBackend._attend_one(spec, chunk, q[sl].to(dt), kv[sl].to(dt), sink, cache, extra)
+        return attn.output(out.to(x.dtype), cos, sin)
+
+    # -- the compressed branch ------------------------------------------------------------------
+
+    @staticmethod
+    def _emit(attn: Attention, latent: torch.Tensor, rope, rows: torch.Tensor, pools) -> None:
+        """Write the entries (rotated latents) and index keys of new groups at flat pool rows `rows`."""
+        entries, keys_pool, _ = pools
+        cos, sin = rope
+        entries.view(-1, entries.shape[-1])[rows] = apply_rope(latent, cos, sin).to(entries.dtype)
+        keys = attn.indexer.index_keys(latent.to(attn.indexer.wk.weight.dtype), cos, sin)
+        keys_pool.view(-1, keys_pool.shape[-1])[rows] = keys.to(keys_pool.dtype)
+
+    def _select(self, attn: Attention, group, x, qr, keys, visible, counts, cos, sin) -> None:
+        """An index source's selection for `group` (and the candidate source's mask), published for later layers."""
+        if attn.indexer is None:
+            return
+        scores = attn.indexer.scores(x, qr, keys, cos, sin)
+        sel, cand = attn.indexer.select(scores, visible, counts, self.candidates.get(group))
+        self.selection[group] = sel
+        if attn.indexer.is_candidate_source:
+            self.candidates[group] = cand
+
+    def _decode_compressed(self, attn, r, x, qr, cos, sin, dm, cache, pools):
+        """Decode rows: advance the source's compressor, emit completed groups; (entries [B, C, D], mask) or None."""
+        entries, keys_pool, row = pools
+        if attn.compressor is not None:
+            geo = dm.compressors[(r, False)]
+            ring_kv = cache.tensors[f"comp_kv_r{r}"][row]  # [slots, r, D]
+            kvp, gp = attn.compressor.project(x)
+            ring_kv[dm.slots, geo.ring_rows] = kvp.to(ring_kv.dtype)
+            ring_gate = cache.tensors.get(f"comp_gate_r{r}")
+            if gp is not None:
+                ring_gate = ring_gate[row]
+                ring_gate[dm.slots, geo.ring_rows] = gp.to(ring_gate.dtype)
+            if geo.num_done:  # a host int from the metadata
+                slots = geo.slots[:, None]
+                latent = attn.compressor.pool(ring_kv[slots, geo.cur_rows],
+                                              None if gp is None else ring_gate[slots, geo.cur_rows])
+                self._emit(attn, latent, geo.entry_rope, geo.pool_rows, pools)
+        index = dm.compressed[r]
+        if index is None:  # no row sees an entry yet
+            if attn.indexer is not None:
+                self.selection["decode"] = None
+            return None
+        ent = entries.view(-1, entries.shape[-1])[index.pool_rows]  # [B, C, D]
+        keys = keys_pool.view(-1, keys_pool.shape[-1])[index.pool_rows]  # [B, C, ID]
+        self._select(attn, "decode", x, qr, keys, index.visible, (dm.pos + 1) // r, cos, sin)
+        return ent, self.selection["decode"]
+
+    def _chunk_compressed(self, attn, r, ci, chunk, x, qr, cos, sin, cache, pools):
+        """One prefill chunk: run the source's compressor over buffered + new tokens, emit the groups the chunk
+        completes, keep its tail buffered; (entries [C, D], mask [n, C]) or None while no entry exists."""
+        entries, keys_pool, row = pools
+        geo = chunk.compressors[(r, False)]
+        if attn.compressor is not None:
+            ring_kv = cache.tensors[f"comp_kv_r{r}"][row, chunk.slot]  # [r, D]
+            ring_gate = cache.tensors[f"comp_gate_r{r}"][row, chunk.slot] if r > 1 else None
+            kvp, gp = attn.compressor.project(x)
+            if geo.windows.numel() > 0:
+                span_kv, span_gate = kvp, gp
+                if geo.hist_rows is not None:
+                    span_kv = torch.cat([ring_kv[geo.hist_rows].float(), kvp], dim=0)
+                    span_gate = None if gp is None else torch.cat([ring_gate[geo.hist_rows].float(), gp], dim=0)
+                latent = attn.compressor.pool(span_kv[geo.cur_rows], None if gp is None else span_gate[geo.cur_rows])
+                self._emit(attn, latent, geo.entry_rope, geo.write_rows, pools)
+            keep = geo.tail_rows.shape[0]
+            ring_kv[geo.tail_rows] = kvp[-keep:].to(ring_kv.dtype)
+            if gp is not None:
+                ring_gate[geo.tail_rows] = gp[-keep:].to(ring_gate.dtype)
+        if geo.entry_rows is None:
+            if attn.indexer is not None:
+                self.selection[ci] = None
+            return None
+        ent = entries.view(-1, entries.shape[-1])[geo.entry_rows]  # [C, D]
+        keys = keys_pool.view(-1, keys_pool.shape[-1])[geo.entry_rows]  # [C, ID]
+        pos = torch.arange(chunk.num_computed_tokens, chunk.num_computed_tokens + chunk.num_tokens, device=x.device)
+        self._select(attn, ci, x, qr, keys, geo.visible, (pos + 1) // r, cos, sin)
+        return ent.float(), self.selection[ci]
+
+    @staticmethod
+    def _decode_attend(q, kv, sink, ring, dm, W: int, extra) -> torch.Tensor:
+        """Decode rows: write each row's key into its ring, attend over the ring + selected entries + the sink."""
+        ring[dm.slots, dm.window_rows[W]] = kv.to(ring.dtype)
+        keys = ring[dm.slots].float()  # [B, W, D]
+        scale = q.shape[-1]**-0.5
+        parts = [(torch.einsum("bhd,bwd->bhw", q, keys) * scale).masked_fill(~dm.window_valid[W][:, None, :],
+                                                                             float("-inf"))]
+        if extra is not None:
+            entries, mask = extra
+            entries = entries.float()
+            parts.append((torch.einsum("bhd,bcd->bhc", q, entries) * scale).masked_fill(~mask[:, None, :],
+                                                                                        float("-inf")))
+        parts.append(sink.view(1, -1, 1).expand(q.shape[0], -1, 1))
+        probs = torch.cat(parts, dim=-1).softmax(dim=-1)  # the sink keeps every row finite
+        o = torch.einsum("bhw,bwd->bhd", probs[..., :W], keys)
+        if extra is not None:
+            o = o + torch.einsum("bhc,bcd->bhd", probs[..., W:W + entries.shape[1]], entries)
+        return o
+
+
+@dataclass(frozen=True)
+class _PagedSpec:
+    """What the `torch` backend's `_attend_one` reads of a layer (its ring's layer and the window)."""
+
+    layer_idx: int
+    window: int
+
+
+def v41_layer_specs(config: V41Config):
+    """V4's `LayerSpec`s that make `build_attention_metadata` describe V4.1's geometry: window-only layers, and
+    compressed layers as non-overlapping compressors of their ratio without V4's indexer (one block table; the
+    pools' rows are the KV sources', `engine.cache.v41`)."""
+    from deepinfer.engine.attention.base import LayerSpec
+
+    return tuple(
+        LayerSpec(layer_idx=i, kind="hca" if r else "sliding", kind_index=-1, compress_rate=r,
+                  window=config.sliding_window, is_overlap=False, has_indexer=False,
+                  rope="compress" if r else "main")
+        for i, r in enumerate(config.compress_ratios[: config.num_hidden_layers])
+    )
+
+
 # --------------------------------------------------------------------------- the model
 
 
@@ -409,9 +652,14 @@ class Block(nn.Module):
         NOTE: each sublayer's mixes come from the streams entering it; its post/comb update its own residual,
         its pre collapses the *next* sublayer's input (docs/V4_1.md §8).
         """
+        return self.mix(streams, pre, lambda x: self.attn(x, rope, shared), image_mask)
+
+    def mix(self, streams: torch.Tensor, pre: torch.Tensor, attend, image_mask: torch.Tensor | None):
+        """`forward` with the attention given as `attend(x [T, H] after attn_norm) -> [T, H]` (the full-sequence
+        forward or the paged engine's step)."""
         attn_pre, post, comb = self._weights("attn", streams)
         x = (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
-        streams = mhc_post_torch(self.attn(self.attn_norm(x), rope, shared), streams, post, comb)
+        streams = mhc_post_torch(attend(self.attn_norm(x)), streams, post, comb)
         ffn_pre, post, comb = self._weights("ffn", streams)
         x = (attn_pre[..., None] * streams).sum(dim=1).to(streams.dtype)
         streams = mhc_post_torch(self.ffn(self.ffn_norm(x), image_mask), streams, post, comb)
@@ -440,6 +688,12 @@ class DeepseekV41ForCausalLM(nn.Module):
             inv, scale = rope_inv_freq(rope, rd)
             self.register_buffer(f"inv_freq_{name}", inv, persistent=False)
             setattr(self, f"rope_scale_{name}", scale)
+        self.layer_specs = v41_layer_specs(config)
+        """V4's `LayerSpec`s describing V4.1's geometry to the step metadata builder (`v41_layer_specs`)."""
+        self.backend = PagedAttention()
+        """The paged attention of every layer (and the step's published selections); not CUDA-graph safe."""
+        self.vision = None
+        """No vision tower (V4.1's is not built; the loader refuses a `vision_config`)."""
 
     def set_engram_token_map(self, token_map) -> None:
         """Install the compressed-id map (`compressed_token_map(tokenizer)[0]`) the Engram hashes read."""
@@ -502,6 +756,73 @@ class DeepseekV41ForCausalLM(nn.Module):
         hidden = self.norm((pre[..., None] * streams).sum(dim=1).to(streams.dtype))
         return F.linear(hidden, self.head.weight).float()
 
+    # ------------------------------------------------------------------ the paged engine (engine.engine.Engine)
+
+    def prepare_for_inference(self) -> None:
+        """Once after loading: hand each MoE's experts to its backend."""
+        for layer in self.layers:
+            layer.ffn.backend.prepare(layer.ffn.experts)
+            layer.ffn._prepared_ptr = layer.ffn.experts[0].w1.weight.data_ptr()
+
+    def build_attention_metadata(self, batch, cache):
+        """The step's `AttentionMetadata` (V4's builder over `layer_specs`; the model runner builds it once)."""
+        from deepinfer.engine.attention.base import build_attention_metadata
+
+        rope_fns = {"main": lambda p: self._rope("main", p), "compress": lambda p: self._rope("compress", p)}
+        return build_attention_metadata(batch, self.layer_specs, rope_fns, cache.block_size)
+
+    def _engram_rows_paged(self, batch, cache) -> torch.Tensor:
+        """Engram row ids [T, L, cols] of the step's new tokens, each request's history read from (and its newest
+        tokens written to) its slot's `engram_tokens` ring. History before the slot's `state_start` (or before
+        position 0) counts as no token: exact for positions whose `max_ngram - 1` predecessors were computed in
+        this life (a replay covers them: `exact_replay_tokens`)."""
+        ring = cache.tensors["engram_tokens"][0]  # [slots, m1]
+        m1 = ring.shape[-1]
+        device = batch.input_ids.device
+        grams = []
+        for i, s in enumerate(batch.seqs):
+            a, n, p0 = batch.starts[i], s.num_new_tokens, s.num_computed_tokens
+            hp = torch.arange(p0 - m1, p0, device=device)
+            hist = torch.where(hp >= s.state_start, ring[s.slot, hp % m1], -1)
+            ext = torch.cat([hist, batch.input_ids[a:a + n]])  # positions p0 - m1 .. p0 + n - 1
+            grams.append(torch.stack([ext[m1 - k:m1 - k + n] for k in range(m1 + 1)], dim=-1))  # [n, m1 + 1]
+            ring[s.slot, torch.arange(p0 + n - m1, p0 + n, device=device) % m1] = ext[-m1:]
+        return self.engram_hash.hash_grams(torch.cat(grams))
+
+    def forward(self, batch, cache, meta=None) -> torch.Tensor:
+        """The paged step: hidden [T, H] of the flat batch (`engine.forward_batch.ForwardBatch`) over `cache`
+        (`engine.cache.v41.V41KVCache`), updated in place. `meta`: the step's metadata (else the batch's, else
+        built here). Text only (no image spans)."""
+        if meta is None:
+            meta = batch.attn_metadata if batch.attn_metadata is not None else self.build_attention_metadata(batch,
+                                                                                                             cache)
+        if batch.input_embeds is not None:
+            raise ValueError("DeepSeek-V4.1's vision tower is not built: the paged step takes text only")
+        T, hc = batch.num_tokens, self.config.hc_mult
+        rows = self._engram_rows_paged(batch, cache) if self.engram_hash is not None else None
+        streams = self.embed(batch.input_ids)[:, None, :].expand(T, hc, -1).contiguous()  # [T, hc, H]
+        pre = torch.zeros(T, hc, dtype=torch.float32, device=streams.device)
+        pre[:, 0] = 1.0  # the first attention reads stream 0
+        self.backend.reset()
+        for i, layer in enumerate(self.layers):
+            if layer.engram is not None:
+                streams = layer.engram(streams, rows[:, layer.engram.slot], None)
+            streams, pre = layer.mix(streams, pre, lambda x, i=i, layer=layer: self.backend(layer.attn, i, x, meta,
+                                                                                              cache), None)
+        return self.norm((pre[..., None] * streams).sum(dim=1).to(streams.dtype))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, H] -> float32 logits [n, vocab]."""
+        return F.linear(hidden, self.head.weight).float()
+
+    @torch.inference_mode()
+    def step(self, batch, cache, meta=None) -> torch.Tensor:
+        """`forward` + logits at `batch.logits_indices` (float32 [num_logits, vocab])."""
+        hidden = self.forward(batch, cache, meta)
+        if batch.logits_indices is not None:
+            hidden = hidden[batch.logits_indices]
+        return self.compute_logits(hidden)
+
 
 
 # --------------------------------------------------------------------------- the published layout
@@ -553,7 +874,7 @@ def published_tensors(model: DeepseekV41ForCausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_published(path) -> DeepseekV41ForCausalLM:
+def load_published(path, moe_backend: str = "torch") -> DeepseekV41ForCausalLM:
     """A V4.1 checkpoint in the published layout -> the float32 model (quantized tensors dequantized exactly).
 
     For tests and the CPU reference path only (it reads every tensor, the Engram tables included, into
@@ -568,7 +889,7 @@ def load_published(path) -> DeepseekV41ForCausalLM:
     from deepinfer.engine.quant.formats import dequant_fp4, dequant_fp8_block
 
     path = Path(path)
-    model = DeepseekV41ForCausalLM(V41Config.from_json_file(path))
+    model = DeepseekV41ForCausalLM(V41Config.from_json_file(path), moe_backend=moe_backend)
     index = path / "model.safetensors.index.json"
     files = (sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.is_file()
              else [path / "model.safetensors"])
@@ -602,11 +923,58 @@ def load_published(path) -> DeepseekV41ForCausalLM:
     return model
 
 
+ENGRAM_TOKEN_MAP_FILE = "engram_token_map.json"
+"""An optional file beside config.json: the Engram compressed-id map as a JSON list (one int per token id). Tiny
+test checkpoints ship their random map in it; without it the map is built from the checkpoint's tokenizer."""
+
+
+def engram_token_map_for(path, config: V41Config) -> list[int]:
+    """The Engram compressed-id map of checkpoint `path`: `ENGRAM_TOKEN_MAP_FILE` when present, else
+    `compressed_token_map` of its tokenizer (whose count must equal `engram_compressed_vocab_size`). Ids past
+    the tokenizer's vocabulary (the model's padding rows) map to the pad token's compressed id."""
+    import json
+    from pathlib import Path
+
+    file = Path(path) / ENGRAM_TOKEN_MAP_FILE
+    if file.is_file():
+        token_map = [int(v) for v in json.loads(file.read_text())]
+    else:
+        from deepinfer.engine.tokenizer import load_tokenizer
+
+        token_map, count = compressed_token_map(load_tokenizer(path))
+        if count != config.engram_compressed_vocab_size:
+            raise ValueError(f"{path}: the tokenizer's normalised vocabulary has {count} ids, config.json's "
+                             f"`engram_compressed_vocab_size` is {config.engram_compressed_vocab_size}: the Engram hashes "
+                             f"need the checkpoint's own tokenizer (or an {ENGRAM_TOKEN_MAP_FILE}).")
+    if len(token_map) < config.vocab_size:
+        token_map = token_map + [token_map[config.engram_pad_token_id]] * (config.vocab_size - len(token_map))
+    return token_map[: config.vocab_size]
+
+
+def load_for_engine(path, config: V41Config, dtype: torch.dtype, device, moe_backend: str = "torch"):
+    """The paged engine's V4.1 model (`engine.loader.load_checkpoint`): `load_published` (every tensor read and
+    dequantized on the CPU, the Engram tables included: no streaming, no FP8 kept), the Engram token map
+    (`engram_token_map_for`), weights cast to `dtype` except the float32-kept ones (mHC, sinks, router biases,
+    norms, the compressors), moved to `device`, MoE backends prepared."""
+    model = load_published(path, moe_backend=moe_backend)
+    if config.engram_layer_ids:
+        model.set_engram_token_map(engram_token_map_for(path, config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            keep = published_storage(name) == "fp32" or name.endswith("norm.weight") or ".compressor." in name
+            p.data = p.data.to(device=device, dtype=torch.float32 if keep else dtype)
+    model.to(device)
+    model.eval().requires_grad_(False)
+    model.prepare_for_inference()
+    return model
+
+
 def compressed_kv_bytes_per_token(config: V41Config) -> float:
     """Bytes per token of V4.1's compressed KV as the reference stores it (docs/V4_1.md §4): only KV sources
     own entries, one per `ratio` tokens, each an FP4 latent with an E4M3 scale per 16 values plus an FP4
     index key with a UE8M0 scale per 32 values. DeepSeek-V4.1-Flash: 890 bytes per token.
-    NOTE: inferred from the reference's quantization calls, not from a cache layout of ours (the paged
-    engine does not hold V4.1's cache yet)."""
+    NOTE: inferred from the reference's quantization calls, not from a cache layout of ours: the paged engine's
+    pools (`engine.cache.v41`) hold entries and index keys unquantized, in the cache dtype
+    (`V41CacheLayout.compressed_bytes_per_token`: 3200 B/token for Flash in BF16)."""
     entry = config.head_dim // 2 + config.head_dim // 16 + config.index_head_dim // 2 + config.index_head_dim // 32
     return sum(entry / config.compress_ratios[s] for s in config.kv_source_layer_ids)

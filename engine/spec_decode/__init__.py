@@ -28,7 +28,7 @@ Rejected drafts leave no trace (`rollback`, whose docstring has the argument):
   chained draft positions are snapshotted and restored the same way.
 
 **Verify chunks as one batch** (`verify_rows`): with an attention backend that has the path
-(`supports_verify_rows`: the torch backend), the step's verify chunks leave the per-request prefill
+(`supports_verify_rows`: the torch backend; not the batch-invariant one), the step's verify chunks leave the per-request prefill
 path and are attended together, `N = max(1 + L)` queries per request (same results within float32
 rounding; `SpecDecoding.batched_verify`).
 

@@ -141,8 +141,19 @@ class StepCostTable:
 
     @classmethod
     def load(cls, path: str | Path) -> StepCostTable:
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        """The table in the JSON file `path`; ValueError naming the file when it is not one (bad JSON, a missing
+        or malformed field, a grid that does not fit its axes)."""
+        try:
+            with open(path) as f:
+                d = json.load(f)
+            if not isinstance(d, dict):
+                raise ValueError("not a JSON object")
+            return cls.from_dict(d)
+        except (ValueError, KeyError, TypeError) as e:  # json.JSONDecodeError is a ValueError
+            what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+            hint = "" if "--profile-cost" in what else (
+                "; write one with `python -m deepinfer.benchmarks.speculative --profile-cost --json FILE`")
+            raise ValueError(f"{path}: not a valid step-cost table ({what}){hint}") from None
 
 
 @torch.inference_mode()

@@ -383,7 +383,8 @@ def write_published_v41(out: str | Path, *, seed: int = 0, text_config: Mapping[
     """A random V4.1 checkpoint in the published layout (`deepseek_v41.published_storage`: FP8 e4m3 with UE8M0
     32x32 block scales, FP4 experts, FP8 Engram tables with 1x32 row scales) and config.json with
     `text_config` and `quantization_config`, from `random_v41_model(seed)` (`TINY_V41_TEXT_CONFIG` by default).
-    The Engram token map is not a tensor of the checkpoint (it derives from the tokenizer). Returns `out`."""
+    The Engram token map is not a tensor of the checkpoint (it derives from the tokenizer): the random one is
+    written beside config.json (`deepseek_v41.ENGRAM_TOKEN_MAP_FILE`), which the engine's loader reads. Returns `out`."""
     from deepinfer.engine.config import V41Config
     from deepinfer.engine.models.deepseek_v41 import published_tensors
 
@@ -397,6 +398,10 @@ def write_published_v41(out: str | Path, *, seed: int = 0, text_config: Mapping[
     out.mkdir(parents=True, exist_ok=True)
     _save_sharded(out, published_tensors(model), max_shard_size)
     (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+    if model.engram_hash is not None:  # the random map (a real checkpoint's derives from its tokenizer)
+        from deepinfer.engine.models.deepseek_v41 import ENGRAM_TOKEN_MAP_FILE
+
+        (out / ENGRAM_TOKEN_MAP_FILE).write_text(json.dumps(model.engram_hash.token_map.tolist()) + "\n")
     return out
 
 

@@ -342,7 +342,10 @@ async def _recipe_route(front: Front, api: str, request: Request) -> Response:
     token_request = entrypoint_pb2.GenerateRequest(
         request_id=prepared.response_id, prompt_token_ids=prepared.prompt_token_ids,
         sampling_params=prepared.sampling_params(), images=prepared.images,
-        is_max_tokens_default=prepared.is_max_tokens_default, kv_traffic_class=_traffic_class(front, request))
+        is_max_tokens_default=prepared.is_max_tokens_default, kv_traffic_class=_traffic_class(front, request),
+        # a chat turn: its next turn extends this prompt and answer (the decode stage stores both; n > 1 is
+        # set per choice below, unmarked: only one of the answers could continue)
+        is_conversation=True)
     if prepared.n > 1:
         answer = await _recipe_choices(front, api, prepared, request, t_accept)
         return Response(_echo_seed(answer, seed), media_type="application/json", headers=headers)
@@ -791,15 +794,33 @@ async def _token_sse(builder, run: _Run, first: entrypoint_pb2.GenerateResponse)
         yield f"data: {json.dumps(error.openai_body())}\n\n".encode()
 
 
+def https_files(config: HttpConfig) -> tuple[str | None, str | None]:
+    """The (certificate, key) files the front serves HTTPS with, or (None, None) for plain HTTP: its own
+    `https_cert` / `https_key`, else the process's cluster TLS certificate (`serving.auth.tls_settings`),
+    unless `https` is off. ValueError when only one of the pair is given."""
+    if not config.https:
+        return None, None
+    if bool(config.https_cert) != bool(config.https_key):
+        raise ValueError("--https-cert and --https-key go together (the certificate and its private key)")
+    if config.https_cert:
+        return config.https_cert, config.https_key
+    from deepinfer.serving.auth import tls_settings
+
+    tls = tls_settings()
+    return (tls.cert_path, tls.key_path) if tls is not None and tls.is_server else (None, None)
+
+
 def serve(config: HttpConfig, *, on_ready=None) -> None:
     """Blocks serving the HTTP front with uvicorn until SIGINT / SIGTERM.
 
-    Binds first, then calls `on_ready(address)` (e.g. to print it), so a port of 0 works.
+    Binds first, then calls `on_ready(address)` (e.g. to print it: `https://...` when it serves HTTPS,
+    `https_files`), so a port of 0 works.
     """
     import socket
 
     import uvicorn
 
+    cert, key = https_files(config)
     app = create_app(config)
     sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -810,7 +831,8 @@ def serve(config: HttpConfig, *, on_ready=None) -> None:
     sock.listen(2048)
     host, port = sock.getsockname()[:2]
     if on_ready is not None:
-        on_ready(f"http://{host}:{port}")
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
+        on_ready(f"{'https' if cert else 'http'}://{host}:{port}")
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+                                           ssl_certfile=cert, ssl_keyfile=key))
     server.run(sockets=[sock])
 

@@ -81,3 +81,12 @@ class HttpConfig(BaseModel):
     """`json`: one JSON object per log line (time, level, logger, message, request_id when known)."""
     access_log: bool = True
     """One `entrypoint.http.access` log line per request: method, path, status, duration, request ids."""
+    https: bool = True
+    """Serve HTTPS when a certificate is known: `https_cert`, else the process's cluster TLS certificate
+    (`--tls-cert` / DEEPINFER_TLS_CERT, `serving.auth`). `--no-https`: plain HTTP even then (a TLS-terminating
+    proxy in front); without any certificate the front serves plain HTTP."""
+    https_cert: str | None = None
+    """PEM certificate (chain) of the HTTPS front when it differs from the cluster's (a public name);
+    None = the cluster TLS certificate, if any."""
+    https_key: str | None = None
+    """PEM private key of `https_cert`."""

@@ -6,13 +6,19 @@ first decode chunk), time to first token, inter-token latency, tokens in and out
 cached prompt tokens, requests in flight here, and, gathered at scrape time, the cluster's view from
 the entrypoint's Health (requests in flight there, healthy instances per stage) and, when the
 balancer addresses are configured, each stage instance's stats (`deepinfer_stage_*{stage,instance}`:
-KV blocks, requests, KV transfer bytes, read from the instance's Health).
+KV blocks, requests, KV transfer bytes, preemptions, prefix-cache hit rate; the latency histograms
+`deepinfer_stage_latency_seconds{phase}` of queue, prefill, engine step and KV transfer; errors by cause
+`deepinfer_stage_errors_total{cause}`; the KV store's figures, `deepinfer_stage_kvstore_*`, per traffic class
+`deepinfer_stage_kvstore_class_*{stage,instance,traffic_class}`), read from the instance's Health.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+from deepinfer.kvstore.metrics import CLASS_STATS as KVSTORE_CLASS_STATS
+from deepinfer.kvstore.metrics import HEALTH_STATS as KVSTORE_STATS
 
 STAGE_STATS = {
     "num_kv_blocks_used": "KV cache blocks in use on the instance",
@@ -41,6 +47,10 @@ STAGE_STATS = {
     "spec_decode_accepted_drafts_total": "Speculative decoding: drafts accepted on the decode instance",
     "spec_decode_verified_drafts_total": "Speculative decoding: drafts verified on the decode instance",
     "spec_decode_emitted_tokens_total": "Speculative decoding: tokens emitted by verifications on the decode instance",
+    "prefix_cache_hit_rate": "Prompt tokens served from the instance's prefix cache / prompt tokens it scheduled",
+    "prefix_cache_queried_tokens_total": "Prompt tokens of the requests the instance scheduled, since it started",
+    "prefix_cache_hit_tokens_total": "Prompt tokens served from the instance's prefix cache, since it started",
+    **KVSTORE_STATS,  # the persistent KV store (`kvstore.metrics`); its per-class figures: `kvstore_class` below
 }
 """Worker Health stats exported per instance (as gauges: they are read, not counted, here)."""
 
@@ -61,11 +71,50 @@ class _PhaseCollector:
                                        labels=["phase"])
         for phase, h in sorted(self.phases.items()):
             try:
-                buckets = [(f"{le:g}", c) for le, c in zip(h["le"], h["buckets"])] + [("+Inf", h["buckets"][-1])]
-                family.add_metric([phase], buckets, h["sum"])
+                family.add_metric([phase], _histogram_buckets(h), h["sum"])
             except (KeyError, TypeError, IndexError):
                 continue  # an entrypoint of another version: leave the phase out
         yield family
+
+
+def _histogram_buckets(h: dict) -> list[tuple[str, float]]:
+    """A histogram of `engine.latency.LatencyHistograms.as_dict()`'s shape as prometheus_client buckets."""
+    return [(f"{le:g}", c) for le, c in zip(h["le"], h["buckets"])] + [("+Inf", h["buckets"][-1])]
+
+
+class _StageCollector:
+    """The stage instances' histograms and errors, as their Health last reported them (`set_stages`):
+
+    * `deepinfer_stage_latency_seconds{stage,instance,phase}`: `queue` (entered the engine's scheduler -> first
+      scheduled; on decode after the KV landed), `prefill` (first scheduled -> first token: the prompt's
+      compute), `step` (one engine step: the decode step time on decode instances), `kv_transfer` (a KV send,
+      posted -> done, on prefill instances);
+    * `deepinfer_stage_errors_total{stage,instance,cause}`: in-band errors the instance answered, by cause
+      (`serving.errors.cause_of`)."""
+
+    def __init__(self) -> None:
+        self.stats: dict[tuple[str, str], dict] = {}
+
+    def collect(self):
+        latency = HistogramMetricFamily("deepinfer_stage_latency_seconds",
+                                        "Per-stage latencies on each instance: queue, prefill, step (engine step; the "
+                                        "decode step on decode), kv_transfer (KV send, posted -> done)",
+                                        labels=["stage", "instance", "phase"])
+        errors = CounterMetricFamily("deepinfer_stage_errors", "In-band errors each instance answered, by cause",
+                                     labels=["stage", "instance", "cause"])
+        for (stage, instance_id), stats in sorted(self.stats.items()):
+            hists = stats.get("latency_seconds")
+            for phase, h in sorted(hists.items()) if isinstance(hists, dict) else ():
+                try:
+                    latency.add_metric([stage, instance_id, phase], _histogram_buckets(h), h["sum"])
+                except (KeyError, TypeError, IndexError):
+                    continue  # an instance of another version: leave the phase out
+            causes = stats.get("errors_by_cause")
+            for cause, n in sorted(causes.items()) if isinstance(causes, dict) else ():
+                if isinstance(n, (int, float)):
+                    errors.add_metric([stage, instance_id, cause], n)
+        yield latency
+        yield errors
 
 
 class HttpMetrics:
@@ -112,6 +161,12 @@ class HttpMetrics:
 
         self.stage = {name: Gauge(f"deepinfer_stage_{name}", help_, ["stage", "instance"], registry=r)
                       for name, help_ in STAGE_STATS.items()}
+        self.kvstore_class = {name: Gauge(f"deepinfer_stage_kvstore_class_{name}", help_,
+                                          ["stage", "instance", "traffic_class"], registry=r)
+                              for name, help_ in KVSTORE_CLASS_STATS.items()}
+        """The KV store's per-class figures of each instance (Health stats `kvstore_classes`)."""
+        self.stage_histograms = _StageCollector()
+        r.register(self.stage_histograms)
 
     def update_hit_rate(self) -> None:
         """Recompute the prefix-cache hit rate from the token counters (all endpoints)."""
@@ -121,12 +176,20 @@ class HttpMetrics:
         self.prefix_cache_hit_rate.set(cached / prompt if prompt else 0.0)
 
     def set_stages(self, stats_by_instance: dict[tuple[str, str], dict]) -> None:
-        """Replace the per-instance gauges with `{(stage, instance_id): Health stats}`."""
+        """Replace the per-instance gauges, histograms and error counts with `{(stage, instance_id): Health stats}`."""
+        self.stage_histograms.stats = dict(stats_by_instance)
         for name, gauge in self.stage.items():
             gauge.clear()
             for (stage, instance_id), stats in stats_by_instance.items():
                 if isinstance(stats.get(name), (int, float)):
                     gauge.labels(stage, instance_id).set(stats[name])
+        for name, gauge in self.kvstore_class.items():
+            gauge.clear()
+            for (stage, instance_id), stats in stats_by_instance.items():
+                classes = stats.get("kvstore_classes")
+                for cls, figures in (classes.items() if isinstance(classes, dict) else ()):
+                    if isinstance(figures, dict) and isinstance(figures.get(name), (int, float)):
+                        gauge.labels(stage, instance_id, cls).set(figures[name])
 
     def set_cluster(self, is_healthy: bool, stats: dict) -> None:
         self.cluster_healthy.set(1 if is_healthy else 0)

@@ -51,6 +51,7 @@ def test_demo_runs_on_the_embedded_default(tmp_path):
     chat format, then goes down."""
     r = _cli("demo", "--max-tokens", "16", env={"DEEPINFER_HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr
+    assert "# starting a local cluster for " in r.stderr.split("# local cluster up")[0]  # said before the slow part
     lines = [json.loads(x) for x in r.stdout.splitlines()]
     assert [(x["question"], x["answer"], x["finish_reason"]) for x in lines] == [
         ("Reverse these words: red green blue", "blue green red", "stop"),

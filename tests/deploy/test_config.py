@@ -17,6 +17,19 @@ from deepinfer.deploy.launcher import read_state, remove_state, write_state
 CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
 
 
+def test_laptop_yaml_is_the_default():
+    """laptop.yaml says it is what `deepinfer up` runs with no arguments: every role's config agrees (issue 31:
+    its block counts used to differ)."""
+    laptop = ClusterConfig.load(CONFIGS / "laptop.yaml")
+    default = ClusterConfig(kv_store_dir=laptop.kv_store_dir)
+    for role in ("vision", "prefill", "decode", "vision_lb", "prefill_lb", "decode_lb", "entrypoint"):
+        kwargs = dict(instance_id="x-0", lb_address="127.0.0.1:9", lb_addresses=("127.0.0.1:1", "127.0.0.1:2"))
+        assert laptop.role_config(role, **kwargs) == default.role_config(role, **kwargs), role
+    assert laptop.http == default.http and laptop.host == default.host
+    assert [s.groups for s in (laptop.vision, laptop.prefill, laptop.decode)] == \
+        [s.groups for s in (default.vision, default.prefill, default.decode)]
+
+
 def test_example_configs_load():
     laptop = ClusterConfig.load(CONFIGS / "laptop.yaml")
     # the built-in model (the default) has a vision tower: one vision instance by default

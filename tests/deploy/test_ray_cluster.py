@@ -141,6 +141,8 @@ def cluster(tmp_path_factory):
                    "worker": {"max_num_seqs": 16, "num_blocks": 256}, "groups": [{"num_instances": 2}]},
         # a shorter KV lease than the default 30 s: quarantined blocks of a killed prefill's requests return sooner
         "entrypoint": {"max_attempts": 3, "kv_lease_ms": 15000}, "http": {"enabled": False},
+        # its own store: the default one ($DEEPINFER_HOME/kvstore/NAME) outlives the test
+        "kv_store_dir": str(tmp_path_factory.mktemp("kvstore")),
     })
     assert not ray.is_initialized()
     connect_ray(None, num_cpus=8, resources={datacenter_resource("dc-a"): 100})  # the node is in dc-a

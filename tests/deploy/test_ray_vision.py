@@ -68,6 +68,8 @@ def cluster(tmp_path_factory):
         "decode": {"balancer": {"policy": "kv_load", "heartbeat_timeout_s": 2.0},
                    "worker": {"max_num_seqs": 8, "num_blocks": 256}},
         "entrypoint": {"max_attempts": 3}, "http": {"enabled": False},
+        # its own store: the default one ($DEEPINFER_HOME/kvstore/NAME) outlives the test
+        "kv_store_dir": str(tmp_path_factory.mktemp("kvstore")),
     })
     assert config.active_stages() == ("vision", "prefill", "decode")
     assert not ray.is_initialized()

@@ -36,3 +36,40 @@ def test_yaml_and_up_flags_set_the_decode_stage(tmp_path):
     path.write_text("decode:\n  balancer: {policy: kv_load}\n  worker: {speculative_tokens: 2, bounded_state: send}\n")
     with pytest.raises(ValueError, match="bounded_state"):
         ClusterConfig.load(path)
+
+
+def test_verify_cost_table_flag_is_checked_at_start_and_reaches_the_engine(tmp_path):
+    from deepinfer.engine.spec_decode.step_cost import StepCostTable, default_cost_table_path
+
+    table = tmp_path / "cost.json"
+    StepCostTable([1, 4], [1, 2], [[0.01, 0.02], [0.03, 0.05]]).save(table)
+    parser = make_parser(DecodeWorkerConfig, "decode_worker", "")
+    spec = ["--speculative-tokens", "3", "--verify-schedule", "confidence"]
+    config = config_from_args(DecodeWorkerConfig, parser, [*spec, "--verify-cost-table", str(table)])
+    assert config.engine_config().verify_cost_table == str(table)
+    assert DecodeWorkerConfig(speculative_tokens=3, verify_schedule="confidence",
+                              verify_cost_table="linear").engine_config().verify_cost_table == "linear"
+    assert DecodeWorkerConfig().engine_config().verify_cost_table is None
+    with pytest.raises(ValueError, match="is not a file"):
+        DecodeWorkerConfig(speculative_tokens=3, verify_schedule="confidence", verify_cost_table=str(tmp_path / "no"))
+    bad = tmp_path / "bad.json"
+    for text, match in (("{not json", "not a valid step-cost table"),
+                        ('{"format": "other"}', "not a step-cost table"),
+                        ('{"format": "deepinfer-step-cost", "num_reqs": [1]}', "missing field 'tokens_per_req'"),
+                        ('{"format": "deepinfer-step-cost", "num_reqs": [1], "tokens_per_req": [1, 2], '
+                         '"seconds": [[0.1]]}', "grid")):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            DecodeWorkerConfig(speculative_tokens=3, verify_schedule="confidence", verify_cost_table=str(bad))
+    for kw in (dict(), dict(speculative_tokens=3)):  # the table prices only the confidence schedule
+        with pytest.raises(ValueError, match="verify_schedule='confidence'"):
+            DecodeWorkerConfig(verify_cost_table=str(default_cost_table_path()), **kw)
+    # `deepinfer up` and the YAML pass it to the decode stage (checked there: a bad path fails at load)
+    up = build_parser()
+    args = up.parse_args(["up", *spec, "--verify-cost-table", str(table)])
+    assert _config_from_args(args, up).role_config("decode").engine_config().verify_cost_table == str(table)
+    path = tmp_path / "cluster.yaml"
+    path.write_text("decode:\n  balancer: {policy: kv_load}\n  worker: {speculative_tokens: 2, verify_schedule: "
+                    f"confidence, verify_cost_table: {tmp_path / 'missing.json'}}}\n")
+    with pytest.raises(ValueError, match="(?s)decode settings.*is not a file"):
+        ClusterConfig.load(path)

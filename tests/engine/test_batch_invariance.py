@@ -1,6 +1,7 @@
 """Batch-invariant mode (`batch_invariant=True`, engine/batch_invariant.py): a request's prompt and generated
 logprobs are bit-identical (`torch.equal`) alone, beside random companions, under chunked prefill, with a
-prefix-cache hit and after preemption; with the mode off the same comparison differs somewhere (so these
+prefix-cache hit, after preemption, after a decode restart (prompt + tokens so far re-prefilled elsewhere, as a
+migration does) and with speculative decoding; with the mode off the same comparisons differ somewhere (so these
 tests can fail); seeded sampling repeats across companions. Plus the refusals and the op-level pieces."""
 
 from __future__ import annotations
@@ -135,6 +136,107 @@ def test_seeded_sampling_repeats_across_companions_and_seeds_differ(ckpt):
     other = llm.generate([{"prompt_token_ids": TARGET}],
                          SamplingParams(temperature=1.0, seed=99, max_tokens=10, ignore_eos=True), use_tqdm=False)
     assert other[0].outputs[0].token_ids != runs[0][0]
+
+
+def _restart_cases(ckpt: str, batch_invariant: bool, k: int = 4, max_tokens: int = 10):
+    """The target's uninterrupted run beside companions vs its continuation after a decode restart at token k.
+
+    A decode restart (or migration, entrypoint/migration.py `continuation`) re-submits prompt + the k tokens the
+    client already has, with `max_tokens - k`, to another instance: its prefill recomputes the KV those k decode
+    steps wrote, then decoding goes on. Here the other instance is a second engine with other companions and a
+    prefill budget that chunks the continuation's prompt. Per case: (uninterrupted, continued) fingerprints, each
+    the tokens after k and the logprobs of every generated token (before k: the continuation's prompt logprobs
+    of those tokens).
+    """
+    kw = dict(batch_invariant=batch_invariant, block_size=16, max_model_len=160)
+    first = LLM(ckpt, max_num_seqs=8, **kw)
+    second = LLM(ckpt, max_num_seqs=8, max_num_batched_tokens=16, enable_prefix_caching=False, **kw)
+    got = {}
+    for name, sp in (("greedy", dict(temperature=0.0)), ("seeded temperature 1", dict(temperature=1.0, seed=4321))):
+        prompts, params = _companions(4, seed=21)
+        prompts.insert(2, {"prompt_token_ids": TARGET})
+        params.insert(2, SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=2, **sp))
+        full = first.generate(prompts, params, use_tqdm=False)[2].outputs[0]
+        prompts, params = _companions(3, seed=22)
+        prompts.insert(1, {"prompt_token_ids": TARGET + full.token_ids[:k]})
+        params.insert(1, SamplingParams(max_tokens=max_tokens - k, ignore_eos=True, logprobs=2, prompt_logprobs=2, **sp))
+        cont = second.generate(prompts, params, use_tqdm=False)[1]
+        assert cont.num_cached_tokens == 0
+
+        def lps(entries):
+            return torch.tensor([v for lp in entries for v in (lp.logprob, *lp.top_logprobs)], dtype=torch.float64)
+
+        got[name] = ((full.token_ids[k:], lps(full.logprobs)),
+                     (cont.outputs[0].token_ids, lps([*cont.prompt_logprobs[len(TARGET):], *cont.outputs[0].logprobs])))
+    return got
+
+
+def test_decode_restart_continuation_is_bit_identical_with_the_mode_on(ckpt):
+    """Issue 23, "across a decode-worker restart": the continuation's prefill over prompt + generated tokens
+    gives the logits the original decode steps gave, bit for bit, so greedy and seeded tokens and all logprobs
+    after the restart equal the uninterrupted run's (the seeded noise is indexed by position, which the
+    continuation keeps)."""
+    for name, ((ids, lps), (cont_ids, cont_lps)) in _restart_cases(ckpt, batch_invariant=True).items():
+        assert cont_ids == ids, name
+        assert torch.equal(cont_lps, lps), f"{name}: logprobs after the restart differ from the uninterrupted run"
+
+
+def test_decode_restart_continuation_differs_with_the_mode_off(ckpt):
+    got = _restart_cases(ckpt, batch_invariant=False)
+    assert any(not torch.equal(a[1], b[1]) for a, b in got.values()), (
+        "with batch_invariant=False the continuation matched bit for bit: the test above cannot fail")
+
+
+def _speculative_cases(tmp_path, batch_invariant: bool, with_oracle: bool = True) -> dict[str, dict]:
+    """Greedy tokens and logprobs of 5 requests on a tiny checkpoint with a random MTP layer: without speculation,
+    with its own MTP drafts (nearly all rejected) and with oracle drafts (the reference continuation: accepted).
+    Per case: request id -> (token ids, logprobs)."""
+    from deepinfer.engine.config import ModelConfig
+    from deepinfer.engine.engine import Engine
+    from deepinfer.engine.testing.make_checkpoint import _write_ours, random_weights
+    from deepinfer.engine.testing.presets import PRESETS
+
+    hf = {**PRESETS["tiny"].hf_config(), "num_nextn_predict_layers": 1}
+    _write_ours(tmp_path, hf, random_weights(ModelConfig.from_hf_dict(hf), torch.float32, seed=5, mtp=True),
+                torch.float32, 1 << 40)
+    g = torch.Generator().manual_seed(3)
+    prompts = [_ids(int(n), g) for n in torch.randint(5, 60, (5,), generator=g)]
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
+
+    def run(k: int, oracle=None):
+        engine = Engine(EngineConfig(model=str(tmp_path), batch_invariant=batch_invariant, speculative_tokens=k,
+                                     max_num_seqs=8))
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, sp)
+        done = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = (o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs])
+            for req in engine.scheduler.running.values():
+                if oracle is not None and req.spec_token_ids:
+                    seq = prompts[int(req.req_id)] + oracle[req.req_id][0]
+                    req.spec_token_ids = seq[req.num_tokens:req.num_tokens + k] or [3]
+        return done
+
+    ref = run(0)
+    got = {"alone": ref, "mtp drafts": run(3)}
+    if with_oracle:
+        got["accepted oracle drafts"] = run(3, oracle=ref)
+    return got
+
+
+def test_speculative_decoding_is_bit_identical_with_the_mode_on(tmp_path):
+    """Issue 24 item 5 (batch-invariant mode): verified positions give the bits of plain decode steps, whether
+    their drafts are rejected or accepted (the mode's backend verifies through its per-query prefill path)."""
+    got = _speculative_cases(tmp_path, batch_invariant=True)
+    ref = got.pop("alone")
+    for name, outs in got.items():
+        assert outs == ref, name
+    off = _speculative_cases(tmp_path / "off", batch_invariant=False, with_oracle=False)
+    ref = off.pop("alone")
+    assert any(outs[r][1] != ref[r][1] for outs in off.values() for r in ref), (
+        "with batch_invariant=False speculation matched bit for bit: the test above cannot fail")
 
 
 def test_refuses_backends_that_are_not_batch_invariant():

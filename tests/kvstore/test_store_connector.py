@@ -127,3 +127,30 @@ def test_other_model_never_reads_the_blocks(ckpt, tmp_path, tmp_path_factory):
     out = run(eng_b, PROMPT)
     assert conn_b.pop_loaded_tokens(out.request_id) == 0
     conn_b.store.close()
+
+
+def test_finished_conversation_turn_is_saved_for_the_next_turn(ckpt, tmp_path):
+    """What a decode instance does at the end of a chat turn (`DecodeCore`, `StoreConnector.save_computed`): the
+    prompt's and the answer's full blocks, still cached in the pool after the request finished, go to the store;
+    the next turn (prompt + answer + a new message) then loads the whole previous conversation on another engine
+    and gives the cold run's tokens."""
+    turn1 = PROMPT[:150]
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    decode = Engine(EngineConfig(model=ckpt, max_num_seqs=4))  # no connector: a decode engine's pools
+    store = KVStore(KVStoreConfig(directories=(str(tmp_path),)))
+    writer = StoreConnector.for_engine(decode, store)
+    answer = run(decode, turn1, params).outputs[0].token_ids
+    # 150 + 100 tokens, the last one's KV never computed: 249 computed, 3 full blocks of 64
+    assert writer.save_computed(turn1 + answer, "agent") == 3
+    assert store.flush(20.0) and store.stats()["classes"]["agent"]["blocks"] == 3
+    assert writer.save_computed(turn1 + answer, "agent") == 0  # already stored: nothing written twice
+    assert writer.save_computed([5] * 200) == 0  # nothing of it is cached here
+    store.close()
+
+    turn2 = turn1 + answer + [(i * 13 + 5) % 500 + 3 for i in range(40)]
+    cold = LLM(ckpt).generate([{"prompt_token_ids": turn2}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    prefill, conn = _engine_with_store(ckpt, tmp_path)
+    out = run(prefill, turn2)
+    assert conn.pop_loaded_tokens(out.request_id) == 3 * 64 and out.num_cached_tokens == 3 * 64
+    assert out.outputs[0].token_ids == cold
+    conn.store.close()

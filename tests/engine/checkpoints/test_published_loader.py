@@ -192,8 +192,8 @@ def test_flash_like_config_parses():
     "edit_config, expected",
     [
         (lambda c: c["quantization_config"].update(quant_method="mxfp4"), "quant_method 'mxfp4' is not supported"),
-        (lambda c: c["quantization_config"].update(weight_block_size=[32, 32]), "until V4.1 support lands"),
-        (lambda c: c.update(engram_layer_ids=[1]), r"Engram tables.*until V4.1 support lands"),
+        (lambda c: c["quantization_config"].update(weight_block_size=[32, 32]), "served only in their own layout"),
+        (lambda c: c.update(engram_layer_ids=[1]), r"Engram tables.*served only in their own layout"),
         (lambda c: c["quantization_config"].update(weight_block_size=[64, 64]), r"weight_block_size=\[64, 64\]"),
         (lambda c: c["quantization_config"].update(fmt="e5m2"), r"quantization_config\.fmt='e5m2'"),
         (lambda c: c["quantization_config"].update(group_size=4), r"does not understand: \['group_size'\]"),

@@ -13,6 +13,9 @@ from deepinfer.engine.distributed.kv_pools import (
     RankedBlockPool,
     RankedKVCacheManager,
     RankedStateSlotPool,
+    RankLoad,
+    locate_blocks,
+    rank_loads,
     to_local_block_table,
 )
 from deepinfer.engine.distributed.plan import rank_of_slot
@@ -107,3 +110,25 @@ def test_only_requests_of_the_same_rank_share_a_pool():
     ranks = [rank_of_slot(_admit(kv, slots, r)[0], 2) for r in (a, b, c)]
     assert ranks == [0, 1, 0]  # new requests spread to the emptier rank
     assert kv.shares_pool(a, c) and not kv.shares_pool(a, b)
+
+
+def test_locate_blocks_names_the_rank_its_local_ids_and_slot():
+    assert locate_blocks([9, 10, 12], 8, 2, slot=3) == (1, [1, 2, 4], 1)  # slots interleave: 3 = rank 1's slot 1
+    assert locate_blocks([0, 1], 8, 4) == (0, [0, 1], None)
+    with pytest.raises(ValueError, match="another rank"):
+        locate_blocks([7, 8], 8, 2)
+    with pytest.raises(ValueError, match="slot 2 is rank 0's"):
+        locate_blocks([8], 8, 2, slot=2)
+
+
+def test_a_balancer_picked_rank_is_taken_when_it_has_room_and_rank_loads_count_it():
+    kv, slots = _manager(world=2, blocks=4, slots=4)
+    load = _Req("load", [5] * 7)  # a decode reservation: blocks imported for the prompt, no prefix lookup
+    kv.prefer_rank("load", 1)
+    ids = kv.import_blocks(load, 7)
+    assert [b // 4 for b in ids] == [1, 1] and rank_of_slot(slots.allocate("load"), 2) == 1
+    kv.prefer_rank("full", 1)  # rank 1 has 2 free blocks, the request needs 3: the other rank
+    assert {b // 4 for b in kv.import_blocks(_Req("full", [6] * 10), 10)} == {0}
+    with pytest.raises(ValueError, match="not one of"):
+        kv.prefer_rank("x", 2)
+    assert rank_loads(kv, running_req_ids=["load"]) == [RankLoad(0, 4, 3, 0, 1), RankLoad(1, 4, 2, 1, 0)]

@@ -13,8 +13,14 @@ from deepinfer.engine import SamplingParams
 from deepinfer.engine.distributed.expert_parallel import held_expert_bytes
 from deepinfer.engine.engine import Engine, EngineConfig
 from deepinfer.engine.errors import InvalidRequestError
+from deepinfer.engine.kv_connector import KVConnector, KVConnectorEvents
 from deepinfer.engine.testing.make_checkpoint import make_checkpoint
 from deepinfer.engine.testing.presets import PRESETS
+
+
+class _OnePoolConnector(KVConnector):
+    def poll(self) -> KVConnectorEvents:
+        return KVConnectorEvents()
 
 
 def _prompts(num: int, vocab: int, seed: int) -> list[list[int]]:
@@ -61,9 +67,9 @@ def test_ep2_builtin_model_matches_one_process_and_a_killed_rank_fails_the_insta
         loads = ep.executor.expert_loads()
         assert len(loads.imbalance) == 4 and all(x >= 1.0 for x in loads.imbalance)
         assert sum(loads.expert_counts(1)) > 0
-        # KV from / to outside names one pool's blocks: refused with per-rank pools (until rank-aware descriptors)
+        # a connector that names one pool's blocks is refused with per-rank pools (`kv_transfer.ranked` serves them)
         with pytest.raises(ValueError, match="expert_parallel_size=2"):
-            ep.set_kv_connector(object())
+            ep.set_kv_connector(_OnePoolConnector())
         with pytest.raises(InvalidRequestError, match="expert_parallel_size > 1"):
             ep.add_request("held", prompts[0], SamplingParams(max_tokens=2), hold_kv=True)
         ep.executor._procs[0].kill()

@@ -140,8 +140,9 @@ class Reference:
         nb = scores.size(-1)
         last = torch.div(lens - 1, block, rounding_mode="floor")
         scores = scores.masked_fill(torch.arange(nb) == last, torch.inf)
-        top = scores.topk(min(topk_blocks, nb), dim=-1)
-        keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top.indices, top.values > -torch.inf)
+        k = min(topk_blocks, nb)
+        top = torch.sort(scores, dim=-1, descending=True, stable=True)  # ties: the lower block (CUDA's topk)
+        keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top.indices[..., :k], top.values[..., :k] > -torch.inf)
         return keep.repeat_interleave(block, dim=-1)[..., :width]
 
     def indexer(self, layer, x, qr, latent, fc, offset, rt):

@@ -1,6 +1,6 @@
 """`make_checkpoint --format published-v41`: a tiny V4.1 checkpoint in the published tensor layout (FP8 with
 32x32 UE8M0 blocks, FP4 experts, FP8 Engram tables with 1x32 row scales), its round trip through
-`deepseek_v41.load_published`, and the paged engine's loader refusing it with the V4.1 message."""
+`deepseek_v41.load_published`, and the paged engine's loader reading it (and refusing DSpark stages)."""
 
 from __future__ import annotations
 
@@ -83,9 +83,15 @@ def test_loaded_checkpoint_matches_reference(ckpt):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_engine_loader_refuses_it_with_the_v41_message(ckpt):
-    with pytest.raises(CheckpointError, match=r"DeepSeek-V4.1.*Not served yet:.*weight_block_size"):
-        read_checkpoint_config(ckpt)
+def test_engine_loader_reads_it_as_v41(ckpt, tmp_path):
+    """The engine's loader accepts the text-only tiny V4.1 (a `V41Config`); it still refuses what is not built."""
+    config, quant = read_checkpoint_config(ckpt)
+    assert isinstance(config, V41Config) and quant["weight_block_size"] == [32, 32]
+    raw = json.loads((ckpt / "config.json").read_text())
+    raw["text_config"].update(num_nextn_predict_layers=1, compress_ratios=raw["text_config"]["compress_ratios"] + [0])
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=r"DeepSeek-V4.1.*Not served yet:.*DSpark"):
+        read_checkpoint_config(tmp_path)
 
 
 def test_tiny_config_is_valid_and_fp8_aligned():

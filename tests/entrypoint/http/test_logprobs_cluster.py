@@ -76,3 +76,8 @@ def test_metrics_carry_phase_step_and_transfer_figures(cluster, offline):
         assert any(k.startswith("deepinfer_stage_num_preemptions_total") and stage in k for k in values)
     assert any(k.startswith("deepinfer_stage_kv_transfer_send_seconds_sum") and v > 0 for k, v in values.items())
     assert values["deepinfer_http_prefix_cache_hit_rate"] >= 0
+    # the workers' own histograms (engine.latency) and figures, through Health and the balancers
+    for stage, phase in (("prefill", "queue"), ("prefill", "prefill"), ("prefill", "kv_transfer"), ("decode", "step")):
+        assert any(k.startswith("deepinfer_stage_latency_seconds_count") and f'phase="{phase}"' in k
+                   and f'stage="{stage}"' in k and v >= 1 for k, v in values.items()), (stage, phase)
+    assert any(k.startswith("deepinfer_stage_prefix_cache_hit_rate") for k in values)
