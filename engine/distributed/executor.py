@@ -22,9 +22,11 @@ imbalance (max / mean rows per rank per MoE layer), the metric EPLB drives down.
 
 Rank endpoints: `attach_endpoints(factory, kwargs, local)` gives every rank an endpoint over its own cache (rank
 0's is `local`, built in this process; ranks 1..N-1 build theirs with `factory`, `worker` module docstring) and
-`call_endpoints(payloads)` hands each rank's endpoint its payload, between steps, as one command round. The
-KV transfer agents of a multi-rank prefill or decode instance run that way (`kv_transfer.ranked`): rank 0's
-KV connector coordinates them; the executor never looks inside the payloads.
+`call_endpoints(payloads)` hands each rank's endpoint its payload, between steps, as one command round; with
+`step_payloads` every step also carries a payload per rank (handled after the forward, in the step's own
+round: no extra round while steps run), whose answers `take_endpoint_results` returns. The KV transfer agents
+of a multi-rank prefill or decode instance run that way (`kv_transfer.ranked`): rank 0's KV connector
+coordinates them through the step plan; the executor never looks inside the payloads.
 
 Failures: an exception on any rank (or a rank process that died) fails the step's future and the
 executor: the group's collectives cannot line up again, so the instance fails as a whole and must be
@@ -112,6 +114,8 @@ class MultiRankExecutor(Executor):
         self._num_steps = 0
         self._is_closed = False
         self._failure: BaseException | None = None
+        self._step_payloads = None  # `attach_endpoints`: what each step carries to the rank endpoints
+        self._endpoint_results: list[list] = []
         ctx = mp.get_context("spawn")
         ready = ctx.Queue()
         self._procs = [ctx.Process(target=rank_main, args=(r, spec, ready), name=f"deepinfer-rank{r}", daemon=True)
@@ -199,7 +203,13 @@ class MultiRankExecutor(Executor):
             for plan, rows in zip(plans, rows_of_rank):
                 if rows:
                     plan.sampling = select_rows(sampling, rows)
-        results = self._run_all([Command("step", p) for p in plans])
+        if self._step_payloads is None:
+            results = self._run_all([Command("step", p) for p in plans])
+        else:  # the rank endpoints' traffic rides the step (`attach_endpoints`)
+            payloads = self._step_payloads()
+            pairs = self._run_all([Command("step", p, e) for p, e in zip(plans, payloads)])
+            results = [r for r, _ in pairs]
+            self._endpoint_results.append([e for _, e in pairs])
         t1 = time.perf_counter()
         self._num_steps += 1
         if self.eplb_interval_steps and self._num_steps % self.eplb_interval_steps == 0:
@@ -229,16 +239,27 @@ class MultiRankExecutor(Executor):
         blocks), by rank."""
         return self._broadcast("memory")
 
-    def attach_endpoints(self, factory, kwargs: dict, local) -> list:
+    def attach_endpoints(self, factory, kwargs: dict, local, step_payloads=None) -> list:
         """Blocks while every rank gets its endpoint: `local` (rank 0, already built here) and, on ranks 1..N-1,
         `factory(rank, cache, **kwargs)` (`factory` must pickle by reference: a module-level function or class);
         returns each endpoint's `describe()`, by rank. Raises RuntimeError (failing the instance) when a rank
-        cannot build its endpoint."""
+        cannot build its endpoint.
+
+        `step_payloads`: None, or a callable returning one payload per rank that every step then carries to the
+        endpoints (handled after the forward, in the step's round); their answers wait, one list by rank per
+        step, for `take_endpoint_results`."""
         if self.state.endpoint is not None:
             raise RuntimeError("the ranks already have endpoints")
         self.state.endpoint = local
-        return self._run_all([Command("attach", None)] + [Command("attach", (factory, kwargs))
-                                                          for _ in range(1, self.world_size)])
+        infos = self._run_all([Command("attach", None)] + [Command("attach", (factory, kwargs))
+                                                           for _ in range(1, self.world_size)])
+        self._step_payloads = step_payloads
+        return infos
+
+    def take_endpoint_results(self) -> list[list]:
+        """The endpoints' answers carried by the steps since the last call (per step, a list by rank); clears them."""
+        out, self._endpoint_results = self._endpoint_results, []
+        return out
 
     def call_endpoints(self, payloads: list) -> list:
         """Blocks while each rank's endpoint handles its payload (`payloads[rank]`); their answers, by rank."""

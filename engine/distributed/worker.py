@@ -13,7 +13,8 @@ from rank 0 on the control group until `stop`. Commands (`Command.kind`):
   * `attach`: build the rank's endpoint (`payload = (factory, kwargs)`: `factory(rank, cache, **kwargs)`, a
     picklable callable named by the caller) and return its `describe()`; rank 0's endpoint is set in-process
     by the executor (`payload=None`);
-  * `endpoint`: hand `payload` to the rank's endpoint (`endpoint.handle(payload)`) and return its answer;
+  * `endpoint`: hand `payload` to the rank's endpoint (`endpoint.handle(payload)`) and return its answer (a
+    `step` may carry an endpoint payload too, `Command.endpoint`: handled after the forward, in the same round);
   * `stop`: close the endpoint, leave the group and exit.
 
 A rank endpoint is what a layer above the engine runs on every rank over the rank's own cache, driven from
@@ -58,6 +59,9 @@ class Command:
     payload: Any = None
     """`step`: the rank's `RankPlan`; `loads`: whether to reset the counters; `attach`: `(factory, kwargs)`;
     `endpoint`: what the rank's endpoint handles."""
+    endpoint: Any = None
+    """`step` only: a payload the rank's endpoint handles right after the step (the step then returns
+    `(step result, endpoint answer)`), so endpoint traffic rides the step's round instead of one of its own."""
 
 
 @dataclass
@@ -119,15 +123,10 @@ class RankState:
     def run(self, cmd: Command):
         """Blocks while this rank runs `cmd` (collectives with the other ranks); its result."""
         if cmd.kind == "step":
-            plan = cmd.payload
-            if plan.is_empty:
-                idle_step(self.model)
-                return None
-            logits = self.model.step(plan.build(self.model, self.cache, self.device), self.cache)
-            if plan.sampling is None:
-                return None
-            sampled = self.sampler.sample(logits, to_device(plan.sampling, logits.device))
-            return sampled.sampled_token_ids.tolist(), sampled.request_logprobs()
+            result = self._step(cmd.payload)
+            if cmd.endpoint is None:
+                return result
+            return result, self.endpoint.handle(cmd.endpoint)  # NOTE: after the forward, as one round
         if cmd.kind == "rebalance":
             return [p.phy2log for p in apply_rebalance(self.model, self.backends)]
         if cmd.kind == "loads":
@@ -148,6 +147,16 @@ class RankState:
                 raise RuntimeError(f"rank {self.rank} has no endpoint (attach one first)")
             return self.endpoint.handle(cmd.payload)
         raise ValueError(f"unknown rank command {cmd.kind!r}")
+
+    def _step(self, plan):
+        if plan.is_empty:
+            idle_step(self.model)
+            return None
+        logits = self.model.step(plan.build(self.model, self.cache, self.device), self.cache)
+        if plan.sampling is None:
+            return None
+        sampled = self.sampler.sample(logits, to_device(plan.sampling, logits.device))
+        return sampled.sampled_token_ids.tolist(), sampled.request_logprobs()
 
 
 def _load_rank(spec: RankSpec, rank: int) -> RankState:
