@@ -30,7 +30,7 @@ NH, D, W, CSA_RATE, HCA_RATE, TOPK, BLOCK, IH, ID = 64, 512, 128, 4, 128, 512, 1
 
 def _case(kind: str, n: int, p0: int, device):
     """Inputs of one chunk and layer (ring slot 0), and its FLOPs."""
-    from deepinfer.kernels.prefill_attention import prefill_flops
+    from deepinfer.kernels.prefill_attention import PrefillSpans, prefill_flops
 
     dt = torch.bfloat16
     q = torch.randn(n, NH, D, device=device, dtype=dt)
@@ -52,7 +52,8 @@ def _case(kind: str, n: int, p0: int, device):
         entries = torch.where(torch.arange(k, device=device)[None, :] < vis[:, None], entries, -1).contiguous()
     counts = (vis.clamp(max=TOPK) if kind == "csa" else vis).tolist() if kind != "swa" else [0] * n
     flops = prefill_flops(n, p0, NH, D, W, 0, lambda i: counts[i])
-    return (q, kv, ring, 0, p0, 0, comp, entries, rate, sink), flops
+    spans = PrefillSpans.single(n, p0, 0, 0, rate if kind != "swa" else 0, device)
+    return (q, kv, ring, spans, comp, entries, sink), flops
 
 
 def _matmul_rate(device) -> float:
@@ -75,7 +76,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     from deepinfer.kernels.indexer import indexer_topk_triton
-    from deepinfer.kernels.prefill_attention import prefill_attention_torch, prefill_attention_triton
+    from deepinfer.kernels.prefill_attention import PrefillSpans, prefill_attention_torch, prefill_attention_triton
 
     device = torch.device("cuda")
     peak = _matmul_rate(device)
@@ -92,10 +93,11 @@ def main() -> None:
                     kw = dict(block_h=args.block_h, block_n=args.block_n, num_warps=args.warps)
                     fn = lambda call=call, kw=kw: prefill_attention_triton(*call, **kw)  # noqa: E731
                     out = fn()
-                    q, kv, ring, slot, _, start, comp, entries, rate, sink = call
+                    q, kv, ring, spans, comp, entries, sink = call
                     m = min(n, 256)
-                    ref = prefill_attention_torch(q[:m], kv[:m], ring, slot, p0, start, comp,
-                                                  None if entries is None else entries[:m], rate, sink)
+                    first = PrefillSpans.single(m, p0, 0, 0, spans.rate, device)
+                    ref = prefill_attention_torch(q[:m], kv[:m], ring, first, comp,
+                                                  None if entries is None else entries[:m], sink)
                     diff = (out[:m].float() - ref.float()).abs().max().item()
                     seconds = time_call(fn, device, args.reps)
                     rate_f = flops / seconds

@@ -82,6 +82,7 @@ from pathlib import Path
 from deepinfer.benchmarks.offline_throughput import source_digest
 from deepinfer.deploy.processes import ServiceProcesses
 from deepinfer.protos.metadata import STATS_METADATA_KEY
+from deepinfer.serving.auth import secure_channel
 
 STARTUP_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
@@ -323,12 +324,11 @@ class LocalCluster:
 
     def stats(self, name: str) -> dict:
         """A worker's Health stats (its trailing-metadata JSON)."""
-        import grpc
 
         from deepinfer.protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
         stub_cls = prefill_pb2_grpc.PrefillStub if name == "prefill" else decode_pb2_grpc.DecodeStub
-        with grpc.insecure_channel(self.info[name]["address"]) as channel:
+        with secure_channel(self.info[name]["address"]) as channel:  # the cluster secret and TLS when set
             _, call = stub_cls(channel).Health.with_call(common_pb2.HealthRequest(), timeout=10)
             return json.loads(dict(call.trailing_metadata())[STATS_METADATA_KEY])
 
@@ -386,15 +386,14 @@ def serve_disaggregated(client, requests: list[Request], timeout_s: float) -> li
 def direct_latencies(cluster: LocalCluster, prompts: list[list[int]]) -> dict:
     """Blocks: `max_tokens=1` requests sent straight to the workers (Reserve -> Prefill -> Start), no
     entrypoint and no balancers; per-request wall time and its three phases, in seconds."""
-    import grpc
 
     from deepinfer.entrypoint.client import sampling_params_proto
     from deepinfer.protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
     sampling = sampling_params_proto(temperature=0.0, max_tokens=1, ignore_eos=True)
     out = {"total": [], "reserve": [], "prefill": [], "start": []}
-    with grpc.insecure_channel(cluster.info["decode"]["address"]) as dch, \
-            grpc.insecure_channel(cluster.info["prefill"]["address"]) as pch:
+    with secure_channel(cluster.info["decode"]["address"]) as dch, \
+            secure_channel(cluster.info["prefill"]["address"]) as pch:
         d, p = decode_pb2_grpc.DecodeStub(dch), prefill_pb2_grpc.PrefillStub(pch)
         for prompt in prompts:
             rid = f"direct-{uuid.uuid4().hex}"

@@ -34,12 +34,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import grpc
-
 from deepinfer.deploy.processes import ServiceProcesses
 from deepinfer.entrypoint.client import Client
 from deepinfer.protos import common_pb2, vision_pb2, vision_pb2_grpc
 from deepinfer.protos.metadata import STATS_METADATA_KEY
+from deepinfer.serving.auth import secure_channel
 
 PLACEHOLDER = 129279
 
@@ -98,7 +97,7 @@ class Bench:
         return self._seed
 
     def vision_stats(self, name: str) -> dict:
-        with grpc.insecure_channel(self.info[name]["address"]) as channel:
+        with secure_channel(self.info[name]["address"]) as channel:
             _, call = vision_pb2_grpc.VisionStub(channel).Health.with_call(common_pb2.HealthRequest(), timeout=30)
         return json.loads(dict(call.trailing_metadata())[STATS_METADATA_KEY])
 
@@ -110,7 +109,7 @@ class Bench:
 
 def bench_encode(b: Bench, num_images: int) -> dict:
     out = {}
-    with grpc.insecure_channel(b.info["vision-0"]["address"]) as channel:
+    with secure_channel(b.info["vision-0"]["address"]) as channel:
         stub = vision_pb2_grpc.VisionStub(channel)
 
         def encode(i: int) -> None:

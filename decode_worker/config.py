@@ -82,14 +82,23 @@ class DecodeWorkerConfig(BaseModel):
     with its own KV pools and KV transfer agent, `kv_transfer.ranked`); 1 = one process."""
     num_redundant_experts: int = Field(0, ge=0)
     """Extra replicas of hot routed experts per MoE layer (EPLB), with expert_parallel_size > 1."""
-    speculative_tokens: int = Field(0, ge=0)
-    """Draft tokens proposed per request per step and verified in the next one (speculative decoding,
-    `engine.spec_decode`; lossless); 0 = off. Needs `bounded_state` "replay" (the default then)."""
-    speculative_method: Literal["mtp"] = "mtp"
-    """Drafter of speculative decoding: "mtp" (the checkpoint's multi-token-prediction layer, chained)."""
+    speculative: Literal["mtp"] | None = None
+    """Speculative decoding (`engine.spec_decode`; lossless): None = off, "mtp" = the checkpoint's MTP layer drafts
+    `num_draft_tokens` per request per step (`--speculative mtp --num-draft-tokens 3`). Needs `bounded_state`
+    "replay" (the default then)."""
+    num_draft_tokens: int | None = Field(None, ge=1)
+    """Drafts proposed per request per step with `speculative` on; None = 3 (`spec_decode.config`)."""
+    speculative_tokens: int | None = Field(None, ge=0)
+    """Alias of `speculative` + `num_draft_tokens` kept for existing YAML and scripts: K > 0 = "mtp" with K drafts,
+    0 = off; refused when it disagrees with them. Once validated it mirrors them (0 when off)."""
+    speculative_method: Literal["mtp"] | None = None
+    """Alias of `speculative` (the drafter `speculative_tokens` turns on); once validated it mirrors it."""
     verify_schedule: Literal["full", "confidence"] = "full"
     """Drafts verified per request: "full" all of them, "confidence" a prefix chosen over the batch from the
     drafts' confidences (`engine.spec_decode.verify_schedule`)."""
+    verify_floor: int = Field(1, ge=0, le=1)
+    """Drafts every request verifies at least under the "confidence" schedule: 1, or 0 (none when its drafts are
+    unlikely to be accepted); 0 needs verify_schedule "confidence"."""
     verify_cost_table: str | None = None
     """Step-cost table (JSON, `benchmarks/speculative.py --profile-cost --json FILE`) of the "confidence" schedule,
     checked when the config is built (a host that validates it, e.g. `deepinfer up`'s, must read it too); None = the
@@ -116,14 +125,28 @@ class DecodeWorkerConfig(BaseModel):
                                    self.kv_store_mooncake_master, self.kv_store_mooncake_metadata,
                                    self.advertise_host or self.host)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _speculative_aliases(cls, data):
+        from deepinfer.engine.spec_decode.config import resolve_speculative_fields
+
+        return resolve_speculative_fields(data, keep_aliases=True)  # raises when the two spellings disagree
+
+    @model_validator(mode="after")
+    def _verify_floor_needs_confidence(self) -> DecodeWorkerConfig:
+        from deepinfer.engine.spec_decode.config import check_verify_floor
+
+        check_verify_floor(self.verify_floor, self.verify_schedule)
+        return self
+
     @model_validator(mode="after")
     def _cost_table_is_usable(self) -> DecodeWorkerConfig:
         # NOTE: the engine loads the table only after the weights; a bad path or file fails here, before anything loads
         if self.verify_cost_table is None:
             return self
-        if not self.speculative_tokens or self.verify_schedule != "confidence":
+        if self.speculative is None or self.verify_schedule != "confidence":
             raise ValueError("verify_cost_table prices the 'confidence' verify schedule of speculative decoding: set "
-                             "speculative_tokens > 0 and verify_schedule='confidence' (--speculative-tokens K "
+                             "speculative='mtp' and verify_schedule='confidence' (--speculative mtp "
                              "--verify-schedule confidence) or leave it unset")
         from deepinfer.engine.spec_decode.step_cost import load_cost_table
 
@@ -135,7 +158,7 @@ class DecodeWorkerConfig(BaseModel):
         # NOTE: the MTP drafter's window (its keys at the prompt's last positions) is rebuilt by the same
         # bounded replay that rebuilds the target's state; a sent state would leave it empty
         # (`engine.spec_decode`'s docstring, "Disaggregated decode")
-        if self.speculative_tokens and self.bounded_state == "send":
+        if self.speculative is not None and self.bounded_state == "send":
             raise ValueError("speculative decoding on a decode instance rebuilds the drafter's window by bounded "
                              "replay: set bounded_state='replay' (--bounded-state replay) or leave it unset")
         return self
@@ -143,7 +166,7 @@ class DecodeWorkerConfig(BaseModel):
     @property
     def is_state_sent(self) -> bool:
         """The prefill writes the bounded state with the KV (`bounded_state`, resolved: see its docstring)."""
-        return self.bounded_state == "send" or (self.bounded_state is None and not self.speculative_tokens)
+        return self.bounded_state == "send" or (self.bounded_state is None and self.speculative is None)
 
     def engine_config(self) -> EngineConfig:
         """The engine part of this config."""
@@ -152,8 +175,9 @@ class DecodeWorkerConfig(BaseModel):
                             max_model_len=self.max_model_len, attention_backend=self.attention_backend,
                             moe_backend=self.moe_backend, fp8_activations=self.fp8_activations,
                             indexer_numerics=self.indexer_numerics, enforce_eager=self.enforce_eager,
-                            batch_invariant=self.batch_invariant, speculative_tokens=self.speculative_tokens,
-                            speculative_method=self.speculative_method, verify_schedule=self.verify_schedule,
+                            batch_invariant=self.batch_invariant, speculative=self.speculative,
+                            num_draft_tokens=self.num_draft_tokens, verify_schedule=self.verify_schedule,
+                            verify_floor=self.verify_floor,
                             verify_cost_table=self.verify_cost_table,
                             expert_parallel_size=self.expert_parallel_size,
                             num_redundant_experts=self.num_redundant_experts)

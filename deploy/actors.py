@@ -13,9 +13,9 @@ Ray only starts, stops and restarts these; tokens go over gRPC and KV over NIXL,
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -130,8 +130,9 @@ class ServiceActor:
 class ProcessActor:
     """Owns one child process `python -m MODULE ARGS` (see the module docstring).
 
-    Ready once `host:port` accepts TCP connections (within `startup_timeout_s`, else the
-    constructor raises with the child's output tail).
+    Ready once the child printed the JSON line every deepinfer service prints when it listens
+    (`{"address": "https://127.0.0.1:8000"}`: its scheme and bound port, so `--port 0` and HTTPS work),
+    within `startup_timeout_s`, else the constructor raises with the child's output tail.
     """
 
     def __init__(self, name: str, module: str, args: list[str], host: str, port: int,
@@ -139,17 +140,19 @@ class ProcessActor:
         self.name = name
         self._is_stopping = False
         self._log = open(os.path.join(_log_dir(), f"{name}-{os.getpid()}.log"), "ab")
+        start = self._log.tell()
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), module, *args],
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT)
-        self.address = f"{_advertise_host(host) or host}:{port}"
         deadline = time.monotonic() + startup_timeout_s
-        while not _accepts(host if host not in ("0.0.0.0", "::", "") else "127.0.0.1", port):
+        while (printed := _printed_address(self._log.name, start)) is None:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.proc.kill()
                 tail = open(self._log.name, "rb").read()[-3000:].decode(errors="replace")
                 raise RuntimeError(f"{name} (python -m {module}) did not serve on {host}:{port}:\n{tail}")
             time.sleep(0.2)
+        advertise = _advertise_host(host)  # a wildcard bind: reached at the node's IP
+        self.address = printed.replace(f"//{host}:", f"//{advertise}:", 1) if advertise else printed
         threading.Thread(target=self._watch, name=f"{name}-watch", daemon=True).start()
 
     def info(self) -> dict:
@@ -173,12 +176,17 @@ class ProcessActor:
             os._exit(1)
 
 
-def _accepts(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
+def _printed_address(log_path: str, start: int) -> str | None:
+    """The `address` of the first `{"address": ...}` line a child wrote to its log after byte `start`, or None."""
+    with open(log_path, "rb") as f:
+        f.seek(start)
+        for line in f.read().decode(errors="replace").splitlines():
+            if line.startswith('{"address"'):
+                try:
+                    return str(json.loads(line)["address"])
+                except (ValueError, KeyError):
+                    continue
+    return None
 
 
 def _log_dir() -> str:

@@ -320,10 +320,19 @@ def _config_from_args(args, parser):
         data["http"]["enabled"] = False
     if getattr(args, "batch_invariant", False):
         data["batch_invariant"] = True
-    spec = {k: getattr(args, k, None) for k in ("speculative_tokens", "speculative_method", "verify_schedule",
+    spec = {k: getattr(args, k, None) for k in ("speculative", "num_draft_tokens", "speculative_tokens",
+                                                "speculative_method", "verify_schedule", "verify_floor",
                                                 "verify_cost_table")}
-    if any(v is not None for v in spec.values()):  # speculative decoding: a decode-stage worker setting
-        data["decode"]["worker"] = {**data["decode"]["worker"], **{k: v for k, v in spec.items() if v is not None}}
+    spec = {k: v for k, v in spec.items() if v is not None}
+    if spec:  # speculative decoding: a decode-stage worker setting; the flags override the YAML's, name by name
+        from deepinfer.engine.spec_decode.config import resolve_speculative_fields
+
+        try:  # both in canonical names first (the YAML or the flags may use the aliases)
+            worker = resolve_speculative_fields(data["decode"]["worker"], fill_default=False)
+            flags = resolve_speculative_fields(spec, fill_default=False)
+        except ValueError as e:
+            parser.error(str(e))
+        data["decode"]["worker"] = {**worker, **flags}
     thinking = None if args.default_thinking is None else args.default_thinking == "on"
     front = {k: v for k, v in (("served_model_name", args.served_model_name), ("max_model_len", args.max_model_len),
                                ("log_level", args.log_level), ("log_format", getattr(args, "log_format", None)),
@@ -829,12 +838,18 @@ def _add_up_args(p: argparse.ArgumentParser, *, is_serve: bool) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant numerics on every prefill and decode worker (bit-identical outputs whatever "
                         "the batch; slower)")
+    p.add_argument("--speculative", choices=["mtp"], default=None,
+                   help="speculative decoding on the decode stage: the checkpoint's MTP layer drafts (lossless; "
+                        "default: the config's, off)")
+    p.add_argument("--num-draft-tokens", type=int, default=None, metavar="N",
+                   help="drafts per request per step with --speculative (default: the config's, else 3)")
     p.add_argument("--speculative-tokens", type=int, default=None, metavar="K",
-                   help="speculative decoding on the decode stage: K MTP drafts per request per step (0 = off; "
-                        "default: the config's)")
-    p.add_argument("--speculative-method", choices=["mtp"], default=None, help="drafter of speculative decoding")
+                   help="alias: --speculative mtp --num-draft-tokens K (0 = off)")
+    p.add_argument("--speculative-method", choices=["mtp"], default=None, help="alias of --speculative")
     p.add_argument("--verify-schedule", choices=["full", "confidence"], default=None,
                    help="drafts verified per request: all (full) or a prefix chosen by confidence")
+    p.add_argument("--verify-floor", type=int, choices=[0, 1], default=None,
+                   help="drafts every request verifies at least under the confidence schedule (default 1)")
     p.add_argument("--verify-cost-table", default=None, metavar="FILE",
                    help="step-cost table (JSON, benchmarks/speculative.py --profile-cost) of the confidence schedule; "
                         "'linear' = the linear stand-in (default: the shipped CPU table on a CPU)")

@@ -81,19 +81,12 @@ class InstanceGroup(_Frozen):
     datacenter: str = ""
     """Datacenter label: reported to the balancer and turned into a Ray custom resource; "" = anywhere."""
     num_ranks: int = Field(1, ge=1)
-    """Ranks (processes) per instance; one placement-group bundle each."""
+    """Ranks (processes) per instance; one placement-group bundle each. A prefill or decode instance of N > 1 ranks
+    runs expert-parallel (the worker's `expert_parallel_size`); vision instances have 1."""
     resources_per_rank: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
     """Ray resources of one rank: {"CPU": 1} here, {"GPU": 1, "CPU": 8} on GPU nodes."""
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     """How an instance's ranks are spread over nodes (STRICT_PACK: one node, as EP groups need)."""
-
-    @field_validator("num_ranks")
-    @classmethod
-    def _one_rank(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError(f"num_ranks={value}: instances run 1 rank today (expert-parallel groups come with a "
-                             "later issue); set num_ranks: 1 and use more instances")
-        return value
 
     @field_validator("resources_per_rank")
     @classmethod
@@ -385,11 +378,19 @@ class ClusterConfig(_Frozen):
     def _role_configs_validate(self) -> ClusterConfig:
         # NOTE: builds every role's config once so that a bad value fails at load time, naming the role
         for role in ("vision", "prefill", "decode", "vision_lb", "prefill_lb", "decode_lb", "entrypoint"):
-            try:
-                self.role_config(role, instance_id=f"{role}-check", lb_address="127.0.0.1:1",
-                                 lb_addresses=("127.0.0.1:1", "127.0.0.1:2"))
-            except ValidationError as e:
-                raise ValueError(f"{role} settings: {e}") from None
+            groups = self.stage(role).groups if role in STAGES else ()
+            if role == "vision" and any(g.num_ranks != 1 for g in groups):
+                raise ValueError("vision groups: num_ranks must be 1 (only prefill and decode instances run as "
+                                 "expert-parallel rank groups)")
+            for num_ranks in sorted({1} | {g.num_ranks for g in groups}):
+                try:
+                    config = self.role_config(role, instance_id=f"{role}-check", lb_address="127.0.0.1:1",
+                                              lb_addresses=("127.0.0.1:1", "127.0.0.1:2"), num_ranks=num_ranks)
+                    if num_ranks > 1:  # the engine's rules of a rank group (e.g. no speculative decoding yet)
+                        config.engine_config()
+                except ValidationError as e:
+                    raise ValueError(f"{role} settings{f' (num_ranks={num_ranks})' if num_ranks > 1 else ''}: {e}") \
+                        from None
         return self
 
     @property
@@ -423,8 +424,9 @@ class ClusterConfig(_Frozen):
 
     def role_config(self, role: str, *, instance_id: str = "", lb_address: str = "", datacenter: str = "",
                     lb_addresses: tuple[str, str] = ("", ""), advertise_host: str | None = None,
-                    vision_lb_address: str = ""):
-        """The validated config of one process: a vision/prefill/decode worker, a balancer or the entrypoint."""
+                    vision_lb_address: str = "", num_ranks: int = 1):
+        """The validated config of one process: a vision/prefill/decode worker, a balancer or the entrypoint.
+        `num_ranks`: the instance's group's (a prefill / decode worker's `expert_parallel_size`)."""
         loopback = self.is_loopback if self.loopback_ucx is None else self.loopback_ucx
         common = dict(host=self.host, port=0, advertise_host=advertise_host)
         if role in STAGES:
@@ -439,7 +441,8 @@ class ClusterConfig(_Frozen):
                        device=self.device,
                        lb_address=lb_address, instance_id=instance_id, agent_name=instance_id, datacenter=datacenter,
                        loopback_ucx=loopback,
-                       **({"batch_invariant": self.batch_invariant} if role != "vision" else {}))
+                       **({"batch_invariant": self.batch_invariant} if role != "vision" else {}),
+                       **({"expert_parallel_size": num_ranks} if num_ranks > 1 else {}))
         if role.endswith("_lb"):
             stage = role.removesuffix("_lb")
             b = self.stage(stage).balancer

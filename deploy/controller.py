@@ -333,7 +333,7 @@ class ClusterController:
                     f"resources_per_rank of {stage} group {group.name!r}") from None
             bundle = dict(bundles[0])
             role_config = c.role_config(stage, instance_id=instance_id, lb_address=self.addresses[f"{stage}_lb"],
-                                        datacenter=group.datacenter)
+                                        datacenter=group.datacenter, num_ranks=group.num_ranks)
             actor = ServiceActor.options(
                 num_cpus=bundle.pop("CPU", 0), num_gpus=bundle.pop("GPU", 0), resources=bundle,
                 max_restarts=c.stage(stage).max_restarts, max_concurrency=4, namespace=NAMESPACE,

@@ -671,6 +671,12 @@ class V41Config(BaseModel):
     # ------------------------------------------------------------------ derived layer roles
 
     @property
+    def vision(self) -> None:
+        """The parsed vision tower the engine builds: none (V4.1's tower is not built; `vision_config` stays
+        unparsed and `unsupported()` refuses it), so the serving stages treat V4.1 as a text model."""
+        return None
+
+    @property
     def rope_head_dim(self) -> int:
         """Trailing RoPE channels per head."""
         return self.qk_rope_head_dim

@@ -100,14 +100,20 @@ class EngineConfig(BaseModel):
     """Decode batch sizes captured as CUDA graphs (a batch runs padded to the next one); None = 1, 2, 4, 8,
     16, 24, 32, 48, 64, 96, 128, ... up to max_num_seqs (which is always one)."""
 
-    speculative_tokens: int = Field(0, ge=0)
-    """Draft tokens proposed per request per step and verified in the next one (speculative decoding,
-    `engine.spec_decode`; lossless); 0 = off. At most the model's smallest state ring minus one."""
-    speculative_method: Literal["mtp"] = "mtp"
-    """Drafter of speculative decoding: "mtp" (the checkpoint's multi-token-prediction layer, chained)."""
+    speculative: Literal["mtp"] | None = None
+    """Speculative decoding (`engine.spec_decode`; lossless): None = off, "mtp" = the checkpoint's
+    multi-token-prediction layer drafts `num_draft_tokens` per request per step, verified in the next one.
+    Canonical name; the aliases `speculative_tokens=K` (K > 0: "mtp" with K drafts, 0: off) and `speculative_method`
+    are still accepted when they agree (`engine.spec_decode.config`)."""
+    num_draft_tokens: int = Field(3, ge=1)
+    """Drafts proposed per request per step with `speculative` on; at most the model's smallest state ring minus
+    one (checked when the engine starts)."""
     verify_schedule: Literal["full", "confidence"] = "full"
     """Drafts verified per request (speculative decoding): "full" all of them, "confidence" a prefix chosen over
     the whole batch from the drafts' confidences (`engine.spec_decode.verify_schedule`)."""
+    verify_floor: int = Field(1, ge=0, le=1)
+    """Drafts every request verifies at least under the "confidence" schedule: 1, or 0 (a request whose drafts are
+    unlikely to be accepted then verifies none that step); 0 needs verify_schedule="confidence"."""
     verify_cost_table: str | None = None
     """Step-cost table (JSON, `benchmarks/speculative.py --profile-cost`) of the "confidence" schedule; None = the
     table shipped for the CPU (`spec_decode.step_cost`) on a CPU device, the linear stand-in elsewhere; "linear" =
@@ -122,13 +128,33 @@ class EngineConfig(BaseModel):
     eplb_interval_steps: int = Field(0, ge=0)
     """Re-place the experts (EPLB) from the loads measured over the last this-many steps; 0 = never by itself."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _speculative_aliases(cls, data):
+        from deepinfer.engine.spec_decode.config import resolve_speculative_fields
+
+        return resolve_speculative_fields(data)  # speculative_tokens / speculative_method -> the canonical fields
+
+    @property
+    def speculative_tokens(self) -> int:
+        """Drafts per request per step, 0 when speculative decoding is off (the alias, read-only)."""
+        return self.num_draft_tokens if self.speculative is not None else 0
+
+    @property
+    def speculative_method(self) -> str | None:
+        """The drafter (`speculative`; the alias, read-only)."""
+        return self.speculative
+
     @model_validator(mode="after")
     def _check_choices(self) -> EngineConfig:
-        if self.speculative_tokens and (self.async_scheduling or self.executor not in (None, "inprocess")
-                                        or self.expert_parallel_size > 1):
-            raise ValueError("speculative_tokens > 0 runs steps in one process (spec_decode.SpecExecutor); set "
-                             "async_scheduling=False, expert_parallel_size=1 and leave executor unset, or set "
-                             "speculative_tokens=0")
+        if self.speculative is not None and (self.async_scheduling or self.executor not in (None, "inprocess")
+                                             or self.expert_parallel_size > 1):
+            raise ValueError("speculative decoding runs steps in one process (spec_decode.SpecExecutor); set "
+                             "async_scheduling=False, expert_parallel_size=1 and leave executor unset, or turn it "
+                             "off (speculative=None; the alias speculative_tokens=0)")
+        from deepinfer.engine.spec_decode.config import check_verify_floor
+
+        check_verify_floor(self.verify_floor, self.verify_schedule)
         if self.expert_parallel_size > 1:
             from deepinfer.engine.distributed import check_config as check_multi_rank
 
@@ -263,9 +289,9 @@ class Engine(ExternalKVMixin):
         repo id's snapshot in the Hugging Face cache)."""
         mc, _ = read_checkpoint_config(path)
         if hasattr(mc, "kv_source_layer_ids"):  # a V41Config: what its paged path does not have yet (docs/V4_1.md §12)
-            if config.speculative_tokens:
-                raise ValueError("speculative_tokens > 0: DeepSeek-V4.1's drafter (its DSpark stages) is not built; "
-                                 "set speculative_tokens=0")
+            if config.speculative is not None:
+                raise ValueError(f"speculative={config.speculative!r}: DeepSeek-V4.1's drafter (its DSpark stages) is "
+                                 "not built; set speculative=None")
             if config.batch_invariant:
                 raise ValueError("batch_invariant: DeepSeek-V4.1's paged attention has no batch-invariant mode yet; "
                                  "set batch_invariant=False")
@@ -305,7 +331,7 @@ class Engine(ExternalKVMixin):
                     "model (num_layers * (sliding_window - 1) + 2 * max compress rate); raise it or leave it unset"
                 )
             self.replay_tokens = config.replay_tokens
-        elif config.speculative_tokens:  # the replay rebuilds the MTP drafter's window too (`engine.spec_decode`)
+        elif config.speculative is not None:  # the replay rebuilds the MTP drafter's window too (`engine.spec_decode`)
             from deepinfer.engine.spec_decode import drafter_replay_tokens
 
             self.replay_tokens = max(self.replay_tokens, drafter_replay_tokens(mc))
@@ -339,7 +365,7 @@ class Engine(ExternalKVMixin):
             replay_tokens_fn=lambda hit: self.replay_tokens,
         )
         # NOTE: speculative steps run their own forward (`engine.spec_decode`) on unpadded batches: eager
-        self.runner = ModelRunner(self.model, self.cache, enforce_eager=config.enforce_eager or bool(config.speculative_tokens)
+        self.runner = ModelRunner(self.model, self.cache, enforce_eager=config.enforce_eager or config.speculative is not None
                                   or config.expert_parallel_size > 1,
                                   cuda_graph_batch_sizes=config.cuda_graph_batch_sizes, max_num_seqs=config.max_num_seqs)
         self.runner.capture_cuda_graphs()  # decode buckets, when the model and device allow graphs
@@ -368,13 +394,14 @@ class Engine(ExternalKVMixin):
         the instance's prefix-cache hit rate)."""
         self.spec = None
         """Speculative decoding (`engine.spec_decode.SpecDecoding`: drafter, rollback, metrics), or None when off."""
-        if config.speculative_tokens:
+        if config.speculative is not None:
             from deepinfer.engine.spec_decode import SpecDecoding
             from deepinfer.engine.spec_decode.step_cost import load_cost_table
 
             self.spec = SpecDecoding(self.model, self.cache, self.sampler, config.max_num_seqs,
-                                     config.speculative_tokens, config.speculative_method, config.verify_schedule,
-                                     model_dir=path, cost_table=load_cost_table(config.verify_cost_table, config.device))
+                                     config.num_draft_tokens, config.speculative, config.verify_schedule,
+                                     verify_floor=config.verify_floor, model_dir=path,
+                                     cost_table=load_cost_table(config.verify_cost_table, config.device))
         self.executor = self.spec.executor if self.spec is not None else make_executor(config, self.runner,
                                                                                        self.sampler)
         """Runs each prepared step (model forward + sampling); chosen once, here (`engine.executor`)."""
@@ -695,15 +722,16 @@ class Engine(ExternalKVMixin):
                 params.append(req.sampling_params)
                 outs.append(req.output_token_ids + pending[rid] if rid in pending else req.output_token_ids)
                 prompts.append(req.prompt_token_ids)
-            bitmask = self._grammar_bitmask(out.sampling_req_ids, outs)
             if out.scheduled_spec_token_ids:  # one sampling row per verified position (`engine.spec_decode`)
-                from deepinfer.engine.spec_decode import expand_bitmask, expand_verify_rows
+                from deepinfer.engine.spec_decode import expand_verify_rows
 
                 drafts = [out.scheduled_spec_token_ids.get(rid, []) for rid in out.sampling_req_ids]
+                bitmask_outs = outs
                 params, outs, prompts, first_rows = expand_verify_rows(params, outs, prompts, drafts)
-                bitmask = expand_bitmask(*bitmask, first_rows, len(params))
+                bitmask = self._grammar_bitmask(out.sampling_req_ids, bitmask_outs, drafts, first_rows, len(params))
             else:
                 first_rows = list(range(len(params)))
+                bitmask = self._grammar_bitmask(out.sampling_req_ids, outs)
             sbatch = SamplingBatch.build(params, outs, prompts, device=self.runner.device,
                                          eos_token_ids=self.eos_token_ids)
             sbatch.token_bitmask, sbatch.token_bitmask_row_ids = bitmask
@@ -711,29 +739,38 @@ class Engine(ExternalKVMixin):
         if self.spec is not None:
             return self.spec.prepare(PreparedStep(batch, sbatch), out, token_ids_of,
                                      first_rows if out.sampling_req_ids else [],
-                                     lambda rid: rid in self._seqs and self._seqs[rid].grammar is None)
+                                     lambda rid: rid in self._seqs)
         return PreparedStep(batch, sbatch)
 
-    def _grammar_bitmask(self, sampling_req_ids: list[str], output_token_ids: list[list[int]]):
-        """The step's structured-output bitmask `[num_reqs, ceil(vocab / 32)]` and the rows it constrains,
+    def _grammar_bitmask(self, sampling_req_ids: list[str], output_token_ids: list[list[int]],
+                         drafts: list[list[int]] | None = None, first_rows: list[int] | None = None,
+                         num_rows: int | None = None):
+        """The step's structured-output bitmask `[num_rows, ceil(vocab / 32)]` and the rows it constrains,
         or `(None, None)` without constraints.
 
-        Each constrained row's matcher first catches up with the row's outputs (`output_token_ids[i]`,
+        Each constrained request's matcher first catches up with its outputs (`output_token_ids[i]`,
         the token still being sampled by the previous step included), then writes its allowed tokens.
+        With speculative decoding (`drafts[i]` verified from row `first_rows[i]` of `num_rows`), row `j`
+        of a request is masked as after its drafts `1 .. j`, accepted tentatively and rolled back
+        (`GrammarState.fill_verify_bitmask`).
         """
         bitmask = None
         row_ids: list[int] = []
-        for row, rid in enumerate(sampling_req_ids):
+        for i, rid in enumerate(sampling_req_ids):
             seq = self._seqs.get(rid)
             if seq is None or seq.grammar is None:
                 continue
             if bitmask is None:
-                bitmask = allocate_bitmask(len(sampling_req_ids), self.model_config.vocab_size)
+                bitmask = allocate_bitmask(len(sampling_req_ids) if num_rows is None else num_rows,
+                                           self.model_config.vocab_size)
             grammar = seq.grammar
             # a terminated or failed matcher leaves its row unconstrained: the request ends at this update
-            if grammar.advance_to(output_token_ids[row]) and not grammar.is_terminated:
-                grammar.fill_bitmask(bitmask, row)
-                row_ids.append(row)
+            if grammar.advance_to(output_token_ids[i]) and not grammar.is_terminated:
+                if drafts is None:
+                    grammar.fill_bitmask(bitmask, i)
+                    row_ids.append(i)
+                else:
+                    row_ids += grammar.fill_verify_bitmask(bitmask, first_rows[i], drafts[i])
         return (bitmask, row_ids) if row_ids else (None, None)
 
     def _advance_grammar(self, seq: _Seq, output_token_ids: list[int]) -> str | None:
@@ -769,6 +806,10 @@ class Engine(ExternalKVMixin):
                     continue  # finished (stop string, abort) while this step was in flight
                 if seq.save is not None and seq.pinned_block_ids is None:
                     self._pin_for_save(seq, toks)  # the blocks (and slot) outlive the request until saved
+                if len(toks) > 1 and seq.grammar is not None:  # a verified block: nothing after what completes it
+                    n, terminated = seq.grammar.count_acceptable(toks)
+                    if terminated:
+                        toks, lps = toks[:n], (lps[:n] if lps is not None else None)
                 upd = seq.stop.append(toks)
                 accepted = toks[: upd.num_accepted_tokens]
                 if seq.logprobs is not None and lp is not None and accepted:
@@ -785,6 +826,11 @@ class Engine(ExternalKVMixin):
         done = self.scheduler.update_from_output(out, new_tokens, finished)
         for rid, drafts in zip(out.sampling_req_ids, getattr(result, "draft_token_ids", ())):
             req = self.scheduler.get_request(rid)  # speculative decoding: verified with the next decode
+            seq = self._seqs.get(rid)
+            if drafts and req is not None and seq is not None and seq.grammar is not None:
+                # a structured-output request: the drafts its constraint allows (the matcher holds the accepted
+                # outputs); one it rejects could never be accepted
+                drafts = drafts[:seq.grammar.count_acceptable(drafts)[0]]
             if req is not None and drafts:
                 req.spec_token_ids = drafts
         self.timings["schedule"] += time.perf_counter() - t0

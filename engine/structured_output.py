@@ -214,6 +214,56 @@ class GrammarState:
         """Write the allowed next tokens into row `row` of `bitmask` `[num_rows, ceil(vocab / 32)]` int32."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
+    def count_acceptable(self, token_ids: Sequence[int]) -> tuple[int, bool]:
+        """How many of `token_ids`, fed after the tokens accepted so far, the constraint takes, and whether the
+        last of those terminates it: up to the first one it rejects, or through the one that terminates it
+        (nothing may follow). Tentative: the matcher is rolled back to where it was.
+
+        Speculative decoding trims a constrained request's drafts with it (a draft the constraint rejects
+        could never be accepted) and cuts a verified block after the token that completes the constraint.
+        """
+        if self.rejected_token_id is not None or self._matcher.is_terminated():
+            return 0, self._matcher.is_terminated()
+        n = 0
+        try:
+            for token_id in token_ids:
+                if not self._matcher.accept_token(int(token_id)):
+                    break
+                n += 1
+                if self._matcher.is_terminated():
+                    return n, True
+            return n, False
+        finally:
+            if n:
+                self._matcher.rollback(n)
+
+    def fill_verify_bitmask(self, bitmask: torch.Tensor, first_row: int, draft_token_ids: Sequence[int]) -> list[int]:
+        """Speculative decoding: the masks of a request's verify rows; returns the rows it constrained.
+
+        Row `first_row + j` gets the tokens allowed after the accepted outputs followed by drafts
+        `d_1 .. d_j`, which are accepted tentatively and rolled back afterwards: the matcher only ever
+        advances over accepted tokens (`advance_to`, after acceptance). Rows past a draft the constraint
+        rejects, or past the one that terminates it, stay unconstrained: the row before is masked, so its
+        token differs from that draft (or ends the request) and acceptance never keeps them.
+        """
+        if self.rejected_token_id is not None or self._matcher.is_terminated():
+            return []
+        self.fill_bitmask(bitmask, first_row)
+        rows, n = [first_row], 0
+        try:
+            for j, token_id in enumerate(draft_token_ids, start=1):
+                if not self._matcher.accept_token(int(token_id)):
+                    break
+                n += 1
+                if self._matcher.is_terminated():
+                    break
+                self.fill_bitmask(bitmask, first_row + j)
+                rows.append(first_row + j)
+        finally:
+            if n:
+                self._matcher.rollback(n)
+        return rows
+
 
 def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     """An all-allowed token bitmask `[num_rows, ceil(vocab_size / 32)]` int32 (rows without a constraint stay so)."""

@@ -5,8 +5,8 @@
 * Chat encoding (`load_chat_encoding`): a name in config.json (`deepinfer.chat_encoding`: recipe's
   "v4" / "v4.1") wins; else the checkpoint's own chat template when it ships one
   (`chat_template.jinja`, `chat_template.json` or tokenizer_config.json's `chat_template`), rendered
-  with jinja2 (`TemplateChatEncoding`); else recipe's V4 encoding, the default for `model_type`
-  deepseek_v4 (V4-Flash ships no chat template).
+  with jinja2 (`TemplateChatEncoding`); else recipe's encoding of its `model_type`: V4.1's for
+  deepseek_v41, V4's otherwise (V4-Flash ships no chat template).
 """
 
 from __future__ import annotations
@@ -41,16 +41,23 @@ CHAT_ENCODINGS = ("v4", "v4.1")
 DEFAULT_CHAT_ENCODING = "v4"
 
 
+MODEL_TYPE_CHAT_ENCODINGS = {"deepseek_v41": "v4.1"}
+"""The encoding a checkpoint's `model_type` implies when config.json names none (others: `DEFAULT_CHAT_ENCODING`)."""
+
+
 def chat_encoding_name(model_path: str | Path) -> str:
     """The chat (prompt) encoding of checkpoint `model_path`: `"v4"` or `"v4.1"`.
 
-    Read from config.json's `deepinfer.chat_encoding` (or a top-level `chat_encoding`); `"v4"` when
-    absent. NOTE: it is a property of the checkpoint, not of the server: a V4-tokenizer model must
-    use the V4 encoding (recipe's V4.1 encoding emits `<｜System｜>`, which the V4 tokenizer lacks).
+    Read from config.json's `deepinfer.chat_encoding` (or a top-level `chat_encoding`); when absent,
+    what its `model_type` implies (`MODEL_TYPE_CHAT_ENCODINGS`: `deepseek_v41` -> "v4.1"), else "v4".
+    NOTE: it is a property of the checkpoint, not of the server: a V4-tokenizer model must use the V4
+    encoding (recipe's V4.1 encoding emits `<｜System｜>`, which the V4 tokenizer lacks), and a V4.1
+    checkpoint the V4.1 encoding with its own tokenizer (which has it).
     """
     file = Path(model_path) / "config.json"
     config = read_config_json(file)
-    name = config.get("chat_encoding") or (config.get("deepinfer") or {}).get("chat_encoding") or DEFAULT_CHAT_ENCODING
+    name = (config.get("chat_encoding") or (config.get("deepinfer") or {}).get("chat_encoding")
+            or MODEL_TYPE_CHAT_ENCODINGS.get(config.get("model_type"), DEFAULT_CHAT_ENCODING))
     if name not in CHAT_ENCODINGS:
         raise ValueError(f"{file}: chat_encoding {name!r} is not one of {CHAT_ENCODINGS}; set deepinfer.chat_encoding.")
     return name

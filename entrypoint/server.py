@@ -435,6 +435,8 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
             with req.lock:
                 req.decode = (d_inst.instance_id, d_stub)
             is_last = attempt + 1 == self.config.max_attempts
+            req.lost_decode_id = None
+            self.liveness.watch(req, d_inst.instance_id, d_stub)  # a hung instance's Reserve is cancelled
             try:
                 reserve = self._unary(req, d_stub.Reserve, decode_pb2.ReserveRequest(
                     request_id=rid, prompt_token_ids=prompt, sampling_params=sampling, num_kv_tokens=len(prompt),
@@ -443,6 +445,24 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                     is_conversation=request.is_conversation,
                     **({"rank": req.decode_rank} if req.decode_rank is not None else {})),
                     deadline, f"reserving KV on decode instance {d_inst.instance_id}")
+            except _Cancelled:
+                if req.lost_decode_id != d_inst.instance_id or req.abort_reason is not None:
+                    raise
+                # it hung while reserving (missed heartbeats, no answer to a probe: `DecodeLiveness`), which
+                # would hold the request for as long as it hangs: skip it like a dead one. The reservation it
+                # may still make when it wakes is aborted in the background (or ends with its lease).
+                with req.lock:
+                    lost, req.decode = req.decode, None
+                threading.Thread(target=req._abort_stages, args=([lost], "the decode instance hung while reserving",
+                                                                 self.config.rpc_timeout_s),
+                                 name="entrypoint-abort-lost", daemon=True).start()
+                failed = _Failed(grpc.StatusCode.UNAVAILABLE, f"decode instance {d_inst.instance_id} stopped "
+                                 "answering while reserving KV (missed heartbeats, no answer to a Health probe)")
+                if is_last:
+                    raise failed from None
+                logger.warning("%s: skipping decode instance %s: %s", rid, d_inst.instance_id, failed)
+                excluded.append(d_inst.instance_id)
+                continue
             except _Failed as e:
                 # NOTE: an unreachable instance (e.g. dead, not yet expired at its balancer) is skipped
                 if e.status == grpc.StatusCode.UNAVAILABLE:
@@ -454,6 +474,8 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                     req.decode = None
                 excluded.append(d_inst.instance_id)
                 continue
+            finally:
+                self.liveness.unwatch(req)
             if not reserve.error.code:
                 break
             if (reserve.error.code == common_pb2.ERROR_CODE_UNAVAILABLE and not is_last

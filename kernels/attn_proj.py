@@ -222,15 +222,22 @@ if triton is not None:
                  acc.to(y_ptr.dtype.element_ty), mask=t_ok[:, None] & r_ok[None, :])
 
     @register_op("attn_out_proj", "triton")
-    def attn_out_proj_triton(o, cos, sin, weight, groups: int, block_m: int | None = None, block_r: int = 64,
-                             block_k: int = 64, num_warps: int = 4) -> torch.Tensor:
+    def attn_out_proj_triton(o, cos, sin, weight, groups: int, block_m: int | None = None,
+                             block_r: int | None = None, block_k: int | None = None,
+                             num_warps: int = 8) -> torch.Tensor:
         """Triton inverse RoPE + grouped `wo_a`, see the module docstring. o contiguous [T, NH, D], weight
         contiguous [G * R, NH * D / G] of o's dtype, cos/sin float32 [T, rd/2]; block sizes powers of two
-        >= 16 (`block_m` default: 16 up to 16 tokens, else 64)."""
+        >= 16. Defaults (tiles M x R x K): 16 x 64 x 64 up to 16 tokens (decode: the weight read once, G * R / 64
+        programs), else 64 x 128 x 32. NOTE: compiled for sm_90a (triton 3.9, ptxas 13.4, D 512, 8 warps) both
+        spill nothing (153 and 231 registers a thread: `benchmarks.kernel_registers`); 64 x 64 x 64 with 4 warps spills ~0.9 KiB."""
         if o.dim() != 3 or not o.is_contiguous():
             raise ValueError(f"attn_out_proj: o must be a contiguous [T, NH, D] tensor, got {list(o.shape)}")
         T, NH, D = o.shape
         half = _check_rope("attn_out_proj", cos, sin, T, D)
+        small = T <= 16
+        block_m = block_m or (16 if small else 64)
+        block_r = block_r or (64 if small else 128)
+        block_k = block_k or (64 if small else 32)
         if groups < 1 or (NH * D) % groups:
             raise ValueError(f"attn_out_proj: {groups} groups do not split the {NH * D} channels")
         KG = NH * D // groups
@@ -238,7 +245,6 @@ if triton is not None:
                 or weight.dtype != o.dtype:
             raise ValueError(f"attn_out_proj: weight must be a contiguous [G * R, {KG}] tensor of o's dtype "
                              f"({o.dtype}), got {weight.dtype} {list(weight.shape)}")
-        block_m = block_m or (16 if T <= 16 else 64)
         for name, v in (("block_m", block_m), ("block_r", block_r), ("block_k", block_k)):
             if v < 16 or v & (v - 1):
                 raise ValueError(f"attn_out_proj: {name} must be a power of two >= 16, got {v}")

@@ -1,23 +1,27 @@
-"""DeepSeek-V4 prefill attention of one chunk: the banded sliding window plus the compressed entries.
+"""DeepSeek-V4 prefill attention of a step's chunks: the banded sliding window plus the compressed entries.
 
 Module op `"prefill_attention"` (`register_op(..., in_op_table=False)`; the `triton` attention backend
 picks it per device):
 
-    prefill_attention(q [n, NH, D], kv [n, D], ring [S, W, D], slot, p0, state_start, comp [C, D] | None,
-                      entries [n, K] | None, rate, sink [NH] float32) -> [n, NH, D]
+    prefill_attention(q [T, NH, D], kv [T, D], ring [S, W, D], spans: PrefillSpans, comp [C, D] | None,
+                      entries [Tp, K] | None, sink [NH] float32, out=None) -> out [T, NH, D]
 
-The chunk's `n` new tokens sit at positions `p0 .. p0 + n - 1` of one request (ring slot `slot`). Query
-`i` (position `p = p0 + i`) attends to what `TorchAttentionBackend._attend_one` gives it
-(engine/attention/torch_backend.py):
+`q` / `kv` are the step's flat rows; `spans` lists its prefill chunks (host ints, plus the per-token table
+the kernel reads): chunk `j` has `n_j` new tokens at flat rows `start_j ..` and positions `p0_j ..` of one
+request, ring slot `slot_j`, state valid from `state_start_j`. Only those `Tp = sum n_j` rows of `out`
+are written (`out` None: a new tensor; the other rows are then undefined). Query `i` of a chunk (position
+`p = p0 + i`) attends to what `TorchAttentionBackend._attend_one` gives it (engine/attention/torch_backend.py):
 
 * the window: the keys at positions `p - W + 1 .. p` that are `>= state_start` (a key at position
   `< 0` never is); positions before `p0` come from the ring (`ring[slot, position % W]`, which must
-  still hold the history: the caller writes the chunk's tail into the ring *after* this op), the others
-  from `kv` (row `position - p0`);
-* compressed entries, `comp[c]` is entry `c` of the request (the caller's gather of the pool rows):
-  with `entries` None (HCA) every visible one, `c < (p + 1) // rate` (causal visibility); with
-  `entries` (CSA) the indexer's selection of the query, entry indices, -1 for none, in any order (the
-  caller's selection is of visible entries only: `kernels.indexer`);
+  still hold the history: the caller writes the chunks' tails into the ring *after* this op), the others
+  from `kv` (flat row `start + position - p0`);
+* compressed entries: `comp` holds each chunk's request's entries `0 .. C_j - 1` (`C_j = (p0_j + n_j) //
+  rate`, `spans.rate`) one chunk after the other (the caller's gathers of the pool rows, in chunk order);
+  with `entries` None (HCA) the query sees every visible one, `c < (p + 1) // rate` (causal visibility);
+  with `entries` (CSA; row `k` for the k-th prefill token in chunk order) the indexer's selection of the
+  query, entry indices of its request, -1 for none, in any order (the selection is of visible entries
+  only: `kernels.indexer`);
 * the per-head sink: `exp(sink[h])` joins the softmax denominator and adds no value.
 
 Logits are `q . k * D**-0.5`; softmax and sums in float32; the output has q's dtype.
@@ -28,13 +32,22 @@ takes one query token and `BLOCK_H` of its heads (the M dim of `tl.dot`), walks 
 `entries`, or the contiguous visible prefix of `comp`), with the online softmax, and adds the sink at
 the end. The same key tile is the V operand. Neighbouring programs are the token's other head groups
 and the neighbouring tokens, whose windows overlap in all but one key: their tiles come from L2. Every
-query has at most `W + K` (CSA) or `W + C` (HCA) keys, so no split over keys is needed: the `n * NH / BLOCK_H`
-programs fill the device. A query's result does not depend on the chunk it is in beyond its own inputs.
+query has at most `W + K` (CSA) or `W + C` (HCA) keys, so no split over keys is needed: the `Tp * NH / BLOCK_H`
+programs fill the device. Every chunk of the step runs in the same launch (one per layer): a program reads
+its token's row, position, chunk and slot from `spans.table`. A query's result depends on its own inputs
+only, not on the other chunks or tokens of the step.
+
+NOTE: compiled for sm_90a (triton 3.9, ptxas 13.4; `benchmarks.kernel_registers`) at 64 heads x 512 with
+the defaults (32 heads per program, 32-key tiles, 8 warps) the kernel uses 202 (sliding), 212 (HCA) and 255
+(CSA) registers a thread and spills nothing; 64 heads per program spill 0.3-2.5 KiB. Not yet measured on a
+GPU: `benchmarks/prefill_attention.py` times it (TFLOP/s and MFU against a bf16 matmul). The compressors and
+the indexer's selection (`kernels.indexer`) run per chunk before it.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -45,6 +58,64 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover - triton is optional on CPU-only installs
     triton = None
+
+
+# --------------------------------------------------------------------------- the chunks
+
+
+TABLE_COLUMNS = ("pos", "p0", "kv_off", "slot", "state_start", "comp_off")
+"""Columns of `PrefillSpans.table`, one row per prefill token in chunk order: its position, its chunk's first
+position, `start - p0` (key position `kp >= p0` is flat row `kp + kv_off`; the token's own row is `pos +
+kv_off`), the ring slot, the state start and the row of its request's entry 0 in `comp`."""
+
+
+@dataclass(frozen=True)
+class PrefillSpans:
+    """A step's prefill chunks as `prefill_attention` reads them: host ints per chunk (the reference, the
+    wrapper's checks) and the per-token table on the device (the kernel). Build with `PrefillSpans.build`."""
+
+    starts: tuple[int, ...]
+    """Flat row of each chunk's first token."""
+    lengths: tuple[int, ...]
+    p0s: tuple[int, ...]
+    """Position of each chunk's first token."""
+    slots: tuple[int, ...]
+    state_starts: tuple[int, ...]
+    rate: int
+    """Tokens per compressed entry (0: no entries, sliding layers)."""
+    table: torch.Tensor
+    """[Tp, len(TABLE_COLUMNS)] int64 on the device."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def comp_counts(self) -> tuple[int, ...]:
+        """Entries of each chunk's request up to the chunk's end (`(p0 + n) // rate`)."""
+        return tuple((p + n) // self.rate if self.rate else 0 for p, n in zip(self.p0s, self.lengths))
+
+    @classmethod
+    def build(cls, starts, lengths, p0s, slots, state_starts, rate: int, device) -> PrefillSpans:
+        """The spans of chunks given by their host ints; the table is made on the host and copied once
+        (pinned, non-blocking on CUDA: no synchronisation)."""
+        starts, lengths, p0s = tuple(map(int, starts)), tuple(map(int, lengths)), tuple(map(int, p0s))
+        slots, state_starts = tuple(map(int, slots)), tuple(map(int, state_starts))
+        if not len(starts) == len(lengths) == len(p0s) == len(slots) == len(state_starts):
+            raise ValueError("PrefillSpans: one start, length, p0, slot and state start per chunk")
+        rows, off = [], 0
+        for a, n, p0, slot, ss in zip(starts, lengths, p0s, slots, state_starts):
+            rows += [(p0 + i, p0, a - p0, slot, ss, off) for i in range(n)]
+            off += (p0 + n) // rate if rate else 0
+        table = torch.tensor(rows, dtype=torch.int64).reshape(-1, len(TABLE_COLUMNS))
+        device = torch.device(device)
+        table = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table.to(device)
+        return cls(starts, lengths, p0s, slots, state_starts, rate, table)
+
+    @classmethod
+    def single(cls, n: int, p0: int, slot: int, state_start: int, rate: int, device, start: int = 0) -> PrefillSpans:
+        """One chunk of `n` tokens at flat rows `start ..`."""
+        return cls.build([start], [n], [p0], [slot], [state_start], rate, device)
 
 
 # --------------------------------------------------------------------------- torch reference
@@ -60,10 +131,10 @@ def compressed_mask(n: int, p0: int, C: int, rate: int, entries: torch.Tensor | 
     return torch.zeros(n, C + 1, dtype=torch.bool, device=device).scatter_(1, cols, True)[:, :C]
 
 
-@register_op("prefill_attention", "torch", in_op_table=False)
-def prefill_attention_torch(q, kv, ring, slot: int, p0: int, state_start: int, comp, entries, rate: int,
-                            sink) -> torch.Tensor:
-    """Reference prefill attention of one chunk (see the module docstring); float32 arithmetic, any device."""
+def chunk_attention_torch(q, kv, ring, slot: int, p0: int, state_start: int, comp, entries, rate: int,
+                          sink) -> torch.Tensor:
+    """One chunk (q [n, NH, D], kv [n, D], comp [C, D] its request's entries, entries [n, K]) -> [n, NH, D]:
+    the window through an `unfold` view per query (n * W per head, not n * (n + W)); float32 arithmetic."""
     n, NH, D = q.shape
     W = ring.shape[1]
     hist_pos = torch.arange(p0 - W + 1, p0, device=q.device)  # [W - 1] positions before the chunk
@@ -88,6 +159,21 @@ def prefill_attention_torch(q, kv, ring, slot: int, p0: int, state_start: int, c
     if comp is not None:
         o = o + torch.einsum("nhc,cd->nhd", probs[..., W:-1], comp.float())
     return o.to(q.dtype)
+
+
+@register_op("prefill_attention", "torch", in_op_table=False)
+def prefill_attention_torch(q, kv, ring, spans: PrefillSpans, comp, entries, sink, out=None) -> torch.Tensor:
+    """Reference prefill attention of the step's chunks (see the module docstring), one chunk at a time."""
+    out = torch.empty_like(q) if out is None else out
+    c0 = k0 = 0
+    for a, n, p0, slot, ss, C in zip(spans.starts, spans.lengths, spans.p0s, spans.slots, spans.state_starts,
+                                     spans.comp_counts):
+        sl = slice(a, a + n)
+        cc = comp[c0:c0 + C] if comp is not None and C else None
+        ee = entries[k0:k0 + n] if entries is not None else None
+        out[sl] = chunk_attention_torch(q[sl], kv[sl], ring, slot, p0, ss, cc, ee, spans.rate, sink).to(out.dtype)
+        c0, k0 = c0 + C, k0 + n
+    return out
 
 
 @register_default_impl("prefill_attention")
@@ -130,24 +216,28 @@ if triton is not None:
 
     @triton.jit
     def _prefill_attn_kernel(
-        q_ptr, kv_ptr, ring_ptr, comp_ptr, idx_ptr, sink_ptr, out_ptr,
-        slot, p0, state_start, NH, K, scale,
+        q_ptr, kv_ptr, ring_ptr, comp_ptr, idx_ptr, sink_ptr, out_ptr, tab_ptr, NH, K, scale,
         D: tl.constexpr, W: tl.constexpr, RATE: tl.constexpr, HAS_COMP: tl.constexpr, SPARSE: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+        NCOL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+        IEEE: tl.constexpr,
     ):
         hg = tl.program_id(0)  # a token's head groups are neighbours: its key tiles come from L2 for the others
-        i = tl.program_id(1).to(tl.int64)
-        pos = p0 + i
+        i = tl.program_id(1).to(tl.int64)  # the i-th prefill token of the step
+        pos = tl.load(tab_ptr + i * NCOL + 0)
+        p0 = tl.load(tab_ptr + i * NCOL + 1)
+        kv_off = tl.load(tab_ptr + i * NCOL + 2)
+        slot = tl.load(tab_ptr + i * NCOL + 3)
+        lo = tl.maximum(tl.load(tab_ptr + i * NCOL + 4), 0)
+        row = pos + kv_off  # the token's flat row
         h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_D)
         h_ok = h < NH
         d_ok = d < D
-        q = tl.load(q_ptr + (i * NH + h[:, None]) * D + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
+        q = tl.load(q_ptr + (row * NH + h[:, None]) * D + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
                     other=0.0)  # [BLOCK_H, BLOCK_D]
         m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite: an all-masked tile gives p = 0, not NaN
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        lo = tl.maximum(state_start, 0)
         # the window: keys at positions pos - W + 1 .. pos
         for t0 in range(0, W, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
@@ -155,10 +245,11 @@ if triton is not None:
             valid = (t < W) & (kp >= lo)
             in_chunk = kp >= p0
             ring_row = tl.where(kp >= 0, kp, 0) % W
-            ptrs = tl.where(in_chunk, kv_ptr + (kp - p0) * D, ring_ptr + (slot * W + ring_row) * D)
+            ptrs = tl.where(in_chunk, kv_ptr + (kp + kv_off) * D, ring_ptr + (slot * W + ring_row) * D)
             k = tl.load(ptrs[:, None] + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
             m_i, l_i, acc = _online_step(q, k, valid, m_i, l_i, acc, scale, IEEE)
         if HAS_COMP:
+            comp_off = tl.load(tab_ptr + i * NCOL + 5)
             if SPARSE:
                 n_ent = K + 0 * pos
             else:
@@ -171,70 +262,81 @@ if triton is not None:
                     ok = ok & (c >= 0)
                 else:
                     c = ci
-                k = tl.load(comp_ptr + c[:, None] * D + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+                k = tl.load(comp_ptr + (comp_off + c)[:, None] * D + d[None, :], mask=ok[:, None] & d_ok[None, :],
+                            other=0.0)
                 m_i, l_i, acc = _online_step(q, k, ok, m_i, l_i, acc, scale, IEEE)
         sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32)
         m = tl.maximum(m_i, sink)
         a = tl.exp(m_i - m)
         tot = l_i * a + tl.exp(sink - m)
         o = acc * (a / tot)[:, None]
-        tl.store(out_ptr + (i * NH + h[:, None]) * D + d[None, :], o.to(out_ptr.dtype.element_ty),
+        tl.store(out_ptr + (row * NH + h[:, None]) * D + d[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=h_ok[:, None] & d_ok[None, :])
 
     @register_op("prefill_attention", "triton", in_op_table=False)
-    def prefill_attention_triton(q, kv, ring, slot: int, p0: int, state_start: int, comp, entries, rate: int,
-                                 sink, block_h: int = 32, block_n: int = 32,
-                                 num_warps: int | None = None) -> torch.Tensor:
-        """Triton prefill attention of one chunk (see the module docstring) -> [n, NH, D] in q's dtype.
+    def prefill_attention_triton(q, kv, ring, spans: PrefillSpans, comp, entries, sink, out=None,
+                                 block_h: int = 32, block_n: int = 32, num_warps: int | None = None) -> torch.Tensor:
+        """Triton prefill attention of the step's chunks, one launch (see the module docstring) -> out.
 
-        q [n, NH, D], kv [n, D], ring [S, W, D] and comp [C, D] share q's dtype and are contiguous;
-        entries [n, K] int64 (-1 padded; None: every visible entry); sink [NH] float32; slot, p0 and
-        state_start host ints. `block_h`: heads per program (the dot's M dim); `block_n`: keys per tile
-        (powers of two >= 16).
+        q [T, NH, D], kv [T, D], ring [S, W, D] and comp [C, D] share q's dtype and are contiguous; entries
+        [Tp, K] int64 (-1 padded; None: every visible entry); sink [NH] float32; out (if given) like q.
+        `block_h`: heads per program (the dot's M dim); `block_n`: keys per tile (powers of two >= 16).
         """
         if q.dim() != 3 or kv.dim() != 2 or ring.dim() != 3 or kv.shape != (q.shape[0], q.shape[2]) \
                 or ring.shape[2] != q.shape[2]:
-            raise ValueError(f"prefill_attention: q [n, NH, D], kv [n, D] and ring [S, W, D] expected, got "
+            raise ValueError(f"prefill_attention: q [T, NH, D], kv [T, D] and ring [S, W, D] expected, got "
                              f"{list(q.shape)}, {list(kv.shape)} and {list(ring.shape)}")
-        n, NH, D = q.shape
-        S, W = ring.shape[0], ring.shape[1]
-        named = [("q", q), ("kv", kv), ("ring", ring)] + ([("comp", comp)] if comp is not None else [])
+        T, NH, D = q.shape
+        S = ring.shape[0]
+        named = [("q", q), ("kv", kv), ("ring", ring)] + ([("comp", comp)] if comp is not None else []) \
+            + ([("out", out)] if out is not None else [])
         for name, t in named:
             if not t.is_contiguous():
                 raise ValueError(f"prefill_attention: {name} must be contiguous (call .contiguous())")
             if t.dtype != q.dtype:
                 raise ValueError(f"prefill_attention: {name} is {t.dtype}, q is {q.dtype} (one dtype)")
-        if comp is not None and (comp.dim() != 2 or comp.shape[1] != D):
-            raise ValueError(f"prefill_attention: comp must be [C, {D}], got {list(comp.shape)}")
+        if out is not None and out.shape != q.shape:
+            raise ValueError(f"prefill_attention: out must be shaped like q {list(q.shape)}, got {list(out.shape)}")
+        Tp, C = spans.num_tokens, sum(spans.comp_counts)
+        if tuple(spans.table.shape) != (Tp, len(TABLE_COLUMNS)) or spans.table.dtype != torch.int64 \
+                or not spans.table.is_contiguous():
+            raise ValueError(f"prefill_attention: spans.table must be a contiguous int64 [{Tp}, {len(TABLE_COLUMNS)}] "
+                             f"tensor, got {spans.table.dtype} {list(spans.table.shape)}")
+        if any(a < 0 or a + n > T for a, n in zip(spans.starts, spans.lengths)):
+            raise ValueError(f"prefill_attention: a chunk's rows run past the {T} rows of q")
+        if any(not 0 <= slot < S for slot in spans.slots):
+            raise ValueError(f"prefill_attention: a chunk's slot is not a ring slot (0 .. {S - 1})")
+        if comp is not None and (comp.dim() != 2 or comp.shape[1] != D or comp.shape[0] != C):
+            raise ValueError(f"prefill_attention: comp must be [{C}, {D}] (every chunk's entries), got "
+                             f"{list(comp.shape)}")
         if sink.shape != (NH,) or sink.dtype != torch.float32:
             raise ValueError(f"prefill_attention: sink must be float32 [{NH}], got {sink.dtype} {list(sink.shape)}")
         if entries is not None:
             if comp is None:
                 raise ValueError("prefill_attention: entries without comp")
-            if entries.dtype != torch.int64 or entries.dim() != 2 or entries.shape[0] != n \
+            if entries.dtype != torch.int64 or entries.dim() != 2 or entries.shape[0] != Tp \
                     or not entries.is_contiguous():
-                raise ValueError(f"prefill_attention: entries must be a contiguous int64 [{n}, K] tensor, got "
+                raise ValueError(f"prefill_attention: entries must be a contiguous int64 [{Tp}, K] tensor, got "
                                  f"{entries.dtype} {list(entries.shape)}")
-        if not 0 <= slot < S:
-            raise ValueError(f"prefill_attention: slot {slot} is not a ring slot (0 .. {S - 1})")
         for name, v in (("block_h", block_h), ("block_n", block_n)):
             if v < 16 or v & (v - 1):
                 raise ValueError(f"prefill_attention: {name} must be a power of two >= 16, got {v}")
         if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"prefill_attention needs CUDA tensors (or TRITON_INTERPRET=1), got {q.device}")
-        out = torch.empty_like(q)
-        if n == 0:
+        out = torch.empty_like(q) if out is None else out
+        if Tp == 0:
             return out
-        has_comp = comp is not None and comp.shape[0] > 0
+        has_comp = comp is not None and C > 0
         sparse = has_comp and entries is not None
         K = entries.shape[1] if sparse else 0
         BLOCK_H = max(16, min(block_h, triton.next_power_of_2(NH)))
         BLOCK_D = max(16, triton.next_power_of_2(D))
         warps = num_warps or (8 if BLOCK_H * BLOCK_D >= 32 * 512 else 4)
-        _prefill_attn_kernel[(triton.cdiv(NH, BLOCK_H), n)](
-            q, kv, ring, comp if has_comp else ring, entries if sparse else q, sink, out,
-            slot, p0, state_start, NH, K, D**-0.5,
-            D=D, W=W, RATE=rate if has_comp else 1, HAS_COMP=has_comp, SPARSE=sparse, BLOCK_N=block_n,
-            BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=2,
+        _prefill_attn_kernel[(triton.cdiv(NH, BLOCK_H), Tp)](
+            q, kv, ring, comp if has_comp else ring, entries if sparse else spans.table, sink, out, spans.table,
+            NH, K, D**-0.5,
+            D=D, W=ring.shape[1], RATE=max(spans.rate, 1), HAS_COMP=has_comp, SPARSE=sparse, NCOL=len(TABLE_COLUMNS),
+            BLOCK_N=block_n, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, IEEE=q.dtype == torch.float32, num_warps=warps,
+            num_stages=2,
         )
         return out

@@ -16,11 +16,11 @@ to `cache.max_blocks_per_seq` with `cache.dummy_block`, no host value that chang
 one batch size, so a CUDA graph captured for B rows replays with the next step's metadata copied in.
 Padding rows (`cache.dummy_slot`, position 0) read and write nothing (the kernels mask them).
 
-Prefill chunks (and the prefill part of a mixed step) run eagerly, one chunk at a time: the compressors
-as the `torch` backend (entries written to the pools), for CSA the indexer's selection of every query
-with `indexer_topk` (each query a row at its own position), then the window + entries + sink in one
-`prefill_attention` kernel per chunk and layer (`kernels.prefill_attention`), and the chunk's last keys
-into the ring. Verify rows (speculative decoding) and decode rows of metadata built elsewhere (not
+Prefill chunks (and the prefill part of a mixed step) run eagerly: per chunk the compressors as the
+`torch` backend (entries written to the pools) and, for CSA, the indexer's selection of every query with
+`indexer_topk` (each query a row at its own position); then the window + entries + sink of every chunk of
+the step in one `prefill_attention` launch per layer (`kernels.prefill_attention`; its per-token table is
+built once per step), and the chunks' last keys into their rings. Verify rows (speculative decoding) and decode rows of metadata built elsewhere (not
 static: the MTP layer's own builder) take the `torch` path.
 
 Each kernel is a module op of `kernels.registry` with a torch reference: on a device without Triton
@@ -31,6 +31,7 @@ backend is the oracle: the tests compare the two on the same inputs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +52,7 @@ from deepinfer.engine.cache.kv_cache import V4KVCache
 from deepinfer.kernels import compressor as _compressor  # noqa: F401  (registers the ops)
 from deepinfer.kernels import decode_attention as _decode_attention
 from deepinfer.kernels import indexer as _indexer  # noqa: F401
-from deepinfer.kernels import prefill_attention as _prefill_attention  # noqa: F401
+from deepinfer.kernels.prefill_attention import PrefillSpans
 from deepinfer.kernels.registry import default_impl, get_op
 
 _OPS = ("ring_write", "compressor_decode", "write_entries", "indexer_topk", "decode_attention", "prefill_attention")
@@ -72,7 +73,7 @@ class _DecodeOps:
 @dataclass
 class _ChunkEntries:
     """A prefill chunk's compressed entries as the prefill kernel reads them (what this backend's
-    `_compressed` hands its `_attend_one`, in place of the `torch` backend's dense mask)."""
+    `_compressed` returns, in place of the `torch` backend's dense mask)."""
 
     comp: torch.Tensor  # [C1, D] the request's entries 0 .. C1 - 1
     selected: torch.Tensor | None  # [n, topk] int64 entry indices per query (-1 none; CSA), None: all visible
@@ -91,6 +92,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
         device (the kernels on CUDA, the torch references elsewhere)."""
         self.impl = impl
         self._ops: dict[torch.device, _DecodeOps] = {}
+        self._spans_meta: AttentionMetadata | None = None
+        self._spans: dict[int, PrefillSpans] = {}
 
     @classmethod
     def build_metadata(cls, batch, specs: tuple[LayerSpec, ...], rope_fns: dict[str, RopeFn],
@@ -180,19 +183,48 @@ class TritonAttentionBackend(TorchAttentionBackend):
                                     indexer.topk)
         return _ChunkEntries(comp, selected)
 
-    def _attend_one(self, spec: LayerSpec, chunk: PrefillChunk, q, kv, sink, cache: V4KVCache,
-                    extra: _ChunkEntries | None) -> torch.Tensor:
-        """The chunk's window + entries + sink in one `prefill_attention` call, then its last keys into
-        the ring (after the kernel has read the history)."""
+    def forward(self, spec: LayerSpec, inputs: AttentionInputs, cache: V4KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Decode and verify rows as the base class; every prefill chunk of the step in one
+        `prefill_attention` launch (after each chunk's compressors and indexer), then the chunks' last
+        keys into their rings."""
+        if not meta.prefill:
+            return super().forward(spec, inputs, cache, meta)
+        out = super().forward(spec, inputs, cache, dataclasses.replace(meta, prefill=[]))  # decode, verify rows
+        rate = spec.compress_rate if spec.is_compressed else 0
+        spans = self._prefill_spans(meta, rate, inputs.q.device)
+        extras = [self._compressed(spec, c, inputs, c.rows, cache, meta) if rate else None for c in meta.prefill]
         ring = cache.window_kv[spec.layer_idx]  # [slots, W, D]
         dt = ring.dtype
-        kv = kv.to(dt).contiguous()
-        comp = sel = None
-        if extra is not None:
-            comp, sel = extra.comp.to(dt).contiguous(), extra.selected
-        out = self.ops_for(q.device).prefill_attention(
-            q.to(dt).contiguous(), kv, ring, chunk.slot, chunk.num_computed_tokens, chunk.state_start, comp, sel,
-            spec.compress_rate, sink.float())
-        tail = chunk.windows[spec.window].tail_rows
-        ring[chunk.slot, tail] = kv[-tail.shape[0]:]
-        return out.to(q.dtype)
+        comp = entries = None
+        if any(e is not None for e in extras):
+            comp = torch.cat([e.comp for e in extras if e is not None]).to(dt).contiguous()
+            if spec.has_indexer:
+                k = inputs.indexer.topk
+                entries = torch.cat([e.selected if e is not None else
+                                     torch.full((c.num_tokens, k), -1, dtype=torch.long, device=ring.device)
+                                     for c, e in zip(meta.prefill, extras)])
+        q, kv = inputs.q.to(dt).contiguous(), inputs.kv.to(dt).contiguous()
+        o = self.ops_for(q.device).prefill_attention(q, kv, ring, spans, comp, entries, inputs.sink.float(),
+                                                    out=out if out.dtype == dt else None)
+        if o is not out:
+            for c in meta.prefill:
+                out[c.rows] = o[c.rows].to(out.dtype)
+        for c in meta.prefill:  # after the kernel has read the history
+            tail = c.windows[spec.window].tail_rows
+            ring[c.slot, tail] = kv[c.rows][-tail.shape[0]:]
+        return out
+
+    def _prefill_spans(self, meta: AttentionMetadata, rate: int, device: torch.device) -> PrefillSpans:
+        """The step's chunks as the prefill kernel reads them, built once per step and rate (every layer of
+        the step shares `meta`; the table is one host-to-device copy)."""
+        if self._spans_meta is not meta:
+            self._spans_meta, self._spans = meta, {}
+        spans = self._spans.get(rate)
+        if spans is None:
+            ch = meta.prefill
+            spans = PrefillSpans.build([c.start for c in ch], [c.num_tokens for c in ch],
+                                       [c.num_computed_tokens for c in ch], [c.slot for c in ch],
+                                       [c.state_start for c in ch], rate, device)
+            self._spans[rate] = spans
+        return spans

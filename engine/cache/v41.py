@@ -132,7 +132,11 @@ class V41KVCache:
             name: torch.zeros(p.shape, dtype=torch.int64 if name == "engram_tokens" else dtype, device=self.device)
             for name, p in self.pool_layouts.items()
         }
-        self.window_kv = self.tensors["window_kv"]  # [num_layers, num_slots, W, D]
+        # each tensor by attribute too, as V4KVCache: the transfer agent and the KV store address a pool
+        # as `getattr(cache, pool_layout.name)`
+        for name, t in self.tensors.items():
+            setattr(self, name, t)
+        self.window_kv: torch.Tensor  # [num_layers, num_slots, W, D]
 
     def entries(self, ratio: int) -> torch.Tensor:
         """`entries_r{ratio}` [sources, num_blocks, block_size // ratio, head_dim]."""

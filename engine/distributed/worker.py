@@ -29,6 +29,9 @@ group's collectives can no longer line up: the instance fails as a whole.
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -181,6 +184,15 @@ def _load_rank(spec: RankSpec, rank: int) -> RankState:
     return model, cache
 
 
+def _exit_with_parent(parent_pid: int, interval_s: float = 1.0) -> None:
+    """Ends this rank process once rank 0's process is gone (killed: it could not stop us), instead of leaving it
+    blocked in a collective until the group's timeout; its NIXL registrations go with it."""
+    while True:
+        time.sleep(interval_s)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
 def rank_main(rank: int, spec: RankSpec, ready=None) -> None:
     """Blocks for the life of rank `rank` (>= 1) of an instance: load, join the group, run commands until
     `stop` or a failure. The entry point of a rank process.
@@ -189,6 +201,7 @@ def rank_main(rank: int, spec: RankSpec, ready=None) -> None:
     when loading failed, so rank 0 never waits for a rank that will not come.
     """
     torch.set_num_threads(spec.num_threads)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="parent-watch", daemon=True).start()
     try:
         model, cache = _load_rank(spec, rank)
     except BaseException:

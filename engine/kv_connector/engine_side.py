@@ -162,8 +162,11 @@ class ExternalKVMixin:
         if load.with_state:
             slot = self.slots.allocate(req.req_id)
             # the window rows the first decode step reads (positions num_kv - W + 1 ...) were computed
-            # by the prefill with at least W - 1 exact tokens before them (its replay, if any, is longer)
-            req.imported_state_start = max(0, load.num_tokens - (self.model_config.sliding_window - 1))
+            # by the prefill with at least W - 1 exact tokens before them (its replay, if any, is longer);
+            # V4.1's slot also holds the last token ids its Engram hashes read (`engram_tokens`,
+            # `V41Config.engram_history_tokens`), which must count as history too
+            history = max(self.model_config.sliding_window - 1, getattr(self.model_config, "engram_history_tokens", 0))
+            req.imported_state_start = max(0, load.num_tokens - history)
         if req.req_id in self._connector_loads:
             self.kv_connector.start_load(req.req_id, list(block_ids), slot)
 

@@ -68,8 +68,9 @@ def expand_bitmask(bitmask: torch.Tensor | None, row_ids: list[int] | None, firs
                    num_rows: int) -> tuple[torch.Tensor | None, list[int] | None]:
     """A per-request grammar bitmask `[num_reqs, words]` moved to the expanded rows `[num_rows, words]`.
 
-    NOTE: only the first row of a constrained request is constrained; the engine proposes no drafts
-    for constrained requests, so that row is their only one."""
+    NOTE: only the first row of a constrained request is constrained, which is right only for a request
+    without drafts; the engine masks every verify row of a constrained request itself
+    (`GrammarState.fill_verify_bitmask`: row `j` as after drafts `1 .. j`)."""
     if bitmask is None:
         return None, None
     out = torch.full((num_rows, bitmask.shape[1]), -1, dtype=bitmask.dtype, device=bitmask.device)

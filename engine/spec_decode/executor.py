@@ -1,6 +1,6 @@
 """The speculative step: verify the drafts in one target forward, accept, roll back, draft again.
 
-`SpecDecoding` is what the engine holds when `EngineConfig.speculative_tokens > 0` (chosen once, at
+`SpecDecoding` is what the engine holds when `EngineConfig.speculative` is set (chosen once, at
 construction). Its `prepare` turns the engine's `PreparedStep` into a `SpecPreparedStep` (logits at
 every verified position, what the drafter needs per request), and its `executor` (`SpecExecutor`, an
 in-process `engine.executor.Executor`) runs it:
@@ -32,6 +32,7 @@ from deepinfer.engine.executor import Executor, PreparedStep, StepResult
 from deepinfer.engine.forward_batch import ForwardBatch
 from deepinfer.engine.scheduler import SchedulerOutput
 from deepinfer.engine.spec_decode.acceptance import num_accepted
+from deepinfer.engine.spec_decode.config import check_verify_floor
 from deepinfer.engine.spec_decode.confidence import load_confidence_head
 from deepinfer.engine.spec_decode.mtp_drafter import DraftSeq, MTPDrafter
 from deepinfer.engine.spec_decode.rollback import RingRollback
@@ -147,13 +148,16 @@ class SpecDecoding:
                  verify_schedule: str = "full", verify_floor: int = 1, batched_verify: bool | None = None,
                  model_dir=None, cost_table: StepCostTable | None = None) -> None:
         if method != "mtp":
-            raise ValueError(f"unknown speculative_method {method!r}; known: mtp")
+            raise ValueError(f"unknown speculative method {method!r}; known: mtp")
         if verify_schedule not in ("full", "confidence"):
             raise ValueError(f"unknown verify_schedule {verify_schedule!r}; known: full, confidence")
+        check_verify_floor(verify_floor, verify_schedule)
         self.verify_schedule = verify_schedule
         """"full": every request verifies all its drafts; "confidence": `verify_schedule.choose_verify_lengths`
         over the drafts' confidences picks a prefix per request (at least `verify_floor` drafts)."""
         self.verify_floor = verify_floor
+        """1: every request verifies at least one draft per step; 0: one whose drafts are unlikely to pay verifies
+        none (its step is a plain decode; the drafter still runs, so it drafts again next step)."""
         self.cost_table = cost_table
         """The profiled step costs the confidence schedule trades against (`step_cost`); None = linear stand-in."""
         backend = next((m.backend for m in model.modules() if isinstance(getattr(m, "backend", None),
@@ -177,7 +181,7 @@ class SpecDecoding:
         self.rollback = RingRollback(cache)
         if num_draft_tokens > self.rollback.max_positions_per_slot:
             raise ValueError(
-                f"speculative_tokens={num_draft_tokens} is more than this model's smallest state ring allows "
+                f"num_draft_tokens={num_draft_tokens} is more than this model's smallest state ring allows "
                 f"({self.rollback.max_positions_per_slot}: rejected drafts must not overwrite live rows); lower it")
         self.num_draft_tokens = num_draft_tokens
         self.metrics = SpecDecodeMetrics(num_draft_tokens)

@@ -70,8 +70,8 @@ class MTPDrafter:
 
     def __init__(self, model, num_slots: int, num_draft_tokens: int, layer_idx: int = 0) -> None:
         if model.mtp is None or len(model.mtp) <= layer_idx:
-            raise ValueError("speculative_method='mtp' needs a checkpoint with an MTP layer (mtp.* weights); this "
-                             "model has none: set speculative_tokens=0")
+            raise ValueError("speculative='mtp' needs a checkpoint with an MTP layer (mtp.* weights); this "
+                             "model has none: set speculative=None")
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         self.model = model

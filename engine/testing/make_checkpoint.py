@@ -355,6 +355,36 @@ and ratio-1 KV sources and their consumers, an index source without index keys, 
 user of its candidates) and two Engram layers with tiny tables; widths multiples of 32 (the FP8 blocks)."""
 
 
+TINY_V41_SPECIAL_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜System｜>", "<｜User｜>",
+                           "<｜Assistant｜>", "<think>", "</think>", "<｜latest_reminder｜>")
+"""The tiny V4.1 tokenizer's special tokens, ids 0.. in this order (bos 0, eos 1, pad 2 as config.json states):
+the ones recipe's `DeepseekV41Encoding` writes for system / user / assistant turns and thinking."""
+TINY_V41_WORDS = ("[UNK]", ".", ",", ":", "?", "!", "(", ")", "-", "be", "brief", "hello", "there", "you", "are", "a",
+                  "helpful", "assistant", "the", "Reasoning", "Effort", "range", "higher", "value", "more", "thorough",
+                  "reasoning", "is", "of", "to", "and", "in", "it", "what", "I", "weather", "city", "today", "yes",
+                  "no", "ok", "answer", "question", "hi", "1", "75", "100", "think", "please", "thanks", "name",
+                  "my", "your", "how", "so")
+"""Its plain words (a word-level model; anything else is `[UNK]`)."""
+
+
+def write_tiny_v41_tokenizer(out: str | Path, vocab_size: int) -> Path:
+    """`tokenizer.json` of a tiny V4.1 checkpoint: a word-level tokenizer whose ids all fit `vocab_size` (so the
+    tiny model can serve chat prompts end to end) with V4.1's special tokens, `<｜System｜>` included (recipe's
+    V4.1 encoding refuses a tokenizer without it, e.g. V4's). Returns the file."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tokens = TINY_V41_SPECIAL_TOKENS + TINY_V41_WORDS
+    if len(tokens) > vocab_size:
+        raise ValueError(f"the tiny V4.1 tokenizer has {len(tokens)} tokens, more than vocab_size {vocab_size}")
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")  # words joined by spaces
+    tok.add_special_tokens(list(TINY_V41_SPECIAL_TOKENS))
+    file = Path(out) / "tokenizer.json"
+    tok.save(str(file))
+    return file
+
+
 def random_v41_model(config, seed: int = 0):
     """A `DeepseekV41ForCausalLM` of `config` with every parameter random from `seed` (norm weights and mHC
     scales near 1, linears ~ 1/sqrt(fan-in)) and a random Engram token map."""
@@ -384,7 +414,9 @@ def write_published_v41(out: str | Path, *, seed: int = 0, text_config: Mapping[
     32x32 block scales, FP4 experts, FP8 Engram tables with 1x32 row scales) and config.json with
     `text_config` and `quantization_config`, from `random_v41_model(seed)` (`TINY_V41_TEXT_CONFIG` by default).
     The Engram token map is not a tensor of the checkpoint (it derives from the tokenizer): the random one is
-    written beside config.json (`deepseek_v41.ENGRAM_TOKEN_MAP_FILE`), which the engine's loader reads. Returns `out`."""
+    written beside config.json (`deepseek_v41.ENGRAM_TOKEN_MAP_FILE`), which the engine's loader reads. A tiny
+    word-level `tokenizer.json` with V4.1's special tokens comes with it (`write_tiny_v41_tokenizer`), so the chat
+    front renders prompts with recipe's V4.1 encoding and the model can serve them. Returns `out`."""
     from deepinfer.engine.config import V41Config
     from deepinfer.engine.models.deepseek_v41 import published_tensors
 
@@ -398,6 +430,7 @@ def write_published_v41(out: str | Path, *, seed: int = 0, text_config: Mapping[
     out.mkdir(parents=True, exist_ok=True)
     _save_sharded(out, published_tensors(model), max_shard_size)
     (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+    write_tiny_v41_tokenizer(out, model.config.vocab_size)
     if model.engram_hash is not None:  # the random map (a real checkpoint's derives from its tokenizer)
         from deepinfer.engine.models.deepseek_v41 import ENGRAM_TOKEN_MAP_FILE
 

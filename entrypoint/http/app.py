@@ -109,7 +109,8 @@ class Front:
                                   config.default_traffic_class, config.retry_after_s)
         is_repo = config.model is not None and looks_like_repo_id(config.model) and not Path(config.model).is_dir()
         self.served_model_name = config.served_model_name or (config.model.split("/")[-1] if is_repo else model_dir.name)
-        self.max_model_len = config.max_model_len or min(model_cfg["max_position_embeddings"], 8192)
+        text_cfg = model_cfg.get("text_config") or model_cfg  # V4.1's published config nests the language model
+        self.max_model_len = config.max_model_len or min(text_cfg["max_position_embeddings"], 8192)
         policy = ImageUrlPolicy(config.image_url_allowed_hosts.split(","))
         self.recipe = RecipeFront(model_dir, self.served_model_name, self.max_model_len, policy,
                                   default_thinking=config.default_thinking,

@@ -52,7 +52,9 @@ def test_example_configs_load():
 
 
 @pytest.mark.parametrize("text, needle", [
-    ("prefill: {balancer: {policy: prefix_aware}, groups: [{num_ranks: 2}]}", "num_ranks"),
+    ("vision: {balancer: {policy: image_affinity}, groups: [{num_ranks: 2}]}", "num_ranks must be 1"),
+    ("decode: {balancer: {policy: kv_load}, worker: {speculative_tokens: 1}, groups: [{num_ranks: 2}]}",
+     "decode settings (num_ranks=2)"),
     ("decode: {balancer: {policy: kv_load}, worker: {port: 5}}", "set by the launcher"),
     ("decode: {balancer: {policy: kv_load}, worker: {max_num_seqs: 0}}", "decode settings"),
     ("decode: {balancer: {policy: kv_load}, worker: {no_such_field: 1}}", "no_such_field"),

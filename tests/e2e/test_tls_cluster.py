@@ -47,7 +47,7 @@ def test_up_with_tls_serves_every_endpoint_over_tls(pki, tmp_path):  # noqa: F81
         r = subprocess.run([*cmd, "generate", "--name", "tls-test", "--prompt", "Hello", "--max-tokens", "3",
                             "--temperature", "0"], env=env, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
-        assert len(json.loads(r.stdout.splitlines()[0])["token_ids"]) == 3
+        assert 1 <= len(json.loads(r.stdout.splitlines()[0])["token_ids"]) <= 3  # EOS may come first
         assert f"generated on the entrypoint {state['entrypoint']}" in r.stderr  # not offline
     finally:
         up.send_signal(signal.SIGINT)

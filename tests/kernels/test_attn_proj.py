@@ -183,6 +183,20 @@ def test_triton_ops_in_the_model_under_interpreter(tmp_path):
     assert float(run.stdout.split()[1]) < 1e-4
 
 
+
+def test_kernels_compile_for_sm90_without_spills():
+    """The default launch configurations at V4-Flash widths (the norm + RoPE + ring write and both projection tilings), compiled ahead of time for sm_90a
+    on the CPU (`benchmarks.kernel_registers`): the interpreter never lowers a kernel."""
+    pytest.importorskip("triton")
+    from deepinfer.benchmarks.kernel_registers import _ptxas, compile_report, configurations
+
+    if _ptxas() is None:
+        pytest.skip("no ptxas bundled with triton")
+    for name, fn, sig, consts, warps in configurations():
+        if name.startswith("attn_"):
+            r = compile_report(fn, sig, consts, warps)
+            assert r["spill_stores"] == 0 and 0 < r["registers"] <= 255, (name, r)
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("attention_backend", ["torch", "triton"])
 def test_triton_ops_in_the_model_on_cuda(tmp_path, attention_backend):

@@ -8,6 +8,7 @@ the `openssl` command line for 127.0.0.1 / localhost:
   entrypoint `Client` and the front's own gRPC client go over TLS, a plaintext client is refused, the
   front answers over https checked against the CA (its printed address says https) and refuses plain
   http;
+* a certificate that names one DNS name only is checked against `server_name` when dialled by address;
 * the flags and the settings' checks (a certificate without its key, a file that is not PEM).
 """
 
@@ -65,8 +66,14 @@ def pki(tmp_path_factory):
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
     _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
              "-days", "2", "-extfile", "san.ext", "-out", "server.crt", cwd=d)
+    # a certificate that names one DNS name only (a cluster dialled by IP addresses: `server_name`)
+    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-subj",
+             "/CN=deepinfer.internal", "-keyout", "named.key", "-out", "named.csr", cwd=d)
+    (d / "named.ext").write_text("subjectAltName=DNS:deepinfer.internal\nextendedKeyUsage=serverAuth\n")
+    _openssl("x509", "-req", "-in", "named.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+             "-days", "2", "-extfile", "named.ext", "-out", "named.crt", cwd=d)
     return {"ca": str(d / "ca.crt"), "cert": str(d / "server.crt"), "key": str(d / "server.key"),
-            "other_ca": str(d / "other.crt")}
+            "other_ca": str(d / "other.crt"), "named_cert": str(d / "named.crt"), "named_key": str(d / "named.key")}
 
 
 @pytest.fixture
@@ -107,6 +114,25 @@ def test_tls_balancer_serves_tls_clients_only(pki, no_tls_env):
         no_tls_env.setenv(TLS_CA_ENV, pki["other_ca"])  # a client that trusts another CA
         with secure_channel(address) as wrong:
             assert _list(address, wrong) == grpc.StatusCode.UNAVAILABLE
+    finally:
+        running.server.stop(0)
+
+
+def test_server_name_checks_a_certificate_that_names_no_address(pki, no_tls_env):
+    from deepinfer.loadbalancer.server import start_server
+    from deepinfer.serving.auth import TLS_SERVER_NAME_ENV
+
+    no_tls_env.setenv(TLS_CERT_ENV, pki["named_cert"])
+    no_tls_env.setenv(TLS_KEY_ENV, pki["named_key"])
+    no_tls_env.setenv(TLS_CA_ENV, pki["ca"])
+    running = start_server("127.0.0.1:0", "decode", "round_robin")
+    address = f"127.0.0.1:{running.port}"
+    try:
+        with secure_channel(address) as channel:  # the certificate does not name 127.0.0.1
+            assert _list(address, channel) == grpc.StatusCode.UNAVAILABLE
+        no_tls_env.setenv(TLS_SERVER_NAME_ENV, "deepinfer.internal")
+        with secure_channel(address) as channel:
+            assert _list(address, channel) is None
     finally:
         running.server.stop(0)
 

@@ -1,0 +1,101 @@
+"""Compile Triton kernels for a GPU target on a machine without one, and report registers and spills.
+
+    python -m deepinfer.benchmarks.kernel_registers [--arch 90] [--only prefill,attn_proj]
+
+`TRITON_INTERPRET=1` runs a kernel's Python on the CPU but never lowers it: a kernel can pass every
+interpreter test and still fail to compile, or spill registers at V4-Flash's widths. This compiles each
+listed configuration ahead of time (`triton.compile` of an `ASTSource` for `GPUTarget("cuda", arch, 64)`,
+no driver needed) and runs the ptxas bundled with Triton (`ptxas-blackwell`, new enough for the PTX
+Triton 3.9 emits) with `-v` on the PTX: registers per thread, spill stores / loads in bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+BF16, I64, F32 = "*bf16", "*i64", "*fp32"
+
+
+def _ptxas() -> str | None:
+    import triton
+
+    root = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    for name in ("ptxas-blackwell", "ptxas"):
+        path = os.path.join(root, name)
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def compile_report(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 2,
+                   arch: int = 90) -> dict:
+    """Compile `fn` for `sm_<arch>a`; returns {"registers", "spill_stores", "spill_loads"} (ptxas -v)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
+    ck = triton.compile(src, target=GPUTarget("cuda", arch, 64),
+                        options={"num_warps": num_warps, "num_stages": num_stages})
+    ptxas = _ptxas()
+    if ptxas is None:
+        raise RuntimeError("no ptxas next to triton's nvidia backend")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ck.asm["ptx"])
+    try:
+        run = subprocess.run([ptxas, "-v", "--gpu-name", f"sm_{arch}a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True)
+    finally:
+        os.unlink(f.name)
+    text = run.stdout + run.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return {"registers": int(regs.group(1)) if regs else -1,
+            "spill_stores": int(spills.group(1)) if spills else 0, "spill_loads": int(spills.group(2)) if spills else 0}
+
+
+def configurations():
+    """(name, kernel, signature, constexprs, num_warps) of the attention kernels at V4-Flash widths, as
+    their wrappers launch them by default (bf16)."""
+    from deepinfer.kernels import attn_proj, prefill_attention
+
+    out = []
+    psig = dict(q_ptr=BF16, kv_ptr=BF16, ring_ptr=BF16, comp_ptr=BF16, idx_ptr=I64, sink_ptr=F32, out_ptr=BF16,
+                tab_ptr=I64, NH="i32", K="i32", scale="fp32")
+    for kind, has_comp, sparse, rate in (("swa", False, False, 1), ("hca", True, False, 128), ("csa", True, True, 4)):
+        out.append((f"prefill_attention {kind}", prefill_attention._prefill_attn_kernel, psig,
+                    dict(D=512, W=128, RATE=rate, HAS_COMP=has_comp, SPARSE=sparse, NCOL=6, BLOCK_N=32,
+                         BLOCK_H=32, BLOCK_D=512, IEEE=False), 8))
+    out.append(("attn_norm_rope kv + ring", attn_proj._norm_rope_kernel,
+                dict(x_ptr=BF16, w_ptr=F32, cos_ptr=F32, sin_ptr=F32, y_ptr=BF16, ring_ptr=BF16, slots_ptr=I64,
+                     pos_ptr=I64, R="i32", NH="i32", eps="fp32", num_slots="i32", W="i32"),
+                dict(D=512, HALF=32, HAS_W=True, WRITE=True, BLOCK_R=4, BLOCK_D=512), 4))
+    osig = dict(o_ptr=BF16, cos_ptr=F32, sin_ptr=F32, w_ptr=BF16, y_ptr=BF16, T="i32", R="i32", KG="i32", NHD="i32",
+                GR="i32")
+    for name, bm, br, bk in (("decode", 16, 64, 64), ("prefill", 64, 128, 32)):
+        out.append((f"attn_out_proj {name}", attn_proj._out_proj_kernel, osig,
+                    dict(D=512, HALF=32, BLOCK_M=bm, BLOCK_R=br, BLOCK_K=bk, IEEE=False), 8))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--only", default="", help="comma-separated name prefixes")
+    args = ap.parse_args()
+    only = [p for p in args.only.split(",") if p]
+    print(f"| kernel (sm_{args.arch}a) | warps | registers | spill stores B | spill loads B |")
+    print("|---|---:|---:|---:|---:|")
+    for name, fn, sig, consts, warps in configurations():
+        if only and not any(name.startswith(p) for p in only):
+            continue
+        r = compile_report(fn, sig, consts, warps, arch=args.arch)
+        print(f"| {name} | {warps} | {r['registers']} | {r['spill_stores']} | {r['spill_loads']} |")
+
+
+if __name__ == "__main__":
+    main()
