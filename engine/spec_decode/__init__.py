@@ -1,7 +1,9 @@
 """Speculative decoding: MTP drafts verified in one target forward, lossless, off by default.
 
-Turned on by `EngineConfig.speculative_tokens = k > 0` (`speculative_method = "mtp"`); the engine then
-holds a `SpecDecoding` (picked once, at construction) whose executor runs every step.
+Turned on by `EngineConfig.speculative = "mtp"` with `num_draft_tokens = k` (default 3; `LLM(model,
+speculative="mtp", num_draft_tokens=3)`, the decode worker's `--speculative mtp --num-draft-tokens 3`; the
+older `speculative_tokens=k` / `speculative_method` are aliases, `config`); the engine then holds a
+`SpecDecoding` (picked once, at construction) whose executor runs every step.
 
 A step (see `executor`): every running decode carries the drafts its previous step proposed
 (`Request.spec_token_ids`; the scheduler trims them to `max_tokens`, `max_model_len` and the budget)
@@ -32,7 +34,7 @@ Rejected drafts leave no trace (`rollback`, whose docstring has the argument):
 path and are attended together, `N = max(1 + L)` queries per request (same results within float32
 rounding; `SpecDecoding.batched_verify`).
 
-**Disaggregated decode** (`decode_worker --speculative-tokens K`): the first draft needs the MTP
+**Disaggregated decode** (`decode_worker --speculative mtp`): the first draft needs the MTP
 layer's window over the prompt's last positions, i.e. the target's pre-`hc_head` streams there. The
 decode instance rebuilds it by the bounded replay it already knows: with speculation its bounded
 state is not sent (`DecodeWorkerConfig.bounded_state` resolves to "replay"), the tail of the prompt is
@@ -48,9 +50,17 @@ request's drafts chosen over the batch (`verify_schedule`): confidences from the
 confidence head (`confidence`, `confidence_head.safetensors`; the built-in model ships one) or, without
 one, the drafts' MTP probabilities; step costs from a profiled table (`step_cost`,
 `EngineConfig.verify_cost_table`; a CPU table ships, elsewhere a linear stand-in until one is
-profiled). Not supported yet: async scheduling and multi-rank instances (refused at construction),
-drafts for structured-output requests (they verify none), batched compressors / indexer in the
-batched verify path (they still run per request).
+profiled); `verify_floor` (1, or 0: a request whose drafts are unlikely to pay verifies none that step)
+is the least each request verifies.
+
+**Structured outputs**: a constrained request drafts like any other. Its verify row `j` is masked as
+after its drafts `1 .. j`, which the matcher accepts tentatively and rolls back
+(`GrammarState.fill_verify_bitmask`); the matcher then advances over the accepted tokens only. Drafts
+the grammar rejects are trimmed when they are handed to the scheduler (they could never be accepted),
+and a verified block is cut after the token that completes the constraint (`ignore_eos` included).
+
+Not supported yet: async scheduling and multi-rank instances (refused at construction), batched
+compressors / indexer in the batched verify path (they still run per request).
 """
 
 from deepinfer.engine.spec_decode.acceptance import expand_bitmask, expand_verify_rows, num_accepted, rejection_sample

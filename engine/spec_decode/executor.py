@@ -125,7 +125,8 @@ class SpecPreparedStep(PreparedStep):
     mtp_state_starts: list[int] = field(default_factory=list)
     """Per seq: the first position its MTP slot holds a key for (this life)."""
     wants_drafts: list[bool] = field(default_factory=list)
-    """Per seq: propose drafts for it (a sampling request without a structured-output constraint)."""
+    """Per seq: propose drafts for it (a sampling request of the engine; a constrained one's drafts are trimmed
+    to what its grammar allows when the engine hands them to the scheduler)."""
 
 
 @dataclass
