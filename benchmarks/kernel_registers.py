@@ -68,7 +68,7 @@ def configurations():
                 tab_ptr=I64, NH="i32", K="i32", scale="fp32")
     for kind, has_comp, sparse, rate in (("swa", False, False, 1), ("hca", True, False, 128), ("csa", True, True, 4)):
         out.append((f"prefill_attention {kind}", prefill_attention._prefill_attn_kernel, psig,
-                    dict(D=512, W=128, RATE=rate, HAS_COMP=has_comp, SPARSE=sparse, NCOL=6, BLOCK_N=32,
+                    dict(D=512, W=128, RATE=rate, HAS_COMP=has_comp, SPARSE=sparse, NCOL=6, NUM_HG=2, BLOCK_N=32,
                          BLOCK_H=32, BLOCK_D=512, IEEE=False), 8))
     out.append(("attn_norm_rope kv + ring", attn_proj._norm_rope_kernel,
                 dict(x_ptr=BF16, w_ptr=F32, cos_ptr=F32, sin_ptr=F32, y_ptr=BF16, ring_ptr=BF16, slots_ptr=I64,

@@ -14,7 +14,7 @@ prefill:
     - {name: dc-a, datacenter: dc-a, num_instances: 2, resources_per_rank: {GPU: 1}}
 decode:
   balancer: {policy: kv_load}
-  worker: {speculative_tokens: 3}     # speculative decoding (MTP drafts, lossless) on the decode stage
+  worker: {speculative: mtp, num_draft_tokens: 3}   # speculative decoding (MTP drafts, lossless) on decode
   groups:
     - {datacenter: dc-b, num_instances: 1, resources_per_rank: {GPU: 1}}
 entrypoint: {max_attempts: 3}         # any EntrypointConfig field the launcher does not set itself

@@ -38,7 +38,7 @@ its token's row, position, chunk and slot from `spans.table`. A query's result d
 only, not on the other chunks or tokens of the step.
 
 NOTE: compiled for sm_90a (triton 3.9, ptxas 13.4; `benchmarks.kernel_registers`) at 64 heads x 512 with
-the defaults (32 heads per program, 32-key tiles, 8 warps) the kernel uses 202 (sliding), 212 (HCA) and 255
+the defaults (32 heads per program, 32-key tiles, 8 warps) the kernel uses 206 (sliding), 254 (HCA) and 255
 (CSA) registers a thread and spills nothing; 64 heads per program spill 0.3-2.5 KiB. Not yet measured on a
 GPU: `benchmarks/prefill_attention.py` times it (TFLOP/s and MFU against a bf16 matmul). The compressors and
 the indexer's selection (`kernels.indexer`) run per chunk before it.
@@ -103,11 +103,17 @@ class PrefillSpans:
         slots, state_starts = tuple(map(int, slots)), tuple(map(int, state_starts))
         if not len(starts) == len(lengths) == len(p0s) == len(slots) == len(state_starts):
             raise ValueError("PrefillSpans: one start, length, p0, slot and state start per chunk")
-        rows, off = [], 0
-        for a, n, p0, slot, ss in zip(starts, lengths, p0s, slots, state_starts):
-            rows += [(p0 + i, p0, a - p0, slot, ss, off) for i in range(n)]
-            off += (p0 + n) // rate if rate else 0
-        table = torch.tensor(rows, dtype=torch.int64).reshape(-1, len(TABLE_COLUMNS))
+        counts = [(p + n) // rate if rate else 0 for p, n in zip(p0s, lengths)]
+        comp_off = [sum(counts[:j]) for j in range(len(counts))]
+        per_chunk = torch.tensor([[p, a - p, s, ss, c] for a, p, s, ss, c in zip(starts, p0s, slots, state_starts,
+                                                                                 comp_off)],
+                                 dtype=torch.int64).reshape(-1, 5)  # p0, kv_off, slot, state_start, comp_off
+        n = torch.tensor(lengths, dtype=torch.int64)
+        chunk = torch.repeat_interleave(torch.arange(len(lengths)), n)  # [Tp] chunk of each token
+        first = torch.cumsum(n, 0) - n  # [chunks] index of each chunk's first token
+        cols = per_chunk[chunk]
+        pos = cols[:, 0] + torch.arange(int(n.sum())) - first[chunk]
+        table = torch.cat([pos[:, None], cols], dim=1).contiguous()
         device = torch.device(device)
         table = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table.to(device)
         return cls(starts, lengths, p0s, slots, state_starts, rate, table)
@@ -218,11 +224,14 @@ if triton is not None:
     def _prefill_attn_kernel(
         q_ptr, kv_ptr, ring_ptr, comp_ptr, idx_ptr, sink_ptr, out_ptr, tab_ptr, NH, K, scale,
         D: tl.constexpr, W: tl.constexpr, RATE: tl.constexpr, HAS_COMP: tl.constexpr, SPARSE: tl.constexpr,
-        NCOL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-        IEEE: tl.constexpr,
+        NCOL: tl.constexpr, NUM_HG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
     ):
-        hg = tl.program_id(0)  # a token's head groups are neighbours: its key tiles come from L2 for the others
-        i = tl.program_id(1).to(tl.int64)  # the i-th prefill token of the step
+        # a 1-D grid (CUDA caps the 2nd and 3rd grid dims at 65535): a token's head groups are neighbours, so
+        # its key tiles come from L2 for all but the first
+        pid = tl.program_id(0).to(tl.int64)
+        hg = pid % NUM_HG
+        i = pid // NUM_HG  # the i-th prefill token of the step
         pos = tl.load(tab_ptr + i * NCOL + 0)
         p0 = tl.load(tab_ptr + i * NCOL + 1)
         kv_off = tl.load(tab_ptr + i * NCOL + 2)
@@ -332,10 +341,12 @@ if triton is not None:
         BLOCK_H = max(16, min(block_h, triton.next_power_of_2(NH)))
         BLOCK_D = max(16, triton.next_power_of_2(D))
         warps = num_warps or (8 if BLOCK_H * BLOCK_D >= 32 * 512 else 4)
-        _prefill_attn_kernel[(triton.cdiv(NH, BLOCK_H), Tp)](
+        num_hg = triton.cdiv(NH, BLOCK_H)
+        _prefill_attn_kernel[(num_hg * Tp,)](
             q, kv, ring, comp if has_comp else ring, entries if sparse else spans.table, sink, out, spans.table,
             NH, K, D**-0.5,
             D=D, W=ring.shape[1], RATE=max(spans.rate, 1), HAS_COMP=has_comp, SPARSE=sparse, NCOL=len(TABLE_COLUMNS),
+            NUM_HG=num_hg,
             BLOCK_N=block_n, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, IEEE=q.dtype == torch.float32, num_warps=warps,
             num_stages=2,
         )

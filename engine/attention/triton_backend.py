@@ -81,7 +81,7 @@ class _ChunkEntries:
 
 @register_attention_backend("triton")
 class TritonAttentionBackend(TorchAttentionBackend):
-    """Fused Triton decode kernels over static metadata; a prefill attention kernel per chunk."""
+    """Fused Triton decode kernels over static metadata; one prefill attention launch per layer and step."""
 
     cuda_graph_safe = True
     split_size: int = _decode_attention.DEFAULT_SPLIT_SIZE

@@ -32,8 +32,8 @@ from deepinfer.engine.executor import Executor, PreparedStep, StepResult
 from deepinfer.engine.forward_batch import ForwardBatch
 from deepinfer.engine.scheduler import SchedulerOutput
 from deepinfer.engine.spec_decode.acceptance import num_accepted
-from deepinfer.engine.spec_decode.config import check_verify_floor
 from deepinfer.engine.spec_decode.confidence import load_confidence_head
+from deepinfer.engine.spec_decode.config import check_verify_floor
 from deepinfer.engine.spec_decode.mtp_drafter import DraftSeq, MTPDrafter
 from deepinfer.engine.spec_decode.rollback import RingRollback
 from deepinfer.engine.spec_decode.step_cost import StepCostTable

@@ -47,7 +47,8 @@ _ID_PREFIX = {CHAT: "chatcmpl-", RESPONSES: "resp_", MESSAGES: "msg_"}
 
 def chat_encoding(model_dir: str | Path) -> str:
     """The checkpoint's prompt encoding: config.json's `chat_encoding` (top level or in its `deepinfer`
-    section), "v4" (default) or "v4.1" (`engine.tokenizer.chat_encoding_name`, the one reader of that key)."""
+    section), else what its `model_type` implies ("v4.1" for deepseek_v41, "v4" otherwise)
+    (`engine.tokenizer.chat_encoding_name`, the one reader of that key)."""
     from deepinfer.engine.tokenizer import chat_encoding_name
 
     return chat_encoding_name(model_dir)

@@ -99,7 +99,7 @@ def test_builtin_model_greedy_equals_non_speculative_and_drafts_are_accepted():
     assert _run(conf, prompts, natural) == ref
     c = conf.spec.metrics
     assert c.num_verified_drafts < c.num_proposed_drafts and c.num_accepted_drafts > 0
-    # a structured-output request in the batch: it verifies no drafts, its output is unchanged
+    # a structured-output request in the batch: its drafts are verified under its grammar, its output is unchanged
     from deepinfer.engine.sampling.params import StructuredOutputParams
 
     regex = SamplingParams(temperature=0.0, max_tokens=8, structured_output=StructuredOutputParams(regex="[0-9]{1,3}"))

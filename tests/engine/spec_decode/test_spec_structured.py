@@ -91,7 +91,7 @@ def test_oracle_drafts_under_a_grammar_every_accepted_length(tiny):  # noqa: F81
         for k, error_rate in ((4, 0.0), (3, 0.3)):
             rng = random.Random(k)
 
-            def oracle(req, k=k, error_rate=error_rate, rng=rng):
+            def oracle(req, k=k, error_rate=error_rate, rng=rng, full=full):
                 seq = full[req.req_id]
                 out = [(t + 1) % 512 if rng.random() < error_rate else t for t in seq[req.num_tokens:req.num_tokens + k]]
                 return out or [3]

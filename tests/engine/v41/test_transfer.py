@@ -63,8 +63,20 @@ def test_cache_presents_its_pools_to_transfer_and_store(ckpt):
                                                 if n in paged)
 
 
-@pytest.mark.parametrize("with_state", [True, False], ids=["state-moved", "replay"])
-def test_prefill_to_decode_by_hand_equals_one_engine(ckpt, with_state):
+@pytest.fixture(scope="module")
+def narrow_ckpt(tmp_path_factory):
+    """A window of 2 tokens under 3-grams: the Engram history (2 ids) reaches further back than the window rows
+    (1) a decode step reads, so an imported slot's history must start where the Engram needs it."""
+    from deepinfer.engine.testing.make_checkpoint import TINY_V41_TEXT_CONFIG, write_published_v41
+
+    return str(write_published_v41(tmp_path_factory.mktemp("v41w2"), seed=4,
+                                   text_config={**TINY_V41_TEXT_CONFIG, "sliding_window": 2}))
+
+
+@pytest.mark.parametrize("with_state,narrow", [(True, False), (False, False), (True, True)],
+                         ids=["state-moved", "replay", "state-moved-window-2"])
+def test_prefill_to_decode_by_hand_equals_one_engine(request, with_state, narrow):
+    ckpt = request.getfixturevalue("narrow_ckpt" if narrow else "ckpt")
     prompts = [_prompt(n, seed=n) for n in (3, 13, 29)]
     ref = LLM(ckpt, block_size=BLOCK).generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
     a, b = _engine(ckpt), _engine(ckpt)
