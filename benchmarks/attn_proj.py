@@ -26,12 +26,8 @@ from deepinfer.benchmarks.timing import time_call
 NH, D, HALF, G, R, W = 64, 512, 32, 8, 1024, 128
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", default="1,32,128,8192")
-    ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
+def _cases(T: int, weight, norm_w, ring, device):
+    """(name, torch call, triton call, bytes, FLOPs) of the ops for T tokens."""
     from deepinfer.kernels.attn_proj import (
         attn_norm_rope_torch,
         attn_norm_rope_triton,
@@ -39,6 +35,30 @@ def main() -> None:
         attn_out_proj_triton,
     )
 
+    dt = weight.dtype
+    ang = torch.rand(T, HALF, device=device) * 6
+    cos, sin = ang.cos(), ang.sin()
+    o = torch.randn(T, NH, D, device=device, dtype=dt)
+    kv = torch.randn(T, D, device=device, dtype=dt)
+    slots = torch.arange(T, device=device) % ring.shape[0]
+    pos = torch.arange(T, device=device) // ring.shape[0] + 1000  # (slot, pos % W) distinct per token
+    return [
+        ("attn_out_proj", lambda: attn_out_proj_torch(o, cos, sin, weight, G),
+         lambda: attn_out_proj_triton(o, cos, sin, weight, G),
+         weight.numel() * 2 + o.numel() * 2 + T * G * R * 2, 2 * T * G * R * (NH * D // G)),
+        ("attn_norm_rope q", lambda: attn_norm_rope_torch(o, None, 1e-6, cos, sin),
+         lambda: attn_norm_rope_triton(o, None, 1e-6, cos, sin), 2 * o.numel() * 2, 0),
+        ("attn_norm_rope kv + ring", lambda: attn_norm_rope_torch(kv, norm_w, 1e-6, cos, sin, ring, slots, pos),
+         lambda: attn_norm_rope_triton(kv, norm_w, 1e-6, cos, sin, ring, slots, pos), 3 * kv.numel() * 2, 0),
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="1,32,128,8192")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
     device, dt = torch.device("cuda"), torch.bfloat16
     weight = torch.randn(G * R, NH * D // G, device=device, dtype=dt) / 64
     norm_w = torch.rand(D, device=device) + 0.5
@@ -49,29 +69,13 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     with torch.inference_mode():
         for T in [int(t) for t in args.tokens.split(",")]:
-            ang = torch.rand(T, HALF, device=device) * 6
-            cos, sin = ang.cos(), ang.sin()
-            o = torch.randn(T, NH, D, device=device, dtype=dt)
-            kv = torch.randn(T, D, device=device, dtype=dt)
-            slots = torch.arange(T, device=device) % ring.shape[0]
-            pos = torch.arange(T, device=device) // ring.shape[0] + 1000  # (slot, pos % W) distinct per token
-            cases = [
-                ("attn_out_proj", lambda: attn_out_proj_torch(o, cos, sin, weight, G),
-                 lambda: attn_out_proj_triton(o, cos, sin, weight, G),
-                 weight.numel() * 2 + o.numel() * 2 + T * G * R * 2, 2 * T * G * R * (NH * D // G)),
-                ("attn_norm_rope q", lambda: attn_norm_rope_torch(o, None, 1e-6, cos, sin),
-                 lambda: attn_norm_rope_triton(o, None, 1e-6, cos, sin), 2 * o.numel() * 2, 0),
-                ("attn_norm_rope kv + ring", lambda: attn_norm_rope_torch(kv, norm_w, 1e-6, cos, sin, ring, slots, pos),
-                 lambda: attn_norm_rope_triton(kv, norm_w, 1e-6, cos, sin, ring, slots, pos), 3 * kv.numel() * 2, 0),
-            ]
-            for name, ref_fn, fn, nbytes, flops in cases:
+            for name, ref_fn, fn, nbytes, flops in _cases(T, weight, norm_w, ring, device):
                 diff = (fn().float() - ref_fn().float()).abs().max().item()
                 t_ref, t = time_call(ref_fn, device, args.reps), time_call(fn, device, args.reps)
                 results.append(dict(op=name, tokens=T, torch_us=t_ref * 1e6, triton_us=t * 1e6, bytes=nbytes,
                                     gbps=nbytes / t / 1e9, tflops=flops / t / 1e12, max_diff=diff))
                 print(f"| {name} | {T} | {t_ref * 1e6:.1f} | {t * 1e6:.1f} | {t_ref / t:.2f}x | {nbytes / t / 1e9:.0f} | "
                       f"{flops / t / 1e12:.1f} | {diff:.1e} |")
-            del o, kv
             torch.cuda.empty_cache()
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(device), "torch": torch.__version__,

@@ -333,6 +333,11 @@ def _config_from_args(args, parser):
         except ValueError as e:
             parser.error(str(e))
         data["decode"]["worker"] = {**worker, **flags}
+        # the prefill drafts the first block, sent with the KV, when the flags turn speculation on (the YAML: set
+        # `speculative` in the prefill worker settings too)
+        first = {k: flags[k] for k in ("speculative", "num_draft_tokens") if k in flags}
+        if first:
+            data["prefill"]["worker"] = {**data["prefill"]["worker"], **first}
     thinking = None if args.default_thinking is None else args.default_thinking == "on"
     front = {k: v for k, v in (("served_model_name", args.served_model_name), ("max_model_len", args.max_model_len),
                                ("log_level", args.log_level), ("log_format", getattr(args, "log_format", None)),
@@ -839,8 +844,8 @@ def _add_up_args(p: argparse.ArgumentParser, *, is_serve: bool) -> None:
                    help="batch-invariant numerics on every prefill and decode worker (bit-identical outputs whatever "
                         "the batch; slower)")
     p.add_argument("--speculative", choices=["mtp"], default=None,
-                   help="speculative decoding on the decode stage: the checkpoint's MTP layer drafts (lossless; "
-                        "default: the config's, off)")
+                   help="speculative decoding on the decode stage: the checkpoint's MTP layer drafts (lossless; the "
+                        "prefill drafts the first block; default: the config's, off)")
     p.add_argument("--num-draft-tokens", type=int, default=None, metavar="N",
                    help="drafts per request per step with --speculative (default: the config's, else 3)")
     p.add_argument("--speculative-tokens", type=int, default=None, metavar="K",

@@ -797,6 +797,7 @@ class Engine(ExternalKVMixin):
         if result is not None:
             self.timings["model"] += result.model_s
             self.timings["sample"] += result.sample_s
+            drafts_of = dict(zip(out.sampling_req_ids, getattr(result, "draft_token_ids", ())))
             for rid, tok, lp in zip(out.sampling_req_ids, result.token_ids, result.logprobs):
                 seq = self._seqs.get(rid)
                 # a list with speculative decoding (the tokens a verification emits), else one token
@@ -805,7 +806,8 @@ class Engine(ExternalKVMixin):
                 if seq is None or seq.req.is_finished or seq.stop.is_finished:
                     continue  # finished (stop string, abort) while this step was in flight
                 if seq.save is not None and seq.pinned_block_ids is None:
-                    self._pin_for_save(seq, toks)  # the blocks (and slot) outlive the request until saved
+                    # the blocks (and slot) outlive the request until saved; its drafts go along (speculative decoding)
+                    self._pin_for_save(seq, toks, drafts_of.get(rid, ()))
                 if len(toks) > 1 and seq.grammar is not None:  # a verified block: nothing after what completes it
                     n, terminated = seq.grammar.count_acceptable(toks)
                     if terminated:

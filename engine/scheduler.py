@@ -525,6 +525,13 @@ class Scheduler:
             num_new = min(num_remaining, step.budget)
             if num_new < num_remaining and not self.config.enable_chunked_prefill:
                 break
+            spec: list[int] = []
+            if req.spec_token_ids and num_new == num_remaining:  # drafts handed over with imported KV
+                if num_remaining > 1:
+                    num_new -= 1  # the last token is computed with them by its next (verifying) decode step
+                else:
+                    spec = self._spec_tokens_to_verify(req, step.budget)
+                    num_new += len(spec)
             if not kv.allocate_slots(req, num_new, hit_block_ids, num_computed_tokens=num_computed):
                 break  # NOTE: strict order; waiting requests never preempt running ones
             is_resumed = req.status == RequestStatus.PREEMPTED
@@ -535,6 +542,8 @@ class Scheduler:
             self.running[req.req_id] = req
             admitted.add(req.req_id)
             step.add_new(req, num_new, slot_id, is_resumed, kv.get_block_ids(req), num_hit_tokens, state_start)
+            if spec:
+                step.spec_token_ids[req.req_id] = spec
         if admitted:
             self.waiting = deque(r for r in self.waiting if r.req_id not in admitted)
 
@@ -571,9 +580,11 @@ class Scheduler:
                 )
             req.num_computed_tokens = start + num_new
             spec = step.spec_token_ids.get(req_id, [])
-            if req.spec_token_ids:
-                req.spec_token_ids = []  # consumed: the engine proposes new drafts after this step
             is_sampling = req.num_computed_tokens - len(spec) == req.num_tokens_with_placeholders
+            if req.spec_token_ids and (spec or is_sampling):
+                # consumed: the engine proposes new drafts after this step (a chunk that samples nothing, e.g. the
+                # bounded replay of imported KV, keeps the drafts handed over with it for the next step)
+                req.spec_token_ids = []
             if is_sampling:
                 req.num_output_placeholders += 1
                 out.sampling_req_ids.append(req_id)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from deepinfer.engine.kv_connector import KVConnector, KVConnectorEvents, KVLoadSpec, KVSaveSpec
@@ -50,14 +51,21 @@ from deepinfer.kv_transfer.agent import KVTransferAgent
 from deepinfer.protos import kv_transfer_pb2
 
 
-def encode_notice(output_token_ids: list[int]) -> bytes:
-    """The notification payload of a transfer: a serialized `deepinfer.v1.KVTransferNotice`."""
-    return kv_transfer_pb2.KVTransferNotice(output_token_ids=list(output_token_ids)).SerializeToString()
+def encode_notice(output_token_ids: list[int], draft_token_ids: Sequence[int] = ()) -> bytes:
+    """The notification payload of a transfer: a serialized `deepinfer.v1.KVTransferNotice` (with speculative
+    decoding, the drafts proposed after the output tokens, for the receiver's first decode step to verify)."""
+    return kv_transfer_pb2.KVTransferNotice(output_token_ids=list(output_token_ids),
+                                            draft_token_ids=list(draft_token_ids)).SerializeToString()
 
 
 def decode_notice(payload: bytes) -> list[int]:
     """The output tokens of a `KVTransferNotice` payload (empty payload: none)."""
     return list(kv_transfer_pb2.KVTransferNotice.FromString(bytes(payload)).output_token_ids)
+
+
+def notice_draft_token_ids(payload: bytes) -> list[int]:
+    """The draft tokens of a `KVTransferNotice` payload (none from a sender without speculative decoding)."""
+    return list(kv_transfer_pb2.KVTransferNotice.FromString(bytes(payload)).draft_token_ids)
 
 
 @dataclass
@@ -240,7 +248,7 @@ class PDConnector(KVConnector):
         self._by_transfer[load.transfer_id] = req_id
 
     def start_save(self, req_id: str, block_ids: list[int], state_slot: int | None,
-                   output_token_ids: list[int]) -> None:
+                   output_token_ids: list[int], draft_token_ids: Sequence[int] = ()) -> None:
         save = self._saves[req_id]
         dest = save.destination
         n = len(dest.block_ids)
@@ -257,7 +265,8 @@ class PDConnector(KVConnector):
         slots = {"src_slot": state_slot, "dst_slot": dest.state_slot} if dest.state_slot is not None else {}
         try:
             save.num_bytes = self.agent.send_blocks(dest.transfer_id, dest.peer, src, dest.block_ids,
-                                                    encode_notice(output_token_ids), lease_s=lease_s, **slots)
+                                                    encode_notice(output_token_ids, draft_token_ids), lease_s=lease_s,
+                                                    **slots)
         except ValueError as e:
             self._save_failed[req_id] = f"KV transfer refused: {e}"
             return
@@ -289,7 +298,11 @@ class PDConnector(KVConnector):
             rid = self._by_transfer.pop(tid, None)
             if rid is not None:
                 self._loads.pop(rid, None)
-                ev.loaded[rid] = decode_notice(tev.payloads.get(tid, b""))
+                payload = tev.payloads.get(tid, b"")
+                ev.loaded[rid] = decode_notice(payload)
+                drafts = notice_draft_token_ids(payload)
+                if drafts:
+                    ev.loaded_drafts[rid] = drafts
         for tid in tev.expired_ids:
             rid = self._by_transfer.pop(tid, None)
             if rid is not None:

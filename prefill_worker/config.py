@@ -78,6 +78,12 @@ class PrefillWorkerConfig(BaseModel):
     with its own KV pools and KV transfer agent, `kv_transfer.ranked`); 1 = one process."""
     num_redundant_experts: int = Field(0, ge=0)
     """Extra replicas of hot routed experts per MoE layer (EPLB), with expert_parallel_size > 1."""
+    speculative: Literal["mtp"] | None = None
+    """Speculative decoding's first draft (`engine.spec_decode`): "mtp" = after the first token the checkpoint's MTP
+    layer drafts `num_draft_tokens`, sent with the KV so the decode instance's first step verifies them (set it as on
+    the decode stage); None = none (the decode's first step verifies nothing)."""
+    num_draft_tokens: int = Field(3, ge=1)
+    """Drafts sent with the KV when `speculative` is set."""
 
     kv_store: Literal["off", "embedded", "mooncake"] = "off"
     """Persistent compressed-KV store (`kvstore`): off, embedded (block files on local disk, SQLite index) or
@@ -112,6 +118,7 @@ class PrefillWorkerConfig(BaseModel):
                             max_model_len=self.max_model_len, attention_backend=self.attention_backend,
                             moe_backend=self.moe_backend, fp8_activations=self.fp8_activations,
                             indexer_numerics=self.indexer_numerics, enforce_eager=self.enforce_eager,
-                            batch_invariant=self.batch_invariant,
+                            batch_invariant=self.batch_invariant, speculative=self.speculative,
+                            num_draft_tokens=self.num_draft_tokens,
                             expert_parallel_size=self.expert_parallel_size,
                             num_redundant_experts=self.num_redundant_experts)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"deepinfer/protos/kv_transfer.proto\x12\x0c\x64\x65\x65pinfer.v1\"\xa6\x01\n\x08KVRegion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x61\x64\x64r\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x10\n\x08mem_type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65v_id\x18\x05 \x01(\r\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x11\n\tnum_units\x18\x07 \x01(\r\x12\x13\n\x0bunit_nbytes\x18\x08 \x01(\x04\x12\x10\n\x08is_state\x18\t \x01(\x08\"3\n\x08KVLayout\x12\'\n\x07regions\x18\x01 \x03(\x0b\x32\x16.deepinfer.v1.KVRegion\",\n\x10KVTransferNotice\x12\x18\n\x10output_token_ids\x18\x01 \x03(\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"deepinfer/protos/kv_transfer.proto\x12\x0c\x64\x65\x65pinfer.v1\"\xa6\x01\n\x08KVRegion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x61\x64\x64r\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x10\n\x08mem_type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65v_id\x18\x05 \x01(\r\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x11\n\tnum_units\x18\x07 \x01(\r\x12\x13\n\x0bunit_nbytes\x18\x08 \x01(\x04\x12\x10\n\x08is_state\x18\t \x01(\x08\"3\n\x08KVLayout\x12\'\n\x07regions\x18\x01 \x03(\x0b\x32\x16.deepinfer.v1.KVRegion\"E\n\x10KVTransferNotice\x12\x18\n\x10output_token_ids\x18\x01 \x03(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,5 +36,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVLAYOUT']._serialized_start=221
   _globals['_KVLAYOUT']._serialized_end=272
   _globals['_KVTRANSFERNOTICE']._serialized_start=274
-  _globals['_KVTRANSFERNOTICE']._serialized_end=318
+  _globals['_KVTRANSFERNOTICE']._serialized_end=343
 # @@protoc_insertion_point(module_scope)

@@ -35,7 +35,9 @@ class KVLayout(_message.Message):
     def __init__(self, regions: _Optional[_Iterable[_Union[KVRegion, _Mapping]]] = ...) -> None: ...
 
 class KVTransferNotice(_message.Message):
-    __slots__ = ("output_token_ids",)
+    __slots__ = ("output_token_ids", "draft_token_ids")
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, output_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...

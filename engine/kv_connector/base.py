@@ -90,6 +90,7 @@ a connector that does not serve the instance's ranks.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -118,6 +119,9 @@ class KVConnectorEvents:
 
     loaded: dict[str, list[int]] = field(default_factory=dict)
     """req_id -> output tokens sampled elsewhere (may be empty): the load is complete."""
+    loaded_drafts: dict[str, list[int]] = field(default_factory=dict)
+    """req_id (of `loaded`) -> draft tokens proposed elsewhere after those outputs (speculative decoding: the
+    first decode step verifies them); absent: none."""
     load_failed: dict[str, str] = field(default_factory=dict)
     """req_id -> why: the load will not complete."""
     saved: list[str] = field(default_factory=list)
@@ -167,11 +171,14 @@ class KVConnector(ABC):
         raise NotImplementedError(f"{type(self).__name__} loads nothing")
 
     def start_save(self, req_id: str, block_ids: list[int], state_slot: int | None,
-                   output_token_ids: list[int]) -> None:
+                   output_token_ids: list[int], draft_token_ids: Sequence[int] = ()) -> None:
         """Start reading the prompt's KV out of `block_ids` (and `state_slot`); returns at once.
 
         `block_ids` is the request's whole table (the prompt's blocks first); `output_token_ids`
-        are the tokens sampled after the prompt (the first token), for a receiver that continues.
+        are the tokens sampled after the prompt (the first token), for a receiver that continues;
+        `draft_token_ids` the drafts proposed after them (speculative decoding), for a receiver that
+        verifies them (the engine passes them, by keyword, only when there are some; a connector
+        may drop them: they only save the receiver a step).
         """
         raise NotImplementedError(f"{type(self).__name__} saves nothing")
 

@@ -102,7 +102,7 @@ class ExternalKVMixin:
                 res.save_failed[rid] = error
         for rid, output_token_ids in ev.loaded.items():
             if rid in self._loading and rid in self._connector_loads:
-                res.outputs += self.commit_kv(rid, output_token_ids)
+                res.outputs += self.commit_kv(rid, output_token_ids, ev.loaded_drafts.get(rid))
         for rid, error in ev.load_failed.items():
             if rid in self._loading and rid in self._connector_loads:
                 self.abort_request(rid)
@@ -193,14 +193,16 @@ class ExternalKVMixin:
             self._connector_saves.discard(request_id)
         self.kv_holds.release(request_id)
 
-    def _pin_for_save(self, seq: _Seq, output_token_ids: list[int]) -> None:
-        """The prompt is computed: pin its blocks (and slot) past the request's end; start the save."""
+    def _pin_for_save(self, seq: _Seq, output_token_ids: list[int], draft_token_ids: Sequence[int] = ()) -> None:
+        """The prompt is computed: pin its blocks (and slot) past the request's end; start the save (with the
+        drafts proposed after the outputs, speculative decoding: the receiver's first step verifies them)."""
         rid = seq.parent.request_id
         held = self.kv_holds.hold(rid, self.kv_manager.get_block_ids(seq.req),
                                   slot_owner=seq.req.req_id if seq.save.with_state else None)
         seq.pinned_block_ids, seq.pinned_slot = held.block_ids, held.state_slot
         if rid in self._connector_saves:
-            self.kv_connector.start_save(rid, list(held.block_ids), held.state_slot, list(output_token_ids))
+            drafts = {"draft_token_ids": list(draft_token_ids)} if draft_token_ids else {}
+            self.kv_connector.start_save(rid, list(held.block_ids), held.state_slot, list(output_token_ids), **drafts)
 
     # ------------------------------------------------------------------ by hand
 
@@ -227,12 +229,16 @@ class ExternalKVMixin:
                          _kv_load=KVLoadSpec(num_kv_tokens, with_state))
         return self.kv_descriptors(request_id)
 
-    def commit_kv(self, request_id: str, first_token_ids: list[int] | None = None) -> list[RequestOutput]:
+    def commit_kv(self, request_id: str, first_token_ids: list[int] | None = None,
+                  draft_token_ids: Sequence[int] | None = None) -> list[RequestOutput]:
         """The reserved KV has landed: let the request run.
 
         `first_token_ids` are output tokens already sampled elsewhere (the prefill instance's first
         token): they count as this request's outputs (stop checks, penalties, limits) and decoding
         continues after them. Returns an output at once when they already finish the request.
+        `draft_token_ids`: drafts proposed elsewhere after them (a speculative prefill instance's MTP
+        layer); with speculative decoding on here, the request's first decode step verifies them
+        (at most `num_draft_tokens`, those its structured-output constraint allows), else they are ignored.
         """
         parent = self._parents[request_id]
         seq = parent.seqs[0]
@@ -256,6 +262,11 @@ class ExternalKVMixin:
                 self._seqs.pop(seq.req.req_id, None)
                 del self._parents[request_id]
                 return [ro]
+        if draft_token_ids and self.spec is not None:
+            drafts = list(draft_token_ids)[:self.spec.num_draft_tokens]
+            if seq.grammar is not None:
+                drafts = drafts[:seq.grammar.count_acceptable(drafts)[0]]
+            seq.req.spec_token_ids = drafts
         parent.queued_at = time.monotonic()  # its queue time (`Engine.latency`) starts now, not at the reservation
         self.scheduler.add_request(seq.req)
         return []

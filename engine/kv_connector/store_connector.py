@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -227,9 +228,10 @@ class StoreConnector(KVConnector):
         self._loaded.append(req_id)
 
     def start_save(self, req_id: str, block_ids: list[int], state_slot: int | None,
-                   output_token_ids: list[int]) -> None:
+                   output_token_ids: list[int], draft_token_ids: Sequence[int] = ()) -> None:
         if req_id in self._primary_saves:
-            self.primary.start_save(req_id, block_ids, state_slot, output_token_ids)
+            drafts = {"draft_token_ids": draft_token_ids} if draft_token_ids else {}
+            self.primary.start_save(req_id, block_ids, state_slot, output_token_ids, **drafts)
         else:
             self._saved.append(req_id)
         prompt = self._prompts.pop(req_id, None)

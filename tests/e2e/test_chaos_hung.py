@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -64,12 +65,14 @@ def test_requests_reserving_on_a_hung_decode_move_on_without_waiting_for_it(tmp_
 
         processes.procs["decode-0"].send_signal(signal.SIGSTOP)
         t = time.monotonic()
+        wake = threading.Timer(STOP_S, lambda: processes.procs["decode-0"].send_signal(signal.SIGCONT))
+        wake.start()
         try:
             with ThreadPoolExecutor(len(prompts)) as pool:  # picked before its heartbeats time out: some reserve on it
                 outs = list(pool.map(lambda p: client.generate(p, deadline_ms=60_000, **kwargs), prompts))
             took = time.monotonic() - t
         finally:
-            processes.procs["decode-0"].send_signal(signal.SIGCONT)
+            wake.join()
         assert [o["token_ids"] for o in outs] == ref
         log = (logdir / "entrypoint.err").read_text()
         assert "stopped answering while reserving KV" in log, "no request reserved on the hung instance"
