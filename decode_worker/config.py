@@ -77,11 +77,18 @@ class DecodeWorkerConfig(BaseModel):
     batch_invariant: bool = False
     """Batch-invariant numerics (`engine.batch_invariant`): a request's logits do not depend on its batch, chunking or
     cache hits; set it on the prefill and the decode instances alike."""
+    v41_decoder_replay: bool = True
+    """DeepSeek-V4.1: decoder-side bounded replay (`EngineConfig.v41_decoder_replay`; the layers after the last KV
+    source over each prompt's last `sliding_window` tokens only); set it on the prefill and the decode instances
+    alike (a decode instance that replays a prompt computes it the same way)."""
     expert_parallel_size: int = Field(1, ge=1)
     """Ranks of this instance (one process each: attention data-parallel, routed experts split over them, each rank
     with its own KV pools and KV transfer agent, `kv_transfer.ranked`); 1 = one process."""
     num_redundant_experts: int = Field(0, ge=0)
     """Extra replicas of hot routed experts per MoE layer (EPLB), with expert_parallel_size > 1."""
+    eplb_interval_steps: int = Field(0, ge=0)
+    """Re-place the routed experts (EPLB, moving weights while serving) every this many engine steps from the loads
+    measured since the last time, with expert_parallel_size > 1; 0 = never (the initial placement stays)."""
     speculative: Literal["mtp"] | None = None
     """Speculative decoding (`engine.spec_decode`; lossless): None = off, "mtp" = the checkpoint's MTP layer drafts
     `num_draft_tokens` per request per step (`--speculative mtp --num-draft-tokens 3`). Needs `bounded_state`
@@ -176,8 +183,10 @@ class DecodeWorkerConfig(BaseModel):
                             moe_backend=self.moe_backend, fp8_activations=self.fp8_activations,
                             indexer_numerics=self.indexer_numerics, enforce_eager=self.enforce_eager,
                             batch_invariant=self.batch_invariant, speculative=self.speculative,
+                            v41_decoder_replay=self.v41_decoder_replay,
                             num_draft_tokens=self.num_draft_tokens, verify_schedule=self.verify_schedule,
                             verify_floor=self.verify_floor,
                             verify_cost_table=self.verify_cost_table,
                             expert_parallel_size=self.expert_parallel_size,
-                            num_redundant_experts=self.num_redundant_experts)
+                            num_redundant_experts=self.num_redundant_experts,
+                            eplb_interval_steps=self.eplb_interval_steps)

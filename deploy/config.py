@@ -24,8 +24,9 @@ kv_store_dir: /nvme/deepinfer-kvstore # omitted = $DEEPINFER_HOME/kvstore/<name>
 ```
 
 `ClusterConfig.load(path)` reads and validates a file; errors name the field and how to fix it.
-Each instance of a group is one Ray placement group of `num_ranks` bundles of `resources_per_rank`
-(plus the datacenter's custom resource, see `datacenter_resource`).
+Each instance of a group is one Ray placement group of one bundle: `num_ranks` times `resources_per_rank` (plus
+the datacenter's custom resource, see `datacenter_resource`), all reserved by the instance's actor, which starts
+its ranks 1..N-1 itself on its node (`InstanceGroup.bundles`).
 """
 
 from __future__ import annotations
@@ -81,12 +82,13 @@ class InstanceGroup(_Frozen):
     datacenter: str = ""
     """Datacenter label: reported to the balancer and turned into a Ray custom resource; "" = anywhere."""
     num_ranks: int = Field(1, ge=1)
-    """Ranks (processes) per instance; one placement-group bundle each. A prefill or decode instance of N > 1 ranks
-    runs expert-parallel (the worker's `expert_parallel_size`); vision instances have 1."""
+    """Ranks (processes) per instance, on one node. A prefill or decode instance of N > 1 ranks runs expert-parallel
+    (the worker's `expert_parallel_size`); vision instances have 1."""
     resources_per_rank: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
     """Ray resources of one rank: {"CPU": 1} here, {"GPU": 1, "CPU": 8} on GPU nodes."""
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
-    """How an instance's ranks are spread over nodes (STRICT_PACK: one node, as EP groups need)."""
+    """The Ray strategy of an instance's placement group. NOTE: the group is one bundle today (an instance's ranks
+    share one node, `bundles`), so the strategy places nothing yet; it matters once ranks span nodes."""
 
     @field_validator("resources_per_rank")
     @classmethod
@@ -99,13 +101,19 @@ class InstanceGroup(_Frozen):
         return value
 
     def bundles(self) -> list[dict[str, float]]:
-        """The placement group of one instance: a bundle per rank (with the datacenter resource)."""
-        bundle = {name: amount for name, amount in self.resources_per_rank.items() if amount > 0}
+        """The placement group of one instance: one bundle of `num_ranks` x `resources_per_rank` (with the
+        datacenter resource per rank).
+
+        NOTE: one bundle, not one per rank: the instance's actor (rank 0) spawns ranks 1..N-1 itself, so it must
+        reserve every rank's resources (Ray gives an actor the resources of one bundle only); with GPUs, Ray then
+        sets the actor's CUDA_VISIBLE_DEVICES to its N GPUs and rank r runs on visible device r
+        (`engine.distributed.group.rank_device`)."""
+        bundle = {name: amount * self.num_ranks for name, amount in self.resources_per_rank.items() if amount > 0}
         if self.datacenter:
-            bundle[datacenter_resource(self.datacenter)] = DATACENTER_RESOURCE_PER_RANK
+            bundle[datacenter_resource(self.datacenter)] = DATACENTER_RESOURCE_PER_RANK * self.num_ranks
         if not bundle:
             raise ValueError(f"group {self.name!r}: a placement bundle needs at least one resource")
-        return [dict(bundle) for _ in range(self.num_ranks)]
+        return [bundle]
 
 
 class BalancerSettings(_Frozen):

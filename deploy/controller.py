@@ -4,7 +4,7 @@ Separate `deepinfer` invocations find it by name (`<cluster name>-controller` in
 `deepinfer`). It owns every role actor (`deploy.actors`), so killing it takes them all down.
 
 * `up()`: the stage balancers, then every configured instance (each in its own placement group of
-  one bundle per rank), the entrypoint, and the HTTP front when `entrypoint.http` exists.
+  one bundle holding all its ranks' resources, reserved by its actor: `InstanceGroup.bundles`), the entrypoint, and the HTTP front when `entrypoint.http` exists.
   The vision stage (balancer + instances) runs only when the model has a vision tower.
 * `scale({"decode": 3, "prefill.dc-a": 1, "vision": 2})`: new instances register with their balancer; removed
   ones (newest first) drain — they refuse new work (retryably), finish what they hold, deregister
@@ -328,7 +328,7 @@ class ClusterController:
             except ray.exceptions.GetTimeoutError:
                 remove_placement_group(pg)
                 raise LaunchError(
-                    f"cannot place {instance_id}: {group.num_ranks} bundle(s) of {bundles[0]} did not fit within "
+                    f"cannot place {instance_id} ({group.num_ranks} rank(s) on one node): {bundles[0]} did not fit within "
                     f"{PLACEMENT_TIMEOUT_S:.0f} s (available: {ray.available_resources()}); add nodes or lower "
                     f"resources_per_rank of {stage} group {group.name!r}") from None
             bundle = dict(bundles[0])

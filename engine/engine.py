@@ -127,6 +127,11 @@ class EngineConfig(BaseModel):
     n_routed_experts + num_redundant_experts must divide by expert_parallel_size."""
     eplb_interval_steps: int = Field(0, ge=0)
     """Re-place the experts (EPLB) from the loads measured over the last this-many steps; 0 = never by itself."""
+    v41_decoder_replay: bool = True
+    """DeepSeek-V4.1 only: decoder-side bounded replay, the layers after the last KV source computed only over each
+    prompt's last `sliding_window` tokens (and what follows), as DeepSeek's production does: about half a long
+    prompt's prefill; not exact (the first tail tokens see a window cut at the tail's start in those layers).
+    False: every layer over every token (`engine.models.deepseek_v41`, docs/V4_1.md §12). Ignored for V4."""
 
     @model_validator(mode="before")
     @classmethod
@@ -318,6 +323,8 @@ class Engine(ExternalKVMixin):
             from deepinfer.engine.batch_invariant import enable_batch_invariant
 
             enable_batch_invariant(self.model)  # once: invariant backends and the model's numerics mode
+        if hasattr(self.model, "decoder_replay"):  # DeepSeek-V4.1 (`deepseek_v41.DeepseekV41ForCausalLM`)
+            self.model.decoder_replay = config.v41_decoder_replay
         mc = self.model_config
         self.tokenizer = load_tokenizer(path)
         self.replay_tokens = exact_replay_tokens(mc)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,10 +82,13 @@ class WeightBytes:
         return self.other_bytes - self.mtp_other_bytes + -(-main_experts * min(slots, num_experts) // num_experts)
 
 
-def checkpoint_weight_bytes(path: str | Path, dtype: torch.dtype, dequantized: bool = False) -> WeightBytes:
+def checkpoint_weight_bytes(path: str | Path, dtype: torch.dtype,
+                            dequantized: bool | Callable[[str], bool] = False,
+                            fp32_kept: Callable[[str], bool] | None = None) -> WeightBytes:
     """Resident bytes of the checkpoint at `path` once loaded at `dtype`, from its headers only.
-    `dequantized`: FP8 / packed FP4 weights are held dequantized at `dtype` and their scales dropped (V4.1's
-    loader today, `deepseek_v41.load_for_engine`)."""
+    `dequantized`: FP8 / packed FP4 weights are held dequantized at `dtype` and their scales dropped; a callable
+    decides per tensor name (V4.1's loader: `deepseek_v41.dequantized_at_load`, the dense FP8 linears kept).
+    `fp32_kept`: which float tensors (checkpoint names) stay float32 (None: V4's rule, `is_fp32_kept`)."""
     from deepinfer.engine.loader import MTP_PREFIXES, scan_checkpoint
     from deepinfer.engine.models.deepseek_v4_weights import is_fp32_kept, official_to_spec_name
 
@@ -93,8 +97,10 @@ def checkpoint_weight_bytes(path: str | Path, dtype: torch.dtype, dequantized: b
     for name, stored in scan_checkpoint(path).items():
         numel = math.prod(stored.shape)
         if stored.dtype in _FLOAT_TAGS:  # cast at load: the engine dtype, or float32 for the kept set
-            nbytes = numel * (4 if is_fp32_kept(official_to_spec_name(name)) else itemsize)
-        elif dequantized:  # FP8 one value a byte, packed FP4 two; scales (`.scale`) are folded in
+            kept = fp32_kept(name) if fp32_kept is not None else is_fp32_kept(official_to_spec_name(name))
+            nbytes = numel * (4 if kept else itemsize)
+        elif dequantized(name) if callable(dequantized) else dequantized:
+            # FP8 one value a byte, packed FP4 two; scales (`.scale`) are folded in
             nbytes = 0 if name.endswith(".scale") else numel * (2 if stored.dtype in ("I8", "U8") else 1) * itemsize
         else:  # integers, FP8 / packed FP4 weights and their scales stay as stored
             nbytes = stored.num_bytes
@@ -272,8 +278,11 @@ def check_fit(path: str | Path, config: ModelConfig, *, dtype: torch.dtype, devi
         device_bytes = available_device_bytes(device)
         if torch.device(device).type != "cuda":
             device_bytes //= expert_parallel_size  # CPU ranks share the host's memory
-    dequantized = hasattr(config, "kv_source_layer_ids")  # a V41Config: its loader dequantizes (no FP8 kept yet)
-    report = plan_fit(config, checkpoint_weight_bytes(path, dtype, dequantized), dtype=dtype, device=device,
+    dequantized, fp32_kept = False, None
+    if hasattr(config, "kv_source_layer_ids"):  # a V41Config: its loader dequantizes the FP4 experts and Engram rows
+        from deepinfer.engine.models.deepseek_v41 import dequantized_at_load as dequantized
+        from deepinfer.engine.models.deepseek_v41 import kept_float32 as fp32_kept
+    report = plan_fit(config, checkpoint_weight_bytes(path, dtype, dequantized, fp32_kept), dtype=dtype, device=device,
                       device_bytes=device_bytes, max_model_len=max_model_len, block_size=block_size,
                       max_num_seqs=max_num_seqs, expert_parallel_size=expert_parallel_size,
                       num_redundant_experts=num_redundant_experts)

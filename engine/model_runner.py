@@ -32,6 +32,8 @@ class _RunnerReq:
     """Prefix-hit tokens: their compressed entries are cached and must not be rewritten."""
     image_spans: tuple = ()
     """`engine.multimodal.ImageSpan`s of the prompt (with embeddings): replace those input rows."""
+    num_prompt_tokens: int | None = None
+    """The request's prompt length (`SeqChunk.num_prompt_tokens`)."""
 
 
 class ModelRunner:
@@ -76,6 +78,7 @@ class ModelRunner:
                 state_start=new.num_computed_tokens if new.state_start is None else new.state_start,
                 num_frozen_tokens=num_hit_tokens.get(new.req_id, 0),
                 image_spans=new.image_spans,
+                num_prompt_tokens=new.num_prompt_tokens,
             )
         for run in out.scheduled_running_reqs:
             self.reqs[run.req_id].block_ids.extend(run.new_block_ids)
@@ -107,7 +110,8 @@ class ModelRunner:
             n = out.num_scheduled_tokens[req_id]
             p0 = starts[req_id]
             st = self.reqs[req_id]
-            seqs.append(SeqChunk(st.slot, list(st.block_ids), p0, n, st.state_start, st.num_frozen_tokens))
+            seqs.append(SeqChunk(st.slot, list(st.block_ids), p0, n, st.state_start, st.num_frozen_tokens,
+                                 st.num_prompt_tokens))
             chunks.append(token_ids_of[req_id][p0:p0 + n])
             for span in st.image_spans:  # NOTE: a chunk may cover any part of a span
                 a, b = max(p0, span.offset), min(p0 + n, span.offset + span.num_tokens)

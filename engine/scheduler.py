@@ -253,6 +253,8 @@ class NewRequestData:
     state is built from there). Set for requests whose state was imported."""
     image_spans: tuple[ImageSpan, ...] = ()
     """The request's images (positions and input embeddings), for the steps that compute them."""
+    num_prompt_tokens: int | None = None
+    """Length of the request's prompt (`SeqChunk.num_prompt_tokens`: V4.1's decoder-side bounded replay)."""
 
 
 @dataclass
@@ -416,6 +418,8 @@ class Scheduler:
                 if num_new < num_remaining and not self.config.enable_chunked_prefill:
                     continue
                 spec = self._spec_tokens_to_verify(req, step.budget) if is_decode_phase else []
+                if req.spec_token_ids and not is_decode_phase and num_new == num_remaining:
+                    num_new -= 1  # drafts handed over with imported KV, a chunked replay: as in `_admit_waiting`
                 num_new += len(spec)
                 num_blocks_before = self.kv_cache_manager.num_blocks_held(req)
                 if self._allocate_or_preempt(req, num_new, step):
@@ -525,13 +529,8 @@ class Scheduler:
             num_new = min(num_remaining, step.budget)
             if num_new < num_remaining and not self.config.enable_chunked_prefill:
                 break
-            spec: list[int] = []
-            if req.spec_token_ids and num_new == num_remaining:  # drafts handed over with imported KV
-                if num_remaining > 1:
-                    num_new -= 1  # the last token is computed with them by its next (verifying) decode step
-                else:
-                    spec = self._spec_tokens_to_verify(req, step.budget)
-                    num_new += len(spec)
+            if req.spec_token_ids and num_new == num_remaining > 1:  # drafts handed over with imported KV:
+                num_new -= 1  # its last token is computed with them by its next (verifying) decode step
             if not kv.allocate_slots(req, num_new, hit_block_ids, num_computed_tokens=num_computed):
                 break  # NOTE: strict order; waiting requests never preempt running ones
             is_resumed = req.status == RequestStatus.PREEMPTED
@@ -542,8 +541,6 @@ class Scheduler:
             self.running[req.req_id] = req
             admitted.add(req.req_id)
             step.add_new(req, num_new, slot_id, is_resumed, kv.get_block_ids(req), num_hit_tokens, state_start)
-            if spec:
-                step.spec_token_ids[req.req_id] = spec
         if admitted:
             self.waiting = deque(r for r in self.waiting if r.req_id not in admitted)
 
@@ -568,6 +565,7 @@ class Scheduler:
                         num_cached_tokens=num_cached,
                         state_start=state_start,
                         image_spans=req.image_spans,
+                        num_prompt_tokens=req.num_prompt_tokens,
                     )
                 )
             else:

@@ -419,6 +419,10 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
 
         images, image_embeddings = [], []
         if request.images:
+            if req.vision is not None:
+                # an earlier attempt, migrated before its prefill answered, still holds the images on its vision
+                # instance: release them first (not in the background), or Encode would find the id held there
+                self._release_images(req, wait=True)
             prompt, sampling, images, image_embeddings = self._encode_images(req, request, deadline, deadline_ms)
         req.usage.prompt_tokens = len(prompt) - req.num_resumed_tokens
         # a stage that just lost an instance: wait for one to serve before holding blocks on decode
@@ -672,8 +676,9 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
             raise _Failed(grpc.StatusCode.INTERNAL, "the images encoded again gave other image token counts")
         return again, images, image_embeddings
 
-    def _release_images(self, req: _Request) -> None:
-        """Drop the vision instance's hold on the request's embeddings (in a daemon thread, best effort)."""
+    def _release_images(self, req: _Request, wait: bool = False) -> None:
+        """Drop the vision instance's hold on the request's embeddings (in a daemon thread, best effort;
+        `wait`: in this thread, bounded by `rpc_timeout_s`)."""
         with req.lock:
             vision, req.vision = req.vision, None
         if vision is None:
@@ -686,6 +691,9 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
             except grpc.RpcError as e:
                 logger.warning("releasing %s on %s failed: %s", req.request_id, vision[0], e.code().name)
 
+        if wait:
+            release()
+            return
         threading.Thread(target=release, name="entrypoint-release", daemon=True).start()
 
     def _pick(self, req: _Request, stage: str, stub, pick: loadbalancer_pb2.PickRequest, deadline: float | None):

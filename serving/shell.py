@@ -14,6 +14,9 @@ server, and (with `lb_address`) a `LoadReporter`. Its life:
 * **drain**: stop taking requests, report at once, let those in flight finish (after the timeout:
   `_on_drain_timeout`, by default abort them all), keep the port open `drain_linger_s`, then stop.
 * **stop**: deregister, stop the server (grace), the loop, then `_close()` (agents). Idempotent.
+* **failure**: a loop that died fails the waiting handlers in-band and reports unhealthy; a multi-rank
+  instance (`EngineShell` with `expert_parallel_size > 1`) instead exits its process when the loop dies or a
+  rank process dies (`exit_failed`): the instance fails as a whole and its supervisor restarts the group.
 * **health**: healthy while the loop answers a `_stats()` call within `LOOP_CALL_TIMEOUT_S`; the stats
   travel as trailing metadata (`protos.metadata.STATS_METADATA_KEY`).
 
@@ -48,6 +51,10 @@ from deepinfer.serving.membership import LoadReporter
 
 LOOP_CALL_TIMEOUT_S = 5.0
 """How long Health, Abort, Drain and heartbeats wait for the engine loop before calling it stuck."""
+INSTANCE_FAILED_EXIT_CODE = 75
+"""Exit code of a worker process whose instance failed as a whole (a multi-rank instance's rank group broke)."""
+EXIT_DEREGISTER_TIMEOUT_S = 2.0
+"""How long a failed instance tries to deregister from its balancer before it exits anyway."""
 
 
 class WorkerShell:
@@ -76,7 +83,11 @@ class WorkerShell:
         self.logger = logging.getLogger(self.name)
         self.instance_id = config.instance_id or f"{self.stage_name}-{uuid.uuid4().hex[:8]}"
         self.agent_name = config.agent_name or self.instance_id
-        self.loop = EngineLoop(f"{self.name}-loop", self._step, self._mode, on_fatal=self._on_fatal)
+        self.loop = EngineLoop(f"{self.name}-loop", self._step, self._mode, on_fatal=self._loop_died)
+        self.exits_on_failure = False
+        self._exit_lock = threading.Lock()
+        """Set once at construction (a multi-rank instance, `EngineShell`): a dead loop ends the process
+        (`exit_failed`) instead of failing the waiting handlers in-band and staying up unhealthy."""
         self.is_draining = False
         self.reporter: LoadReporter | None = None
         self.server: grpc.Server | None = None
@@ -139,6 +150,31 @@ class WorkerShell:
     def _on_fatal(self, exc: BaseException) -> None:
         """Loop thread, once: the loop died of `exc`; fail every waiting handler."""
         raise NotImplementedError
+
+    def _loop_died(self, exc: BaseException) -> None:
+        if self.exits_on_failure:
+            self.exit_failed(exc)
+        self._on_fatal(exc)
+
+    def exit_failed(self, exc: BaseException) -> None:
+        """Ends this process at once (exit code `INSTANCE_FAILED_EXIT_CODE`) after deregistering from the balancer
+        (best effort, bounded): the instance failed as a whole and only a restart brings it back.
+
+        Why exit rather than stay up unhealthy: a multi-rank instance whose rank group broke cannot recover in
+        process (the group's collectives cannot line up again); ending the process ends its rank processes (they
+        exit with it), so the supervisor (Ray's actor restart) starts a whole new group, and the streams it
+        served break with UNAVAILABLE, which the entrypoint migrates (an in-band INTERNAL error would not be)."""
+        import os
+
+        self._exit_lock.acquire()  # NOTE: never released: a second caller waits here for the exit, not returning
+        self.logger.critical("the instance failed as a whole (%s); exiting so that it restarts", exc)
+        if self.reporter is not None:
+            t = threading.Thread(target=self.reporter.stop, kwargs={"deregister": True}, daemon=True)
+            t.start()
+            t.join(EXIT_DEREGISTER_TIMEOUT_S)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(INSTANCE_FAILED_EXIT_CODE)
 
     def _load_and_hashes(self) -> tuple[loadbalancer_pb2.LoadReport, frozenset[int] | None]:
         """Loop thread: the load report and the cached keys for affinity (None: no cache to report)."""
@@ -288,6 +324,9 @@ class EngineShell(WorkerShell):
 
         super().__init__(config)
         self.engine = Engine(config.engine_config())
+        if self.engine.config.expert_parallel_size > 1:  # a rank group fails as a whole: see `exit_failed`
+            self.exits_on_failure = True
+            self.engine.executor.watch_ranks(self.exit_failed)  # a rank's death between steps too
         # one agent over the engine's cache, or one per rank of a multi-rank instance (`kv_transfer.ranked`)
         self.agent = open_instance_agent(self.engine, self.agent_name, send_state=send_state, ucx_env=self.ucx_env)
         self.agent_metadata = self.agent.metadata()

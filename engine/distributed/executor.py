@@ -30,7 +30,10 @@ coordinates them through the step plan; the executor never looks inside the payl
 
 Failures: an exception on any rank (or a rank process that died) fails the step's future and the
 executor: the group's collectives cannot line up again, so the instance fails as a whole and must be
-restarted (a new engine).
+restarted (a new engine). `watch_ranks(callback)` finds a rank process's death between steps too (an idle
+instance runs no collective that would fail): a daemon thread waits on the rank processes and, when one exits
+while the executor is open, fails the executor and calls `callback(error)` (a serving shell exits its process
+then, so its supervisor restarts the group as a whole, `serving.shell.EngineShell`).
 
 NOTE: only token ids and per-row logprobs travel back to rank 0 (over the gloo control group), never
 `[rows, vocab]` logits.
@@ -39,6 +42,7 @@ NOTE: only token ids and per-row logprobs travel back to rank 0 (over the gloo c
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -129,6 +133,27 @@ class MultiRankExecutor(Executor):
         except BaseException:
             self._kill()
             raise
+
+    def watch_ranks(self, callback) -> None:
+        """Call `callback(error)` once (from a daemon thread) when a rank process exits while this executor is
+        open; the executor is failed first (every later step raises). See the module docstring."""
+        from multiprocessing.connection import wait
+
+        def run() -> None:
+            ended = wait([p.sentinel for p in self._procs])
+            if self._is_closed:
+                return
+            gone = [p for p in self._procs if p.sentinel in ended]
+            for p in gone:
+                p.join(timeout=1.0)  # reaps it, so its exit code is known
+            dead = ", ".join(f"{p.name} (exit code {p.exitcode})" for p in gone)
+            error = RuntimeError(f"rank process {dead} died; the instance fails as a whole")
+            if self._failure is None:
+                self._failure = error
+            callback(error)
+
+        if self._procs:
+            threading.Thread(target=run, name="rank-watch", daemon=True).start()
 
     def _wait_ready(self, ready) -> None:
         """Blocks until every rank process has loaded; raises RuntimeError with a rank's traceback if it failed

@@ -267,6 +267,7 @@ class ExternalKVMixin:
             if seq.grammar is not None:
                 drafts = drafts[:seq.grammar.count_acceptable(drafts)[0]]
             seq.req.spec_token_ids = drafts
+            self.spec.metrics.num_imported_drafts += len(drafts)
         parent.queued_at = time.monotonic()  # its queue time (`Engine.latency`) starts now, not at the reservation
         self.scheduler.add_request(seq.req)
         return []

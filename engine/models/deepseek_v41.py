@@ -3,8 +3,9 @@
 Written from the description of DeepSeek's official reference (`inference/model.py`, `inference/engram.py`
 of the DeepSeek-V4.1-Flash release) in docs/V4_1.md, not copied from it. Module paths are the published
 checkpoint's tensor names (`embed`, `layers.{L}.attn.compressor.wkv`, `layers.{L}.engram.wkv`, ...), so
-`state_dict()` keys are the checkpoint's for everything this module builds (weights are held in float:
-no FP8 32x32 / FP4 storage and no simulation of the reference's FP8/FP4 activations and KV here).
+`state_dict()` keys are the checkpoint's for everything this module builds. Weights are float, except that the
+engine's loader keeps the dense 32x32-block FP8 linears FP8 (`keep_fp8_linears`: `engine.quant.Fp8Linear`); the FP4
+experts and FP8 Engram rows are held dequantized, and the reference's FP8/FP4 activations and KV are not simulated.
 
 What V4.1 changes against `deepseek_v4` (whose pieces are reused where the math is the same: RMSNorm,
 the interleaved partial RoPE and its YaRN, the clamped SwiGLU expert, the mHC mixing weights and
@@ -29,8 +30,9 @@ before it.
 The paged engine (`engine.engine.Engine`) runs `step(batch, cache)` over `engine.cache.v41.V41KVCache`: V4's
 step metadata (`build_attention_metadata` over `v41_layer_specs`), chunked prefill and batched decode rows in
 `PagedAttention` (KV sources write their ratio's pools, later layers read them, index sources publish their
-selections within the step), Engram hashes from a per-slot history ring. Not here: DSpark stages, the vision
-tower, FP8 / FP4 weights kept quantized, decoder-side bounded replay in the paged prefill.
+selections within the step), Engram hashes from a per-slot history ring, and decoder-side bounded replay
+(`decoder_replay`: the layers after the last KV source compute a request's tokens from `prompt - sliding_window`
+on only; `_decoder_tail`). Not here: DSpark stages, the vision tower, FP4 experts and Engram tables kept quantized.
 """
 
 from __future__ import annotations
@@ -694,6 +696,12 @@ class DeepseekV41ForCausalLM(nn.Module):
         """The paged attention of every layer (and the step's published selections); not CUDA-graph safe."""
         self.vision = None
         """No vision tower (V4.1's is not built; the loader refuses a `vision_config`)."""
+        self.last_kv_source = max(config.kv_source_layer_ids, default=-1)
+        """The last layer that computes compressed KV: decoder-side bounded replay cuts after it."""
+        self.decoder_replay = False
+        """The paged step's decoder-side bounded replay (`_decoder_tail`): the layers after `last_kv_source` compute
+        a request's tokens from `num_prompt_tokens - sliding_window` on only. The engine sets it from
+        `EngineConfig.v41_decoder_replay` (on by default); off here, so a bare model computes every token."""
 
     def set_engram_token_map(self, token_map) -> None:
         """Install the compressed-id map (`compressed_token_map(tokenizer)[0]`) the Engram hashes read."""
@@ -718,7 +726,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         }
 
     def forward_full(self, input_ids: torch.Tensor, image_mask: torch.Tensor | None = None, *,
-                     bounded_replay: bool = False) -> torch.Tensor:
+                     bounded_replay: bool = False, replay_from: int | None = None) -> torch.Tensor:
         """input_ids [T] of one sequence from position 0; image_mask [T] bool (True inside image spans:
         the router's `bias_vl`, no Engram) -> float32 logits [T, vocab].
 
@@ -726,10 +734,16 @@ class DeepseekV41ForCausalLM(nn.Module):
         compressed KV, run only over the last `sliding_window` tokens; the logits of those tokens come back
         [min(T, window), vocab]. Not exact: the first tail tokens see a window cut at the tail's start in
         those layers (the compressed entries they attend are complete); exact when T <= sliding_window.
+        `replay_from`: the same with the tail starting at that position (logits [T - replay_from, vocab]): a
+        prompt of P tokens followed by generated ones, `replay_from = P - sliding_window`, is what the paged
+        engine computes with decoder replay on (`decoder_replay`).
         """
         if input_ids.dim() != 1:
             raise ValueError(f"input_ids must be [T], got shape {tuple(input_ids.shape)}")
         T, hc = input_ids.shape[0], self.config.hc_mult
+        if replay_from is not None and (bounded_replay or not 0 <= replay_from < T):
+            raise ValueError(f"replay_from={replay_from} must lie in [0, T={T}) and excludes bounded_replay=True")
+        tail_start = max(0, T - self.config.sliding_window) if bounded_replay else (replay_from or 0)
         live = None if image_mask is None else ~image_mask
         rows = self.engram_hash(input_ids, live) if self.engram_hash is not None else None
         ropes = self._rope_tables(T, input_ids.device)
@@ -737,10 +751,10 @@ class DeepseekV41ForCausalLM(nn.Module):
         pre = torch.zeros(T, hc, dtype=torch.float32, device=input_ids.device)
         pre[:, 0] = 1.0  # the first attention reads stream 0
         shared = SharedState()
-        cut = max(self.config.kv_source_layer_ids, default=-1) if bounded_replay else None
+        cut = self.last_kv_source if tail_start else None
         for i, layer in enumerate(self.layers):
-            if i - 1 == cut and T > self.config.sliding_window:  # from here on only the tail is computed
-                tail = slice(T - self.config.sliding_window, T)
+            if i - 1 == cut:  # from here on only the tail is computed
+                tail = slice(tail_start, T)
                 streams, pre = streams[tail], pre[tail]
                 image_mask = None if image_mask is None else image_mask[tail]
                 live = None if live is None else live[tail]
@@ -799,17 +813,106 @@ class DeepseekV41ForCausalLM(nn.Module):
         if batch.input_embeds is not None:
             raise ValueError("DeepSeek-V4.1's vision tower is not built: the paged step takes text only")
         T, hc = batch.num_tokens, self.config.hc_mult
+        tail = self._decoder_tail(batch, cache) if self.decoder_replay else None
         rows = self._engram_rows_paged(batch, cache) if self.engram_hash is not None else None
         streams = self.embed(batch.input_ids)[:, None, :].expand(T, hc, -1).contiguous()  # [T, hc, H]
         pre = torch.zeros(T, hc, dtype=torch.float32, device=streams.device)
         pre[:, 0] = 1.0  # the first attention reads stream 0
         self.backend.reset()
         for i, layer in enumerate(self.layers):
+            if tail is not None and i == self.last_kv_source + 1:  # decoder-side bounded replay: the tail only
+                keep, tail_batch, tail_meta = tail
+                if tail_batch is None:  # no row of the step reaches a prompt's tail: no logits are asked of it
+                    return streams.new_zeros(T, streams.shape[-1])
+                self._remap_published(meta, tail_batch, tail_meta, keep, T)
+                streams, pre, meta = streams[keep], pre[keep], tail_meta
+                rows = None if rows is None else rows[keep]
             if layer.engram is not None:
                 streams = layer.engram(streams, rows[:, layer.engram.slot], None)
-            streams, pre = layer.mix(streams, pre, lambda x, i=i, layer=layer: self.backend(layer.attn, i, x, meta,
-                                                                                              cache), None)
-        return self.norm((pre[..., None] * streams).sum(dim=1).to(streams.dtype))
+            streams, pre = layer.mix(streams, pre, lambda x, i=i, layer=layer, meta=meta: self.backend(
+                layer.attn, i, x, meta, cache), None)
+        hidden = self.norm((pre[..., None] * streams).sum(dim=1).to(streams.dtype))
+        if tail is None:
+            return hidden
+        out = hidden.new_zeros(T, hidden.shape[-1])  # rows the tail left out: zeros (no logits are asked of them)
+        out[tail[0]] = hidden
+        return out
+
+    def decoder_tail_start(self, num_prompt_tokens: int | None) -> int:
+        """First position the layers after `last_kv_source` compute for a prompt of `num_prompt_tokens` with
+        decoder-side bounded replay on: the prompt's last `sliding_window` tokens and everything after them
+        (0: every position; also for an unknown prompt, None)."""
+        if num_prompt_tokens is None:
+            return 0
+        return max(0, num_prompt_tokens - self.config.sliding_window)
+
+    def _decoder_tail(self, batch, cache):
+        """The step's rows for the layers after the last KV source under decoder-side bounded replay: None when
+        they are every row with unchanged metadata, else `(keep, tail_batch, tail_meta)`: flat rows [T'] kept,
+        the `ForwardBatch` of those rows and its `AttentionMetadata` (`tail_batch` None: no row kept).
+
+        A request's tokens before `decoder_tail_start(num_prompt_tokens)` leave; its window history there counts as
+        none (`state_start` raised to the tail's start: those layers' rings never held those positions). Rows from
+        the tail's start on are computed in every layer, whatever the chunking (a chunk straddling the start is
+        cut), prefix hits or preemption (the start depends on the original prompt only), and the rings of these
+        layers hold the last `sliding_window` positions a decode reads.
+        NOTE: the layers after the last KV source run no compressor, so the kept rows need nothing of the left-out
+        ones but the selections already published (`_remap_published`)."""
+        if self.last_kv_source < 0 or self.last_kv_source == len(self.layers) - 1:
+            return None
+        from deepinfer.engine.forward_batch import ForwardBatch, SeqChunk
+
+        W = self.config.sliding_window
+        changed, keep, seqs = False, [], []
+        for a, s in zip(batch.starts, batch.seqs):
+            ts = self.decoder_tail_start(s.num_prompt_tokens)
+            p0, n = s.num_computed_tokens, s.num_new_tokens
+            # NOTE: a row at p0 whose window reaches before ts (p0 - W + 1 < ts) reads ring rows never written
+            if ts > s.state_start and p0 - W + 1 < ts:
+                changed = True
+            b = max(p0, ts)
+            if b >= p0 + n:
+                continue
+            keep.extend(range(a + b - p0, a + n))
+            seqs.append(SeqChunk(s.slot, s.block_table, b, p0 + n - b, max(s.state_start, ts), s.num_frozen_tokens,
+                                 s.num_prompt_tokens))
+        if not changed:
+            return None
+        keep_t = torch.tensor(keep, dtype=torch.long, device=batch.input_ids.device)
+        if not seqs:
+            return keep_t, None, None
+        tail_batch = ForwardBatch(input_ids=batch.input_ids[keep_t], seqs=seqs)
+        return keep_t, tail_batch, self.build_attention_metadata(tail_batch, cache)
+
+    def _remap_published(self, meta, tail_batch, tail_meta, keep: torch.Tensor, T: int) -> None:
+        """Re-key the selections (and candidate masks) published before the cut from `meta`'s groups to
+        `tail_meta`'s: row by row (a query's mask over entries 0.. does not depend on its group), each group's
+        width that of its own entries (decode rows: the most visible to any of them; a chunk: up to its end)."""
+        cfg = self.config
+        cut = self.last_kv_source
+        sources = [i for i in cfg.index_source_layer_ids if i <= cut]
+        ratios = {"selection": cfg.compress_ratios[max(sources)] if sources else 0,
+                  "candidates": cfg.compress_ratios[cfg.candidate_source_layer_id]
+                  if 0 <= cfg.candidate_source_layer_id <= cut else 0}
+        for which, store in (("selection", self.backend.selection), ("candidates", self.backend.candidates)):
+            r = ratios[which]
+            live = {k: v for k, v in store.items() if v is not None}
+            store.clear()
+            if not r:
+                continue
+            groups = []
+            if tail_meta.decode is not None:
+                groups.append(("decode", tail_meta.decode.rows,
+                               max((tail_batch.seqs[i].num_computed_tokens + 1) // r for i in tail_meta.decode.seq_ids)))
+            groups += [(ci, ch.rows, (ch.num_computed_tokens + ch.num_tokens) // r)
+                       for ci, ch in enumerate(tail_meta.prefill)]
+            width = max([v.shape[1] for v in live.values()] + [c for _, _, c in groups] + [0])
+            flat = torch.zeros(T, width, dtype=torch.bool, device=keep.device)
+            for k, v in live.items():
+                flat[meta.decode.rows if k == "decode" else meta.prefill[k].rows, : v.shape[1]] = v
+            flat = flat[keep]
+            for key, rows, c in groups:
+                store[key] = flat[rows, :c] if c else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, H] -> float32 logits [n, vocab]."""
@@ -860,8 +963,14 @@ def published_tensors(model: DeepseekV41ForCausalLM) -> dict[str, torch.Tensor]:
     from deepinfer.engine.quant.formats import quantize_fp4, quantize_fp8_block
 
     out: dict[str, torch.Tensor] = {}
-    for name, p in model.state_dict().items():
+    state = model.state_dict()
+    for name, p in state.items():
         kind, scale_name = published_storage(name), name.removesuffix(".weight") + ".scale"
+        if name.endswith(".scale"):
+            continue  # a kept FP8 linear's scale: written with its weight
+        if kind == "fp8" and scale_name in state:  # a kept FP8 linear (`keep_fp8_linears`): as it is held
+            out[name], out[scale_name] = p.detach().clone(), state[scale_name].detach().clone()
+            continue
         w = p.detach().float()
         if kind == "fp8":
             out[name], out[scale_name] = quantize_fp8_block(w, PUBLISHED_FP8_BLOCK)
@@ -874,12 +983,46 @@ def published_tensors(model: DeepseekV41ForCausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_published(path, moe_backend: str = "torch") -> DeepseekV41ForCausalLM:
+def dequantized_at_load(name: str) -> bool:
+    """Whether the engine's loader (`load_for_engine`) holds checkpoint tensor `name` dequantized: the FP4 routed
+    experts and the FP8 Engram rows are (their `.scale` tensors dropped); the dense 32x32-block FP8 linears are
+    not (`Fp8Linear`: weight and scale as stored). What `engine.fit` counts."""
+    weight = name.removesuffix(".scale") + ".weight" if name.endswith(".scale") else name
+    return published_storage(weight) in ("fp4", "fp8_rows")
+
+
+def kept_float32(name: str) -> bool:
+    """Whether the engine's loader keeps float parameter `name` in float32 whatever the engine dtype: the published
+    FP32 set (mHC, sinks, router biases), the norms and the compressors (`load_for_engine`; `engine.fit` counts it)."""
+    return published_storage(name) == "fp32" or name.endswith("norm.weight") or ".compressor." in name
+
+
+def keep_fp8_linears(model: DeepseekV41ForCausalLM, scale_dtype: torch.dtype = torch.float8_e8m0fnu) -> list[str]:
+    """Replace every linear the checkpoint stores as 32x32-block FP8 (`published_storage` "fp8": `wq_a`, `wq_b`,
+    `wkv`, `wo_b`, the indexer's `wq_b`, Engram's `wkv`, the shared experts) by an `engine.quant.Fp8Linear`
+    (block `PUBLISHED_FP8_BLOCK`, zero weights until loaded): the same `.weight` / `.scale` names as the
+    checkpoint, kept FP8 in memory, computed by the `"fp8_gemm"` op (the exact per-block dequantizing torch
+    reference on the CPU, the Triton kernel on CUDA). Returns the replaced modules' names."""
+    from deepinfer.engine.quant.linear import Fp8Linear
+
+    done = []
+    for name, mod in list(model.named_modules()):
+        if type(mod) is not nn.Linear or published_storage(name + ".weight") != "fp8":
+            continue
+        parent, _, child = name.rpartition(".")
+        fp8 = Fp8Linear(mod.in_features, mod.out_features, PUBLISHED_FP8_BLOCK, scale_dtype, device=mod.weight.device)
+        setattr(model.get_submodule(parent), child, fp8)
+        done.append(name)
+    return done
+
+
+def load_published(path, moe_backend: str = "torch", *, keep_fp8: bool = False) -> DeepseekV41ForCausalLM:
     """A V4.1 checkpoint in the published layout -> the float32 model (quantized tensors dequantized exactly).
 
-    For tests and the CPU reference path only (it reads every tensor, the Engram tables included, into
-    memory). Refuses, naming them, tensors the model does not have and parameters the checkpoint lacks.
-    Vision and DSpark tensors (`vision.*`, `aligner.*`, `image_*`, `mtp.*`) are not built yet: refused too.
+    `keep_fp8`: the dense FP8 linears stay FP8 with their 32x32 UE8M0 scales (`keep_fp8_linears`; what the engine
+    loads), the rest as above. For tests and the CPU reference path (it reads every tensor, the Engram tables
+    included, into memory). Refuses, naming them, tensors the model does not have and parameters the checkpoint
+    lacks. Vision and DSpark tensors (`vision.*`, `aligner.*`, `image_*`, `mtp.*`) are not built yet: refused too.
     """
     import json
     from pathlib import Path
@@ -897,6 +1040,13 @@ def load_published(path, moe_backend: str = "torch") -> DeepseekV41ForCausalLM:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             stored.update({k: f.get_tensor(k) for k in f.keys()})
+    kept: set[str] = set()
+    if keep_fp8:
+        scale_dtypes = {t.dtype for n, t in stored.items()
+                        if n.endswith(".scale") and published_storage(n.removesuffix(".scale") + ".weight") == "fp8"}
+        if len(scale_dtypes) > 1:
+            raise ValueError(f"{path}: the FP8 linears' scales mix dtypes {sorted(map(str, scale_dtypes))}")
+        kept = {f"{m}.{t}" for m in keep_fp8_linears(model, *scale_dtypes) for t in ("weight", "scale")}
     state = model.state_dict()
     scales = {n.removesuffix(".weight") + ".scale" for n in state}
     unexpected = sorted(n for n in stored if n not in state and n not in scales)
@@ -906,6 +1056,12 @@ def load_published(path, moe_backend: str = "torch") -> DeepseekV41ForCausalLM:
                          f"{missing[:8]}")
     loaded = {}
     for name in state:
+        if name in kept:  # an Fp8Linear's weight or scale: as stored
+            if stored[name].shape != state[name].shape or stored[name].dtype != state[name].dtype:
+                raise ValueError(f"{path}: {name} is {stored[name].dtype} {list(stored[name].shape)}, the kept FP8 "
+                                 f"linear holds {state[name].dtype} {list(state[name].shape)}")
+            loaded[name] = stored[name]
+            continue
         t, kind = stored[name], published_storage(name)
         scale = stored.get(name.removesuffix(".weight") + ".scale")
         if kind in ("fp8", "fp8_rows", "fp4") and scale is None:
@@ -952,16 +1108,22 @@ def engram_token_map_for(path, config: V41Config) -> list[int]:
 
 
 def load_for_engine(path, config: V41Config, dtype: torch.dtype, device, moe_backend: str = "torch"):
-    """The paged engine's V4.1 model (`engine.loader.load_checkpoint`): `load_published` (every tensor read and
-    dequantized on the CPU, the Engram tables included: no streaming, no FP8 kept), the Engram token map
-    (`engram_token_map_for`), weights cast to `dtype` except the float32-kept ones (mHC, sinks, router biases,
-    norms, the compressors), moved to `device`, MoE backends prepared."""
-    model = load_published(path, moe_backend=moe_backend)
+    """The paged engine's V4.1 model (`engine.loader.load_checkpoint`): `load_published(keep_fp8=True)` (every
+    tensor read on the CPU, the Engram tables included: no streaming; the dense FP8 linears kept FP8 with their
+    32x32 scales, the FP4 experts and FP8 Engram rows dequantized), the Engram token map (`engram_token_map_for`),
+    float weights cast to `dtype` except the float32-kept ones (mHC, sinks, router biases, norms, the
+    compressors), moved to `device`, MoE backends prepared."""
+    from deepinfer.engine.quant.linear import Fp8Linear
+
+    model = load_published(path, moe_backend=moe_backend, keep_fp8=True)
     if config.engram_layer_ids:
         model.set_engram_token_map(engram_token_map_for(path, config))
+    quantized = {id(p) for m in model.modules() if isinstance(m, Fp8Linear) for p in m.parameters()}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            keep = published_storage(name) == "fp32" or name.endswith("norm.weight") or ".compressor." in name
+            if id(p) in quantized:  # stays FP8 (`model.to(device)` below moves it)
+                continue
+            keep = kept_float32(name)
             p.data = p.data.to(device=device, dtype=torch.float32 if keep else dtype)
     model.to(device)
     model.eval().requires_grad_(False)

@@ -41,8 +41,13 @@ state is not sent (`DecodeWorkerConfig.bounded_state` resolves to "replay"), the
 recomputed over the transferred compressed entries, and the committed pass runs over the replayed
 positions like over any chunk, so the drafter's window comes out exactly as on an engine that
 computed the whole prompt (`drafter_replay_tokens` bounds the replay; V4's `exact_replay_tokens`
-already covers it). Nothing new crosses the wire. The prefill samples token 1 without drafting, so a
-request's first decode step verifies nothing (one step of speculation fewer than offline).
+already covers it). A prefill instance with speculation on (`prefill_worker --speculative mtp`; `deepinfer up
+--speculative mtp` sets both stages) drafts the first block after token 1, as an offline engine would, and
+sends it in the transfer notice after the first token (`KVTransferNotice.draft_token_ids`,
+`KVConnector.start_save(draft_token_ids=...)`); `Engine.commit_kv` queues those drafts (at most
+`num_draft_tokens`, those a structured-output constraint allows; `SpecDecodeMetrics.num_imported_drafts`),
+the bounded replay then stops before token 1, and the request's first decode step computes token 1 with the
+drafts and verifies them. Without it (or from a non-speculative prefill) that step verifies nothing.
 
 Greedy outputs equal non-speculative ones token for token; seeded sampled outputs too (the same
 per-position noise, `acceptance`). `verify_schedule = "confidence"` verifies a prefix of each

@@ -59,6 +59,9 @@ class SpecDecodeMetrics:
     """Tokens those verifications produced (accepted drafts + one sampled token each)."""
     num_proposed_drafts: int = 0
     """Drafts the drafter proposed (including those never verified: caps, finished requests)."""
+    num_imported_drafts: int = 0
+    """Drafts handed over with imported KV (a speculative prefill instance's first block) and queued for the
+    request's first decode step (`Engine.commit_kv`)."""
     verified_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
 
@@ -94,7 +97,7 @@ class SpecDecodeMetrics:
         d = self.as_dict()
         out = {"spec_decode_num_draft_tokens": self.num_draft_tokens}
         for name in ("steps", "verifications", "verified_tokens", "verified_drafts", "accepted_drafts",
-                     "emitted_tokens", "proposed_drafts"):
+                     "emitted_tokens", "proposed_drafts", "imported_drafts"):
             out[f"spec_decode_{name}_total"] = d[f"num_{name}"]
         for name in ("acceptance_rate", "mean_accepted_length", "verified_tokens_per_step",
                      "acceptance_rate_per_position"):

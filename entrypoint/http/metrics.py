@@ -47,6 +47,8 @@ STAGE_STATS = {
     "spec_decode_accepted_drafts_total": "Speculative decoding: drafts accepted on the decode instance",
     "spec_decode_verified_drafts_total": "Speculative decoding: drafts verified on the decode instance",
     "spec_decode_emitted_tokens_total": "Speculative decoding: tokens emitted by verifications on the decode instance",
+    "spec_decode_imported_drafts_total": "Speculative decoding: first-block drafts the prefill sent with the KV, "
+                                         "queued for verification on the decode instance",
     "prefix_cache_hit_rate": "Prompt tokens served from the instance's prefix cache / prompt tokens it scheduled",
     "prefix_cache_queried_tokens_total": "Prompt tokens of the requests the instance scheduled, since it started",
     "prefix_cache_hit_tokens_total": "Prompt tokens served from the instance's prefix cache, since it started",

@@ -1,6 +1,8 @@
 """Speculative decoding on the disaggregated decode stage, across real processes on loopback: two
-balancers, one prefill and one decode instance started with `--speculative-tokens 3` (MTP drafts,
-the bounded state and the drafter's window rebuilt by bounded replay on decode), and the entrypoint.
+balancers, one prefill and one decode instance started with `--speculative mtp --num-draft-tokens 3`
+(MTP drafts, the bounded state and the drafter's window rebuilt by bounded replay on decode; the
+prefill drafts the first block and sends it with the KV, so each request's first decode step
+verifies it), and the entrypoint.
 
 The built-in model (its MTP layer agrees with the next-next token most of the time, so drafts are
 accepted and whole blocks land in one step): greedy and seeded sampled outputs equal the offline
@@ -62,11 +64,11 @@ def cluster(tmp_path_factory):
             processes.spawn(f"{stage}_lb", ["loadbalancer", "--stage", stage, "--policy", policy])
         info = processes.wait_ready(STARTUP_TIMEOUT_S)
         worker_args = ["--loopback-ucx", "--max-num-seqs", "8", "--num-blocks", "128"]
+        spec_args = ["--speculative", "mtp", "--num-draft-tokens", str(NUM_DRAFT_TOKENS)]
         processes.spawn("prefill", ["prefill_worker", "--lb-address", info["prefill_lb"]["address"],
-                                    "--instance-id", "prefill-0", *worker_args])
+                                    "--instance-id", "prefill-0", *worker_args, *spec_args])
         processes.spawn("decode", ["decode_worker", "--lb-address", info["decode_lb"]["address"],
-                                   "--instance-id", "decode-0", *worker_args,
-                                   "--speculative-tokens", str(NUM_DRAFT_TOKENS)])
+                                   "--instance-id", "decode-0", *worker_args, *spec_args])
         processes.spawn("entrypoint", ["entrypoint", "--prefill-lb-address", info["prefill_lb"]["address"],
                                        "--decode-lb-address", info["decode_lb"]["address"]])
         info = processes.wait_ready(STARTUP_TIMEOUT_S)
@@ -125,6 +127,9 @@ def test_speculative_decode_stage_equals_offline_engine(cluster):
     print(json.dumps({k: v for k, v in stats.items() if k.startswith("spec_decode_")}))  # shown with -s
     assert stats["spec_decode_verifications_total"] > before["spec_decode_verifications_total"]
     assert stats["spec_decode_accepted_drafts_total"] > 0
+    # the prefill drafted every request's first block and sent it with the KV (the notice)
+    imported = stats["spec_decode_imported_drafts_total"] - before["spec_decode_imported_drafts_total"]
+    assert imported >= NUM_DRAFT_TOKENS * (len(prompts) - 2)  # (a request its first token ends gets none)
     # the built-in MTP layer drafts the chat answers well (the drafter's window was rebuilt on decode)
     assert stats["spec_decode_mean_accepted_length"] > 1.5
     assert 0 < stats["spec_decode_acceptance_rate"] <= 1

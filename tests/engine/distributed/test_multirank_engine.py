@@ -5,6 +5,8 @@ fails the instance as a whole."""
 
 from __future__ import annotations
 
+import queue
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -72,7 +74,10 @@ def test_ep2_builtin_model_matches_one_process_and_a_killed_rank_fails_the_insta
             ep.set_kv_connector(_OnePoolConnector())
         with pytest.raises(InvalidRequestError, match="expert_parallel_size > 1"):
             ep.add_request("held", prompts[0], SamplingParams(max_tokens=2), hold_kv=True)
+        watched = queue.Queue()
+        ep.executor.watch_ranks(watched.put)  # what a serving shell uses to exit with its rank group
         ep.executor._procs[0].kill()
+        assert "deepinfer-rank1 (exit code -9) died" in str(watched.get(timeout=30))
         ep.executor._procs[0].join(timeout=30)
         ep.add_request("late", prompts[0], SamplingParams(max_tokens=2))
         with pytest.raises(RuntimeError, match="died|failed|Connection"):

@@ -72,9 +72,17 @@ def test_worker_flags_yaml_and_up():
         config_from_args(DecodeWorkerConfig, parser, ["--num-draft-tokens", "4", "--speculative-tokens", "2"])
     # deepinfer up / serve: the flags override the YAML's setting name by name, whichever spelling it uses
     up = build_parser()
-    decode = _config_from_args(up.parse_args(["up", "--speculative", "mtp", "--num-draft-tokens", "5"]),
-                               up).role_config("decode")
+    cluster = _config_from_args(up.parse_args(["up", "--speculative", "mtp", "--num-draft-tokens", "5"]), up)
+    decode = cluster.role_config("decode")
     assert (decode.speculative, decode.num_draft_tokens) == ("mtp", 5)
+    prefill = cluster.role_config("prefill").engine_config()  # drafts the first block, sent with the KV
+    assert (prefill.speculative, prefill.num_draft_tokens) == ("mtp", 5)
+    assert _config_from_args(up.parse_args(["up"]), up).role_config("prefill").engine_config().speculative is None
+    from deepinfer.prefill_worker.config import PrefillWorkerConfig
+
+    pre = config_from_args(PrefillWorkerConfig, make_parser(PrefillWorkerConfig, "prefill_worker", ""),
+                           ["--speculative", "mtp", "--num-draft-tokens", "2"]).engine_config()
+    assert (pre.speculative, pre.num_draft_tokens) == ("mtp", 2)
     serve = _config_from_args(up.parse_args(["serve", "m", "--speculative", "mtp"]), up).role_config("decode")
     assert (serve.speculative, serve.num_draft_tokens) == ("mtp", 3)
     worker = resolve_speculative_fields({"speculative_tokens": 2, "max_num_seqs": 8}, fill_default=False)

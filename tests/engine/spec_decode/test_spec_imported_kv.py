@@ -91,3 +91,66 @@ def test_replay_rebuilds_the_drafter_window_and_outputs_are_exact(tiny):
     assert outs[0].outputs[0].token_ids == want
     assert b.spec.metrics.num_verifications > 0
     a.abort_request("r")
+
+
+def test_drafts_handed_over_with_the_kv_are_verified_by_the_first_decode_step(tiny):
+    from deepinfer.kv_transfer.pd_connector import decode_notice, encode_notice, notice_draft_token_ids
+
+    payload = encode_notice([7], [8, 9, 10])  # the transfer notice carries them after the first token
+    assert (decode_notice(payload), notice_draft_token_ids(payload)) == ([7], [8, 9, 10])
+    assert notice_draft_token_ids(encode_notice([7])) == [] == notice_draft_token_ids(b"")
+
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(2, 512, (60,), generator=g).tolist()
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ref = Engine(EngineConfig(model=tiny))
+    ref.add_request("r", {"prompt_token_ids": prompt}, greedy)
+    want = None
+    while ref.has_unfinished_requests():
+        want = [o for o in ref.step() if o.finished] or want
+    want = want[0].outputs[0].token_ids
+
+    # "prefill": a speculative engine samples token 1 and drafts the next block (what it sends with the KV)
+    a = Engine(EngineConfig(model=tiny, speculative="mtp", num_draft_tokens=3))
+    a.add_request("r", {"prompt_token_ids": prompt}, greedy)
+    [first] = a.step()
+    assert first.outputs[0].token_ids == want[:1]
+    mtp_drafts = a.scheduler.get_request("r").spec_token_ids
+    assert len(mtp_drafts) == 3
+    # "decode": the MTP's own drafts, the true continuation (all accepted) and wrong ones (all rejected); the
+    # last with a small step budget, so the bounded replay takes several chunks
+    cases = ((mtp_drafts, None, 2048), (want[1:4], 3, 2048), ([(t + 1) % 512 for t in want[1:4]], 0, 2048),
+             (want[1:4], 3, 8))
+    for drafts, accepted, budget in cases:
+        b = Engine(EngineConfig(model=tiny, speculative="mtp", num_draft_tokens=3, max_num_batched_tokens=budget))
+        dst = b.reserve_kv("d", prompt, greedy, len(prompt))
+        _copy_kv(a, a.kv_descriptors("r"), b, dst)
+        b.commit_kv("d", want[:1], drafts)
+        req = b.scheduler.get_request("d")
+        steps = 0
+        while steps == 0 or req.num_computed_tokens < len(prompt):  # (it counts the imported KV until admitted)
+            assert b.step() == []  # the bounded replay of the prompt's tail only: token 1 waits for its drafts
+            steps += 1
+        assert steps == 1 if budget > len(prompt) else steps > 1
+        assert req.spec_token_ids == list(drafts) and req.num_computed_tokens == len(prompt) == req.num_tokens - 1
+        assert b.spec.metrics.num_imported_drafts == 3
+        b.step()  # token 1 + the drafts in one verifying step
+        m = b.spec.metrics
+        assert (m.num_verifications, m.num_verified_drafts) == (1, 3)
+        if accepted is not None:
+            assert m.num_accepted_drafts == accepted
+        outs = []
+        while b.has_unfinished_requests():
+            outs = [o for o in b.step() if o.finished] or outs
+        assert outs[0].outputs[0].token_ids == want
+    # a non-speculative decode ignores them
+    c = Engine(EngineConfig(model=tiny))
+    dst = c.reserve_kv("d", prompt, greedy, len(prompt))
+    _copy_kv(a, a.kv_descriptors("r"), c, dst)
+    c.commit_kv("d", want[:1], want[1:4])
+    assert c.scheduler.get_request("d").spec_token_ids == []
+    outs = []
+    while c.has_unfinished_requests():
+        outs = [o for o in c.step() if o.finished] or outs
+    assert outs[0].outputs[0].token_ids == want
+    a.abort_request("r")

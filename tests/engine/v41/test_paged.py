@@ -164,7 +164,9 @@ def test_llm_generate_equals_forward_full_argmax(ckpt):
 
     ref = load_published(ckpt)
     ref.set_engram_token_map(engram_token_map_for(ckpt, ref.config))
-    llm = LLM(str(ckpt), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, block_size=BLOCK)
+    # the full computation (decoder-side bounded replay off: tests/engine/v41/test_decoder_replay.py has it on)
+    llm = LLM(str(ckpt), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, block_size=BLOCK,
+              v41_decoder_replay=False)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = [_ids(n, 20 + n) for n in (2, 7, 23, 41)]  # window 4: all but the first are longer
     outs = llm.generate(prompts, params, use_tqdm=False)
