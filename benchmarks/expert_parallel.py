@@ -350,6 +350,7 @@ def _offline_share(ckpt: str, ranks: int, max_num_seqs: int, requests: list[dict
     once, after every share's engine is loaded (`start`); puts the seconds it took on `out`."""
     from deepinfer.engine import LLM, SamplingParams
 
+    torch.set_num_threads(1)  # as every cluster process (OMP_NUM_THREADS=1): spinning threads starve the others
     llm = LLM(ckpt, expert_parallel_size=ranks, max_num_seqs=max_num_seqs, max_num_batched_tokens=128)
     try:
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], [SamplingParams(max_tokens=2, ignore_eos=True)],
@@ -373,6 +374,7 @@ def _run_offline(args: argparse.Namespace, ckpt: str, trace: list[dict]) -> dict
     ctx = mp.get_context("spawn")
     start, out = ctx.Barrier(len(shares)), ctx.Queue()
     # NOTE: not daemons: each share's LLM starts rank processes of its own
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the share processes and their rank processes
     procs = [ctx.Process(target=_offline_share, args=(ckpt, args.decode_ranks, args.max_num_seqs,
                                                       [trace[i] for i in share], start, out))
              for share in shares]

@@ -164,3 +164,16 @@ def test_llm_generate_with_decoder_replay(ckpt):
     llm = LLM(str(ckpt), max_model_len=64, max_num_seqs=2, block_size=BLOCK, v41_decoder_replay=False)
     assert not llm.engine.model.decoder_replay
     llm.shutdown()
+
+
+def test_worker_flag_reaches_the_engine_config():
+    """`--no-v41-decoder-replay` on a prefill or decode worker (generated from its config) turns it off."""
+    from deepinfer.decode_worker.config import DecodeWorkerConfig
+    from deepinfer.prefill_worker.config import PrefillWorkerConfig
+    from deepinfer.serving.config_cli import make_parser
+
+    for cls in (PrefillWorkerConfig, DecodeWorkerConfig):
+        assert cls().engine_config().v41_decoder_replay
+        args = make_parser(cls, "w", "").parse_args(["--no-v41-decoder-replay"])
+        assert args.v41_decoder_replay is False
+        assert not cls(v41_decoder_replay=False).engine_config().v41_decoder_replay
