@@ -25,7 +25,8 @@ of a random prefill or decode worker (restarted under its id, as the Ray launche
 tests/e2e/test_chaos.py do), at least two of them (one per minute of duration); SIGSTOP of a random
 worker for `--stop-s`, then SIGCONT; SIGKILL of a random balancer (prefill or decode), restarted on
 its address after 2 s (workers re-register on their next heartbeat; the entrypoint's picks wait);
-the inter-datacenter link taken down for `--cut-s` (both veth ends), then up.
+the inter-datacenter link taken down for `--cut-s` (both veth ends), then up; with vision, SIGKILL
+of the (only) vision worker, restarted under its id (image requests wait for it).
 
 Fates: *accepted* (not refused at admission with RESOURCE_EXHAUSTED, counted apart as *refused*),
 *completed* (finished, tokens equal the offline engine's), *wrong* (finished with other tokens: a
@@ -195,6 +196,8 @@ class Schedule:
         self.faults: list[dict] = []
         plan = [("kill_worker", None)] * num_kills + [("stop_worker", None), ("kill_balancer", None),
                                                       ("cut_link", None)]
+        if workers.get("vision"):
+            plan.append(("kill_vision", None))
         rng.shuffle(plan)
         self.plan = [kind for kind, _ in plan]
         # spread the faults' starts over the duration (each waits for the previous one to end)
@@ -225,6 +228,14 @@ class Schedule:
         time.sleep(self.rng.uniform(0.5, 2.0))
         self.cluster.restart(name)
         self._record("SIGKILL worker", name, start, "restarted under its id")
+
+    def kill_vision(self) -> None:
+        name = self.rng.choice(self.workers["vision"])
+        start = self.now()
+        self.cluster.kill(name)
+        time.sleep(self.rng.uniform(0.5, 2.0))
+        self.cluster.restart(name)
+        self._record("SIGKILL vision worker", name, start, "restarted under its id")
 
     def stop_worker(self) -> None:
         name = self.rng.choice([*self.workers["prefill"], *self.workers["decode"]])
@@ -412,7 +423,7 @@ def run(args: argparse.Namespace) -> dict:
         client.generate(specs[0]["prompt"], **specs[0]["kwargs"])  # warm: every stage answered once
 
         rng = random.Random(args.seed)
-        schedule = Schedule(cluster, rng, {k: v for k, v in workers.items() if k != "vision"},
+        schedule = Schedule(cluster, rng, workers,
                             duration_s=args.duration_s, warmup_s=args.warmup_s, stop_s=args.stop_s,
                             cut_s=args.cut_s, num_kills=max(2, int(args.duration_s // 60)))
         print(f"schedule: {', '.join(schedule.plan)} starting at "

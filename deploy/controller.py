@@ -46,6 +46,7 @@ from deepinfer.protos import (
 )
 from deepinfer.protos.metadata import STATS_METADATA_KEY
 from deepinfer.serving.auth import secure_channel
+from deepinfer.serving.membership import BALANCER_CHANNEL_OPTIONS
 
 logger = logging.getLogger("deploy")
 
@@ -233,7 +234,9 @@ class ClusterController:
         balance: dict[str, float | None] = {}
         for stage in self.config.active_stages():
             try:
-                with secure_channel(addresses[f"{stage}_lb"]) as channel:
+                # every balancer client's reconnect backoff (serving.membership): a balancer restarting while
+                # `status` asks is reached again within a second
+                with secure_channel(addresses[f"{stage}_lb"], options=BALANCER_CHANNEL_OPTIONS) as channel:
                     reply = loadbalancer_pb2_grpc.LoadBalancerStub(channel).ListInstances(
                         loadbalancer_pb2.ListInstancesRequest(), timeout=RPC_TIMEOUT_S)
                 listed.update({i.instance_id: i for i in reply.instances})

@@ -32,6 +32,10 @@ Queued work survives a restart (`StageOutages`): once a stage lost an instance, 
 no usable instance of it (none listed, or only lost ones that do not answer a Health probe yet) wait
 for one, bounded by their deadline and `--outage-wait-s`, before reserving anything on decode; a
 restarted instance (same id, new port) is used as soon as it answers. Waiting costs no migration.
+The vision stage is covered too: an `Encode` that fails UNAVAILABLE (no embeddings held yet) or
+embeddings lost before the prefill / decode read them mark its instance lost, and `StageMembership`
+notices one that left its balancer's listing between two calls without draining; a stage that never
+had an instance (or drained its last) still fails image requests at once.
 A stage whose *balancer* cannot be reached (killed, restarting on the same address) is out too
 (`StageOutages.mark_out`): picks wait for it, and for its instances to re-register on their next
 heartbeat (`serving.membership`), within the same bounds, instead of failing the request.
@@ -561,6 +565,58 @@ class StageLiveness:
         for call in calls:
             call.cancel()
         self.unwatch(req)
+
+
+class StageMembership:
+    """Finds instances of `stage` that vanished from its balancer's listing without draining (a thread,
+    polling every `interval_s` whether or not requests run), and marks each lost in `outages` when
+    `probe(address)` gets no answer either: the stage is then *out* (`StageOutages`) and requests that
+    find no instance wait for the restart instead of failing at once.
+
+    `StageLiveness` notices a loss only on instances serving a request; for a stage of one instance that
+    serves short calls (vision: `Encode` is over in milliseconds) the instance can die between calls and
+    its heartbeats time out before any request picks it, and the stage would then look like one that
+    never had an instance. A drained instance (listed as draining, then deregistered) or one that still
+    answers is not lost; a balancer that cannot be reached changes nothing (its restart lists nothing
+    until the heartbeats re-register the instances).
+    """
+
+    def __init__(self, lb, stage: str, outages: StageOutages, probe: Callable[[str], bool],
+                 interval_s: float = 0.5) -> None:
+        self.lb = lb
+        self.stage = stage
+        self.outages = outages
+        self.probe = probe
+        self.interval_s = interval_s
+        self._listed: dict[str, tuple[str, bool]] = {}  # instance id -> (address, draining) at the last poll
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"entrypoint-{stage}-membership", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.poll()
+
+    def poll(self) -> list[str]:
+        """One look at the listing; returns the instances marked lost."""
+        try:
+            listed = self.lb.ListInstances(loadbalancer_pb2.ListInstancesRequest(), timeout=max(self.interval_s, 1.0))
+        except grpc.RpcError:
+            return []
+        now = {i.instance_id: (i.address, i.load.is_draining) for i in listed.instances}
+        lost = []
+        for instance_id, (address, was_draining) in self._listed.items():
+            if instance_id in now or was_draining or self.probe(address):
+                continue
+            logger.warning("%s instance %s left its balancer's listing without draining and does not answer: "
+                           "requests wait for it (or another) to serve", self.stage, instance_id)
+            self.outages.mark_lost(self.stage, instance_id, address)
+            lost.append(instance_id)
+        self._listed = now
+        return lost
 
 
 class DecodeLiveness(StageLiveness):

@@ -30,8 +30,8 @@ instances. A prefill or decode instance lost mid-request (it died, or stopped an
 request to another prefill -> decode pair, prompt plus the tokens already streamed, up to
 `migration_limit` times (`entrypoint.migration`); the failed attempt is aborted first, and D
 quarantines the reservation a lost P may still write into until its lease ends (frees it at once
-when P's process is certainly gone). A stage that just lost an instance makes requests finding none
-usable wait for one (a restart), bounded by their deadline and `outage_wait_s`; so do picks while a
+when P's process is certainly gone). A stage that just lost an instance (vision included) makes requests
+finding none usable wait for one (a restart), bounded by their deadline and `outage_wait_s`; so do picks while a
 stage's balancer cannot be reached (killed and restarting on its address: the instances re-register
 on their next heartbeat), instead of failing.
 Failures end the call with the gRPC status the wire `Error` maps to (`serving.errors`); a stage
@@ -69,6 +69,7 @@ from deepinfer.entrypoint.migration import (
     DecodeLost,
     MigrationStats,
     StageLiveness,
+    StageMembership,
     StageOutages,
     run_migrating,
 )
@@ -247,6 +248,11 @@ class _Request:
         """(instance id, stub) while D may hold the request."""
         self.vision: tuple[str, vision_pb2_grpc.VisionStub] | None = None
         """(instance id, stub) while V may hold the request's embeddings."""
+        self.vision_address = ""
+        """The address of the vision instance in `vision` (marked lost at it when it loses the embeddings)."""
+        self.revivable_ids: set[str] = set()
+        """Instances this request's picks excluded because they were lost (not because they were full): a
+        pick that finds no other instance takes them again once they answer (`_revive_excluded`)."""
         self.calls: list = []
         self.abort_reason: str | None = None
         self.is_done = False
@@ -336,10 +342,17 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                                               config.liveness_probe_timeout_s, stage="prefill",
                                               on_lost=lambda iid: self.outages.mark_lost("prefill", iid),
                                               on_balancer_unreachable=lambda: self.outages.mark_out("prefill"))
+        # a vision instance killed between two (short) Encode calls is noticed too: its requests then wait
+        self.vision_membership = (StageMembership(self.vision_lb, "vision", self.outages,
+                                                  lambda address: self._probe("vision", address),
+                                                  config.liveness_interval_s)
+                                  if self.vision_lb is not None else None)
 
     def close(self) -> None:
         self.liveness.close()
         self.prefill_liveness.close()
+        if self.vision_membership is not None:
+            self.vision_membership.close()
         with self._lock:
             channels, self._channels = list(self._channels.values()) + self._old_channels, {}
             self._old_channels = []
@@ -419,6 +432,8 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
 
         images, image_embeddings = [], []
         if request.images:
+            # a vision instance was lost (SIGKILL, restarting under its id): wait for one, as for P and D
+            self._await_stage(req, "vision", self.vision_lb, deadline)
             if req.vision is not None:
                 # an earlier attempt, migrated before its prefill answered, still holds the images on its vision
                 # instance: release them first (not in the background), or Encode would find the id held there
@@ -622,12 +637,17 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
             v_stub = vision_pb2_grpc.VisionStub(self._channel(v_inst.address))
             with req.lock:
                 req.vision = (v_inst.instance_id, v_stub)
+                req.vision_address = v_inst.address
             is_last = attempt + 1 == self.config.max_attempts
             try:
                 encoded = self._unary(req, v_stub.Encode, vision_pb2.EncodeRequest(
                     request_id=rid, images=request.images, lease_ms=self.config.kv_lease_ms,
                     deadline_ms=deadline_ms()), deadline, f"encoding images on vision instance {v_inst.instance_id}")
             except _Failed as e:
+                if e.status == grpc.StatusCode.UNAVAILABLE:  # it died mid-call (no embeddings held): the stage
+                    # is out until it (restarted under its id) or another answers; later picks wait for that
+                    self.outages.mark_lost("vision", v_inst.instance_id, v_inst.address)
+                    req.revivable_ids.add(v_inst.instance_id)
                 if e.status != grpc.StatusCode.UNAVAILABLE or is_last:
                     raise
                 logger.warning("%s: skipping vision instance %s: %s", rid, v_inst.instance_id, e)
@@ -670,6 +690,9 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         them (it died or dropped the hold); returns the prompt, image refs and embeddings to retry with."""
         lost = req.vision[0] if req.vision else ""
         logger.warning("%s: %s; encoding the images again", req.request_id, error.message)
+        if lost:  # it died (or dropped the hold): usable again once it answers a probe (restarted under its id)
+            self.outages.mark_lost("vision", lost, req.vision_address)
+            req.revivable_ids.add(lost)
         self._release_images(req)
         again, _, images, image_embeddings = self._encode_images(req, request, deadline, deadline_ms, exclude=[lost])
         if again != prompt:
@@ -736,6 +759,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                 return instance
             # a lost instance its balancer still lists (its heartbeats not timed out yet): pick again
             pick.exclude_instance_ids.append(instance.instance_id)
+            req.revivable_ids.add(instance.instance_id)
 
     def _balancer_answers(self, lb) -> bool:
         """Whether the balancer behind `lb` answers a ListInstances call now (a refused Pick may be its
@@ -787,9 +811,10 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                 and self._is_usable(stage, i)]
 
     def _revive_excluded(self, req: _Request, stage: str, lb, pick: loadbalancer_pb2.PickRequest) -> bool:
-        """Drop from the pick's exclusions the instances lost by the request's last attempt that serve
-        again (restarted under their id, a hung one back); True when any was dropped."""
-        lost = {i for i in pick.exclude_instance_ids if i in req.lost_instance_ids}
+        """Drop from the pick's exclusions the instances lost by the request's last attempt, or excluded
+        by its picks for being lost, that serve again (restarted under their id, a hung one back); True
+        when any was dropped."""
+        lost = {i for i in pick.exclude_instance_ids if i in req.lost_instance_ids or i in req.revivable_ids}
         if not lost:  # excluded for being full or draining: stays excluded
             return False
         usable = {i.instance_id for i in self._usable_instances(stage, lb)}

@@ -149,6 +149,10 @@ class PrefillWorker(EngineShell):
                     except ValueError as e:
                         raise Refused(common_pb2.ERROR_CODE_INVALID_REQUEST, f"cannot connect to decode agent "
                                       f"{peer!r}: {e}", "destination") from None
+                    except Exception as e:  # NIXL / UCX cannot reach it (e.g. NIXL_ERR_BACKEND "destination is
+                        # unreachable": the decode died, maybe right after a restart): the entrypoint migrates
+                        raise Refused(common_pb2.ERROR_CODE_UNAVAILABLE, f"cannot reach decode agent {peer!r}: "
+                                      f"{type(e).__name__}: {e}", "destination") from None
                     self._peer_digests[peer] = digest
                     self.logger.info("connected to decode agent %s", peer)
             elif peer not in self._peer_digests:

@@ -202,15 +202,15 @@ class _AioUnaryStreamSecret(aio.UnaryStreamClientInterceptor):
         return await continuation(_aio_details(client_call_details, self._secret), request)
 
 
-def secure_aio_channel(address: str, secret: str | None = None) -> aio.Channel:
-    """`secure_channel` for grpc.aio clients (the HTTP front)."""
+def secure_aio_channel(address: str, secret: str | None = None, options=None) -> aio.Channel:
+    """`secure_channel` for grpc.aio clients (the HTTP front); `options`: gRPC channel arguments."""
     secret = secret if secret is not None else cluster_secret()
     interceptors = [_AioUnaryUnarySecret(secret), _AioUnaryStreamSecret(secret)] if secret else None
     tls = tls_settings()
     if tls is not None and tls.is_client:
-        return aio.secure_channel(address, tls.channel_credentials(), options=tls.channel_options(None),
+        return aio.secure_channel(address, tls.channel_credentials(), options=tls.channel_options(options),
                                   interceptors=interceptors)
-    return aio.insecure_channel(address, interceptors=interceptors)
+    return aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 
 # ---------------------------------------------------------------------------------------------- TLS

@@ -24,6 +24,7 @@ from deepinfer.protos import (
 )
 from deepinfer.protos.metadata import ERROR_FIELD_METADATA_KEY, STATS_METADATA_KEY
 from deepinfer.serving.auth import secure_aio_channel
+from deepinfer.serving.membership import BALANCER_CHANNEL_OPTIONS
 
 
 class TokenCall:
@@ -95,8 +96,8 @@ class TokenBackend:
         out: dict[tuple[str, str], dict] = {}
         for stage, lb_address in lb_addresses.items():
             try:
-                listed = await loadbalancer_pb2_grpc.LoadBalancerStub(self._stage_channel(lb_address)).ListInstances(
-                    loadbalancer_pb2.ListInstancesRequest(), timeout=timeout_s)
+                lb = loadbalancer_pb2_grpc.LoadBalancerStub(self._stage_channel(lb_address, BALANCER_CHANNEL_OPTIONS))
+                listed = await lb.ListInstances(loadbalancer_pb2.ListInstancesRequest(), timeout=timeout_s)
             except grpc.RpcError:
                 continue
             stub_cls = {"vision": vision_pb2_grpc.VisionStub, "prefill": prefill_pb2_grpc.PrefillStub,
@@ -112,7 +113,9 @@ class TokenBackend:
                     continue
         return out
 
-    def _stage_channel(self, address: str) -> aio.Channel:
+    def _stage_channel(self, address: str, options=None) -> aio.Channel:
+        """The cached channel to a stage instance or balancer (`options`: a balancer's
+        `BALANCER_CHANNEL_OPTIONS`, so its stats come back within a second of a balancer restart)."""
         if address not in self._stage_channels:
-            self._stage_channels[address] = secure_aio_channel(address)
+            self._stage_channels[address] = secure_aio_channel(address, options=options)
         return self._stage_channels[address]

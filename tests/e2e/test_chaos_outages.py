@@ -134,3 +134,108 @@ def test_a_balancer_that_answers_no_instance_still_fails_at_once():
     finally:
         servicer.close()
         running.server.stop(0)
+
+
+# ------------------------------------------------------------------ a lost vision instance (one of its stage)
+
+
+class _NoInstance(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "no vision instance can be picked"
+
+
+class _Done:
+    def __init__(self, value=None, error=None) -> None:
+        self.value, self.error = value, error
+
+    def result(self):
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+    def cancel(self):
+        return False
+
+
+class _VisionBalancer:
+    """A balancer listing what `instances` holds (id -> address); Pick honours the exclusions."""
+
+    def __init__(self, instances: dict[str, str]) -> None:
+        self.instances = instances
+        outer = self
+
+        class Pick:
+            @staticmethod
+            def future(request, timeout=None):
+                free = [i for i in outer.instances if i not in request.exclude_instance_ids]
+                if not free:
+                    return _Done(error=_NoInstance())
+                return _Done(loadbalancer_pb2.PickResponse(instance=outer._instance(free[0])))
+
+        self.Pick = Pick
+
+    def _instance(self, instance_id: str):
+        return loadbalancer_pb2.Instance(instance_id=instance_id, address=self.instances[instance_id],
+                                         load=loadbalancer_pb2.LoadReport(is_healthy=True))
+
+    def ListInstances(self, request, timeout=None):
+        return loadbalancer_pb2.ListInstancesResponse(instances=[self._instance(i) for i in self.instances])
+
+
+def test_a_pick_waits_for_the_only_vision_instance_restarted_under_its_id(monkeypatch):
+    """The lost instance is still listed (its heartbeats not timed out): the pick excludes it while it does
+    not answer, and takes it again once it serves at its new address (before: excluded for good)."""
+    servicer = EntrypointServicer(EntrypointConfig(prefill_lb_address="127.0.0.1:1", decode_lb_address="127.0.0.1:2",
+                                                   outage_wait_s=20.0),
+                                  "entrypoint-test", vocab_size=1000, max_model_len=256)
+    lb = _VisionBalancer({"vision-0": "127.0.0.1:10"})
+    monkeypatch.setattr(servicer, "_probe", lambda stage, address: address == "127.0.0.1:11")  # the restarted one
+    try:
+        servicer.outages.mark_lost("vision", "vision-0", "127.0.0.1:10")  # its Encode broke with UNAVAILABLE
+        threading.Timer(0.6, lambda: lb.instances.update({"vision-0": "127.0.0.1:11"})).start()
+        t = time.monotonic()
+        pick = loadbalancer_pb2.PickRequest(request_id="r1", stage=common_pb2.STAGE_VISION, num_prompt_tokens=4)
+        chosen = servicer._pick(_Request("r1"), "vision", lb, pick, time.monotonic() + 10.0)
+        assert (chosen.instance_id, chosen.address) == ("vision-0", "127.0.0.1:11")
+        assert 0.5 <= time.monotonic() - t < 5.0
+    finally:
+        servicer.close()
+
+
+def test_a_vision_instance_killed_between_calls_puts_the_stage_out():
+    from deepinfer.entrypoint.migration import StageMembership
+
+    outages = StageOutages(wait_s=30.0)
+    answering = {"127.0.0.1:12"}
+    lb = _VisionBalancer({"vision-0": "127.0.0.1:10", "vision-1": "127.0.0.1:11", "vision-2": "127.0.0.1:12"})
+    watch = StageMembership(lb, "vision", outages, probe=lambda address: address in answering, interval_s=60.0)
+    try:
+        assert watch.poll() == [] and outages.wait_until("vision") is None
+        lb.instances.pop("vision-0")  # its heartbeats timed out: it died between two Encode calls
+        lb.instances.pop("vision-2")  # deregistered but still answers (a balancer hiccup, a drain's end)
+        assert watch.poll() == ["vision-0"]
+        assert outages.wait_until("vision") is not None and outages.is_known_lost("vision-0")
+        assert not outages.is_known_lost("vision-2")
+    finally:
+        watch.close()
+
+
+def test_a_drained_vision_instance_leaving_is_not_an_outage():
+    from deepinfer.entrypoint.migration import StageMembership
+
+    outages = StageOutages(wait_s=30.0)
+    lb = _VisionBalancer({"vision-0": "127.0.0.1:10"})
+    draining = lb._instance
+    lb._instance = lambda i: loadbalancer_pb2.Instance(
+        instance_id=i, address=lb.instances[i], load=loadbalancer_pb2.LoadReport(is_healthy=True, is_draining=True))
+    watch = StageMembership(lb, "vision", outages, probe=lambda address: False, interval_s=60.0)
+    try:
+        watch.poll()
+        lb._instance = draining
+        lb.instances.clear()  # drained, then deregistered and gone: image requests fail at once, as before
+        assert watch.poll() == [] and outages.wait_until("vision") is None
+    finally:
+        watch.close()
