@@ -45,7 +45,7 @@ from deepinfer.kv_transfer.embeddings import EmbeddingSource
 from deepinfer.kvstore.store import open_worker_store
 from deepinfer.protos import common_pb2, decode_pb2, decode_pb2_grpc, loadbalancer_pb2
 from deepinfer.protos.convert import sampling_params_from_proto, token_chunk
-from deepinfer.serving.errors import STALE_RESERVATION_FIELD, Refused, count_error, error_of
+from deepinfer.serving.errors import QUARANTINE_FIELD, STALE_RESERVATION_FIELD, Refused, count_error, error_of
 from deepinfer.serving.loop import LoopMode
 from deepinfer.serving.shell import LOOP_CALL_TIMEOUT_S, EngineShell, ShellServicer, queue_items, serve_worker
 
@@ -105,7 +105,8 @@ class DecodeWorker(EngineShell):
         if num_needed > num_free:
             raise Refused(common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED,
                           f"decode instance {self.instance_id} has {num_free} free KV blocks, the "
-                          f"prompt needs {num_needed}; retry later or on another instance")
+                          f"prompt needs {num_needed}; retry later or on another instance{self._quarantine_note()}",
+                          QUARANTINE_FIELD if self.core.num_quarantined else "")
         spans = None
         if images:
             from deepinfer.engine.multimodal import ImageSpan
@@ -127,12 +128,19 @@ class DecodeWorker(EngineShell):
             reservation = self.core.reserve(request_id, prompt_token_ids, params, lease_s=lease_s, images=spans,
                                             traffic_class=traffic_class, is_conversation=is_conversation,
                                             rank=rank)
-        except (NoFreeBlocksError, NoFreeSlotsError):  # RESOURCE_EXHAUSTED (serving.errors)
+        except (NoFreeBlocksError, NoFreeSlotsError) as e:  # RESOURCE_EXHAUSTED (serving.errors)
             self.engine.abort_request(request_id)
+            if self.core.num_quarantined:
+                raise Refused(common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, f"decode instance {self.instance_id}: {e}"
+                              f"{self._quarantine_note()}", QUARANTINE_FIELD) from None
             raise
         self._streams[request_id] = _Stream(request_id, reservation.transfer_id, len(prompt_token_ids),
                                             time.monotonic() + lease_s, deadline)
         return reservation
+
+    def _quarantine_note(self) -> str:
+        n = self.core.num_quarantined
+        return f" ({n} aborted reservations hold capacity until their leases end)" if n else ""
 
     def _attach(self, request_id: str, transfer_id: str) -> _Stream:
         st = self._streams.get(request_id)
@@ -241,7 +249,7 @@ class DecodeWorker(EngineShell):
         stats = self._transfer_stats()
         stats.update(num_streams=len(self._streams), num_unfinished_requests=self._num_unfinished(),
                      num_kv_blocks_used=load.num_kv_blocks_used, num_kv_blocks_total=load.num_kv_blocks_total,
-                     num_running_requests=load.num_running_requests)
+                     num_running_requests=load.num_running_requests, num_quarantined=self.core.num_quarantined)
         if self.kv_store is not None:  # the store's counters and per-class figures (`kvstore_*`)
             stats.update(self.kv_store.health_stats(),
                          kvstore_conversation_blocks_saved_total=self.core.num_conversation_blocks_saved)

@@ -89,11 +89,14 @@ from deepinfer.protos import (
 from deepinfer.protos.convert import sampling_params_from_proto
 from deepinfer.protos.metadata import ERROR_FIELD_METADATA_KEY, STATS_METADATA_KEY
 from deepinfer.serving.auth import add_port, secure_channel, server_interceptors
-from deepinfer.serving.errors import RETRYABLE_ERRORS, STALE_RESERVATION_FIELD, status_of
+from deepinfer.serving.errors import QUARANTINE_FIELD, RETRYABLE_ERRORS, STALE_RESERVATION_FIELD, status_of
 from deepinfer.serving.loop import MAX_DEADLINE_S, call_time_remaining
 from deepinfer.serving.membership import BALANCER_CHANNEL_OPTIONS
 
 logger = logging.getLogger("entrypoint")
+
+QUARANTINE_POLL_S = 0.25
+"""How often a request whose decode instances are full of quarantined reservations tries to reserve again."""
 
 ABORT_RPC_REASON = "Abort RPC"
 """The abort reason of requests aborted by the Entrypoint's Abort call."""
@@ -446,78 +449,108 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
 
         reserve, d_stub = None, None
         excluded: list[str] = self._still_lost(req.lost_instance_ids)
-        for attempt in range(self.config.max_attempts):
-            d_inst = self._pick(req, "decode", self.decode_lb, loadbalancer_pb2.PickRequest(
-                request_id=rid, stage=common_pb2.STAGE_DECODE, num_prompt_tokens=len(prompt),
-                exclude_instance_ids=excluded), deadline)
-            d_stub = decode_pb2_grpc.DecodeStub(self._channel(d_inst.address))
-            with req.lock:
-                req.decode = (d_inst.instance_id, d_stub)
-            is_last = attempt + 1 == self.config.max_attempts
-            req.lost_decode_id = None
-            self.liveness.watch(req, d_inst.instance_id, d_stub)  # a hung instance's Reserve is cancelled
-            try:
-                reserve = self._unary(req, d_stub.Reserve, decode_pb2.ReserveRequest(
-                    request_id=rid, prompt_token_ids=prompt, sampling_params=sampling, num_kv_tokens=len(prompt),
-                    deadline_ms=deadline_ms(), lease_ms=self.config.kv_lease_ms,
-                    images=images, image_embeddings=image_embeddings, kv_traffic_class=request.kv_traffic_class,
-                    is_conversation=request.is_conversation,
-                    **({"rank": req.decode_rank} if req.decode_rank is not None else {})),
-                    deadline, f"reserving KV on decode instance {d_inst.instance_id}")
-            except _Cancelled:
-                if req.lost_decode_id != d_inst.instance_id or req.abort_reason is not None:
+        quarantine_wait_until = None
+        while True:
+            # NOTE: when every decode instance tried is full only because aborted reservations sit in quarantine
+            # (their leases end soon: fault recovery, not load), an accepted request waits for that capacity,
+            # bounded by its deadline and `outage_wait_s`, instead of failing
+            quarantine_wait = quarantine_full = False
+            for attempt in range(self.config.max_attempts):
+                try:
+                    d_inst = self._pick(req, "decode", self.decode_lb, loadbalancer_pb2.PickRequest(
+                        request_id=rid, stage=common_pb2.STAGE_DECODE, num_prompt_tokens=len(prompt),
+                        exclude_instance_ids=excluded), deadline)
+                except _Failed:
+                    # the instances left were excluded for being full of quarantined reservations: wait for them
+                    if quarantine_full and self._may_wait_for_quarantine(req, deadline):
+                        quarantine_wait = True
+                        break
                     raise
-                # it hung while reserving (missed heartbeats, no answer to a probe: `DecodeLiveness`), which
-                # would hold the request for as long as it hangs: skip it like a dead one. The reservation it
-                # may still make when it wakes is aborted in the background (or ends with its lease).
+                d_stub = decode_pb2_grpc.DecodeStub(self._channel(d_inst.address))
                 with req.lock:
-                    lost, req.decode = req.decode, None
-                threading.Thread(target=req._abort_stages, args=([lost], "the decode instance hung while reserving",
-                                                                 self.config.rpc_timeout_s),
-                                 name="entrypoint-abort-lost", daemon=True).start()
-                failed = _Failed(grpc.StatusCode.UNAVAILABLE, f"decode instance {d_inst.instance_id} stopped "
-                                 "answering while reserving KV (missed heartbeats, no answer to a Health probe)")
-                if is_last:
-                    raise failed from None
-                logger.warning("%s: skipping decode instance %s: %s", rid, d_inst.instance_id, failed)
-                excluded.append(d_inst.instance_id)
-                continue
-            except _Failed as e:
-                # NOTE: an unreachable instance (e.g. dead, not yet expired at its balancer) is skipped
-                if e.status == grpc.StatusCode.UNAVAILABLE:
-                    self.outages.mark_lost("decode", d_inst.instance_id, d_inst.address)
-                if e.status != grpc.StatusCode.UNAVAILABLE or is_last:
-                    raise
-                logger.warning("%s: skipping decode instance %s: %s", rid, d_inst.instance_id, e)
+                    req.decode = (d_inst.instance_id, d_stub)
+                is_last = attempt + 1 == self.config.max_attempts
+                req.lost_decode_id = None
+                self.liveness.watch(req, d_inst.instance_id, d_stub)  # a hung instance's Reserve is cancelled
+                try:
+                    reserve = self._unary(req, d_stub.Reserve, decode_pb2.ReserveRequest(
+                        request_id=rid, prompt_token_ids=prompt, sampling_params=sampling, num_kv_tokens=len(prompt),
+                        deadline_ms=deadline_ms(), lease_ms=self.config.kv_lease_ms,
+                        images=images, image_embeddings=image_embeddings, kv_traffic_class=request.kv_traffic_class,
+                        is_conversation=request.is_conversation,
+                        **({"rank": req.decode_rank} if req.decode_rank is not None else {})),
+                        deadline, f"reserving KV on decode instance {d_inst.instance_id}")
+                except _Cancelled:
+                    if req.lost_decode_id != d_inst.instance_id or req.abort_reason is not None:
+                        raise
+                    # it hung while reserving (missed heartbeats, no answer to a probe: `DecodeLiveness`), which
+                    # would hold the request for as long as it hangs: skip it like a dead one. The reservation it
+                    # may still make when it wakes is aborted in the background (or ends with its lease).
+                    with req.lock:
+                        lost, req.decode = req.decode, None
+                    threading.Thread(target=req._abort_stages, args=([lost], "the decode instance hung while reserving",
+                                                                     self.config.rpc_timeout_s),
+                                     name="entrypoint-abort-lost", daemon=True).start()
+                    failed = _Failed(grpc.StatusCode.UNAVAILABLE, f"decode instance {d_inst.instance_id} stopped "
+                                     "answering while reserving KV (missed heartbeats, no answer to a Health probe)")
+                    if is_last:
+                        raise failed from None
+                    logger.warning("%s: skipping decode instance %s: %s", rid, d_inst.instance_id, failed)
+                    excluded.append(d_inst.instance_id)
+                    continue
+                except _Failed as e:
+                    # NOTE: an unreachable instance (e.g. dead, not yet expired at its balancer) is skipped
+                    if e.status == grpc.StatusCode.UNAVAILABLE:
+                        self.outages.mark_lost("decode", d_inst.instance_id, d_inst.address)
+                    if e.status != grpc.StatusCode.UNAVAILABLE or is_last:
+                        raise
+                    logger.warning("%s: skipping decode instance %s: %s", rid, d_inst.instance_id, e)
+                    with req.lock:
+                        req.decode = None
+                    excluded.append(d_inst.instance_id)
+                    continue
+                finally:
+                    self.liveness.unwatch(req)
+                if not reserve.error.code:
+                    break
+                if (reserve.error.code == common_pb2.ERROR_CODE_UNAVAILABLE and not is_last
+                        and reserve.error.field == STALE_RESERVATION_FIELD):
+                    # an earlier attempt of this request still holds a reservation there (its Abort went to the
+                    # instance while we had lost it, in a daemon thread): the instance answers now, so abort it
+                    # synchronously (its blocks are quarantined as usual) and reserve there again
+                    logger.info("%s: aborting an earlier attempt's reservation on decode instance %s", rid,
+                                d_inst.instance_id)
+                    req._abort_stages([req.decode], "superseded by a new attempt of the same request",
+                                      self.config.rpc_timeout_s)
+                    with req.lock:
+                        req.decode = None
+                    continue
                 with req.lock:
                     req.decode = None
+                if (reserve.error.code == common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED
+                        and reserve.error.field == QUARANTINE_FIELD):
+                    quarantine_full = True
+                    if is_last and self._may_wait_for_quarantine(req, deadline):
+                        quarantine_wait = True
+                        break
+                if reserve.error.code not in RETRYABLE_ERRORS or is_last:
+                    raise _Failed.of_error(reserve.error, f"decode instance {d_inst.instance_id} refused the reservation")
+                if _is_images_lost(reserve.error):
+                    prompt, images, image_embeddings = self._encode_again(req, request, prompt, deadline, deadline_ms,
+                                                                          reserve.error)
+                    continue
                 excluded.append(d_inst.instance_id)
-                continue
-            finally:
-                self.liveness.unwatch(req)
-            if not reserve.error.code:
+
+            if not quarantine_wait:
                 break
-            if (reserve.error.code == common_pb2.ERROR_CODE_UNAVAILABLE and not is_last
-                    and reserve.error.field == STALE_RESERVATION_FIELD):
-                # an earlier attempt of this request still holds a reservation there (its Abort went to the
-                # instance while we had lost it, in a daemon thread): the instance answers now, so abort it
-                # synchronously (its blocks are quarantined as usual) and reserve there again
-                logger.info("%s: aborting an earlier attempt's reservation on decode instance %s", rid,
-                            d_inst.instance_id)
-                req._abort_stages([req.decode], "superseded by a new attempt of the same request",
-                                  self.config.rpc_timeout_s)
-                with req.lock:
-                    req.decode = None
-                continue
-            with req.lock:
-                req.decode = None
-            if reserve.error.code not in RETRYABLE_ERRORS or is_last:
-                raise _Failed.of_error(reserve.error, f"decode instance {d_inst.instance_id} refused the reservation")
-            if _is_images_lost(reserve.error):
-                prompt, images, image_embeddings = self._encode_again(req, request, prompt, deadline, deadline_ms,
-                                                                      reserve.error)
-                continue
-            excluded.append(d_inst.instance_id)
+            if quarantine_wait_until is None:
+                quarantine_wait_until = time.monotonic() + self.config.outage_wait_s
+                logger.info("%s: every decode instance is full of quarantined reservations; waiting", rid)
+            if time.monotonic() + QUARANTINE_POLL_S >= quarantine_wait_until:
+                raise _Failed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request {rid!r}: no decode instance had room "
+                              f"within {self.config.outage_wait_s:.0f} s (aborted reservations held their capacity)")
+            time.sleep(QUARANTINE_POLL_S)
+            excluded = self._still_lost(req.lost_instance_ids)
 
         destination = prefill_pb2.KVDestination(
             decode_instance_id=req.decode[0], agent_name=reserve.agent_name, agent_metadata=reserve.agent_metadata,
@@ -834,6 +867,14 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         if req.abort_reason is not None:
             raise _Cancelled()
         return True
+
+    @staticmethod
+    def _may_wait_for_quarantine(req: _Request, deadline: float | None) -> bool:
+        """Whether a request refused by every decode instance for quarantined capacity may wait and try again: it
+        was not aborted and its deadline leaves room for a poll and a reservation."""
+        if req.abort_reason is not None:
+            return False
+        return deadline is None or deadline - time.monotonic() > 2 * QUARANTINE_POLL_S
 
     def _await_stage(self, req: _Request, stage: str, lb, deadline: float | None) -> None:
         """While `stage` is out (`StageOutages`), blocks until one of its instances is usable, the

@@ -79,6 +79,11 @@ STALE_RESERVATION_FIELD = "request_id"
 """`Error.field` of a decode Reserve refused UNAVAILABLE because the request id still holds an earlier
 attempt's reservation there (its Abort is still on the way): the entrypoint aborts it and reserves again."""
 
+QUARANTINE_FIELD = "kv_quarantine"
+"""`Error.field` of a decode Reserve refused RESOURCE_EXHAUSTED while some of the instance's blocks or state slots are
+held by aborted reservations in quarantine (a late WRITE of a lost prefill may still land in them): that capacity
+comes back when their leases end, so the entrypoint waits for it (bounded) instead of failing an accepted request."""
+
 RETRYABLE_ERRORS = (common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, common_pb2.ERROR_CODE_UNAVAILABLE)
 """Codes after which the same request may succeed on another instance of the stage."""
 

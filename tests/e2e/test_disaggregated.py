@@ -239,6 +239,33 @@ def test_retry_supersedes_an_earlier_attempts_reservation(cluster):
     _wait_for("blocks freed after the superseded reservation's quarantine", lambda: _blocks_freed(cluster), 15.0)
 
 
+def test_request_waits_for_capacity_held_by_quarantined_reservations(cluster):
+    """Every state slot of the decode instance held by aborted reservations in quarantine (what a burst of
+    migrations leaves behind): a new request waits for their leases to end and is served, instead of failing
+    with RESOURCE_EXHAUSTED."""
+    from deepinfer.engine import LLM, SamplingParams
+    from deepinfer.protos import decode_pb2
+
+    decode = cluster.stub("decode")
+    for i in range(8):  # --max-num-seqs 8: one state slot each
+        prompt = [3 + i, 5, 7, 11]
+        r = decode.Reserve(decode_pb2.ReserveRequest(
+            request_id=f"quarantined-{i}", prompt_token_ids=prompt, sampling_params=common_pb2.SamplingParams(),
+            num_kv_tokens=len(prompt), lease_ms=1000), timeout=RPC_TIMEOUT_S)
+        assert not r.error.code, r.error
+        decode.Abort(common_pb2.AbortRequest(request_id=f"quarantined-{i}", reason="test"), timeout=RPC_TIMEOUT_S)
+    assert cluster.stats("decode")["num_quarantined"] == 8  # nothing wrote them: held until lease + margin
+    prompt = list(range(200, 240))
+    t0 = time.monotonic()
+    out = cluster.client.generate(prompt, max_tokens=5, temperature=0.0, ignore_eos=True)
+    ref = LLM(cluster.checkpoint).generate([{"prompt_token_ids": prompt}],
+                                           [SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)],
+                                           use_tqdm=False)
+    assert out["token_ids"] == ref[0].outputs[0].token_ids
+    assert time.monotonic() - t0 > 0.5  # it did wait for the quarantines
+    _wait_for("blocks freed", lambda: _blocks_freed(cluster), 15.0)
+
+
 def test_deadline_aborts_the_request(cluster):
     with pytest.raises(GenerateError) as e:
         cluster.client.generate(list(range(3, 40)), max_tokens=3000, temperature=0.0, ignore_eos=True,
