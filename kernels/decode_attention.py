@@ -150,6 +150,24 @@ def _check_index(name: str, what: str, t: torch.Tensor, shape: tuple[int, ...]) 
 if triton is not None:
 
     @triton.jit
+    def online_softmax_step(q, k, valid, m_i, l_i, acc, scale, IEEE: tl.constexpr):
+        """One key tile of the online softmax: k [BLOCK_N, BLOCK_D] is both K and V (shared with the prefill kernel)."""
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(valid[None, :], qk * scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p.to(k.dtype), k, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(k.dtype), k)
+        return m_new, l_i, acc * alpha[:, None] + pv
+
+    @triton.jit
     def _num_keys(pos, W: tl.constexpr, RATE: tl.constexpr, HAS_POOL: tl.constexpr, SPARSE: tl.constexpr,
                   K):
         """Keys of a row: the window, plus the visible (HCA) or selected (CSA, valid first) entries."""
@@ -215,21 +233,7 @@ if triton is not None:
                     ptrs = ring_ptr + win_off
                     valid = win_ok & in_range
                 k = tl.load(ptrs[:, None] + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
-                if IEEE:
-                    qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    qk = tl.dot(q, tl.trans(k))
-                qk = tl.where(valid[None, :], qk * scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
-                m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(qk - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                if IEEE:
-                    pv = tl.dot(p.to(k.dtype), k, input_precision="ieee")
-                else:
-                    pv = tl.dot(p.to(k.dtype), k)
-                acc = acc * alpha[:, None] + pv
-                m_i = m_new
+                m_i, l_i, acc = online_softmax_step(q, k, valid, m_i, l_i, acc, scale, IEEE)
             if n_keys <= SPLIT:  # the row's only split: add the sink and finish here
                 sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32)
                 m = tl.maximum(m_i, sink)

@@ -201,24 +201,7 @@ def prefill_flops(n: int, p0: int, NH: int, D: int, W: int, state_start: int, nu
 
 
 if triton is not None:
-
-    @triton.jit
-    def _online_step(q, k, valid, m_i, l_i, acc, scale, IEEE: tl.constexpr):
-        """One key tile of the online softmax: k [BLOCK_N, BLOCK_D] is both K and V."""
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(valid[None, :], qk * scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            pv = tl.dot(p.to(k.dtype), k, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(k.dtype), k)
-        return m_new, l_i, acc * alpha[:, None] + pv
+    from deepinfer.kernels.decode_attention import online_softmax_step
 
     @triton.jit
     def _prefill_attn_kernel(
@@ -256,7 +239,7 @@ if triton is not None:
             ring_row = tl.where(kp >= 0, kp, 0) % W
             ptrs = tl.where(in_chunk, kv_ptr + (kp + kv_off) * D, ring_ptr + (slot * W + ring_row) * D)
             k = tl.load(ptrs[:, None] + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
-            m_i, l_i, acc = _online_step(q, k, valid, m_i, l_i, acc, scale, IEEE)
+            m_i, l_i, acc = online_softmax_step(q, k, valid, m_i, l_i, acc, scale, IEEE)
         if HAS_COMP:
             comp_off = tl.load(tab_ptr + i * NCOL + 5)
             if SPARSE:
@@ -273,7 +256,7 @@ if triton is not None:
                     c = ci
                 k = tl.load(comp_ptr + (comp_off + c)[:, None] * D + d[None, :], mask=ok[:, None] & d_ok[None, :],
                             other=0.0)
-                m_i, l_i, acc = _online_step(q, k, ok, m_i, l_i, acc, scale, IEEE)
+                m_i, l_i, acc = online_softmax_step(q, k, ok, m_i, l_i, acc, scale, IEEE)
         sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32)
         m = tl.maximum(m_i, sink)
         a = tl.exp(m_i - m)
