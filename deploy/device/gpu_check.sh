@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One device call that checks and measures the GPU path (issue 22 and the kernels other issues added), from the
+# repository root with the carried wheels (.whl-min) installed and PYTHONPATH set:
+#   bash deploy/device/gpu_check.sh tests   # every `gpu`-marked test (pytest-xdist, 8 workers)
+#   bash deploy/device/gpu_check.sh bench   # roofline + kernel benchmarks, each under its own time limit
+#   bash deploy/device/gpu_check.sh all
+# Logs and JSON go to $OUT (a tarball of the JSON, since only 8 files come back from a device call).
+# Each step has its own `timeout` so that one hung step leaves time (and output) for the rest.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT="${OUT:-/tmp/gpu_check}"
+RES="$OUT/res"
+mkdir -p "$RES"
+what="${1:-all}"
+shift || true
+T_TESTS="${T_TESTS:-330}"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv > "$RES/nvidia-smi.csv" 2>&1 || true
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
+    > "$RES/versions.txt" 2>&1 || true
+
+step() {  # step NAME SECONDS CMD...
+    local name="$1" secs="$2"; shift 2
+    echo "=== $name ($(date -u +%H:%M:%S), limit ${secs}s): $*"
+    local t0=$SECONDS
+    timeout --kill-after=10 "$secs" "$@"
+    local rc=$?
+    echo "=== $name rc=$rc in $((SECONDS - t0))s"
+}
+
+GPU_TESTS=(
+    tests/kernels tests/engine/attention tests/engine/test_cuda_graph.py tests/engine/test_gpu.py
+    tests/engine/moe/test_triton_moe.py tests/engine/v41/test_fp8_kept.py tests/engine/quant/test_act_quant.py
+    tests/engine/test_batch_invariance.py tests/engine/checkpoints/test_published_loader.py
+)
+
+if [[ "$what" == tests || "$what" == all ]]; then
+    step gpu-tests "$T_TESTS" python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider --timeout 240 \
+        --junitxml "$RES/gpu_tests.xml" "${GPU_TESTS[@]}" "$@" 2>&1 | tee "$OUT/tests.log"
+fi
+
+if [[ "$what" == bench || "$what" == all ]]; then
+    B="python3 -m deepinfer.benchmarks"
+    {
+    step roofline 200 $B.gpu_roofline --config v4-flash-4l --device cuda --batches 1,128 \
+        --attention-backend torch,triton --moe-backend torch,triton --json "$RES/gpu_roofline.json"
+    step decode_attention 60 $B.decode_attention --indexer --json "$RES/decode_attention.json"
+    step prefill_attention 60 $B.prefill_attention --indexer --json "$RES/prefill_attention.json"
+    step attn_proj 40 $B.attn_proj --json "$RES/attn_proj.json"
+    step moe_kernels 90 $B.moe_kernels --json "$RES/moe_kernels.json"
+    step fp8_swap_ab 40 $B.fp8_swap_ab
+    } 2>&1 | tee "$OUT/bench.log"
+fi
+tar -C "$OUT" -czf "$OUT/res.tgz" res && rm -rf "$RES"
