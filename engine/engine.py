@@ -932,7 +932,7 @@ class Engine(ExternalKVMixin):
                 batch.input_embeds[span.offset:span.end] = span.embeds
                 batch.embeds_mask[span.offset:span.end] = True
         logits = runner.run_batch(batch)[:-1]
-        lt = compute_logprobs(torch.log_softmax(logits, dim=-1), torch.tensor(prompt_token_ids[1:]),
+        lt = compute_logprobs(torch.log_softmax(logits, dim=-1), torch.tensor(prompt_token_ids[1:], device=logits.device),
                               num_logprobs)
         return [None] + lt.tolists([num_logprobs] * (len(prompt_token_ids) - 1))
 

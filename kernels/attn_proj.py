@@ -21,9 +21,8 @@ grouped GEMM (grid `(T / BLOCK_M, R / BLOCK_R, G)`), the inverse RoPE applied to
 loaded (rounded to the weight's dtype, as the model's `apply_rope` rounds before the `bmm`), float32
 accumulation. They differ from the references by float32 summation order and FMA contraction only.
 
-NOTE: the default is "torch" on every device until the Triton kernels have passed their `gpu` tests on a
-GPU (written and checked under TRITON_INTERPRET=1 only: no device was lent); pick them with
-`op_impls={"attn_norm_rope": "triton", "attn_out_proj": "triton"}`.
+The default is "triton" on CUDA (the `gpu` tests passed on an H200, 2026-12-05) and "torch" elsewhere;
+`op_impls={"attn_norm_rope": "torch", "attn_out_proj": "torch"}` picks the references on CUDA.
 """
 
 from __future__ import annotations
@@ -77,8 +76,8 @@ def attn_out_proj_torch(o, cos, sin, weight, groups: int) -> torch.Tensor:
 
 
 def _default(device: torch.device) -> str:
-    del device  # "torch" everywhere until the kernels pass their gpu tests (module docstring)
-    return "torch"
+    # the Triton kernels on CUDA (they passed their `gpu` tests on an H200, 2026-12-05), "torch" elsewhere
+    return "triton" if device.type == "cuda" and triton is not None else "torch"
 
 
 register_default_impl("attn_norm_rope")(_default)

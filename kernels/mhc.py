@@ -102,11 +102,9 @@ def mhc_head_torch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, 
 
 
 def _default(device: torch.device) -> str:
-    # NOTE: "torch" on every device until the Triton kernels have passed their `gpu` tests on a GPU
-    # (written and checked under TRITON_INTERPRET=1 only, 2026-12-04: no device was lent); pick them with
-    # `op_impls={"mhc_pre": "triton", "mhc_post": "triton", "mhc_head": "triton"}`.
-    del device
-    return "torch"
+    # NOTE: the fused Triton kernels on CUDA: they passed their `gpu` tests on an H200 (2026-12-05) against the
+    # float32 CPU reference; "torch" elsewhere (`op_impls={"mhc_pre": "torch", ...}` picks it on CUDA too).
+    return "triton" if device.type == "cuda" and triton is not None else "torch"
 
 
 for _op in ("mhc_pre", "mhc_post", "mhc_head"):

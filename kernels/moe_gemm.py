@@ -212,26 +212,31 @@ if triton is not None:
         """acc [BLOCK_M, BLOCK_N] += x[rx, k0 : k0 + BLOCK_K] @ W[rn, same k].T for one weight format.
         FP4: SCALE_BLOCK is the 1 x 32 scale run; FP8: BN_SCALE x SCALE_BLOCK scale blocks (BLOCK_K divides
         SCALE_BLOCK, so one K step lies in one scale column)."""
+        # One exit: the compiler (unlike the interpreter) also type-checks the code after an early `return`
+        # inside a constexpr branch, where `w` is still the packed uint8 of FP4.
         if WFMT == 1:
-            return _fp4_step(acc, x_ptr, w_base, s_base, rx, rn, m_ok, n_ok, k0 // 2, K, stride_xm, stride_wn,
-                             stride_sn, SCALE_BLOCK, IEEE_DOT, BLOCK_M, BLOCK_N, BLOCK_K // 2)
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < K
-        x = tl.load(x_ptr + rx[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_base + rn[None, :] * stride_wn + kk[:, None], mask=k_ok[:, None] & n_ok[None, :],
-                    other=0)  # [BLOCK_K, BLOCK_N], runs along K
-        if WFMT == 2:
-            w = w.to(tl.float8e4nv, bitcast=True).to(x.dtype)  # exact
-        if IEEE_DOT:
-            part = tl.dot(x, w, input_precision="ieee")
+            acc = _fp4_step(acc, x_ptr, w_base, s_base, rx, rn, m_ok, n_ok, k0 // 2, K, stride_xm, stride_wn,
+                            stride_sn, SCALE_BLOCK, IEEE_DOT, BLOCK_M, BLOCK_N, BLOCK_K // 2)
         else:
-            part = tl.dot(x, w)
-        if WFMT == 2:
-            s = tl.load(s_base + (rn // BN_SCALE) * stride_sn + k0 // SCALE_BLOCK, mask=n_ok, other=0)
-            if SCALE_E8M0:
-                s = _e8m0_decode(s.to(tl.int32))
-            return acc + part * s[None, :]
-        return acc + part
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < K
+            x = tl.load(x_ptr + rx[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            w = tl.load(w_base + rn[None, :] * stride_wn + kk[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                        other=0)  # [BLOCK_K, BLOCK_N], runs along K
+            if WFMT == 2:
+                w = w.to(tl.float8e4nv, bitcast=True).to(x.dtype)  # exact
+            if IEEE_DOT:
+                part = tl.dot(x, w, input_precision="ieee")
+            else:
+                part = tl.dot(x, w)
+            if WFMT == 2:
+                s = tl.load(s_base + (rn // BN_SCALE) * stride_sn + k0 // SCALE_BLOCK, mask=n_ok, other=0)
+                if SCALE_E8M0:
+                    s = _e8m0_decode(s.to(tl.int32))
+                part = part * s[None, :]
+            acc = acc + part
+        return acc
 
     @triton.jit
     def _moe_up_kernel(x_ptr, w_ptr, s_ptr, pairs_ptr, counts_ptr, act_ptr, E, N, K: tl.constexpr, limit,

@@ -48,8 +48,9 @@ def test_op_table_defaults():
     ops = OpTable("cpu")
     assert ops.mhc_pre is mhc_pre_torch and ops.mhc_head is mhc_head_torch
     pytest.importorskip("triton")
-    assert default_impl("mhc_pre", "cuda") == "torch"  # until the kernels pass their gpu tests on a GPU
-    assert OpTable("cuda", {"mhc_pre": "triton"}).mhc_pre is not mhc_pre_torch
+    assert default_impl("mhc_pre", "cuda") == default_impl("mhc_post", "cuda") == "triton"  # GPU-tested kernels
+    assert OpTable("cuda").mhc_pre is not mhc_pre_torch
+    assert OpTable("cuda", {"mhc_pre": "torch"}).mhc_pre is mhc_pre_torch
 
 
 _INTERPRETED = textwrap.dedent("""
@@ -125,8 +126,11 @@ def test_fused_matches_the_reference_on_cuda(T, hc, H, dtype):
     torch.testing.assert_close(got[0].cpu().float(), ref[0], atol=tol, rtol=tol)
     y = torch.randn(T, H, device="cuda").to(dtype)
     post, comb = got[1], got[2]
+    # post mixes hc bf16 streams of magnitude ~4 that can cancel to ~0.25: one rounding of a term (half a bf16
+    # ulp at 4 = 0.0156) is the honest bound (H200, 2026-12-05: 2 of 67M elements differed by 0.0156 at T=4096)
+    post_tol = tol if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(mhc_post_triton(y, s, post, comb).float(), mhc_post_torch(y, s, post, comb).float(),
-                               atol=tol, rtol=tol)
+                               atol=post_tol, rtol=post_tol)
     hf, hb, hs = fn[:hc].contiguous(), base[:hc].contiguous(), scale[:1].contiguous()
     torch.testing.assert_close(mhc_head_triton(s, hf, hb, hs, EPS, 1e-6).float(),
                                mhc_head_torch(s, hf, hb, hs, EPS, 1e-6).float(), atol=tol, rtol=tol)
