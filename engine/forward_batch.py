@@ -83,15 +83,19 @@ class ForwardBatch:
         n = sum(s.num_new_tokens for s in self.seqs)
         if self.input_ids.dim() != 1 or self.input_ids.numel() != n:
             raise ValueError(f"input_ids must be flat with {n} tokens (sum of num_new_tokens); got {tuple(self.input_ids.shape)}")
-        pos, starts, off = [], [], 0
+        # NOTE: Python ints into one tensor: a `torch.arange` per request + `cat` cost ~60 % of a 128-request
+        # decode step's host preparation (CPU profile, 2026-12-05)
+        pos: list[int] = []
+        starts, off = [], 0
         for s in self.seqs:
             if s.num_new_tokens <= 0:
                 raise ValueError("every SeqChunk needs num_new_tokens >= 1")
             starts.append(off)
-            pos.append(torch.arange(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens))
+            pos.extend(range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens))
             off += s.num_new_tokens
         self.starts = starts
-        self.positions = host_to_device(torch.cat(pos), self.input_ids.device) if pos else self.input_ids.new_zeros(0)
+        self.positions = (host_to_device(torch.tensor(pos, dtype=torch.long), self.input_ids.device) if pos
+                          else self.input_ids.new_zeros(0))
 
     @property
     def num_tokens(self) -> int:
