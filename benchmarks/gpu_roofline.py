@@ -387,7 +387,10 @@ def prefill_case(model, tokens: int, device: torch.device, matmul_fps: float, it
     ms = time_steps(run, iters, device)
     flops = prefill_flops(model, tokens)
     tflops = flops["total"] / (ms / 1000) / 1e12
-    return {"tokens": tokens, "ms": ms, "flops": flops, "tflops": tflops, "mfu": tflops * 1e12 / matmul_fps}
+    prof = profile_steps(run, 1, device)  # where the prefill's time goes (top kernels)
+    return {"tokens": tokens, "ms": ms, "flops": flops, "tflops": tflops, "mfu": tflops * 1e12 / matmul_fps,
+            "gpu_busy_ms": prof["gpu_busy_ms"], "kernels": prof["kernels_per_step"],
+            "top_kernels": prof["top_kernels"]}
 
 
 # --------------------------------------------------------------------------- report
@@ -460,8 +463,10 @@ def main(argv=None) -> dict:
                 p = prefill_case(model, args.prefill_tokens, device, matmul_fps)
                 p.update(config=args.config, attention_backend=attn, moe_backend=moe)
                 report["prefill"].append(p)
-                print(f"{attn}/{moe} prefill {args.prefill_tokens}: {p['ms']:.1f} ms, MFU {100 * p['mfu']:.1f}%",
-                      flush=True)
+                print(f"{attn}/{moe} prefill {args.prefill_tokens}: {p['ms']:.1f} ms, MFU {100 * p['mfu']:.1f}%, "
+                      f"GPU busy {p['gpu_busy_ms']:.1f} ms, {p['kernels']:.0f} kernels; top: "
+                      + "; ".join(f"{k['name'][:48]} {k['us_per_step'] / 1000:.1f} ms x{k['calls_per_step']:.0f}"
+                                  for k in p["top_kernels"][:8]), flush=True)
     print_table(report)
     out = args.json or (DEFAULT_JSON if device.type == "cuda" else None)
     if out is not None:
