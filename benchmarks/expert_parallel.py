@@ -4,7 +4,7 @@ request balancers in front of multi-rank instances.
     python -m deepinfer.benchmarks.expert_parallel moe [--ranks 4] [--experts 64] [--topk 6] [--redundant 16]
         [--hidden 256] [--inter 128] [--tokens 64] [--layers 3] [--zipf 1.2] [--steps 20] [--json OUT]
     python -m deepinfer.benchmarks.expert_parallel balance [--num-requests 48] [--decode-ranks 2] [--bursts 4]
-        [--seed 0] [--json OUT]
+        [--decode-policy kv_load|decode_work|pinned] [--repeats 1] [--seed 0] [--json OUT]
 
 `moe`: `--ranks` gloo rank processes on this host (`engine.distributed.group`), each running `--layers`
 independent MoE layers through `engine.moe.ep_backend.ExpertParallelMoEBackend` (the `torch` inner backend,
@@ -24,19 +24,30 @@ Every rank holds every expert here (the placement change moves no weights; the s
 `move_experts`), so only routing and load are measured.
 
 `balance`: a cluster of real processes on loopback (`deploy.processes.ServiceProcesses`, as tests/e2e do): both
-balancers (prefix_aware, kv_load), 2 prefill instances, 2 decode instances of `--decode-ranks` ranks each (gloo
-rank processes) and the entrypoint, on a tiny random checkpoint. The trace is mixed (prompt 8..96 tokens, output
-4..48 tokens) and bursty (`--bursts` bursts, all of a burst's requests sent at once, a pause between bursts). The
-decode balancer's view of each (instance, rank) (`ListInstances`: running requests per rank) is sampled every
-20 ms; the balance figure is mean / max over the decode ranks of the request-seconds each rank carried (1.0: the
-balancers split the work perfectly; the cluster's decode makespan grows by about max / mean). Throughput: output
-tokens / (first send .. last completion). The perfect offline split: the same requests split over the decode
-instances by a greedy longest-first partition of their output tokens (`perfect_split`), the shares run side by side (one
-process each, started together), each on an offline `LLM(expert_parallel_size=--decode-ranks)` with all its
-requests at once (so as many rank processes as the cluster's decode stage, prefill done in the same engines); the
-perfect-split throughput is all output tokens / the longest share's time. The ratio cluster / perfect-split therefore also carries what the cluster pays beyond the
-balancers (the prefill stage, KV transfer, RPCs, and on a small CPU host every process sharing the cores): the
-report shows both figures.
+balancers (prefix_aware for prefill, `--decode-policy` for decode: kv_load or decode_work), 2 prefill instances, 2
+decode instances of `--decode-ranks` ranks each (gloo rank processes) and the entrypoint, on a tiny random checkpoint.
+The trace is mixed (prompt 8..96 tokens, output 4..48 tokens) and bursty (`--bursts` bursts, all of a burst's
+requests sent at once, `--burst-gap-s` between burst starts). The decode balancer's view of each (instance, rank)
+(`ListInstances`: running requests per rank) is sampled every 20 ms; the balance figure is mean / max over the
+decode ranks of the request-seconds each rank carried (1.0: the balancers split the work perfectly). Throughput:
+output tokens / (first burst sent .. last completion).
+
+The perfect offline split: the same requests split over the decode instances' ranks by a greedy longest-first
+partition of their output tokens (`perfect_split`, one share per (instance, rank)); each instance's shares run on an
+offline `LLM(expert_parallel_size=--decode-ranks)` (one process per decode instance, the instances side by side,
+started together), each request placed on its share's rank (`Engine.prefer_kv_rank`), prefill done in the same
+engines. Fairness (what both sides get alike): the same arrivals (each burst's requests are added at the same offset
+from the start as the cluster sends them: a perfect split cannot run work before it arrives), every engine warmed
+up first (the cluster: concurrent warm-up requests through the entrypoint, enough that both balancers place some on
+every prefill instance and decode rank), the same window (first burst .. last completion), `OMP_NUM_THREADS=1`
+everywhere, and with `--repeats N` the two sides interleaved (trace r through the cluster, then through the perfect
+split, each side's processes idle while the other runs: on a shared host both see the same load; the summary gives
+medians). The perfect-split throughput is all output tokens / the slowest instance's window. `--decode-policy
+pinned` sends the perfect split's places in the request ids (`loadbalancer.policies.Pinned`): the cluster without the
+balancers' decisions, which splits the ratio into what the balancers cost and what the cluster costs. What the ratio
+cluster / perfect split still carries beyond the balancers, by definition of the goal: the prefill stage's own
+processes, the KV transfer, the RPCs and token streaming, and on a small CPU host every process sharing the cores
+(the report shows the host's load average around each phase).
 """
 
 from __future__ import annotations
@@ -200,9 +211,16 @@ def add_balance_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-instances", type=int, default=2)
     parser.add_argument("--decode-ranks", type=int, default=2, help="ranks per decode instance")
     parser.add_argument("--prefill-instances", type=int, default=2)
+    parser.add_argument("--decode-policy", default="kv_load",
+                        help="the decode balancer's policy: kv_load, decode_work, or pinned (the perfect split's places "
+                        "named in the request ids: the cluster without the balancers' decisions)")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="per instance (split over its ranks)")
     parser.add_argument("--num-blocks", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="traces run (seeds --seed, --seed + 1, ...), each through the cluster then the perfect "
+                        "split, interleaved so that both see the same host load; the summary gives medians")
+    parser.add_argument("--skip-offline", action="store_true", help="run the cluster only (no ratio)")
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument("--json", default=None)
 
@@ -236,11 +254,21 @@ def perfect_split(output_lens: list[int], num_shares: int) -> list[list[int]]:
     return shares
 
 
+def perfect_places(trace: list[dict], num_instances: int, num_ranks: int) -> list[tuple[int, int]]:
+    """Per request of `trace`, the (decode instance, rank) of the perfect split: `perfect_split` of the output tokens
+    over every rank of every instance (share s: instance s // num_ranks, rank s % num_ranks)."""
+    places = [(0, 0)] * len(trace)
+    for s, share in enumerate(perfect_split([r["max_tokens"] for r in trace], num_instances * num_ranks)):
+        for i in share:
+            places[i] = (s // num_ranks, s % num_ranks)
+    return places
+
+
 class _RankSampler:
     """Samples the decode balancer's per-(instance, rank) running requests every `interval_s` (a thread) and
     integrates them into request-seconds per rank."""
 
-    def __init__(self, lb_address: str, interval_s: float = 0.02) -> None:
+    def __init__(self, lb_address: str, interval_s: float = 0.05) -> None:
         import threading
 
         import grpc
@@ -280,153 +308,280 @@ class _RankSampler:
         self._channel.close()
 
 
-def _run_cluster(args: argparse.Namespace, ckpt: str, trace: list[dict], logdir: Path) -> dict:
-    """Blocks while the trace runs through a cluster of real processes; its figures."""
-    from concurrent.futures import ThreadPoolExecutor
+class _Cluster:
+    """The balance benchmark's cluster of real processes (balancers, prefill and decode instances, entrypoint), warmed
+    up; `run(trace)` blocks while one trace runs through it."""
 
-    from deepinfer.deploy.processes import ServiceProcesses
-    from deepinfer.entrypoint.client import Client
+    def __init__(self, args: argparse.Namespace, ckpt: str, logdir: Path) -> None:
+        from concurrent.futures import ThreadPoolExecutor
 
-    processes = ServiceProcesses(logdir, {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    client = sampler = None
-    try:
-        processes.spawn("prefill_lb", ["loadbalancer", "--stage", "prefill", "--policy", "prefix_aware"])
-        processes.spawn("decode_lb", ["loadbalancer", "--stage", "decode", "--policy", "kv_load"])
-        info = processes.wait_ready(120)
-        common = ["--model", ckpt, "--loopback-ucx", "--max-num-seqs", str(args.max_num_seqs),
-                  "--num-blocks", str(args.num_blocks), "--max-num-batched-tokens", "128"]
-        for i in range(args.prefill_instances):
-            processes.spawn(f"prefill-{i}", ["prefill_worker", "--lb-address", info["prefill_lb"]["address"],
-                                             "--instance-id", f"prefill-{i}", *common])
-        for i in range(args.decode_instances):
-            processes.spawn(f"decode-{i}", ["decode_worker", "--lb-address", info["decode_lb"]["address"],
-                                            "--instance-id", f"decode-{i}", *common,
-                                            "--expert-parallel-size", str(args.decode_ranks)])
-        processes.spawn("entrypoint", ["entrypoint", "--model", ckpt, "--prefill-lb-address",
-                                       info["prefill_lb"]["address"], "--decode-lb-address",
-                                       info["decode_lb"]["address"]])
-        info = processes.wait_ready(240)
-        client = Client(info["entrypoint"]["address"], timeout_s=args.timeout_s)
-        client.generate([5, 6, 7], temperature=0.0, max_tokens=2, ignore_eos=True)  # warm-up through one pair
-        time.sleep(1.0)  # every instance registered and heartbeating
-        sampler = _RankSampler(info["decode_lb"]["address"])
+        from deepinfer.deploy.processes import ServiceProcesses
+        from deepinfer.entrypoint.client import Client
+
+        self.args = args
+        self.processes = ServiceProcesses(logdir, {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+        self.client = None
+        try:
+            self.processes.spawn("prefill_lb", ["loadbalancer", "--stage", "prefill", "--policy", "prefix_aware"])
+            self.processes.spawn("decode_lb", ["loadbalancer", "--stage", "decode", "--policy", args.decode_policy])
+            info = self.processes.wait_ready(120)
+            common = ["--model", ckpt, "--loopback-ucx", "--max-num-seqs", str(args.max_num_seqs),
+                      "--num-blocks", str(args.num_blocks), "--max-num-batched-tokens", "128"]
+            for i in range(args.prefill_instances):
+                self.processes.spawn(f"prefill-{i}", ["prefill_worker", "--lb-address", info["prefill_lb"]["address"],
+                                                      "--instance-id", f"prefill-{i}", *common])
+            for i in range(args.decode_instances):
+                self.processes.spawn(f"decode-{i}", ["decode_worker", "--lb-address", info["decode_lb"]["address"],
+                                                     "--instance-id", f"decode-{i}", *common,
+                                                     "--expert-parallel-size", str(args.decode_ranks)])
+            self.processes.spawn("entrypoint", ["entrypoint", "--model", ckpt, "--prefill-lb-address",
+                                                info["prefill_lb"]["address"], "--decode-lb-address",
+                                                info["decode_lb"]["address"]])
+            self.info = self.processes.wait_ready(240)
+            self.client = Client(self.info["entrypoint"]["address"], timeout_s=args.timeout_s)
+            time.sleep(1.0)  # every instance registered and heartbeating
+            # warm-up: concurrent requests, so the balancers place some on every prefill instance and decode rank
+            # (their picks between two heartbeats spread out)
+            num_warm = 2 * max(args.prefill_instances, args.decode_instances * args.decode_ranks)
+            with ThreadPoolExecutor(num_warm) as pool:
+                list(pool.map(lambda i: self.client.generate([5 + i, 6, 7], temperature=0.0, max_tokens=2,
+                                                             ignore_eos=True), range(num_warm)))
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, trace: list[dict], tag: str) -> dict:
+        """Blocks while `trace` runs (its bursts sent at their offsets); its figures."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        args, client = self.args, self.client
+        time.sleep(1.5)  # every load report idle again
+        load_before = os.getloadavg()
+        sampler = _RankSampler(self.info["decode_lb"]["address"])
         done: list[tuple[float, int] | None] = [None] * len(trace)
+        # `pinned`: each request id names its place in the perfect split (what the balancers cost, isolated)
+        places = perfect_places(trace, args.decode_instances, args.decode_ranks)
 
         def send(i: int) -> None:
             req = trace[i]
-            out = client.generate(req["prompt"], temperature=0.0, max_tokens=req["max_tokens"], ignore_eos=True)
+            rid = f"{tag}-{i}"
+            if args.decode_policy == "pinned":
+                rid += f"@decode-{places[i][0]}/{places[i][1]}"
+            out = client.generate(req["prompt"], temperature=0.0, max_tokens=req["max_tokens"], ignore_eos=True,
+                                  request_id=rid)
             done[i] = (time.monotonic(), len(out["token_ids"]))
 
-        t0 = time.monotonic()
-        with ThreadPoolExecutor(len(trace)) as pool:
-            futures = []
-            for burst in range(args.bursts):
-                wait = t0 + burst * args.burst_gap_s - time.monotonic()
-                if wait > 0:
-                    time.sleep(wait)
-                futures += [pool.submit(send, i) for i, r in enumerate(trace) if r["burst"] == burst]
-            for f in futures:
-                f.result()
-        sampler.stop()
+        try:
+            t0 = time.monotonic()
+            with ThreadPoolExecutor(len(trace)) as pool:
+                futures = []
+                for burst in range(args.bursts):
+                    wait = t0 + burst * args.burst_gap_s - time.monotonic()
+                    if wait > 0:
+                        time.sleep(wait)
+                    futures += [pool.submit(send, i) for i, r in enumerate(trace) if r["burst"] == burst]
+                for f in futures:
+                    f.result()
+        finally:
+            sampler.stop()
         span = max(d[0] for d in done) - t0
         num_tokens = sum(d[1] for d in done)
         rs = sampler.request_seconds
         ranks = sorted(k for k in rs if any(k.startswith(f"decode-{i}/") for i in range(args.decode_instances)))
         work = [rs[k] for k in ranks]
         return {"span_s": span, "output_tokens": num_tokens, "tokens_per_s": num_tokens / span,
+                "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                 "request_seconds_per_rank": dict(zip(ranks, work)),
                 "balance_mean_over_max": statistics.mean(work) / max(work) if work and max(work) > 0 else None,
                 "num_samples": sampler.num_samples}
-    finally:
-        if sampler is not None and sampler._thread.is_alive():
-            sampler.stop()
-        if client is not None:
-            client.close()
-        processes.stop(10.0)
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+        self.processes.stop(10.0)
 
 
-def _offline_share(ckpt: str, ranks: int, max_num_seqs: int, requests: list[dict], start, out) -> None:
-    """One share of the perfect split (a spawned process): an offline multi-rank `LLM` runs all its requests at
-    once, after every share's engine is loaded (`start`); puts the seconds it took on `out`."""
+def _offline_share(ckpt: str, ranks: int, max_num_seqs: int, repeats: list[list[dict]], gap_s: float, start,
+                   out) -> None:
+    """One decode instance's part of the perfect split (a spawned process), per repeat: an offline multi-rank `LLM`
+    gets each request at its burst's offset from the common start (`start`: a Barrier the main process passes once
+    the cluster finished the same repeat), on the rank its share names (`request["rank"]`); puts (repeat, seconds
+    until its last completion) on `out`."""
     from deepinfer.engine import LLM, SamplingParams
 
     torch.set_num_threads(1)  # as every cluster process (OMP_NUM_THREADS=1): spinning threads starve the others
     llm = LLM(ckpt, expert_parallel_size=ranks, max_num_seqs=max_num_seqs, max_num_batched_tokens=128)
-    try:
-        llm.generate([{"prompt_token_ids": [5, 6, 7]}], [SamplingParams(max_tokens=2, ignore_eos=True)],
-                     use_tqdm=False)  # warm-up
-        start.wait()  # a Barrier: every share starts together
-        t = time.perf_counter()
-        llm.generate([{"prompt_token_ids": r["prompt"]} for r in requests],
-                     [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True) for r in requests],
-                     use_tqdm=False)
-        out.put(time.perf_counter() - t)
+    engine = llm.engine
+    try:  # warm-up: some requests on every rank, as the cluster's warm-up
+        llm.generate([{"prompt_token_ids": [5 + i, 6, 7]} for i in range(2 * ranks)],
+                     [SamplingParams(max_tokens=2, ignore_eos=True)] * (2 * ranks), use_tqdm=False)
+        for repeat, requests in enumerate(repeats):
+            start.wait()  # a Barrier: every share starts together, while the cluster idles
+            t0 = time.perf_counter()
+            pending = sorted(requests, key=lambda r: r["burst"])
+            num_left = len(pending)
+            while num_left:
+                now = time.perf_counter() - t0
+                while pending and pending[0]["burst"] * gap_s <= now:
+                    r = pending.pop(0)
+                    rid = f"share-{repeat}-{r['index']}"
+                    engine.prefer_kv_rank(rid, r["rank"])
+                    engine.add_request(rid, {"prompt_token_ids": r["prompt"]},
+                                       SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True))
+                if not engine.has_unfinished_requests():  # idle until the next burst arrives
+                    time.sleep(max(0.0, pending[0]["burst"] * gap_s - (time.perf_counter() - t0)))
+                    continue
+                num_left -= sum(o.finished for o in engine.step())
+            out.put((repeat, time.perf_counter() - t0))
     finally:
         llm.shutdown()
 
 
-def _run_offline(args: argparse.Namespace, ckpt: str, trace: list[dict]) -> dict:
-    """Blocks while the shares of the perfect split run side by side, each on its own offline multi-rank `LLM` (as
-    many rank processes as the cluster's decode stage has), all requests of a share submitted at once."""
-    import torch.multiprocessing as mp
+class _Offline:
+    """The perfect split's processes: one per decode instance, each an offline multi-rank `LLM` (as many rank
+    processes as the cluster's decode stage has), started once; `run(repeat)` blocks while every instance runs that
+    repeat's trace, the requests arriving as in the cluster."""
 
-    shares = perfect_split([r["max_tokens"] for r in trace], args.decode_instances)
-    ctx = mp.get_context("spawn")
-    start, out = ctx.Barrier(len(shares)), ctx.Queue()
-    # NOTE: not daemons: each share's LLM starts rank processes of its own
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the share processes and their rank processes
-    procs = [ctx.Process(target=_offline_share, args=(ckpt, args.decode_ranks, args.max_num_seqs,
-                                                      [trace[i] for i in share], start, out))
-             for share in shares]
-    for p in procs:
-        p.start()
-    try:
-        times = [out.get(timeout=args.timeout_s) for _ in shares]
-    finally:
-        for p in procs:
+    def __init__(self, args: argparse.Namespace, ckpt: str, traces: list[list[dict]]) -> None:
+        import torch.multiprocessing as mp
+
+        self.args, self.traces = args, traces
+        self.places = [perfect_places(t, args.decode_instances, args.decode_ranks) for t in traces]
+        per_instance = [[[{**t[i], "index": i, "rank": rank} for i, (inst, rank) in enumerate(places) if inst == d]
+                         for t, places in zip(traces, self.places)] for d in range(args.decode_instances)]
+        ctx = mp.get_context("spawn")
+        self.start, self.out = ctx.Barrier(args.decode_instances + 1), ctx.Queue()
+        # NOTE: not daemons: each share's LLM starts rank processes of its own
+        os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the share processes and their rank processes
+        self.procs = [ctx.Process(target=_offline_share, args=(ckpt, args.decode_ranks, args.max_num_seqs, reqs,
+                                                               args.burst_gap_s, self.start, self.out))
+                      for reqs in per_instance]
+        for p in self.procs:
+            p.start()
+
+    def run(self, repeat: int) -> dict:
+        args, trace = self.args, self.traces[repeat]
+        load_before = os.getloadavg()
+        self.start.wait(timeout=args.timeout_s)
+        times = []
+        for _ in self.procs:
+            r, t = self.out.get(timeout=args.timeout_s)
+            assert r == repeat, (r, repeat)
+            times.append(t)
+        share_tokens = [0] * (args.decode_instances * args.decode_ranks)
+        for req, (instance, rank) in zip(trace, self.places[repeat]):
+            share_tokens[instance * args.decode_ranks + rank] += req["max_tokens"]
+        num_tokens = sum(req["max_tokens"] for req in trace)
+        return {"share_output_tokens": share_tokens, "instance_s": sorted(times), "tokens_per_s": num_tokens / max(times),
+                "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
+
+    def close(self) -> None:
+        self.start.abort()
+        for p in self.procs:
             p.join(timeout=60)
             if p.is_alive():
                 p.terminate()
-    num_tokens = sum(r["max_tokens"] for r in trace)
-    return {"share_output_tokens": [sum(trace[i]["max_tokens"] for i in s) for s in shares],
-            "share_s": sorted(times), "tokens_per_s": num_tokens / max(times)}
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds (user + system) used so far by the processes `pids` and their live descendants."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for proc in procs:
+            try:
+                t = proc.cpu_times()
+                total += t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+    return total
 
 
 def run_balance(args: argparse.Namespace) -> dict:
+    """Blocks while the cluster and the perfect split run `--repeats` traces (seeds `--seed`, `--seed` + 1, ...),
+    interleaved: repeat r through the cluster, then through the perfect split (each idle while the other runs)."""
     import tempfile
 
     from deepinfer.engine.testing.make_checkpoint import make_checkpoint
 
+    traces = [make_trace(argparse.Namespace(**{**vars(args), "seed": args.seed + r})) for r in range(args.repeats)]
+    repeats = []
     with tempfile.TemporaryDirectory(prefix="ep-balance-") as tmp:
         ckpt = str(make_checkpoint(Path(tmp) / "tiny", preset="tiny", seed=7))
-        trace = make_trace(args)
-        cluster = _run_cluster(args, ckpt, trace, Path(tmp) / "logs")
-        offline = _run_offline(args, ckpt, trace)
+        offline = None if args.skip_offline else _Offline(args, ckpt, traces)  # loads while the cluster starts
+        cluster = None
+        try:
+            cluster = _Cluster(args, ckpt, Path(tmp) / "logs")
+            # CPU seconds of each side's process tree (the cluster's with this process: its client threads) in each
+            # phase: what each side costs per output token, and what the idle side takes from the running one
+            c_pids = [os.getpid(), *(proc.pid for proc in cluster.processes.procs.values())]
+            o_pids = [proc.pid for proc in offline.procs] if offline is not None else []
+            for r, trace in enumerate(traces):
+                t0, c0, o0 = time.monotonic(), _cpu_seconds(c_pids), _cpu_seconds(o_pids)
+                c = cluster.run(trace, f"r{r}")
+                t1, c1, o1 = time.monotonic(), _cpu_seconds(c_pids), _cpu_seconds(o_pids)
+                c["cpu_s"], c["other_side_cpu_per_s"] = c1 - c0, (o1 - o0) / (t1 - t0)
+                o = offline.run(r) if offline is not None else None
+                if o is not None:
+                    t2, c2, o2 = time.monotonic(), _cpu_seconds(c_pids), _cpu_seconds(o_pids)
+                    o["cpu_s"], o["other_side_cpu_per_s"] = o2 - o1, (c2 - c1) / (t2 - t1)
+                repeats.append({"cluster": c, "perfect_offline": o,
+                                "throughput_ratio": c["tokens_per_s"] / o["tokens_per_s"] if o else None})
+        finally:
+            if cluster is not None:
+                cluster.close()
+            if offline is not None:
+                offline.close()
     params = {k: getattr(args, k) for k in ("num_requests", "bursts", "burst_gap_s", "prompt_len", "output_len",
-                                            "decode_instances", "decode_ranks", "prefill_instances",
-                                            "max_num_seqs", "num_blocks", "seed")}
-    return {"benchmark": "balance", "params": params, "cluster": cluster, "perfect_offline": offline,
-            "throughput_ratio": cluster["tokens_per_s"] / offline["tokens_per_s"]}
+                                            "decode_instances", "decode_ranks", "prefill_instances", "decode_policy",
+                                            "max_num_seqs", "num_blocks", "seed", "repeats")}
+    ratios = [r["throughput_ratio"] for r in repeats if r["throughput_ratio"] is not None]
+    summary = {"median_ratio": statistics.median(ratios) if ratios else None,
+               "median_balance": statistics.median(r["cluster"]["balance_mean_over_max"] for r in repeats),
+               "median_cluster_tokens_per_s": statistics.median(r["cluster"]["tokens_per_s"] for r in repeats)}
+    if ratios:
+        summary["median_offline_tokens_per_s"] = statistics.median(r["perfect_offline"]["tokens_per_s"]
+                                                                   for r in repeats)
+    return {"benchmark": "balance", "params": params, "repeats": repeats, "summary": summary}
 
 
-def format_balance(r: dict) -> str:
-    p, c, o = r["params"], r["cluster"], r["perfect_offline"]
+def format_balance(result: dict) -> str:
+    p = result["params"]
     lines = [f"Request balancers: {p['prefill_instances']} prefill instances, {p['decode_instances']} decode "
-             f"instances x {p['decode_ranks']} ranks; {p['num_requests']} requests in {p['bursts']} bursts "
-             f"{p['burst_gap_s']} s apart, prompts {p['prompt_len']}, outputs {p['output_len']} tokens",
-             "", "| decode rank | request-seconds |", "|---|---|"]
-    lines += [f"| {k} | {v:.2f} |" for k, v in c["request_seconds_per_rank"].items()]
-    bal = c["balance_mean_over_max"]
-    lines += ["", "| figure | value |", "|---|---|",
-              f"| balance over decode ranks (mean / max request-seconds) | {bal:.3f} |" if bal is not None else
-              "| balance | n/a |",
-              f"| cluster: output tokens / span | {c['output_tokens']} / {c['span_s']:.2f} s = "
-              f"{c['tokens_per_s']:.1f} tok/s |",
-              f"| perfect offline split: shares' output tokens / times | {o['share_output_tokens']} / "
-              f"{[round(t, 2) for t in o['share_s']]} s = {o['tokens_per_s']:.1f} tok/s |",
-              f"| cluster / perfect offline split | {r['throughput_ratio']:.3f} |"]
-    return "\n".join(lines)
+             f"instances x {p['decode_ranks']} ranks (decode policy {p['decode_policy']}); {p['num_requests']} "
+             f"requests in {p['bursts']} bursts {p['burst_gap_s']} s apart, prompts {p['prompt_len']}, outputs "
+             f"{p['output_len']} tokens; --max-num-seqs {p['max_num_seqs']} --num-blocks {p['num_blocks']}; "
+             f"{p['repeats']} repeat(s), seeds {p['seed']}..{p['seed'] + p['repeats'] - 1}", "",
+             "| repeat | balance (mean/max request-s per decode rank) | cluster tok/s (span) | perfect split tok/s "
+             "(instances' windows) | ratio | CPU s per 1k tokens (cluster; offline) | idle side's CPU, cores (cluster while the "
+             "split runs / split while the cluster runs) | "
+             "load average (cluster; offline) |", "|---|---|---|---|---|---|---|---|"]
 
+    def la(x) -> str:
+        return "/".join(f"{v:.1f}" for v in x)
+
+    for i, r in enumerate(result["repeats"]):
+        c, o = r["cluster"], r["perfect_offline"]
+        bal = c["balance_mean_over_max"]
+        off = (f"{o['tokens_per_s']:.1f} ({', '.join(f'{t:.2f}' for t in o['instance_s'])} s)" if o else "-")
+        ratio = f"{r['throughput_ratio']:.3f}" if r["throughput_ratio"] is not None else "-"
+        loads = f"{la(c['loadavg_before'])}" + (f"; {la(o['loadavg_before'])}" if o else "")
+        k = 1000 / c["output_tokens"]
+        cpu = f"{c['cpu_s'] * k:.2f}" + (f"; {o['cpu_s'] * k:.2f}" if o else "")
+        idle = f"{o['other_side_cpu_per_s']:.2f} / {c['other_side_cpu_per_s']:.2f}" if o else "-"
+        lines.append(f"| {i} | {f'{bal:.3f}' if bal is not None else 'n/a'} | {c['tokens_per_s']:.1f} "
+                     f"({c['span_s']:.2f} s) | {off} | {ratio} | {cpu} | {idle} | {loads} |")
+    sm = result["summary"]
+    lines += ["", f"median balance {sm['median_balance']:.3f}; median cluster {sm['median_cluster_tokens_per_s']:.1f} "
+              "tok/s" + (f"; median perfect split {sm['median_offline_tokens_per_s']:.1f} tok/s; median ratio "
+                         f"{sm['median_ratio']:.3f}" if sm["median_ratio"] is not None else "")]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -38,6 +38,13 @@ from functools import partial
 
 from deepinfer.decode_worker.config import DecodeWorkerConfig
 from deepinfer.decode_worker.core import DecodeCore, DecodeFailed
+from deepinfer.decode_worker.load_report import (
+    RequestWork,
+    engine_free_slots,
+    engine_rank_of,
+    fill_decode_work,
+    output_tokens_left,
+)
 from deepinfer.engine.cache.block_pool import NoFreeBlocksError, NoFreeSlotsError
 from deepinfer.engine.engine import RequestOutput
 from deepinfer.engine.errors import InvalidRequestError
@@ -64,6 +71,10 @@ class _Stream:
     """time.monotonic() when the reservation's lease ends."""
     deadline: float | None
     """time.monotonic() when the request's deadline_ms runs out; None = no deadline."""
+    max_tokens: int | None = None
+    """The request's max_tokens (the load report's decode work ahead); None = up to the context length."""
+    rank: int = 0
+    """The rank its KV was reserved on (a multi-rank instance; the load report's fallback while it is unplaced)."""
     chunks: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
     is_started: bool = False
     is_finished: bool = False
@@ -135,7 +146,8 @@ class DecodeWorker(EngineShell):
                               f"{self._quarantine_note()}", QUARANTINE_FIELD) from None
             raise
         self._streams[request_id] = _Stream(request_id, reservation.transfer_id, len(prompt_token_ids),
-                                            time.monotonic() + lease_s, deadline)
+                                            time.monotonic() + lease_s, deadline, params.max_tokens,
+                                            engine_rank_of(self.engine)(request_id) or 0)
         return reservation
 
     def _quarantine_note(self) -> str:
@@ -242,7 +254,13 @@ class DecodeWorker(EngineShell):
         return LoopMode.POLL if self.agent.num_pending_recvs else LoopMode.IDLE
 
     def _load(self) -> loadbalancer_pb2.LoadReport:
-        return self._kv_load(num_waiting_requests=self.engine.num_waiting_requests + self.engine.num_loading_kv)
+        report = self._kv_load(num_waiting_requests=self.engine.num_waiting_requests + self.engine.num_loading_kv)
+        # the decode work ahead and the free state slots, per rank (`decode_worker.load_report`)
+        rank_of, max_len = engine_rank_of(self.engine), self.engine.max_model_len
+        work = [RequestWork(_or(rank_of(st.request_id), st.rank),
+                            output_tokens_left(st.max_tokens, st.num_prompt_tokens, st.num_sent_tokens, max_len))
+                for st in self._streams.values() if not st.is_finished]
+        return fill_decode_work(report, work, engine_free_slots(self.engine))
 
     def _stats(self) -> dict:
         load = self._load()
@@ -328,6 +346,10 @@ class DecodeServicer(ShellServicer, decode_pb2_grpc.DecodeServicer):
         finally:
             if not st.is_finished:  # the stream ended early (client gone): free the request
                 w.loop.post(partial(w._abort, rid, "start stream ended"))
+
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
 
 
 def _error(e: BaseException) -> common_pb2.Error:

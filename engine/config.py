@@ -548,6 +548,60 @@ def engram_primes(layer_ids: tuple[int, ...], max_ngram_size: int, n_heads: int,
     return tuple(out)
 
 
+class V41VisionConfig(BaseModel):
+    """DeepSeek-V4.1's vision tower: config.json's `vision_config` (`model_type` deepseek_v41_vision), field names
+    the published file's. A ViT with 2D RoPE over a patch grid, then an aligner that merges `downsample_ratio` x
+    `downsample_ratio` patches into one LM token (`engine.models.vision_v41`; docs/V4_1.md §14). Defaults: Flash."""
+
+    model_config = ConfigDict(frozen=True)
+
+    num_hidden_layers: int = Field(32, gt=0)
+    """ViT blocks."""
+    hidden_size: int = Field(1024, gt=0)
+    """ViT width."""
+    num_attention_heads: int = Field(16, gt=0)
+    """ViT attention heads."""
+    intermediate_size: int = Field(2816, gt=0)
+    """ViT SwiGLU width (`mlp.w1` projects to twice this: gate and up)."""
+    patch_size: int = Field(14, gt=0)
+    """Side of one ViT patch in pixels."""
+    rope_theta: float = Field(10000.0, gt=0)
+    """Base of the ViT's 2D RoPE."""
+    downsample_ratio: int = Field(3, gt=0)
+    """Patches per LM token side (the aligner's unfold)."""
+    max_image_tokens: int = Field(1024, gt=3)
+    """Most LM positions one image may take (start, rows with their newline, end): the resize plan shrinks to fit."""
+    min_pixels: int = Field(295936, ge=0)
+    """Images with fewer pixels are scaled up to about this area before planning (544 x 544)."""
+    max_wh_ratio: int | None = Field(None, gt=0)
+    """Widest width / height kept; a wider image is planned at height x this and resized (None: no cap)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @model_validator(mode="after")
+    def _check(self) -> V41VisionConfig:
+        if self.hidden_size % self.num_attention_heads or self.head_dim % 4:
+            raise ValueError(f"`vision_config.hidden_size` ({self.hidden_size}) over num_attention_heads "
+                             f"({self.num_attention_heads}) must give a head width that is a multiple of 4 (the 2D RoPE "
+                             "rotates half of each head, split between rows and columns).")
+        return self
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> V41VisionConfig:
+        """Validate a V4.1 `vision_config` dict, naming fields deepinfer does not implement."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"`vision_config` must be an object; got {type(raw).__name__}.")
+        d = dict(raw)
+        if d.pop("model_type", "deepseek_v41_vision") != "deepseek_v41_vision":
+            raise ValueError(f"`vision_config.model_type` {raw['model_type']!r} is not 'deepseek_v41_vision'.")
+        unknown = sorted(k for k in d if k not in cls.model_fields and k not in _V41_IGNORED_KEYS)
+        if unknown:
+            raise ValueError(f"`vision_config` has fields deepinfer does not implement: {unknown}.")
+        return cls(**{k: v for k, v in d.items() if k in cls.model_fields})
+
+
 class V41Config(BaseModel):
     """A validated DeepSeek-V4.1 language model (config.json's `text_config` plus the top-level ids).
 
@@ -664,17 +718,17 @@ class V41Config(BaseModel):
     image_token_id: int | None = None
     """Id of every image-span position (selects the router's `bias_vl`, kills Engram n-grams)."""
     vision_config: dict[str, Any] | None = None
-    """The vision tower's config, unparsed (the engine does not build V4.1's tower yet)."""
+    """The vision tower's config as config.json states it (parsed and checked by `vision`)."""
     quantization_config: dict[str, Any] | None = None
     """How the weights are stored (the loader's business; kept to report what it cannot load)."""
 
     # ------------------------------------------------------------------ derived layer roles
 
     @property
-    def vision(self) -> None:
-        """The parsed vision tower the engine builds: none (V4.1's tower is not built; `vision_config` stays
-        unparsed and `unsupported()` refuses it), so the serving stages treat V4.1 as a text model."""
-        return None
+    def vision(self) -> V41VisionConfig | None:
+        """The vision tower the engine builds (`engine.models.vision_v41`), None for a text-only checkpoint: the
+        serving stages ask it (an LM stage with a tower reads image embeddings; the vision stage loads it)."""
+        return None if self.vision_config is None else V41VisionConfig.from_hf_dict(self.vision_config)
 
     @property
     def rope_head_dim(self) -> int:
@@ -731,14 +785,13 @@ class V41Config(BaseModel):
 
         NOTE: keep in step with what exists: the paged engine serves V4.1's text backbone (cache anatomy
         `engine.cache.v41`, the paged forward of `engine.models.deepseek_v41`, the published layout read by
-        `deepseek_v41.load_published`, weights dequantized to float); DSpark stages and the vision tower are
-        not built.
+        `deepseek_v41.load_published`, weights dequantized to float) and the vision tower
+        (`engine.models.vision_v41`) and the DSpark draft stages (`engine.models.dspark`), when they are complete.
         """
         out = []
-        if self.num_nextn_predict_layers:
-            out.append(f"DSpark draft stages (`num_nextn_predict_layers`={self.num_nextn_predict_layers})")
-        if self.vision_config is not None:
-            out.append("V4.1's vision tower (`vision_config`)")
+        if self.num_nextn_predict_layers and self.dspark_block_size and not self.dspark_target_layer_ids:
+            out.append(f"DSpark draft stages (`num_nextn_predict_layers`={self.num_nextn_predict_layers}) without "
+                       "`dspark_target_layer_ids` (the backbone layers that feed them)")
         return out
 
     # ------------------------------------------------------------------ validation
@@ -805,6 +858,8 @@ class V41Config(BaseModel):
             raise ValueError(f"`qk_rope_head_dim` ({rd}) must be even and at most head_dim ({self.head_dim}) and "
                              f"index_head_dim ({self.index_head_dim}).")
         self._check_engram()
+        if self.vision_config is not None:
+            V41VisionConfig.from_hf_dict(self.vision_config)  # refuse a malformed tower at parse time
         return self
 
     def _check_engram(self) -> None:

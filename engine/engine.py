@@ -72,7 +72,8 @@ class EngineConfig(BaseModel):
     """Seed of the sampler's generator for unseeded requests (None: nondeterministic)."""
     async_scheduling: bool | None = None
     """Overlap scheduling and output processing with the model run (a worker thread: the `threaded` executor);
-    None = on for CUDA devices, off on the CPU."""
+    None = on for CUDA devices, off on the CPU. With `speculative`: the drafter overlaps output processing, one sync
+    point per step (`spec_decode.SpecExecutor`)."""
     executor: str | None = None
     """Executor by registry name (`engine.executor.EXECUTORS`: inprocess, threaded); None = picked from
     async_scheduling (threaded when on, else inprocess). An explicit name must agree with async_scheduling."""
@@ -100,9 +101,11 @@ class EngineConfig(BaseModel):
     """Decode batch sizes captured as CUDA graphs (a batch runs padded to the next one); None = 1, 2, 4, 8,
     16, 24, 32, 48, 64, 96, 128, ... up to max_num_seqs (which is always one)."""
 
-    speculative: Literal["mtp"] | None = None
+    speculative: Literal["mtp", "dspark"] | None = None
     """Speculative decoding (`engine.spec_decode`; lossless): None = off, "mtp" = the checkpoint's
-    multi-token-prediction layer drafts `num_draft_tokens` per request per step, verified in the next one.
+    multi-token-prediction layer drafts `num_draft_tokens` per request per step, verified in the next one (DeepSeek-V4);
+    "dspark" = DeepSeek-V4.1's DSpark stages draft a block per step (`spec_decode.dspark_drafter`; "mtp" is refused
+    for V4.1, "dspark" for V4).
     Canonical name; the aliases `speculative_tokens=K` (K > 0: "mtp" with K drafts, 0: off) and `speculative_method`
     are still accepted when they agree (`engine.spec_decode.config`)."""
     num_draft_tokens: int = Field(3, ge=1)
@@ -132,6 +135,10 @@ class EngineConfig(BaseModel):
     prompt's last `sliding_window` tokens (and what follows), as DeepSeek's production does: about half a long
     prompt's prefill; not exact (the first tail tokens see a window cut at the tail's start in those layers).
     False: every layer over every token (`engine.models.deepseek_v41`, docs/V4_1.md §12). Ignored for V4."""
+    engram_placement: Literal["auto", "device", "pinned_host"] = "auto"
+    """DeepSeek-V4.1 only: where the FP8 Engram tables live (`engine.quant.engram`): "device" memory, or "pinned_host"
+    memory gathered from over PCIe; "auto" = the fit check decides (`engine.fit`: the device when the tables there
+    still leave room for max_num_seqs sequences of max_model_len, always on a CPU engine). Ignored for V4."""
 
     @model_validator(mode="before")
     @classmethod
@@ -152,11 +159,12 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_choices(self) -> EngineConfig:
-        if self.speculative is not None and (self.async_scheduling or self.executor not in (None, "inprocess")
-                                             or self.expert_parallel_size > 1):
-            raise ValueError("speculative decoding runs steps in one process (spec_decode.SpecExecutor); set "
-                             "async_scheduling=False, expert_parallel_size=1 and leave executor unset, or turn it "
-                             "off (speculative=None; the alias speculative_tokens=0)")
+        if self.speculative is not None and self.executor not in (None, "inprocess", "multirank"):
+            # NOTE: supported: one process or expert_parallel_size > 1 (each rank verifies and drafts its own
+            # requests, `engine.distributed.spec`), async_scheduling on or off (`spec_decode.SpecExecutor`)
+            raise ValueError(f"speculative decoding runs steps on its own executor (spec_decode.SpecExecutor, or the "
+                             f"multi-rank one with expert_parallel_size > 1), not {self.executor!r}; leave executor "
+                             "unset, or turn it off (speculative=None; the alias speculative_tokens=0)")
         from deepinfer.engine.spec_decode.config import check_verify_floor
 
         check_verify_floor(self.verify_floor, self.verify_schedule)
@@ -293,10 +301,13 @@ class Engine(ExternalKVMixin):
         """The checkpoint directory this engine serves (the built-in demo model's when none was given; a
         repo id's snapshot in the Hugging Face cache)."""
         mc, _ = read_checkpoint_config(path)
+        if config.speculative == "dspark" and not hasattr(mc, "kv_source_layer_ids"):
+            raise ValueError("speculative='dspark': DSpark stages are DeepSeek-V4.1's; this DeepSeek-V4 checkpoint "
+                             "drafts with its MTP layer: set speculative='mtp' (or None)")
         if hasattr(mc, "kv_source_layer_ids"):  # a V41Config: what its paged path does not have yet (docs/V4_1.md §12)
-            if config.speculative is not None:
-                raise ValueError(f"speculative={config.speculative!r}: DeepSeek-V4.1's drafter (its DSpark stages) is "
-                                 "not built; set speculative=None")
+            if config.speculative == "mtp":
+                raise ValueError("speculative='mtp': DeepSeek-V4.1 has no MTP layer; its drafter is its DSpark stages: "
+                                 "set speculative='dspark' (or None)")
             if config.batch_invariant:
                 raise ValueError("batch_invariant: DeepSeek-V4.1's paged attention has no batch-invariant mode yet; "
                                  "set batch_invariant=False")
@@ -306,19 +317,21 @@ class Engine(ExternalKVMixin):
                              max_model_len=self.max_model_len, block_size=block_size,
                              max_num_seqs=config.max_num_seqs, num_blocks=config.num_blocks,
                              expert_parallel_size=config.expert_parallel_size,
-                             num_redundant_experts=config.num_redundant_experts)
+                             num_redundant_experts=config.num_redundant_experts,
+                             engram_placement=config.engram_placement)
         """The start-up memory plan (`engine.fit`): checked before loading; refuses a model that cannot fit."""
         ep_kwargs = {}
         if config.expert_parallel_size > 1:  # rank 0 of an instance: its routed experts only (`engine.distributed`)
             from deepinfer.engine.distributed.expert_parallel import rank_load_kwargs
 
             ep_kwargs = rank_load_kwargs(mc, config.expert_parallel_size, 0, config.num_redundant_experts,
-                                         config.batch_invariant)
+                                         config.batch_invariant, load_mtp=config.speculative is not None)
         self.model, self.model_config = load_checkpoint(path, dtype=config.dtype, device=config.device,
                                                        attention_backend=config.attention_backend,
                                                        moe_backend=config.moe_backend,
                                                        fp8_activations=config.fp8_activations,
-                                                       indexer_numerics=config.indexer_numerics, **ep_kwargs)
+                                                       indexer_numerics=config.indexer_numerics,
+                                                       engram_placement=self.fit.engram_placement, **ep_kwargs)
         if config.batch_invariant:
             from deepinfer.engine.batch_invariant import enable_batch_invariant
 
@@ -376,7 +389,8 @@ class Engine(ExternalKVMixin):
                                   or config.expert_parallel_size > 1,
                                   cuda_graph_batch_sizes=config.cuda_graph_batch_sizes, max_num_seqs=config.max_num_seqs)
         self.runner.capture_cuda_graphs()  # decode buckets, when the model and device allow graphs
-        self.vision = getattr(self.model, "vision", None)
+        encoder = getattr(self.model, "image_encoder", None)  # V4.1's tower (its `vision` is the bare ViT)
+        self.vision = encoder if encoder is not None else getattr(self.model, "vision", None)
         """The model's `VisionTower` (encodes images given without embeddings), or None: text only."""
         self.sampler = Sampler(seed=config.seed)
         self.eos_token_ids = tuple(mc.eos_token_ids)
@@ -405,12 +419,13 @@ class Engine(ExternalKVMixin):
             from deepinfer.engine.spec_decode import SpecDecoding
             from deepinfer.engine.spec_decode.step_cost import load_cost_table
 
-            self.spec = SpecDecoding(self.model, self.cache, self.sampler, config.max_num_seqs,
+            # NOTE: the drafter's slots are the cache's (a rank's share of them with expert_parallel_size > 1)
+            self.spec = SpecDecoding(self.model, self.cache, self.sampler, self.cache.num_slots,
                                      config.num_draft_tokens, config.speculative, config.verify_schedule,
                                      verify_floor=config.verify_floor, model_dir=path,
                                      cost_table=load_cost_table(config.verify_cost_table, config.device))
-        self.executor = self.spec.executor if self.spec is not None else make_executor(config, self.runner,
-                                                                                       self.sampler)
+        self.executor = (self.spec.make_executor(config, self.runner) if self.spec is not None
+                         else make_executor(config, self.runner, self.sampler))
         """Runs each prepared step (model forward + sampling); chosen once, here (`engine.executor`)."""
         self._inflight: deque[_InflightStep] = deque()
         """Steps submitted to the executor and not yet postprocessed, oldest first (at most `max_inflight`)."""
@@ -532,7 +547,8 @@ class Engine(ExternalKVMixin):
             else:
                 from deepinfer.engine.models.vision import image_token_count
 
-                n = image_token_count(int(span.image.width), int(span.image.height))
+                count = getattr(self.vision, "image_token_count", image_token_count)  # the tower's own plan if any
+                n = count(int(span.image.width), int(span.image.height))
                 if n != span.num_tokens:
                     raise InvalidRequestError(
                         f"images[{i}] is {span.image.width}x{span.image.height} = {n} image tokens but its span has "
@@ -554,13 +570,15 @@ class Engine(ExternalKVMixin):
                                       field="images")
         todo = [i for i, s in enumerate(images) if s.embeds is None]
         pixels = []
+        prep = getattr(self.vision, "preprocess", None) or (lambda im: preprocess_pixels(im, self.vision.config))
         for i in todo:
             try:
-                pixels.append(preprocess_pixels(images[i].image, self.vision.config))
+                pixels.append(prep(images[i].image))
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"images[{i}]: {e}", field="images") from None
         encoded = dict(zip(todo, self.vision.encode(pixels))) if todo else {}
-        dtype, device = self.model.model.embed_tokens.weight.dtype, self.runner.device
+        embed = self.model.embed if hasattr(self.model, "embed") else self.model.model.embed_tokens  # V4.1 : V4
+        dtype, device = embed.weight.dtype, self.runner.device
         out = []
         for i, span in enumerate(images):
             if i in encoded:
@@ -804,7 +822,9 @@ class Engine(ExternalKVMixin):
         if result is not None:
             self.timings["model"] += result.model_s
             self.timings["sample"] += result.sample_s
-            drafts_of = dict(zip(out.sampling_req_ids, getattr(result, "draft_token_ids", ())))
+            # NOTE: read only when a save needs them: with async scheduling they may still be drafting
+            # (`spec_decode.PendingSpecStepResult`), and reading blocks until they are done
+            drafts_of = None
             for rid, tok, lp in zip(out.sampling_req_ids, result.token_ids, result.logprobs):
                 seq = self._seqs.get(rid)
                 # a list with speculative decoding (the tokens a verification emits), else one token
@@ -814,6 +834,8 @@ class Engine(ExternalKVMixin):
                     continue  # finished (stop string, abort) while this step was in flight
                 if seq.save is not None and seq.pinned_block_ids is None:
                     # the blocks (and slot) outlive the request until saved; its drafts go along (speculative decoding)
+                    if drafts_of is None:
+                        drafts_of = dict(zip(out.sampling_req_ids, getattr(result, "draft_token_ids", ())))
                     self._pin_for_save(seq, toks, drafts_of.get(rid, ()))
                 if len(toks) > 1 and seq.grammar is not None:  # a verified block: nothing after what completes it
                     n, terminated = seq.grammar.count_acceptable(toks)

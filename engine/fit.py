@@ -13,7 +13,11 @@ tensor data), `plan_fit` works out:
 * how many sequences of `max_model_len` fit, the most cache blocks the engine may allocate, and
   for a model too big for one device, how many devices an expert-parallel layout needs (routed
   experts split evenly, everything else replicated), with the per-device weight bytes and the
-  sequences that then fit per device for that count and for 8 devices (one node).
+  sequences that then fit per device for that count and for 8 devices (one node);
+* DeepSeek-V4.1's Engram tables (FP8, ~94 GiB a layer in Flash; `WeightBytes.engram_bytes`): on the device or in
+  pinned host memory (`FitReport.engram_placement`): `engine.quant.engram.decide_engram_placement` picks the device
+  only when the tables there still leave room for `max_num_seqs` sequences of `max_model_len` (always on a CPU
+  engine), `EngineConfig.engram_placement` overrides it; tables in host memory are checked against the host's.
 
 Expert-parallel instances (`expert_parallel_size` N > 1) are checked per rank: a rank holds the
 replicated part plus its `(n_routed_experts + num_redundant_experts) / N` routed-expert slots (MTP
@@ -44,6 +48,7 @@ MEMORY_UTILIZATION = 0.9
 allocator slack, the CUDA context)."""
 
 _EXPERT_RE = re.compile(r"(^|\.)ffn\.experts\.\d+\.")
+_ENGRAM_TABLE_RE = re.compile(r"(^|\.)engram\.embed\.(weight|scale)$")
 _FLOAT_TAGS = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 _GIB = 1 << 30
 
@@ -64,6 +69,9 @@ class WeightBytes:
     """Of `expert_bytes`: the MTP layers' routed experts."""
     mtp_other_bytes: int = 0
     """Of `other_bytes`: the rest of the MTP layers."""
+    engram_bytes: int = 0
+    """Of `other_bytes`: DeepSeek-V4.1's Engram tables (FP8 rows + scales), which may live in pinned host memory
+    instead of the device (`FitReport.engram_placement`)."""
 
     @property
     def total(self) -> int:
@@ -87,13 +95,13 @@ def checkpoint_weight_bytes(path: str | Path, dtype: torch.dtype,
                             fp32_kept: Callable[[str], bool] | None = None) -> WeightBytes:
     """Resident bytes of the checkpoint at `path` once loaded at `dtype`, from its headers only.
     `dequantized`: FP8 / packed FP4 weights are held dequantized at `dtype` and their scales dropped; a callable
-    decides per tensor name (V4.1's loader: `deepseek_v41.dequantized_at_load`, the dense FP8 linears kept).
+    decides per tensor name (V4.1's loader: `deepseek_v41.dequantized_at_load`: nothing, all kept as stored).
     `fp32_kept`: which float tensors (checkpoint names) stay float32 (None: V4's rule, `is_fp32_kept`)."""
     from deepinfer.engine.loader import MTP_PREFIXES, scan_checkpoint
     from deepinfer.engine.models.deepseek_v4_weights import is_fp32_kept, official_to_spec_name
 
     itemsize = torch.tensor([], dtype=dtype).element_size()
-    expert = other = mtp_expert = mtp_other = 0
+    expert = other = mtp_expert = mtp_other = engram = 0
     for name, stored in scan_checkpoint(path).items():
         numel = math.prod(stored.shape)
         if stored.dtype in _FLOAT_TAGS:  # cast at load: the engine dtype, or float32 for the kept set
@@ -111,7 +119,8 @@ def checkpoint_weight_bytes(path: str | Path, dtype: torch.dtype,
         else:
             other += nbytes
             mtp_other += nbytes if is_mtp else 0
-    return WeightBytes(expert, other, mtp_expert, mtp_other)
+            engram += nbytes if _ENGRAM_TABLE_RE.search(name) else 0
+    return WeightBytes(expert, other, mtp_expert, mtp_other, engram)
 
 
 def available_device_bytes(device: str | torch.device) -> int:
@@ -154,6 +163,14 @@ class FitReport:
     """Ranks of the instance: with more than one, the byte counts and budgets are per rank."""
     num_routed_experts: int = 0
     num_redundant_experts: int = 0
+    engram_placement: str = "device"
+    """Where DeepSeek-V4.1's Engram tables live: "device" (counted in the device's weights) or "pinned_host" (host
+    memory, not counted here; `decide_engram_placement`)."""
+
+    @property
+    def engram_host_bytes(self) -> int:
+        """Engram table bytes held in pinned host memory rather than on the device."""
+        return self.weights.engram_bytes if self.engram_placement == "pinned_host" else 0
 
     @property
     def num_slots(self) -> int:
@@ -162,10 +179,12 @@ class FitReport:
 
     @property
     def rank_weight_bytes(self) -> int:
-        """Weight bytes one rank (one device) holds: all of them, or its expert-parallel share."""
+        """Weight bytes one rank (one device) holds: all of them, or its expert-parallel share (Engram tables in pinned
+        host memory left out)."""
         if self.expert_parallel_size == 1:
-            return self.weights.total
-        return self.weights.per_rank(self.expert_parallel_size, self.num_routed_experts, self.num_redundant_experts)
+            return self.weights.total - self.engram_host_bytes
+        return (self.weights.per_rank(self.expert_parallel_size, self.num_routed_experts, self.num_redundant_experts)
+                - self.engram_host_bytes)
 
     @property
     def blocks_per_seq(self) -> int:
@@ -234,6 +253,9 @@ class FitReport:
                 f"sequence = {self.bytes_per_seq / 2**20:.2f} MiB per sequence of max_model_len "
                 f"{self.max_model_len}; KV budget {self.kv_budget_bytes / _GIB:.2f} GiB holds {self.num_seqs_fit} "
                 "such sequences")
+        if w.engram_bytes:
+            text += (f"; Engram tables {w.engram_bytes / _GIB:.2f} GiB in "
+                     + ("pinned host memory" if self.engram_placement == "pinned_host" else "device memory"))
         if self.rank_weight_bytes + self.bytes_per_seq > self.usable_bytes:
             n = self.expert_parallel_devices()
             text += (f"; an expert-parallel layout needs {n} such devices (routed experts split "
@@ -247,15 +269,21 @@ class FitReport:
 
 def plan_fit(config: ModelConfig, weights: WeightBytes, *, dtype: torch.dtype, device: str, device_bytes: int,
              max_model_len: int, block_size: int, max_num_seqs: int, expert_parallel_size: int = 1,
-             num_redundant_experts: int = 0) -> FitReport:
+             num_redundant_experts: int = 0, engram_placement: str = "auto") -> FitReport:
     """The memory plan from known numbers (no I/O): what `check_fit` evaluates (per rank with
-    `expert_parallel_size` > 1; `device_bytes` is then one rank's)."""
+    `expert_parallel_size` > 1; `device_bytes` is then one rank's). `engram_placement` ("auto", "device",
+    "pinned_host"): where V4.1's Engram tables go; "auto" is resolved by `engram.decide_engram_placement` from the
+    plan with the tables on the device (the report states the choice)."""
+    from dataclasses import replace
+
+    from deepinfer.engine.quant.engram import decide_engram_placement
+
     itemsize = torch.tensor([], dtype=dtype).element_size()
     layout = cache_layout(config)  # V4's or V4.1's anatomy
     pools = layout.pools(1, block_size, 1, itemsize)  # one block, one slot
     block_bytes = sum(p.nbytes for p in pools.values() if not p.is_state)
     state_bytes = sum(p.nbytes for p in pools.values() if p.is_state)
-    return FitReport(
+    report = FitReport(
         weights=weights, device=str(device), device_bytes=device_bytes,
         usable_bytes=int(device_bytes * MEMORY_UTILIZATION),
         kv_bytes_per_token=layout.compressed_bytes_per_token(itemsize), block_bytes=block_bytes,
@@ -263,29 +291,44 @@ def plan_fit(config: ModelConfig, weights: WeightBytes, *, dtype: torch.dtype, d
         max_num_seqs=max_num_seqs, expert_parallel_size=expert_parallel_size,
         num_routed_experts=config.n_routed_experts, num_redundant_experts=num_redundant_experts,
     )
+    placement = decide_engram_placement(engram_placement, device, num_seqs_fit_with_tables=report.num_seqs_fit,
+                                        max_num_seqs=max_num_seqs, table_bytes=weights.engram_bytes)
+    return replace(report, engram_placement=placement)
 
 
 def check_fit(path: str | Path, config: ModelConfig, *, dtype: torch.dtype, device: str, max_model_len: int,
               block_size: int, max_num_seqs: int, num_blocks: int | None = None,
               device_bytes: int | None = None, expert_parallel_size: int = 1,
-              num_redundant_experts: int = 0) -> FitReport:
+              num_redundant_experts: int = 0, engram_placement: str = "auto",
+              host_bytes: int | None = None) -> FitReport:
     """The memory plan for serving checkpoint `path` on `device`; raises `ModelDoesNotFitError` (with the
     numbers, and the expert-parallel device count when the weights are the problem) when not one
     sequence of `max_model_len` fits, or a requested `num_blocks` exceeds the budget.
     `device_bytes`: the available memory (None: measured). `expert_parallel_size` > 1: the plan of one rank
-    (its weight share, its own KV pool; `num_blocks` per rank; CPU ranks split the host's memory)."""
+    (its weight share, its own KV pool; `num_blocks` per rank; CPU ranks split the host's memory).
+    `engram_placement`: where V4.1's Engram tables go ("auto": `plan_fit` decides; the report's `engram_placement`
+    is what the loader is told); tables in pinned host memory must fit `host_bytes` (None: the host's
+    MemAvailable) times `MEMORY_UTILIZATION`, else `ModelDoesNotFitError`."""
     if device_bytes is None:
         device_bytes = available_device_bytes(device)
         if torch.device(device).type != "cuda":
             device_bytes //= expert_parallel_size  # CPU ranks share the host's memory
     dequantized, fp32_kept = False, None
-    if hasattr(config, "kv_source_layer_ids"):  # a V41Config: its loader dequantizes the FP4 experts and Engram rows
+    if hasattr(config, "kv_source_layer_ids"):  # a V41Config: its loader's own rules (what stays quantized, fp32)
         from deepinfer.engine.models.deepseek_v41 import dequantized_at_load as dequantized
         from deepinfer.engine.models.deepseek_v41 import kept_float32 as fp32_kept
     report = plan_fit(config, checkpoint_weight_bytes(path, dtype, dequantized, fp32_kept), dtype=dtype, device=device,
                       device_bytes=device_bytes, max_model_len=max_model_len, block_size=block_size,
                       max_num_seqs=max_num_seqs, expert_parallel_size=expert_parallel_size,
-                      num_redundant_experts=num_redundant_experts)
+                      num_redundant_experts=num_redundant_experts, engram_placement=engram_placement)
+    if report.engram_host_bytes and torch.device(device).type != "cpu":
+        host = available_device_bytes("cpu") if host_bytes is None else host_bytes
+        if report.engram_host_bytes > host * MEMORY_UTILIZATION:
+            raise ModelDoesNotFitError(
+                f"{path}: the Engram tables ({report.engram_host_bytes / _GIB:.2f} GiB) go to pinned host memory "
+                f"(engram_placement={engram_placement!r}), but the host has {host / _GIB:.2f} GiB available "
+                f"({MEMORY_UTILIZATION:.0%} usable). Free host memory, or set engram_placement='device' with room on "
+                f"the device ({report.summary()}).")
     if not report.fits:
         raise ModelDoesNotFitError(
             f"{path} does not fit on {device}: {report.summary()}. Use more devices, a smaller max_model_len or "

@@ -163,7 +163,8 @@ class LLM:
             ids = self.tokenizer.encode(rest["prompt"], add_special_tokens=False).ids
         else:
             raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", field="prompt")
-        ids, spans = expand_image_placeholders(list(ids), infos, image_token_id=self.engine.model_config.image_token_id)
+        ids, spans = expand_image_placeholders(list(ids), infos, image_token_id=self.engine.model_config.image_token_id,
+                                               token_count=getattr(self.engine.vision, "image_token_count", None))
         return {"prompt_token_ids": ids, "prompt": rest.get("prompt")}, spans
 
 

@@ -43,7 +43,8 @@ is cast as in a dense checkpoint. Refused with the tensor or field and the fix: 
 `quant_method` or quantization field, a scale grid that does not match its weight, a quantized
 tensor without its scale, an expert storage that contradicts `expert_dtype`, and V4.1's 32x32 blocks
 and Engram tables in a V4 config. A V4.1 checkpoint (`model_type` deepseek_v41, `text_config`) is read by
-its own model's reader (`engine.models.deepseek_v41.load_for_engine`: dequantized, not streamed).
+its own model's reader (`engine.models.deepseek_v41.load_for_engine`: FP8 linears, FP4 experts and FP8 Engram
+tables kept as stored, the tables mapped from the shards and placed on the device or in pinned host memory).
 
 The loader imports the models (their tensor specs, the classes it builds: `load_checkpoint`, and
 `load_vision_tower` for the vision stage); no model imports the loader.
@@ -815,6 +816,7 @@ def load_checkpoint(
     routed_experts: Mapping[int, Any] | None = None,
     before_prepare: Callable[[nn.Module], None] | None = None,
     load_mtp: bool = True,
+    engram_placement: str = "device",
 ) -> tuple[nn.Module, ModelConfig]:
     """Blocks while reading: build `DeepseekV4ForCausalLM` from checkpoint `path` and load its weights.
     (`attention_backend`: an `engine.attention` backend name; `moe_backend`: an `engine.moe` backend name;
@@ -827,6 +829,9 @@ def load_checkpoint(
     (so an expert-parallel backend, which hands its inner backend only the held experts, can be installed:
     `engine.distributed.expert_parallel`). MTP layers always load all their experts; `load_mtp=False` leaves
     the MTP layers out (an expert-parallel rank: speculative decoding is off there).
+
+    `engram_placement` ("device" or "pinned_host"; DeepSeek-V4.1 only, `engine.fit` decides it): where the FP8
+    Engram tables are placed (`engine.quant.engram.Fp8EngramTable.place`).
 
     Returns `(model, config)` with the model in eval mode, without gradients, on `device`, floats in
     `dtype` except the fp32-kept set. Raises `CheckpointError` (naming the culprit) before reading any tensor data if
@@ -842,10 +847,10 @@ def load_checkpoint(
 
         if attention_backend != "torch" or fp8_activations != "bf16" or indexer_numerics != "transformers" \
                 or routed_experts is not None:
-            raise CheckpointError(f"{root}: DeepSeek-V4.1 runs its own torch attention path with float weights; "
+            raise CheckpointError(f"{root}: DeepSeek-V4.1 runs its own torch attention path; "
                                   "attention_backend='torch', fp8_activations='bf16', indexer_numerics='transformers' "
                                   "and no expert parallelism are what it supports.")
-        model = load_for_engine(root, config, torch_dtype, device, moe_backend)
+        model = load_for_engine(root, config, torch_dtype, device, moe_backend, engram_placement)
         if before_prepare is not None:
             before_prepare(model)
         return model, config
@@ -882,6 +887,13 @@ def load_vision_tower(
     config, quant = read_checkpoint_config(path)
     if config.vision is None:
         raise CheckpointError(f"checkpoint {path} has no vision tower (no `vision_config` in config.json).")
+    if isinstance(config, V41Config):  # V4.1's own tower and names (`vision.*`, `aligner.*`, `image_*`)
+        from deepinfer.engine.models.vision_v41 import load_tower
+
+        try:
+            return load_tower(path, config, parse_dtype(dtype), device)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
     spec = vision_checkpoint_spec(config, parse_dtype(dtype))
     # skip the LM's tensors by their top-level name component (a handful of prefixes)
     others = tuple({n.split(".", 1)[0] + ("." if "." in n else "") for n in scan_checkpoint(path)

@@ -20,7 +20,7 @@ Who fills what:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -68,14 +68,20 @@ def expand_image_placeholders(
     *,
     image_token_id: int = IMAGE_TOKEN_ID,
     placeholder_id: int = IMAGE_PLACEHOLDER_ID,
+    token_count: Callable[[int, int], int] | None = None,
 ) -> tuple[list[int], list[ImageSpan]]:
     """Replace the i-th placeholder (129279) of `prompt_ids` by `image_token_count(infos[i])` copies of
     `image_token_id` (129264) -> (engine prompt ids, one `ImageSpan` per image carrying its `ImageInfo`).
+
+    `token_count(width, height)`: the model's own count when its tower has one (V4.1's resize plan,
+    `V41VisionTower.image_token_count`); else V4's layout (`engine.models.vision.image_token_count`).
 
     Raises `InvalidRequestError` (field "multi_modal_data") when the number of placeholders is not
     the number of images.
     """
     from deepinfer.engine.models.vision import image_token_count
+
+    count = token_count or image_token_count
 
     num_placeholders = sum(1 for t in prompt_ids if t == placeholder_id)
     if num_placeholders != len(infos):
@@ -92,7 +98,7 @@ def expand_image_placeholders(
             ids.append(t)
             continue
         info = next(images)
-        n = image_token_count(int(info.width), int(info.height))
+        n = count(int(info.width), int(info.height))
         spans.append(ImageSpan(len(ids), n, image_content_hash(info.data), image=info))
         ids.extend([image_token_id] * n)
     return ids, spans

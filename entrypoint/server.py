@@ -97,6 +97,8 @@ logger = logging.getLogger("entrypoint")
 
 QUARANTINE_POLL_S = 0.25
 """How often a request whose decode instances are full of quarantined reservations tries to reserve again."""
+DECODE_FULL_POLL_S = 0.1
+"""How often a request that found every decode instance (rank) full tries to pick and reserve again."""
 
 ABORT_RPC_REASON = "Abort RPC"
 """The abort reason of requests aborted by the Entrypoint's Abort call."""
@@ -450,20 +452,30 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         reserve, d_stub = None, None
         excluded: list[str] = self._still_lost(req.lost_instance_ids)
         quarantine_wait_until = None
+        # the decode work the request brings (the `decode_work` balancer policy): the output tokens it may still make
+        num_output_tokens = (sampling.max_tokens if sampling.HasField("max_tokens")
+                             else max(0, self.max_model_len - len(prompt)))
         while True:
             # NOTE: when every decode instance tried is full only because aborted reservations sit in quarantine
             # (their leases end soon: fault recovery, not load), an accepted request waits for that capacity,
-            # bounded by its deadline and `outage_wait_s`, instead of failing
-            quarantine_wait = quarantine_full = False
+            # bounded by its deadline and `outage_wait_s`, instead of failing. So does a request that finds every
+            # decode instance (rank) full with running requests (load: they finish and free their slots and blocks),
+            # bounded by its deadline, or `outage_wait_s` without one.
+            quarantine_wait = quarantine_full = full_wait = excluded_full = False
             for attempt in range(self.config.max_attempts):
                 try:
                     d_inst = self._pick(req, "decode", self.decode_lb, loadbalancer_pb2.PickRequest(
                         request_id=rid, stage=common_pb2.STAGE_DECODE, num_prompt_tokens=len(prompt),
-                        exclude_instance_ids=excluded), deadline)
-                except _Failed:
+                        num_output_tokens=num_output_tokens, exclude_instance_ids=excluded), deadline)
+                except _Failed as e:
                     # the instances left were excluded for being full of quarantined reservations: wait for them
                     if quarantine_full and self._may_wait_for_quarantine(req, deadline):
                         quarantine_wait = True
+                        break
+                    # every decode instance (rank) left is full, or those tried refused for being full: wait for room
+                    if ((e.status == grpc.StatusCode.RESOURCE_EXHAUSTED or excluded_full)
+                            and self._may_wait_for_quarantine(req, deadline)):
+                        full_wait = True
                         break
                     raise
                 d_stub = decode_pb2_grpc.DecodeStub(self._channel(d_inst.address))
@@ -533,23 +545,35 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                     if is_last and self._may_wait_for_quarantine(req, deadline):
                         quarantine_wait = True
                         break
+                elif (reserve.error.code == common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED and is_last
+                      and self._may_wait_for_quarantine(req, deadline)):
+                    full_wait = True  # full with running requests (the balancer's view was behind): wait for room
+                    break
                 if reserve.error.code not in RETRYABLE_ERRORS or is_last:
                     raise _Failed.of_error(reserve.error, f"decode instance {d_inst.instance_id} refused the reservation")
                 if _is_images_lost(reserve.error):
                     prompt, images, image_embeddings = self._encode_again(req, request, prompt, deadline, deadline_ms,
                                                                           reserve.error)
                     continue
+                excluded_full |= reserve.error.code == common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED
                 excluded.append(d_inst.instance_id)
 
-            if not quarantine_wait:
+            if not quarantine_wait and not full_wait:
                 break
             if quarantine_wait_until is None:
                 quarantine_wait_until = time.monotonic() + self.config.outage_wait_s
-                logger.info("%s: every decode instance is full of quarantined reservations; waiting", rid)
-            if time.monotonic() + QUARANTINE_POLL_S >= quarantine_wait_until:
+                if full_wait and deadline is not None:
+                    quarantine_wait_until = deadline
+                logger.info("%s: every decode instance is full%s; waiting", rid,
+                            "" if full_wait else " of quarantined reservations")
+            poll_s = DECODE_FULL_POLL_S if full_wait else QUARANTINE_POLL_S
+            if time.monotonic() + poll_s >= quarantine_wait_until:
+                why = "full" if full_wait else "aborted reservations held their capacity"
                 raise _Failed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request {rid!r}: no decode instance had room "
-                              f"within {self.config.outage_wait_s:.0f} s (aborted reservations held their capacity)")
-            time.sleep(QUARANTINE_POLL_S)
+                              f"in time ({why})")
+            time.sleep(poll_s)
+            if req.abort_reason is not None:
+                raise _Cancelled()
             excluded = self._still_lost(req.lost_instance_ids)
 
         destination = prefill_pb2.KVDestination(
@@ -781,7 +805,9 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                 if code == grpc.StatusCode.UNAVAILABLE:
                     if self._revive_excluded(req, stage, stub, pick) or self._wait_for_outage(req, stage, deadline):
                         continue
-                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE):
+                    # RESOURCE_EXHAUSTED: every instance is full now (a decode pick waits for room); OUT_OF_RANGE:
+                    # none could ever take the request (it needs more KV than a pool holds), so it fails at once
                     address = getattr(self.config, f"{stage}_lb_address")
                     raise _Failed(code, f"no {stage} instance can take the request (balancer {address}): "
                                   f"{e.details()}") from None
@@ -870,8 +896,8 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
 
     @staticmethod
     def _may_wait_for_quarantine(req: _Request, deadline: float | None) -> bool:
-        """Whether a request refused by every decode instance for quarantined capacity may wait and try again: it
-        was not aborted and its deadline leaves room for a poll and a reservation."""
+        """Whether a request refused by every decode instance (full, or its capacity quarantined) may wait and try
+        again: it was not aborted and its deadline leaves room for a poll and a reservation."""
         if req.abort_reason is not None:
             return False
         return deadline is None or deadline - time.monotonic() > 2 * QUARANTINE_POLL_S

@@ -16,6 +16,9 @@ file beside its torch reference (the oracle) and a wrapper that checks shapes, d
     (`register_op(..., in_op_table=False)`): the modules pick them per device, a model's `OpTable` does not
     list them; they register when `deepinfer.engine.quant` is imported.
 
+  * `kernels.engram_gather`: DeepSeek-V4.1's Engram row gather + FP8 dequantization ("torch", "host": a host
+    table read from the device, "triton"; a module op picked by `engine.quant.engram.Fp8EngramTable`).
+
 A new kernel (Triton, TileLang) goes into the op's file, or a new `kernels/<op>.py` imported below.
 """
 

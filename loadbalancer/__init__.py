@@ -13,7 +13,7 @@ instance = balancer.pick(RequestInfo(block_hashes=hashes, num_prompt_tokens=900)
 ```
 """
 
-from deepinfer.loadbalancer.balancer import Balancer, InsufficientCapacity, NoHealthyInstance
+from deepinfer.loadbalancer.balancer import Balancer, InsufficientCapacity, NoHealthyInstance, RequestTooLarge
 from deepinfer.loadbalancer.membership import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     HeartbeatResult,
@@ -38,6 +38,7 @@ __all__ = [
     "NoHealthyInstance",
     "Policy",
     "RequestInfo",
+    "RequestTooLarge",
     "Stage",
     "make_policy",
     "register_policy",

@@ -6,10 +6,11 @@ A pick:
 1. takes the stage's pickable instances (live, healthy, not draining) minus `exclude_instance_ids`;
    none left raises `NoHealthyInstance`;
 2. keeps only those in `preferred_datacenter` when there is any;
-3. asks the policy; None (nobody has room) raises `InsufficientCapacity`;
+3. asks the policy; None (nobody has room) raises `InsufficientCapacity`, or `RequestTooLarge` when no candidate
+   could take the request even empty (more KV blocks than any pool holds: waiting would not help);
 4. adds the request to the chosen instance's load until its next heartbeat (uncached prompt tokens
-   for prefill, KV blocks for decode, uncached image tokens for vision, one waiting request everywhere), so picks between two
-   heartbeats spread out.
+   for prefill, KV blocks, a state slot and the predicted output tokens for decode, uncached image tokens for vision,
+   one waiting request everywhere), so picks between two heartbeats spread out.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from deepinfer.loadbalancer.membership import Instance, Membership, Stage
 from deepinfer.loadbalancer.policies import (
     Policy,
     RequestInfo,
+    could_ever_fit,
     make_policy,
     matched_prefix_tokens,
     num_kv_blocks_needed,
@@ -39,7 +41,11 @@ class NoHealthyInstance(RuntimeError):
 
 
 class InsufficientCapacity(NoHealthyInstance):
-    """Healthy instances exist but none has room for the request (e.g. too few free KV blocks)."""
+    """Healthy instances exist but none has room for the request (e.g. too few free KV blocks, no free state slot)."""
+
+
+class RequestTooLarge(InsufficientCapacity):
+    """No candidate could take the request even when empty (it needs more KV blocks than any pool holds)."""
 
 
 class Balancer:
@@ -70,6 +76,10 @@ class Balancer:
                 candidates = local or candidates
             chosen = self.policy.select(candidates, request)
             if chosen is None:
+                if not any(could_ever_fit(c, request) for c in candidates):
+                    raise RequestTooLarge(
+                        self.stage, f"request {request.request_id!r} needs more KV blocks than any of "
+                        f"{len(candidates)} candidate(s) holds in all")
                 raise InsufficientCapacity(
                     self.stage, f"none of {len(candidates)} candidate(s) has room for request {request.request_id!r}"
                 )
@@ -94,18 +104,19 @@ class Balancer:
         return sum(samples) / len(samples) if samples else 0.0
 
     def _count_pick(self, chosen: Instance, request: RequestInfo, rank: int | None = None) -> None:
-        num_prefill_tokens = num_kv_blocks = 0
+        num_prefill_tokens = num_kv_blocks = num_output_tokens = 0
         if self.stage == Stage.PREFILL:
             num_prefill_tokens = max(0, request.num_prompt_tokens - matched_prefix_tokens(chosen, request))
         elif self.stage == Stage.DECODE:
             num_kv_blocks = num_kv_blocks_needed(chosen, request)
+            num_output_tokens = self.policy.predicted_output_tokens(request)
         elif self.stage == Stage.VISION:  # image tokens to encode, less those of images it has cached
             num_images = max(1, len(request.block_hashes))
             cached = sum(h in chosen.cached_block_hashes for h in request.block_hashes)
             num_prefill_tokens = request.num_prompt_tokens * (num_images - cached) // num_images
         self.membership.add_pending(
             chosen.instance_id, num_prefill_tokens=num_prefill_tokens, num_requests=1, num_kv_blocks=num_kv_blocks,
-            rank=rank,
+            num_output_tokens=num_output_tokens, rank=rank,
         )
 
     def _why_none(self) -> str:

@@ -75,10 +75,19 @@ class RankLoad:
     """Requests placed on the rank that do not run yet (waiting, or their KV loading)."""
     num_kv_blocks_used: int = 0
     num_kv_blocks_total: int = 0
+    num_free_slots: int | None = None
+    """State slots free for a new request; None = not reported (only KV blocks are checked then)."""
+    num_output_tokens_left: int = 0
+    """Output tokens the rank's requests may still generate (the decode work ahead of it)."""
 
     @property
     def num_kv_blocks_free(self) -> int:
         return max(0, self.num_kv_blocks_total - self.num_kv_blocks_used)
+
+    @property
+    def has_free_slot(self) -> bool:
+        """Whether a new request can get a state slot here (True when slots are not reported)."""
+        return self.num_free_slots is None or self.num_free_slots > 0
 
 
 @dataclass(frozen=True)
@@ -107,6 +116,10 @@ class InstanceLoad:
     """True: not picked; its in-flight requests finish."""
     ranks: tuple[RankLoad, ...] = ()
     """Per rank of a multi-rank instance, by rank (the fields above are then its emptiest rank's); () for one rank."""
+    num_free_slots: int | None = None
+    """State slots free for a new request (summed over the ranks); None = not reported."""
+    num_output_tokens_left: int = 0
+    """Output tokens its requests may still generate (summed over the ranks): the decode work ahead."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(self.ranks))
@@ -119,6 +132,11 @@ class InstanceLoad:
     def num_kv_blocks_free(self) -> int:
         """KV blocks neither used nor reserved (never negative)."""
         return max(0, self.num_kv_blocks_total - self.num_kv_blocks_used)
+
+    @property
+    def has_free_slot(self) -> bool:
+        """Whether a new request can get a state slot (True when slots are not reported)."""
+        return self.num_free_slots is None or self.num_free_slots > 0
 
 
 @dataclass
@@ -222,27 +240,37 @@ class Membership:
 
     def add_pending(
         self, instance_id: str, *, num_prefill_tokens: int = 0, num_requests: int = 0, num_kv_blocks: int = 0,
-        rank: int | None = None,
+        num_output_tokens: int = 0, rank: int | None = None,
     ) -> None:
         """Count a pick toward an instance's load (and, with `rank`, that rank's) until its next heartbeat
-        replaces the report.
+        replaces the report: its prefill tokens, requests, KV blocks, one state slot per request (where slots are
+        reported) and its predicted output tokens.
 
         NOTE: without this, every pick between two heartbeats would see the same loads and go to the
-        same instance (herding), or the same rank.
+        same instance (herding), or the same rank. The next report corrects the prediction (what the decode
+        really holds and has left to generate).
         """
         with self.lock:
             inst = self._instances.get(instance_id)
             if inst is None:
                 return
             load = inst.load
+
+            def slots(n: int | None) -> int | None:
+                return None if n is None else max(0, n - num_requests)
+
             ranks = tuple(dataclasses.replace(r, num_waiting_requests=r.num_waiting_requests + num_requests,
-                                              num_kv_blocks_used=r.num_kv_blocks_used + num_kv_blocks)
+                                              num_kv_blocks_used=r.num_kv_blocks_used + num_kv_blocks,
+                                              num_free_slots=slots(r.num_free_slots),
+                                              num_output_tokens_left=r.num_output_tokens_left + num_output_tokens)
                           if r.rank == rank else r for r in load.ranks)
             inst.load = dataclasses.replace(
                 load,
                 num_queued_prefill_tokens=load.num_queued_prefill_tokens + num_prefill_tokens,
                 num_waiting_requests=load.num_waiting_requests + num_requests,
                 num_kv_blocks_used=load.num_kv_blocks_used + num_kv_blocks,
+                num_free_slots=slots(load.num_free_slots),
+                num_output_tokens_left=load.num_output_tokens_left + num_output_tokens,
                 ranks=ranks,
             )
 

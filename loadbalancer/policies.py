@@ -12,9 +12,14 @@ request (the balancer then raises `InsufficientCapacity`). Register a new one wi
 | `prefix_aware` | prefill | max `alpha * matched_tokens - queued_prefill_tokens`; ties to lower load |
 | `prefix_store_aware` | prefill | `prefix_aware`, where a prefix the shared KV store holds counts on every instance at `store_weight` |
 | `kv_load` | decode | fewest KV blocks used, then fewest running requests, among those with room; on multi-rank instances per (instance, rank) |
+| `decode_work` | decode | least predicted decode work (output tokens its requests may still generate), among those with room; per (instance, rank) |
+| `pinned` | decode | the place a request id names (`<id>@<instance>/<rank>`: a split computed offline, for benchmarks), else `decode_work` |
 | `image_affinity` | vision | max `alpha * cached_image_tokens - pending_image_tokens`; ties to fewer requests |
 
 Ties always end on the instance id, so every policy is deterministic given its seed.
+
+Room (decode): free KV blocks for the request and, where the instance reports them, a free state slot (each
+decode request holds one from Reserve to its end): a full rank is never picked while another has room.
 
 Ranks: a multi-rank instance (expert_parallel_size > 1) reports each rank's load (`InstanceLoad.ranks`: each
 rank owns its requests and their KV pools). A rank-aware policy also names the rank a request goes to
@@ -32,7 +37,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from deepinfer.loadbalancer.membership import Instance, Stage
+from deepinfer.loadbalancer.membership import Instance, InstanceLoad, RankLoad, Stage
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,8 @@ class RequestInfo:
     """Prompt length in tokens."""
     num_kv_blocks_needed: int = 0
     """KV blocks the request needs on a decode instance; 0 = derive from `num_prompt_tokens`."""
+    num_output_tokens: int = 0
+    """Output tokens the request may still generate (its max_tokens less those it has); 0 = unknown."""
     preferred_datacenter: str = ""
     """Prefer instances with this label when any is pickable; empty = no preference."""
     exclude_instance_ids: frozenset[str] = frozenset()
@@ -55,8 +62,8 @@ class RequestInfo:
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_hashes", tuple(self.block_hashes))
         object.__setattr__(self, "exclude_instance_ids", frozenset(self.exclude_instance_ids))
-        if self.num_prompt_tokens < 0 or self.num_kv_blocks_needed < 0:
-            raise ValueError("num_prompt_tokens and num_kv_blocks_needed must be >= 0")
+        if self.num_prompt_tokens < 0 or self.num_kv_blocks_needed < 0 or self.num_output_tokens < 0:
+            raise ValueError("num_prompt_tokens, num_kv_blocks_needed and num_output_tokens must be >= 0")
 
 
 # ---------------------------------------------------------------------------------------- load measures
@@ -127,6 +134,11 @@ class Policy(abc.ABC):
         """The rank of `chosen` (just selected) the request should go to; None leaves it to the instance (the
         default, and always for a one-rank instance)."""
         return None
+
+    def predicted_output_tokens(self, request: RequestInfo) -> int:
+        """The output tokens a pick counts on the chosen instance (and rank) until its next report: the request's
+        own figure (0 when unknown) unless the policy predicts one."""
+        return request.num_output_tokens
 
 
 POLICIES: dict[str, type[Policy]] = {}
@@ -277,14 +289,33 @@ class PrefixStoreAware(PrefixAware):
         return pick
 
 
+def has_room(c: Instance, request: RequestInfo, rank: RankLoad | None = None) -> bool:
+    """Whether the instance (or its `rank`) has the KV blocks the request needs and, where slots are reported, a
+    free state slot."""
+    load = rank if rank is not None else c.load
+    return load.num_kv_blocks_free >= num_kv_blocks_needed(c, request) and load.has_free_slot
+
+
+def could_ever_fit(c: Instance, request: RequestInfo) -> bool:
+    """Whether the instance (one of its ranks) could take the request when empty: its pool holds the KV blocks the
+    request needs. True when it reports no pool size (nothing to judge by)."""
+    needed = num_kv_blocks_needed(c, request)
+    totals = [r.num_kv_blocks_total for r in c.load.ranks] or [c.load.num_kv_blocks_total]
+    return any(total == 0 or total >= needed for total in totals)
+
+
 @register_policy("kv_load")
 class KVLoad(Policy):
     """Decode: the fewest KV blocks in use, then the fewest running requests, then the id; instances
-    with fewer free blocks than the request needs (`num_kv_blocks_needed`) are refused.
+    with fewer free blocks than the request needs (`num_kv_blocks_needed`), or no free state slot (where
+    reported), are refused.
 
     Multi-rank instances are compared rank by rank: a request goes to one rank's pools, so the (instance, rank)
     with the fewest blocks used among the ranks with room wins, then the fewest running (and waiting) requests
-    on that rank; `select_rank` names the rank."""
+    on that rank; `select_rank` names the rank.
+
+    NOTE: blocks track the prompt (and the tokens generated so far), not the work left: a short prompt with a
+    long answer looks light. `decode_work` ranks by the predicted work instead."""
 
     def select(self, candidates: Sequence[Instance], request: RequestInfo) -> Instance | None:
         best = min(((key, c) for c in candidates for key, _ in self._fitting(c, request)), default=None,
@@ -296,18 +327,88 @@ class KVLoad(Policy):
             return None
         return min(self._fitting(chosen, request), key=lambda kr: kr[0], default=(None, None))[1]
 
-    @staticmethod
-    def _fitting(c: Instance, request: RequestInfo):
+    def _key(self, c: Instance, load: InstanceLoad | RankLoad, rank: int) -> tuple:
+        return (load.num_kv_blocks_used, load.num_running_requests, load.num_waiting_requests if c.load.ranks else 0,
+                c.instance_id, rank)
+
+    def _fitting(self, c: Instance, request: RequestInfo):
         """`(key, rank)` of each place in `c` with room for the request (rank None: a one-rank instance)."""
-        needed = num_kv_blocks_needed(c, request)
         if not c.load.ranks:
-            if c.load.num_kv_blocks_free >= needed:
-                yield (c.load.num_kv_blocks_used, c.load.num_running_requests, 0, c.instance_id, 0), None
+            if has_room(c, request):
+                yield self._key(c, c.load, 0), None
             return
         for r in c.load.ranks:
-            if r.num_kv_blocks_free >= needed:
-                yield (r.num_kv_blocks_used, r.num_running_requests, r.num_waiting_requests, c.instance_id,
-                       r.rank), r.rank
+            if has_room(c, request, r):
+                yield self._key(c, r, r.rank), r.rank
+
+
+@register_policy("decode_work")
+class DecodeWork(KVLoad):
+    """Decode: the least predicted decode work, among the places with room (free KV blocks and a free state slot).
+
+    A place's work is the output tokens its requests may still generate (`num_output_tokens_left`: per request its
+    max_tokens, else the context left, less the tokens it has), as the decode reported it, plus the predicted
+    tokens of the picks made since (`Membership.add_pending`; the next report corrects them). A request's own
+    prediction is its `num_output_tokens`, or `default_output_tokens` when unknown. Ties go to the instance with
+    less work in all (an EP instance steps its ranks in lockstep, so its busiest rank paces all of them), then
+    fewer KV blocks used, fewer running and waiting requests, the id and the rank.
+
+    NOTE: the prediction is an upper bound (a request may stop early at EOS or a stop string); it is exact for
+    `ignore_eos` requests, and a finished request leaves the report at the next heartbeat either way.
+    """
+
+    def __init__(self, default_output_tokens: int = 256) -> None:
+        if default_output_tokens < 0:
+            raise ValueError(f"default_output_tokens must be >= 0, got {default_output_tokens}")
+        self.default_output_tokens = default_output_tokens
+
+    def load(self, instance: Instance) -> float:
+        return float(instance.load.num_output_tokens_left)
+
+    def predicted_output_tokens(self, request: RequestInfo) -> int:
+        return request.num_output_tokens or self.default_output_tokens
+
+    def _key(self, c: Instance, load: InstanceLoad | RankLoad, rank: int) -> tuple:
+        return (load.num_output_tokens_left, c.load.num_output_tokens_left, load.num_kv_blocks_used,
+                load.num_running_requests + load.num_waiting_requests, c.instance_id, rank)
+
+
+@register_policy("pinned")
+class Pinned(DecodeWork):
+    """Decode, for benchmarks and tests: the place the request id names, `<id>@<instance_id>[/<rank>]` (e.g. a split
+    computed offline, replayed through the cluster to isolate what the balancers cost), when it has room; any
+    other request, or a named place without room or not pickable, as `decode_work`."""
+
+    @staticmethod
+    def named_place(request: RequestInfo) -> tuple[str, int | None] | None:
+        """`(instance id, rank or None)` the request id names, or None."""
+        _, sep, place = request.request_id.rpartition("@")
+        if not sep or not place:
+            return None
+        instance_id, _, rank = place.partition("/")
+        return instance_id, int(rank) if rank.isdigit() else None
+
+    def _named(self, c: Instance, request: RequestInfo) -> int | None | bool:
+        """The named rank of `c` (None: any) when `c` is the named instance and that place has room; else False."""
+        named = self.named_place(request)
+        if named is None or named[0] != c.instance_id:
+            return False
+        places = {rank for _, rank in self._fitting(c, request)}
+        if named[1] is None or not c.load.ranks:
+            return None if places else False
+        return named[1] if named[1] in places else False
+
+    def select(self, candidates: Sequence[Instance], request: RequestInfo) -> Instance | None:
+        for c in candidates:
+            if self._named(c, request) is not False:
+                return c
+        return super().select(candidates, request)
+
+    def select_rank(self, chosen: Instance, request: RequestInfo) -> int | None:
+        named = self._named(chosen, request)
+        if named is not False and (named is not None or not chosen.load.ranks):
+            return named
+        return super().select_rank(chosen, request)
 
 
 @register_policy("image_affinity")

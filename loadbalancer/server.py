@@ -2,8 +2,9 @@
 
 Everything that decides lives in the core (`membership.py`, `policies.py`, `balancer.py`); this
 module only converts messages and maps core errors to gRPC status codes:
-`NoHealthyInstance` -> UNAVAILABLE, `InsufficientCapacity` -> RESOURCE_EXHAUSTED, a bad or
-wrong-stage registration -> INVALID_ARGUMENT.
+`NoHealthyInstance` -> UNAVAILABLE, `InsufficientCapacity` -> RESOURCE_EXHAUSTED (full now: retry later),
+`RequestTooLarge` -> OUT_OF_RANGE (no instance could ever take it), a bad or wrong-stage registration ->
+INVALID_ARGUMENT.
 
 ```python
 server = serve("0.0.0.0:50051", "prefill", "prefix_aware")
@@ -21,7 +22,7 @@ from typing import NamedTuple
 
 import grpc
 
-from deepinfer.loadbalancer.balancer import Balancer, InsufficientCapacity, NoHealthyInstance
+from deepinfer.loadbalancer.balancer import Balancer, InsufficientCapacity, NoHealthyInstance, RequestTooLarge
 from deepinfer.loadbalancer.membership import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     Instance,
@@ -62,8 +63,17 @@ def load_from_proto(msg: loadbalancer_pb2.LoadReport) -> InstanceLoad:
         is_healthy=msg.is_healthy,
         is_draining=msg.is_draining,
         ranks=tuple(RankLoad(r.rank, r.num_running_requests, r.num_waiting_requests, r.num_kv_blocks_used,
-                             r.num_kv_blocks_total) for r in msg.ranks),
+                             r.num_kv_blocks_total,
+                             num_free_slots=r.num_free_slots if r.HasField("num_free_slots") else None,
+                             num_output_tokens_left=r.num_output_tokens_left) for r in msg.ranks),
+        num_free_slots=msg.num_free_slots if msg.HasField("num_free_slots") else None,
+        num_output_tokens_left=msg.num_output_tokens_left,
     )
+
+
+def _free_slots(n: int | None) -> dict:
+    """The optional `num_free_slots` field's keyword (none when not reported)."""
+    return {} if n is None else {"num_free_slots": n}
 
 
 def load_to_proto(load: InstanceLoad, *, with_hashes: bool = True) -> loadbalancer_pb2.LoadReport:
@@ -80,7 +90,11 @@ def load_to_proto(load: InstanceLoad, *, with_hashes: bool = True) -> loadbalanc
         ranks=[loadbalancer_pb2.RankLoad(rank=r.rank, num_running_requests=r.num_running_requests,
                                          num_waiting_requests=r.num_waiting_requests,
                                          num_kv_blocks_used=r.num_kv_blocks_used,
-                                         num_kv_blocks_total=r.num_kv_blocks_total) for r in load.ranks],
+                                         num_kv_blocks_total=r.num_kv_blocks_total,
+                                         num_output_tokens_left=r.num_output_tokens_left,
+                                         **_free_slots(r.num_free_slots)) for r in load.ranks],
+        num_output_tokens_left=load.num_output_tokens_left,
+        **_free_slots(load.num_free_slots),
     )
     if with_hashes:
         msg.cached_block_hashes.extend(sorted(load.cached_block_hashes))
@@ -141,6 +155,7 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServicer):
             block_hashes=tuple(request.prompt_block_hashes),
             num_prompt_tokens=request.num_prompt_tokens,
             num_kv_blocks_needed=request.num_kv_blocks_needed,
+            num_output_tokens=request.num_output_tokens,
             preferred_datacenter=request.preferred_datacenter,
             exclude_instance_ids=frozenset(request.exclude_instance_ids),
         )
@@ -152,6 +167,8 @@ class LoadBalancerServicer(loadbalancer_pb2_grpc.LoadBalancerServicer):
                     num_matched_prefix_tokens=matched_prefix_tokens(chosen, info),
                     **({"rank": rank} if rank is not None else {}),
                 )
+        except RequestTooLarge as e:
+            context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
         except InsufficientCapacity as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except NoHealthyInstance as e:

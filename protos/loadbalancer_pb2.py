@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from deepinfer.protos import common_pb2 as deepinfer_dot_protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#deepinfer/protos/loadbalancer.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x1d\x64\x65\x65pinfer/protos/common.proto\"\xdd\x01\n\x0fRegisterRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\"\n\x05stage\x18\x02 \x01(\x0e\x32\x13.deepinfer.v1.Stage\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x15\n\rkv_agent_name\x18\x04 \x01(\t\x12\x19\n\x11kv_agent_metadata\x18\x05 \x01(\x0c\x12\x12\n\ndatacenter\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12&\n\x04load\x18\x08 \x01(\x0b\x32\x18.deepinfer.v1.LoadReport\"O\n\x10RegisterResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\x12\x1c\n\x14heartbeat_timeout_ms\x18\x02 \x01(\r\"\xcf\x02\n\nLoadReport\x12!\n\x19num_queued_prefill_tokens\x18\x01 \x01(\x04\x12\x1c\n\x14num_running_requests\x18\x02 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x03 \x01(\r\x12\x1a\n\x12num_kv_blocks_used\x18\x04 \x01(\r\x12\x1b\n\x13num_kv_blocks_total\x18\x05 \x01(\r\x12\x1b\n\x13\x63\x61\x63hed_block_hashes\x18\x06 \x03(\x06\x12\x1e\n\x16is_cached_hashes_delta\x18\x07 \x01(\x08\x12\x1c\n\x14\x65victed_block_hashes\x18\x08 \x03(\x06\x12\x12\n\nis_healthy\x18\t \x01(\x08\x12\x13\n\x0bis_draining\x18\n \x01(\x08\x12%\n\x05ranks\x18\x0b \x03(\x0b\x32\x16.deepinfer.v1.RankLoad\"\x8d\x01\n\x08RankLoad\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x02 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x03 \x01(\r\x12\x1a\n\x12num_kv_blocks_used\x18\x04 \x01(\r\x12\x1b\n\x13num_kv_blocks_total\x18\x05 \x01(\r\"O\n\x10HeartbeatRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12&\n\x04load\x18\x02 \x01(\x0b\x32\x18.deepinfer.v1.LoadReport\"G\n\x11HeartbeatResponse\x12\x10\n\x08is_known\x18\x01 \x01(\x08\x12 \n\x18needs_full_cached_hashes\x18\x02 \x01(\x08\"\xd7\x01\n\x0bPickRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x05stage\x18\x02 \x01(\x0e\x32\x13.deepinfer.v1.Stage\x12\x1b\n\x13prompt_block_hashes\x18\x03 \x03(\x06\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_kv_blocks_needed\x18\x05 \x01(\r\x12\x1c\n\x14preferred_datacenter\x18\x06 \x01(\t\x12\x1c\n\x14\x65xclude_instance_ids\x18\x07 \x03(\t\"\x91\x02\n\x08Instance\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\"\n\x05stage\x18\x02 \x01(\x0e\x32\x13.deepinfer.v1.Stage\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x15\n\rkv_agent_name\x18\x04 \x01(\t\x12\x19\n\x11kv_agent_metadata\x18\x05 \x01(\x0c\x12\x12\n\ndatacenter\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12&\n\x04load\x18\x08 \x01(\x0b\x32\x18.deepinfer.v1.LoadReport\x12\x1f\n\x17num_cached_block_hashes\x18\t \x01(\r\x12\x18\n\x10heartbeat_age_ms\x18\n \x01(\r\"w\n\x0cPickResponse\x12(\n\x08instance\x18\x01 \x01(\x0b\x32\x16.deepinfer.v1.Instance\x12!\n\x19num_matched_prefix_tokens\x18\x02 \x01(\r\x12\x11\n\x04rank\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_rank\"(\n\x11\x44\x65registerRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\'\n\x12\x44\x65registerResponse\x12\x11\n\twas_found\x18\x01 \x01(\x08\"\x16\n\x14ListInstancesRequest\"S\n\x15ListInstancesResponse\x12)\n\tinstances\x18\x01 \x03(\x0b\x32\x16.deepinfer.v1.Instance\x12\x0f\n\x07\x62\x61lance\x18\x02 \x01(\x01\x32\x91\x03\n\x0cLoadBalancer\x12I\n\x08Register\x12\x1d.deepinfer.v1.RegisterRequest\x1a\x1e.deepinfer.v1.RegisterResponse\x12L\n\tHeartbeat\x12\x1e.deepinfer.v1.HeartbeatRequest\x1a\x1f.deepinfer.v1.HeartbeatResponse\x12=\n\x04Pick\x12\x19.deepinfer.v1.PickRequest\x1a\x1a.deepinfer.v1.PickResponse\x12O\n\nDeregister\x12\x1f.deepinfer.v1.DeregisterRequest\x1a .deepinfer.v1.DeregisterResponse\x12X\n\rListInstances\x12\".deepinfer.v1.ListInstancesRequest\x1a#.deepinfer.v1.ListInstancesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#deepinfer/protos/loadbalancer.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x1d\x64\x65\x65pinfer/protos/common.proto\"\xdd\x01\n\x0fRegisterRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\"\n\x05stage\x18\x02 \x01(\x0e\x32\x13.deepinfer.v1.Stage\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x15\n\rkv_agent_name\x18\x04 \x01(\t\x12\x19\n\x11kv_agent_metadata\x18\x05 \x01(\x0c\x12\x12\n\ndatacenter\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12&\n\x04load\x18\x08 \x01(\x0b\x32\x18.deepinfer.v1.LoadReport\"O\n\x10RegisterResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\x12\x1c\n\x14heartbeat_timeout_ms\x18\x02 \x01(\r\"\x9f\x03\n\nLoadReport\x12!\n\x19num_queued_prefill_tokens\x18\x01 \x01(\x04\x12\x1c\n\x14num_running_requests\x18\x02 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x03 \x01(\r\x12\x1a\n\x12num_kv_blocks_used\x18\x04 \x01(\r\x12\x1b\n\x13num_kv_blocks_total\x18\x05 \x01(\r\x12\x1b\n\x13\x63\x61\x63hed_block_hashes\x18\x06 \x03(\x06\x12\x1e\n\x16is_cached_hashes_delta\x18\x07 \x01(\x08\x12\x1c\n\x14\x65victed_block_hashes\x18\x08 \x03(\x06\x12\x12\n\nis_healthy\x18\t \x01(\x08\x12\x13\n\x0bis_draining\x18\n \x01(\x08\x12%\n\x05ranks\x18\x0b \x03(\x0b\x32\x16.deepinfer.v1.RankLoad\x12\x1b\n\x0enum_free_slots\x18\x0c \x01(\rH\x00\x88\x01\x01\x12\x1e\n\x16num_output_tokens_left\x18\r \x01(\x04\x42\x11\n\x0f_num_free_slots\"\xdd\x01\n\x08RankLoad\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x02 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x03 \x01(\r\x12\x1a\n\x12num_kv_blocks_used\x18\x04 \x01(\r\x12\x1b\n\x13num_kv_blocks_total\x18\x05 \x01(\r\x12\x1b\n\x0enum_free_slots\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x1e\n\x16num_output_tokens_left\x18\x07 \x01(\x04\x42\x11\n\x0f_num_free_slots\"O\n\x10HeartbeatRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12&\n\x04load\x18\x02 \x01(\x0b\x32\x18.deepinfer.v1.LoadReport\"G\n\x11HeartbeatResponse\x12\x10\n\x08is_known\x18\x01 \x01(\x08\x12 \n\x18needs_full_cached_hashes\x18\x02 \x01(\x08\"\xf2\x01\n\x0bPickRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x05stage\x18\x02 \x01(\x0e\x32\x13.deepinfer.v1.Stage\x12\x1b\n\x13prompt_block_hashes\x18\x03 \x03(\x06\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_kv_blocks_needed\x18\x05 \x01(\r\x12\x1c\n\x14preferred_datacenter\x18\x06 \x01(\t\x12\x1c\n\x14\x65xclude_instance_ids\x18\x07 \x03(\t\x12\x19\n\x11num_output_tokens\x18\x08 \x01(\r\"\x91\x02\n\x08Instance\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\"\n\x05stage\x18\x02 \x01(\x0e\x32\x13.deepinfer.v1.Stage\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x15\n\rkv_agent_name\x18\x04 \x01(\t\x12\x19\n\x11kv_agent_metadata\x18\x05 \x01(\x0c\x12\x12\n\ndatacenter\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12&\n\x04load\x18\x08 \x01(\x0b\x32\x18.deepinfer.v1.LoadReport\x12\x1f\n\x17num_cached_block_hashes\x18\t \x01(\r\x12\x18\n\x10heartbeat_age_ms\x18\n \x01(\r\"w\n\x0cPickResponse\x12(\n\x08instance\x18\x01 \x01(\x0b\x32\x16.deepinfer.v1.Instance\x12!\n\x19num_matched_prefix_tokens\x18\x02 \x01(\r\x12\x11\n\x04rank\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_rank\"(\n\x11\x44\x65registerRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\'\n\x12\x44\x65registerResponse\x12\x11\n\twas_found\x18\x01 \x01(\x08\"\x16\n\x14ListInstancesRequest\"S\n\x15ListInstancesResponse\x12)\n\tinstances\x18\x01 \x03(\x0b\x32\x16.deepinfer.v1.Instance\x12\x0f\n\x07\x62\x61lance\x18\x02 \x01(\x01\x32\x91\x03\n\x0cLoadBalancer\x12I\n\x08Register\x12\x1d.deepinfer.v1.RegisterRequest\x1a\x1e.deepinfer.v1.RegisterResponse\x12L\n\tHeartbeat\x12\x1e.deepinfer.v1.HeartbeatRequest\x1a\x1f.deepinfer.v1.HeartbeatResponse\x12=\n\x04Pick\x12\x19.deepinfer.v1.PickRequest\x1a\x1a.deepinfer.v1.PickResponse\x12O\n\nDeregister\x12\x1f.deepinfer.v1.DeregisterRequest\x1a .deepinfer.v1.DeregisterResponse\x12X\n\rListInstances\x12\".deepinfer.v1.ListInstancesRequest\x1a#.deepinfer.v1.ListInstancesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,27 +37,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERRESPONSE']._serialized_start=308
   _globals['_REGISTERRESPONSE']._serialized_end=387
   _globals['_LOADREPORT']._serialized_start=390
-  _globals['_LOADREPORT']._serialized_end=725
-  _globals['_RANKLOAD']._serialized_start=728
-  _globals['_RANKLOAD']._serialized_end=869
-  _globals['_HEARTBEATREQUEST']._serialized_start=871
-  _globals['_HEARTBEATREQUEST']._serialized_end=950
-  _globals['_HEARTBEATRESPONSE']._serialized_start=952
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1023
-  _globals['_PICKREQUEST']._serialized_start=1026
-  _globals['_PICKREQUEST']._serialized_end=1241
-  _globals['_INSTANCE']._serialized_start=1244
-  _globals['_INSTANCE']._serialized_end=1517
-  _globals['_PICKRESPONSE']._serialized_start=1519
-  _globals['_PICKRESPONSE']._serialized_end=1638
-  _globals['_DEREGISTERREQUEST']._serialized_start=1640
-  _globals['_DEREGISTERREQUEST']._serialized_end=1680
-  _globals['_DEREGISTERRESPONSE']._serialized_start=1682
-  _globals['_DEREGISTERRESPONSE']._serialized_end=1721
-  _globals['_LISTINSTANCESREQUEST']._serialized_start=1723
-  _globals['_LISTINSTANCESREQUEST']._serialized_end=1745
-  _globals['_LISTINSTANCESRESPONSE']._serialized_start=1747
-  _globals['_LISTINSTANCESRESPONSE']._serialized_end=1830
-  _globals['_LOADBALANCER']._serialized_start=1833
-  _globals['_LOADBALANCER']._serialized_end=2234
+  _globals['_LOADREPORT']._serialized_end=805
+  _globals['_RANKLOAD']._serialized_start=808
+  _globals['_RANKLOAD']._serialized_end=1029
+  _globals['_HEARTBEATREQUEST']._serialized_start=1031
+  _globals['_HEARTBEATREQUEST']._serialized_end=1110
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1112
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1183
+  _globals['_PICKREQUEST']._serialized_start=1186
+  _globals['_PICKREQUEST']._serialized_end=1428
+  _globals['_INSTANCE']._serialized_start=1431
+  _globals['_INSTANCE']._serialized_end=1704
+  _globals['_PICKRESPONSE']._serialized_start=1706
+  _globals['_PICKRESPONSE']._serialized_end=1825
+  _globals['_DEREGISTERREQUEST']._serialized_start=1827
+  _globals['_DEREGISTERREQUEST']._serialized_end=1867
+  _globals['_DEREGISTERRESPONSE']._serialized_start=1869
+  _globals['_DEREGISTERRESPONSE']._serialized_end=1908
+  _globals['_LISTINSTANCESREQUEST']._serialized_start=1910
+  _globals['_LISTINSTANCESREQUEST']._serialized_end=1932
+  _globals['_LISTINSTANCESRESPONSE']._serialized_start=1934
+  _globals['_LISTINSTANCESRESPONSE']._serialized_end=2017
+  _globals['_LOADBALANCER']._serialized_start=2020
+  _globals['_LOADBALANCER']._serialized_end=2421
 # @@protoc_insertion_point(module_scope)

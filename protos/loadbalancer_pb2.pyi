@@ -36,7 +36,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_queued_prefill_tokens", "num_running_requests", "num_waiting_requests", "num_kv_blocks_used", "num_kv_blocks_total", "cached_block_hashes", "is_cached_hashes_delta", "evicted_block_hashes", "is_healthy", "is_draining", "ranks")
+    __slots__ = ("num_queued_prefill_tokens", "num_running_requests", "num_waiting_requests", "num_kv_blocks_used", "num_kv_blocks_total", "cached_block_hashes", "is_cached_hashes_delta", "evicted_block_hashes", "is_healthy", "is_draining", "ranks", "num_free_slots", "num_output_tokens_left")
     NUM_QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,8 @@ class LoadReport(_message.Message):
     IS_HEALTHY_FIELD_NUMBER: _ClassVar[int]
     IS_DRAINING_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_LEFT_FIELD_NUMBER: _ClassVar[int]
     num_queued_prefill_tokens: int
     num_running_requests: int
     num_waiting_requests: int
@@ -59,21 +61,27 @@ class LoadReport(_message.Message):
     is_healthy: bool
     is_draining: bool
     ranks: _containers.RepeatedCompositeFieldContainer[RankLoad]
-    def __init__(self, num_queued_prefill_tokens: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ..., is_cached_hashes_delta: _Optional[bool] = ..., evicted_block_hashes: _Optional[_Iterable[int]] = ..., is_healthy: _Optional[bool] = ..., is_draining: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankLoad, _Mapping]]] = ...) -> None: ...
+    num_free_slots: int
+    num_output_tokens_left: int
+    def __init__(self, num_queued_prefill_tokens: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ..., is_cached_hashes_delta: _Optional[bool] = ..., evicted_block_hashes: _Optional[_Iterable[int]] = ..., is_healthy: _Optional[bool] = ..., is_draining: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankLoad, _Mapping]]] = ..., num_free_slots: _Optional[int] = ..., num_output_tokens_left: _Optional[int] = ...) -> None: ...
 
 class RankLoad(_message.Message):
-    __slots__ = ("rank", "num_running_requests", "num_waiting_requests", "num_kv_blocks_used", "num_kv_blocks_total")
+    __slots__ = ("rank", "num_running_requests", "num_waiting_requests", "num_kv_blocks_used", "num_kv_blocks_total", "num_free_slots", "num_output_tokens_left")
     RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_LEFT_FIELD_NUMBER: _ClassVar[int]
     rank: int
     num_running_requests: int
     num_waiting_requests: int
     num_kv_blocks_used: int
     num_kv_blocks_total: int
-    def __init__(self, rank: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ...) -> None: ...
+    num_free_slots: int
+    num_output_tokens_left: int
+    def __init__(self, rank: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_free_slots: _Optional[int] = ..., num_output_tokens_left: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("instance_id", "load")
@@ -92,7 +100,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, is_known: _Optional[bool] = ..., needs_full_cached_hashes: _Optional[bool] = ...) -> None: ...
 
 class PickRequest(_message.Message):
-    __slots__ = ("request_id", "stage", "prompt_block_hashes", "num_prompt_tokens", "num_kv_blocks_needed", "preferred_datacenter", "exclude_instance_ids")
+    __slots__ = ("request_id", "stage", "prompt_block_hashes", "num_prompt_tokens", "num_kv_blocks_needed", "preferred_datacenter", "exclude_instance_ids", "num_output_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +108,7 @@ class PickRequest(_message.Message):
     NUM_KV_BLOCKS_NEEDED_FIELD_NUMBER: _ClassVar[int]
     PREFERRED_DATACENTER_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_INSTANCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     stage: _common_pb2.Stage
     prompt_block_hashes: _containers.RepeatedScalarFieldContainer[int]
@@ -107,7 +116,8 @@ class PickRequest(_message.Message):
     num_kv_blocks_needed: int
     preferred_datacenter: str
     exclude_instance_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., stage: _Optional[_Union[_common_pb2.Stage, str]] = ..., prompt_block_hashes: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., num_kv_blocks_needed: _Optional[int] = ..., preferred_datacenter: _Optional[str] = ..., exclude_instance_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    num_output_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., stage: _Optional[_Union[_common_pb2.Stage, str]] = ..., prompt_block_hashes: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., num_kv_blocks_needed: _Optional[int] = ..., preferred_datacenter: _Optional[str] = ..., exclude_instance_ids: _Optional[_Iterable[str]] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
 
 class Instance(_message.Message):
     __slots__ = ("instance_id", "stage", "address", "kv_agent_name", "kv_agent_metadata", "datacenter", "block_size", "load", "num_cached_block_hashes", "heartbeat_age_ms")

@@ -73,8 +73,11 @@ class VisionCore:
     """Encoder + embedding buffer + cache of one vision instance (rank 0 of its group). Not thread-safe."""
 
     def __init__(self, encode: EncodeFn, agent: EmbeddingAgent, *, max_batch_images: int = 8,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 check_image: Callable[[ResolvedImage], None] | None = None) -> None:
         self.encode = encode
+        self.check_image = check_image
+        """Raises ValueError for an image the tower cannot encode as resolved (`tower_image_check`); None: all can."""
         self.agent = agent
         self.max_batch_images = max_batch_images
         self._clock = clock
@@ -103,6 +106,8 @@ class VisionCore:
             if im.num_tokens > self.agent.allocator.num_rows:
                 raise ValueError(f"an image of {im.num_tokens} tokens does not fit the embedding buffer "
                                  f"({self.agent.allocator.num_rows} rows); start the instance with more rows")
+            if self.check_image is not None:
+                self.check_image(im)
         req = _Request(request_id, [im.content_hash for im in images], [], lease_s)
         self._counters["vision_images_total"] += len(images)
         for im in images:
@@ -255,11 +260,35 @@ class VisionCore:
 
 
 def tower_encoder(tower) -> EncodeFn:
-    """The `EncodeFn` of an `engine.models.vision.VisionTower`: recipe's preprocessed images ->
-    pixels (`preprocess_pixels`) -> `tower.encode` (equal sizes share a forward)."""
-    from deepinfer.engine.models.vision import preprocess_pixels
+    """The `EncodeFn` of a vision tower: recipe's preprocessed images -> the tower's input -> `tower.encode`
+    (equal sizes share a forward). V4's `engine.models.vision.VisionTower` takes padded pixels
+    (`preprocess_pixels`); V4.1's `engine.models.vision_v41.V41VisionTower` has its own `preprocess` (its resize
+    plan and patches) and `image_token_count`, which must agree with recipe's count (`ResolvedImage.num_tokens`, the
+    positions the entrypoint expanded): `tower_image_check` refuses a disagreement at `submit`."""
+    prep = getattr(tower, "preprocess", None)
+    if prep is None:
+        from deepinfer.engine.models.vision import preprocess_pixels
+
+        def prep(info):
+            return preprocess_pixels(info, tower.config)
 
     def encode(images: list[ResolvedImage]) -> list[torch.Tensor]:
-        return tower.encode([preprocess_pixels(im.info, tower.config) for im in images])
+        return tower.encode([prep(im.info) for im in images])
 
     return encode
+
+
+def tower_image_check(tower) -> Callable[[ResolvedImage], None] | None:
+    """`VisionCore`'s `check_image` for a tower with its own token count (V4.1's `image_token_count`): raises
+    ValueError (a refusal of the request) when it disagrees with recipe's count; None for a tower without one."""
+    count = getattr(tower, "image_token_count", None)
+    if count is None:
+        return None
+
+    def check(im: ResolvedImage) -> None:
+        n = count(im.info.width, im.info.height)
+        if n != im.num_tokens:
+            raise ValueError(f"a {im.info.width}x{im.info.height} image: recipe's V4.1 specification counts "
+                             f"{im.num_tokens} image tokens, the tower's resize plan {n}; this image size is not served")
+
+    return check

@@ -37,7 +37,7 @@ from deepinfer.serving.errors import Aborted, Refused, error_of
 from deepinfer.serving.loop import LoopMode, call_time_remaining
 from deepinfer.serving.shell import LOOP_CALL_TIMEOUT_S, ShellServicer, WorkerShell, serve_worker
 from deepinfer.vision_worker.config import VisionWorkerConfig
-from deepinfer.vision_worker.core import EncodeDone, VisionCore, tower_encoder
+from deepinfer.vision_worker.core import EncodeDone, VisionCore, tower_encoder, tower_image_check
 
 VISION_REFUSALS = ((ValueError, common_pb2.ERROR_CODE_INVALID_REQUEST, "images"),)
 """This stage's rows of the refusal table (`serving.errors`): an image the core cannot take is bad input."""
@@ -71,7 +71,8 @@ class VisionWorker(WorkerShell):
         self.tower = load_vision_tower(resolve_model(config.model, config.revision), config.dtype, config.device)
         self.agent = EmbeddingAgent(self.agent_name, config.embedding_rows, self.tower.lm_hidden_size,
                                     self.tower.dtype, config.device, ucx_env=self.ucx_env)
-        self.core = VisionCore(tower_encoder(self.tower), self.agent, max_batch_images=config.max_batch_images)
+        self.core = VisionCore(tower_encoder(self.tower), self.agent, max_batch_images=config.max_batch_images,
+                               check_image=tower_image_check(self.tower))
         hosts = [h for h in config.image_url_allowed_hosts.split(",") if h.strip()]
         self.resolver = ImageResolver(ImageUrlPolicy(hosts), config.limits())
         # loop-thread state

@@ -10,6 +10,7 @@
     step of a rank without work, EPLB re-placement (moving expert weights between ranks) and the measured
     loads (`engine.moe.eplb`).
   * `worker`: a rank's state and the command loop of ranks 1..N-1 (SPMD).
+  * `spec`: speculative decoding over the ranks (`SpecRankPlan`s, rank 0 merges and schedules the verifies).
   * `executor`: `MultiRankExecutor`, the `engine.executor` seam's multi-rank executor ("multirank"),
     picked when `EngineConfig.expert_parallel_size > 1`.
 
@@ -19,10 +20,13 @@ KV transfer agent over the rank's pools (`kv_transfer.ranked`, attached as rank 
 (`kv_pools.locate_blocks`), and its load report carries each rank's load (`kv_pools.rank_loads`), by which
 the decode balancer picks an (instance, rank) (`RankedKVCacheManager.prefer_rank`).
 
+Speculative decoding runs over the ranks too (`spec`: each rank verifies and drafts its own requests, rank 0
+decides the verify schedule for the whole batch).
+
 `check_config` holds the configuration rules of a multi-rank instance (called by `EngineConfig`). Not
-supported yet with EP > 1 (refused with a message): speculative decoding, async scheduling, prompt
-logprobs, KV loads / holds by hand (`reserve_kv`, `hold_kv`: they name one pool's bytes) and connectors that
-do not serve ranks (`KVConnector.serves_ranks`: the KV store's today).
+supported yet with EP > 1 (refused with a message): async scheduling, prompt logprobs, KV loads / holds by
+hand (`reserve_kv`, `hold_kv`: they name one pool's bytes) and connectors that do not serve ranks
+(`KVConnector.serves_ranks`: the KV store's today).
 """
 
 from __future__ import annotations
@@ -31,9 +35,6 @@ from __future__ import annotations
 def check_config(config) -> None:
     """Raise ValueError (saying how to fix it) when `config` (an `EngineConfig` with
     `expert_parallel_size > 1`) asks for something a multi-rank instance does not support yet."""
-    if config.speculative_tokens:
-        raise ValueError("speculative decoding is not supported with expert_parallel_size > 1 yet; "
-                         "set speculative_tokens=0")
     if config.async_scheduling:
         raise ValueError("the multi-rank executor does not overlap steps; set async_scheduling=False (or leave it "
                          "unset) with expert_parallel_size > 1")

@@ -11,6 +11,10 @@ step's sampling order. Ranks 1..N-1 are processes this executor starts (`spawn`)
 
 `max_inflight = 1`: the step runs inside `submit` (no overlap yet).
 
+Speculative decoding (`spec=` the engine's `SpecDecoding`): a `SpecPreparedStep` is split into `SpecRankPlan`s,
+every rank verifies and drafts its own requests, and rank 0 merges their results and decides the verify schedule
+(`engine.distributed.spec`).
+
 Memory: each rank holds its own routed experts only (loaded that way, `expert_parallel.rank_load_kwargs`)
 and its own KV pool (`num_blocks` blocks and its share of the state slots, `kv_pools`); `rank_memory()`
 reports what each rank holds.
@@ -55,13 +59,15 @@ from deepinfer.engine.distributed.expert_parallel import LayerLoad, imbalance_of
 from deepinfer.engine.distributed.group import GroupAddress, backend_for, free_port, join_group, leave_group
 from deepinfer.engine.distributed.plan import split_step
 from deepinfer.engine.distributed.sampling import resolve_seeds, select_rows
-from deepinfer.engine.distributed.worker import Command, RankError, RankSpec, RankState, rank_main
+from deepinfer.engine.distributed.spec import merge_spec_results, split_spec_step
+from deepinfer.engine.distributed.worker import Command, RankError, RankSpec, RankState, SpecRankConfig, rank_main
 from deepinfer.engine.executor import Executor, PreparedStep, StepResult
 
 if TYPE_CHECKING:
     from deepinfer.engine.engine import EngineConfig
     from deepinfer.engine.model_runner import ModelRunner
     from deepinfer.engine.sampling import Sampler
+    from deepinfer.engine.spec_decode import SpecDecoding
 
 
 @dataclass
@@ -88,8 +94,10 @@ class MultiRankExecutor(Executor):
     max_inflight = 1
 
     @classmethod
-    def from_config(cls, config: EngineConfig, runner: ModelRunner, sampler: Sampler) -> MultiRankExecutor:
-        """The executor for `config.expert_parallel_size` ranks over the engine's model and cache (rank 0)."""
+    def from_config(cls, config: EngineConfig, runner: ModelRunner, sampler: Sampler,
+                    spec: SpecDecoding | None = None) -> MultiRankExecutor:
+        """The executor for `config.expert_parallel_size` ranks over the engine's model and cache (rank 0);
+        `spec`: the engine's speculative decoding (rank 0's), or None."""
         from deepinfer.engine.hub import resolve_model
 
         cache = runner.cache
@@ -97,18 +105,25 @@ class MultiRankExecutor(Executor):
                            moe_backend=config.moe_backend, fp8_activations=config.fp8_activations,
                            indexer_numerics=config.indexer_numerics)
         world = config.expert_parallel_size
-        spec = RankSpec(
+        spec_config = None if spec is None else SpecRankConfig(
+            spec.num_draft_tokens, spec.batched_verify, getattr(spec.drafter, "keep_features", False),
+            config.speculative)
+        rank_spec = RankSpec(
             address=GroupAddress("127.0.0.1", free_port(), world, backend_for(config.device)),
             model_path=str(resolve_model(config.model, config.revision)), load_kwargs=load_kwargs,
             device=config.device, batch_invariant=config.batch_invariant, num_blocks=cache.num_blocks,
             block_size=cache.block_size, num_slots=cache.num_slots, max_blocks_per_seq=cache.max_blocks_per_seq,
             num_redundant_experts=config.num_redundant_experts,
-            num_threads=max(1, (os.cpu_count() or 1) // world),
+            num_threads=max(1, (os.cpu_count() or 1) // world), speculative=spec_config,
         )
-        return cls(runner, sampler, spec, eplb_interval_steps=config.eplb_interval_steps)
+        return cls(runner, sampler, rank_spec, eplb_interval_steps=config.eplb_interval_steps, spec_decoding=spec)
 
-    def __init__(self, runner: ModelRunner, sampler: Sampler, spec: RankSpec, eplb_interval_steps: int = 0) -> None:
-        """Blocks until ranks 1..N-1 are started, loaded and joined with this process (rank 0)."""
+    def __init__(self, runner: ModelRunner, sampler: Sampler, spec: RankSpec, eplb_interval_steps: int = 0,
+                 spec_decoding: SpecDecoding | None = None) -> None:
+        """Blocks until ranks 1..N-1 are started, loaded and joined with this process (rank 0).
+        `spec_decoding`: rank 0's speculative decoding (with `spec.speculative` set), or None."""
+        if (spec_decoding is None) != (spec.speculative is None):
+            raise ValueError("pass spec_decoding exactly when the rank spec has speculative set")
         super().__init__(runner, sampler)
         if runner.device.type == "cuda":
             torch.cuda.set_device(runner.device)  # NCCL binds rank 0's communicator to the current device
@@ -130,6 +145,7 @@ class MultiRankExecutor(Executor):
             self._wait_ready(ready)
             self._ctrl = join_group(spec.address, 0)
             self.state = RankState(0, runner.model, runner.cache, spec.num_redundant_experts)
+            self.state.spec = spec_decoding
         except BaseException:
             self._kill()
             raise
@@ -220,7 +236,11 @@ class MultiRankExecutor(Executor):
         import time
 
         t0 = time.perf_counter()
-        plans, rows_of_rank = split_step(step.batch, self.world_size, self.spec.num_blocks)
+        verify_at = None
+        if hasattr(step, "verify"):  # a `SpecPreparedStep` (speculative decoding, `engine.distributed.spec`)
+            plans, rows_of_rank, verify_at = split_spec_step(step, self.world_size, self.spec.num_blocks)
+        else:
+            plans, rows_of_rank = split_step(step.batch, self.world_size, self.spec.num_blocks)
         if step.sampling_batch is not None:
             # NOTE: the engine's sampler draws the unseeded rows' seeds here, exactly as its `sample` would, so
             # the ranks sample bit-identically to one process (`engine.distributed.sampling`)
@@ -239,6 +259,8 @@ class MultiRankExecutor(Executor):
         self._num_steps += 1
         if self.eplb_interval_steps and self._num_steps % self.eplb_interval_steps == 0:
             self.rebalance_experts()
+        if verify_at is not None:  # rank 0 merges and decides the verify schedule for the whole batch
+            return self.state.spec.finish(step.verify, merge_spec_results(results, verify_at))
         if step.sampling_batch is None:
             return StepResult([], [], t1 - t0, 0.0)
         num_rows = sum(len(r) for r in rows_of_rank)

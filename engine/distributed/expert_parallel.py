@@ -30,7 +30,7 @@ from deepinfer.engine.moe.eplb import imbalance, rebalance
 def moe_layers(model) -> list:
     """The model's MoE modules in the order its forward runs them (one per decoder layer).
 
-    NOTE: the MTP layers' MoE are not here: speculative decoding is off with expert parallelism.
+    NOTE: the MTP layers' MoE are not here: their experts are whole on every rank (`engine.distributed.spec`).
     """
     return [layer.ffn for layer in model.model.layers]
 
@@ -44,17 +44,18 @@ def held_experts(num_layers: int, num_experts: int, world_size: int, rank: int,
 
 
 def rank_load_kwargs(model_config, world_size: int, rank: int, num_redundant_experts: int = 0,
-                     batch_invariant: bool = False) -> dict:
+                     batch_invariant: bool = False, load_mtp: bool = False) -> dict:
     """The `engine.loader.load_checkpoint` keyword arguments that load rank `rank`'s share of an expert-parallel
     instance: only its routed experts (`held_experts`), and its EP backends installed before the first
-    prepare (so no rank ever packs experts it does not hold); no MTP layers (speculative decoding is off)."""
+    prepare (so no rank ever packs experts it does not hold). `load_mtp` (speculative decoding on): the MTP
+    layers too, with all their experts, their MoE running locally (`engine.distributed.spec`)."""
     def before_prepare(model) -> None:
         install_expert_parallel(model, num_redundant_experts, world_size=world_size, rank=rank,
                                 batch_invariant=batch_invariant, prepare=False)
 
     return dict(routed_experts=held_experts(model_config.num_hidden_layers, model_config.n_routed_experts, world_size,
                                             rank, num_redundant_experts),
-                before_prepare=before_prepare, load_mtp=False)
+                before_prepare=before_prepare, load_mtp=load_mtp)
 
 
 def install_expert_parallel(model, num_redundant_experts: int = 0, group=None, *, world_size: int | None = None,

@@ -5,7 +5,9 @@ command per step; ranks 1..N-1 run `rank_main` in their own process, a loop over
 from rank 0 on the control group until `stop`. Commands (`Command.kind`):
 
   * `step`: run this rank's `RankPlan` (an empty plan: the MoE collectives with zero rows) and sample its
-    rows (`engine.distributed.sampling`): returns `(token_ids, logprobs)` of its sampling rows, or None;
+    rows (`engine.distributed.sampling`): returns `(token_ids, logprobs)` of its sampling rows, or None; a
+    `SpecRankPlan` (speculative decoding, `engine.distributed.spec`) runs the rank's `SpecDecoding.run_local`
+    instead and returns its `LocalSpecResult` (None for an empty plan);
   * `rebalance`: EPLB over the loads measured since the last one (a collective; experts a rank gains are
     sent to it by a rank holding them, `engine.distributed.expert_parallel.move_experts`);
   * `loads`: this rank's per-layer `LayerLoad`s (`payload=True` also resets them);
@@ -105,6 +107,20 @@ class RankSpec:
     num_redundant_experts: int = 0
     num_threads: int = 1
     """torch intra-op threads of a rank process (the CPU ranks of one host share its cores)."""
+    speculative: SpecRankConfig | None = None
+    """Speculative decoding on the ranks (they then load the MTP layer and hold a drafter), or None: off."""
+
+
+@dataclass
+class SpecRankConfig:
+    """What a rank's `SpecDecoding` needs (rank 0's choices, so every rank computes the same way)."""
+
+    num_draft_tokens: int
+    batched_verify: bool
+    keep_features: bool
+    """Return the drafts' confidence features (rank 0 holds a confidence head)."""
+    method: str = "mtp"
+    """The drafter (`EngineConfig.speculative`)."""
 
 
 class RankState:
@@ -121,6 +137,18 @@ class RankState:
         self.sampler = Sampler()  # NOTE: draws nothing of its own: rank 0 resolves every row's seed
         self.endpoint = None
         """What a layer above the engine runs on this rank (`attach`), or None."""
+        self.spec = None
+        """The rank's `engine.spec_decode.SpecDecoding` (drafter, rollback over its own cache) with speculative
+        decoding on (rank 0's is the engine's), or None."""
+
+    def make_spec(self, config: SpecRankConfig) -> None:
+        """Give this rank its speculative-decoding state (ranks 1..N-1; rank 0 shares the engine's)."""
+        from deepinfer.engine.spec_decode import SpecDecoding
+
+        self.spec = SpecDecoding(self.model, self.cache, self.sampler, self.cache.num_slots, config.num_draft_tokens,
+                                 config.method, batched_verify=config.batched_verify)
+        if config.keep_features:
+            self.spec.drafter.keep_features = True
 
     @torch.inference_mode()
     def run(self, cmd: Command):
@@ -155,6 +183,12 @@ class RankState:
         if plan.is_empty:
             idle_step(self.model)
             return None
+        if hasattr(plan, "verify"):  # a `SpecRankPlan`: verify and draft this rank's requests
+            from deepinfer.engine.distributed.spec import to_host
+
+            if self.spec is None:
+                raise RuntimeError(f"rank {self.rank} got a speculative step but has no speculative decoding state")
+            return to_host(self.spec.run_local(plan.build_step(self.model, self.cache, self.device)))
         logits = self.model.step(plan.build(self.model, self.cache, self.device), self.cache)
         if plan.sampling is None:
             return None
@@ -172,7 +206,7 @@ def _load_rank(spec: RankSpec, rank: int) -> RankState:
     mc, _ = read_checkpoint_config(spec.model_path)
     model, mc = load_checkpoint(spec.model_path, device=str(device), **spec.load_kwargs,
                                 **rank_load_kwargs(mc, spec.address.world_size, rank, spec.num_redundant_experts,
-                                                   spec.batch_invariant))
+                                                   spec.batch_invariant, load_mtp=spec.speculative is not None))
     if spec.batch_invariant:
         from deepinfer.engine.batch_invariant import enable_batch_invariant
 
@@ -214,6 +248,8 @@ def rank_main(rank: int, spec: RankSpec, ready=None) -> None:
     state = None
     try:
         state = RankState(rank, model, cache, spec.num_redundant_experts)
+        if spec.speculative is not None:
+            state.make_spec(spec.speculative)
         while True:
             box = [None]
             dist.scatter_object_list(box, None, src=0, group=ctrl)

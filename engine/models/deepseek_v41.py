@@ -4,8 +4,10 @@ Written from the description of DeepSeek's official reference (`inference/model.
 of the DeepSeek-V4.1-Flash release) in docs/V4_1.md, not copied from it. Module paths are the published
 checkpoint's tensor names (`embed`, `layers.{L}.attn.compressor.wkv`, `layers.{L}.engram.wkv`, ...), so
 `state_dict()` keys are the checkpoint's for everything this module builds. Weights are float, except that the
-engine's loader keeps the dense 32x32-block FP8 linears FP8 (`keep_fp8_linears`: `engine.quant.Fp8Linear`); the FP4
-experts and FP8 Engram rows are held dequantized, and the reference's FP8/FP4 activations and KV are not simulated.
+engine's loader keeps the checkpoint's quantized tensors as published: the dense 32x32-block FP8 linears
+(`keep_fp8_linears`: `engine.quant.Fp8Linear`), the MXFP4 routed experts (`engine.quant.v41.keep_fp4_experts`:
+`Fp4Linear`) and the FP8 Engram tables, mapped from the shards and gathered row by row (`keep_engram_tables`:
+`engine.quant.engram.Fp8EngramTable`). The reference's FP8/FP4 activations and KV are not simulated.
 
 What V4.1 changes against `deepseek_v4` (whose pieces are reused where the math is the same: RMSNorm,
 the interleaved partial RoPE and its YaRN, the clamped SwiGLU expert, the mHC mixing weights and
@@ -32,7 +34,9 @@ step metadata (`build_attention_metadata` over `v41_layer_specs`), chunked prefi
 `PagedAttention` (KV sources write their ratio's pools, later layers read them, index sources publish their
 selections within the step), Engram hashes from a per-slot history ring, and decoder-side bounded replay
 (`decoder_replay`: the layers after the last KV source compute a request's tokens from `prompt - sliding_window`
-on only; `_decoder_tail`). Not here: DSpark stages, the vision tower, FP4 experts and Engram tables kept quantized.
+on only; `_decoder_tail`). Image spans (the vision tower's rows, `engine.models.vision_v41`) replace their
+positions' input rows, route with `bias_vl` and are dead tokens for Engram. The DSpark draft stages (`mtp`) are
+`engine.models.dspark`; the step hands the drafter its features (`forward(return_streams=True)`).
 """
 
 from __future__ import annotations
@@ -154,8 +158,8 @@ class NgramHasher(nn.Module):
 
 
 class EngramTable(nn.Module):
-    """One Engram layer's table `[rows, head_dim]` (published as FP8 with a UE8M0 scale per 32 values;
-    held dequantized here)."""
+    """One Engram layer's table `[rows, head_dim]` (published as FP8 with a UE8M0 scale per 32 values; held
+    dequantized here: the reference reader. The engine's loader replaces it by `engine.quant.engram.Fp8EngramTable`)."""
 
     def __init__(self, rows: int, dim: int) -> None:
         super().__init__()
@@ -695,13 +699,43 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.backend = PagedAttention()
         """The paged attention of every layer (and the step's published selections); not CUDA-graph safe."""
         self.vision = None
-        """No vision tower (V4.1's is not built; the loader refuses a `vision_config`)."""
+        """The ViT (`vision_v41.ViT`, checkpoint prefix `vision.`) of a checkpoint with a `vision_config`, else None."""
+        object.__setattr__(self, "_image_encoder", None)
+        if config.vision is not None:
+            from deepinfer.engine.models.vision_v41 import V41VisionTower
+
+            tower = V41VisionTower(config.vision, config.hidden_size)
+            self.vision, self.aligner = tower.vision, tower.aligner
+            self.image_start, self.image_end, self.image_newline = tower.image_start, tower.image_end, tower.image_newline
+            object.__setattr__(self, "_image_encoder", tower)
+        self.mtp = None
+        """DSpark draft stages (`engine.models.dspark`, checkpoint `mtp.*`), None without them: the drafter of
+        `speculative="dspark"` (`engine.spec_decode.dspark_drafter`). They share `embed` and `head`."""
+        if config.num_nextn_predict_layers and config.dspark_block_size:
+            from deepinfer.engine.models.dspark import build_dspark_stages
+
+            self.mtp = build_dspark_stages(config, moe_backend)
+        self.dspark_targets = {t: i for i, t in enumerate(config.dspark_target_layer_ids)} if self.mtp else {}
+        """Target layer -> its slot in the DSpark features (`forward(return_streams=True)`)."""
         self.last_kv_source = max(config.kv_source_layer_ids, default=-1)
         """The last layer that computes compressed KV: decoder-side bounded replay cuts after it."""
         self.decoder_replay = False
         """The paged step's decoder-side bounded replay (`_decoder_tail`): the layers after `last_kv_source` compute
         a request's tokens from `num_prompt_tokens - sliding_window` on only. The engine sets it from
         `EngineConfig.v41_decoder_replay` (on by default); off here, so a bare model computes every token."""
+
+    @property
+    def image_encoder(self):
+        """The vision tower (`engine.models.vision_v41.V41VisionTower`: preprocess, encode) of a checkpoint with a
+        `vision_config`, else None. Its modules and rows are registered on this model under their checkpoint names
+        (`vision`, `aligner`, `image_start`, `image_end`, `image_newline`), so `state_dict()` stays the
+        checkpoint's; the tower object is a plain attribute sharing them (the engine encodes through it).
+        NOTE: re-linked on every access: a load with `assign=True` replaces this model's parameters."""
+        tower = self._image_encoder
+        if tower is not None:
+            tower._modules.update(vision=self.vision, aligner=self.aligner)
+            tower._parameters.update({n: getattr(self, n) for n in ("image_start", "image_end", "image_newline")})
+        return tower
 
     def set_engram_token_map(self, token_map) -> None:
         """Install the compressed-id map (`compressed_token_map(tokenizer)[0]`) the Engram hashes read."""
@@ -726,9 +760,11 @@ class DeepseekV41ForCausalLM(nn.Module):
         }
 
     def forward_full(self, input_ids: torch.Tensor, image_mask: torch.Tensor | None = None, *,
-                     bounded_replay: bool = False, replay_from: int | None = None) -> torch.Tensor:
+                     image_embeds: torch.Tensor | None = None, bounded_replay: bool = False,
+                     replay_from: int | None = None) -> torch.Tensor:
         """input_ids [T] of one sequence from position 0; image_mask [T] bool (True inside image spans:
-        the router's `bias_vl`, no Engram) -> float32 logits [T, vocab].
+        the router's `bias_vl`, no Engram) -> float32 logits [T, vocab]. `image_embeds` [T, H]: the input rows of
+        the image positions (the vision tower's spans; rows outside `image_mask` are ignored).
 
         `bounded_replay` (decoder-side bounded replay): the layers after the last KV source, which own no
         compressed KV, run only over the last `sliding_window` tokens; the logits of those tokens come back
@@ -747,7 +783,12 @@ class DeepseekV41ForCausalLM(nn.Module):
         live = None if image_mask is None else ~image_mask
         rows = self.engram_hash(input_ids, live) if self.engram_hash is not None else None
         ropes = self._rope_tables(T, input_ids.device)
-        streams = self.embed(input_ids)[:, None, :].expand(T, hc, -1).contiguous()  # [T, hc, H]
+        x = self.embed(input_ids)
+        if image_embeds is not None:
+            if image_mask is None or tuple(image_embeds.shape) != tuple(x.shape):
+                raise ValueError(f"image_embeds must be [T, H] = {tuple(x.shape)} and come with an image_mask")
+            x = torch.where(image_mask[:, None], image_embeds.to(x.dtype), x)
+        streams = x[:, None, :].expand(T, hc, -1).contiguous()  # [T, hc, H]
         pre = torch.zeros(T, hc, dtype=torch.float32, device=input_ids.device)
         pre[:, 0] = 1.0  # the first attention reads stream 0
         shared = SharedState()
@@ -774,7 +815,7 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def prepare_for_inference(self) -> None:
         """Once after loading: hand each MoE's experts to its backend."""
-        for layer in self.layers:
+        for layer in list(self.layers) + list(self.mtp or []):
             layer.ffn.backend.prepare(layer.ffn.experts)
             layer.ffn._prepared_ptr = layer.ffn.experts[0].w1.weight.data_ptr()
 
@@ -785,58 +826,81 @@ class DeepseekV41ForCausalLM(nn.Module):
         rope_fns = {"main": lambda p: self._rope("main", p), "compress": lambda p: self._rope("compress", p)}
         return build_attention_metadata(batch, self.layer_specs, rope_fns, cache.block_size)
 
-    def _engram_rows_paged(self, batch, cache) -> torch.Tensor:
+    def _engram_rows_paged(self, batch, cache, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Engram row ids [T, L, cols] of the step's new tokens, each request's history read from (and its newest
         tokens written to) its slot's `engram_tokens` ring. History before the slot's `state_start` (or before
         position 0) counts as no token: exact for positions whose `max_ngram - 1` predecessors were computed in
-        this life (a replay covers them: `exact_replay_tokens`)."""
+        this life (a replay covers them: `exact_replay_tokens`). Image positions (`image_mask` [T]) are dead tokens
+        (-1 in the ring: the n-grams through them latch to the pad)."""
         ring = cache.tensors["engram_tokens"][0]  # [slots, m1]
         m1 = ring.shape[-1]
         device = batch.input_ids.device
+        ids = batch.input_ids if image_mask is None else batch.input_ids.masked_fill(image_mask, -1)
         grams = []
         for i, s in enumerate(batch.seqs):
             a, n, p0 = batch.starts[i], s.num_new_tokens, s.num_computed_tokens
             hp = torch.arange(p0 - m1, p0, device=device)
             hist = torch.where(hp >= s.state_start, ring[s.slot, hp % m1], -1)
-            ext = torch.cat([hist, batch.input_ids[a:a + n]])  # positions p0 - m1 .. p0 + n - 1
+            ext = torch.cat([hist, ids[a:a + n]])  # positions p0 - m1 .. p0 + n - 1
             grams.append(torch.stack([ext[m1 - k:m1 - k + n] for k in range(m1 + 1)], dim=-1))  # [n, m1 + 1]
             ring[s.slot, torch.arange(p0 + n - m1, p0 + n, device=device) % m1] = ext[-m1:]
         return self.engram_hash.hash_grams(torch.cat(grams))
 
-    def forward(self, batch, cache, meta=None) -> torch.Tensor:
+    def forward(self, batch, cache, meta=None, return_streams: bool = False):
         """The paged step: hidden [T, H] of the flat batch (`engine.forward_batch.ForwardBatch`) over `cache`
         (`engine.cache.v41.V41KVCache`), updated in place. `meta`: the step's metadata (else the batch's, else
-        built here). Text only (no image spans)."""
+        built here). Image positions (`batch.input_embeds` / `embeds_mask`, the model runner's rows of the vision
+        tower's spans) take those rows as input, route with `bias_vl` and get no Engram n-gram.
+
+        `return_streams` (speculative decoding's interface; needs DSpark stages): `(hidden, features)`, features
+        [T, n_targets * H] the DSpark drafter's input: each `dspark_target_layer_ids` layer's input streams (after
+        its Engram) averaged over `hc`, concatenated; zeros in rows decoder replay left out."""
         if meta is None:
             meta = batch.attn_metadata if batch.attn_metadata is not None else self.build_attention_metadata(batch,
                                                                                                              cache)
-        if batch.input_embeds is not None:
-            raise ValueError("DeepSeek-V4.1's vision tower is not built: the paged step takes text only")
         T, hc = batch.num_tokens, self.config.hc_mult
+        image_mask = batch.embeds_mask if batch.input_embeds is not None else None  # [T] bool
+        live = None if image_mask is None else ~image_mask
         tail = self._decoder_tail(batch, cache) if self.decoder_replay else None
-        rows = self._engram_rows_paged(batch, cache) if self.engram_hash is not None else None
-        streams = self.embed(batch.input_ids)[:, None, :].expand(T, hc, -1).contiguous()  # [T, hc, H]
+        rows = self._engram_rows_paged(batch, cache, image_mask) if self.engram_hash is not None else None
+        x = self.embed(batch.input_ids)
+        if image_mask is not None:
+            x = torch.where(image_mask[:, None], batch.input_embeds.to(x.dtype), x)
+        streams = x[:, None, :].expand(T, hc, -1).contiguous()  # [T, hc, H]
         pre = torch.zeros(T, hc, dtype=torch.float32, device=streams.device)
         pre[:, 0] = 1.0  # the first attention reads stream 0
         self.backend.reset()
+        if return_streams and not self.dspark_targets:
+            raise ValueError("return_streams: the DSpark drafter's features need DSpark stages (`mtp.*`)")
+        features = [None] * len(self.dspark_targets)
         for i, layer in enumerate(self.layers):
             if tail is not None and i == self.last_kv_source + 1:  # decoder-side bounded replay: the tail only
                 keep, tail_batch, tail_meta = tail
                 if tail_batch is None:  # no row of the step reaches a prompt's tail: no logits are asked of it
-                    return streams.new_zeros(T, streams.shape[-1])
+                    zeros = streams.new_zeros(T, streams.shape[-1])
+                    if not return_streams:
+                        return zeros
+                    return zeros, torch.cat([zeros if f is None else f for f in features], dim=-1)
                 self._remap_published(meta, tail_batch, tail_meta, keep, T)
                 streams, pre, meta = streams[keep], pre[keep], tail_meta
                 rows = None if rows is None else rows[keep]
+                image_mask = None if image_mask is None else image_mask[keep]
+                live = None if live is None else live[keep]
             if layer.engram is not None:
-                streams = layer.engram(streams, rows[:, layer.engram.slot], None)
+                streams = layer.engram(streams, rows[:, layer.engram.slot], live)
+            if return_streams and i in self.dspark_targets:  # DSpark reads the target layers' input streams
+                f = streams.mean(dim=1)  # [T or the tail's T', H]
+                if f.shape[0] != T:  # after the decoder-replay cut: rows left out stay zero
+                    f = f.new_zeros(T, f.shape[-1]).index_copy_(0, tail[0], f)
+                features[self.dspark_targets[i]] = f
             streams, pre = layer.mix(streams, pre, lambda x, i=i, layer=layer, meta=meta: self.backend(
-                layer.attn, i, x, meta, cache), None)
+                layer.attn, i, x, meta, cache), image_mask)
         hidden = self.norm((pre[..., None] * streams).sum(dim=1).to(streams.dtype))
-        if tail is None:
-            return hidden
-        out = hidden.new_zeros(T, hidden.shape[-1])  # rows the tail left out: zeros (no logits are asked of them)
-        out[tail[0]] = hidden
-        return out
+        if tail is not None:
+            out = hidden.new_zeros(T, hidden.shape[-1])  # rows the tail left out: zeros (no logits are asked of them)
+            out[tail[0]] = hidden
+            hidden = out
+        return (hidden, torch.cat(features, dim=-1)) if return_streams else hidden
 
     def decoder_tail_start(self, num_prompt_tokens: int | None) -> int:
         """First position the layers after `last_kv_source` compute for a prompt of `num_prompt_tokens` with
@@ -934,7 +998,7 @@ PUBLISHED_FP8_BLOCK = (32, 32)
 """V4.1's FP8 scale block (rows, columns): one UE8M0 scale per 32 x 32 weights."""
 
 _FP8_MODULES = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "attn.indexer.wq_b", "engram.wkv",
-                "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3")
+                "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3", "mtp.0.main_proj")
 
 
 def published_storage(name: str) -> str:
@@ -968,7 +1032,7 @@ def published_tensors(model: DeepseekV41ForCausalLM) -> dict[str, torch.Tensor]:
         kind, scale_name = published_storage(name), name.removesuffix(".weight") + ".scale"
         if name.endswith(".scale"):
             continue  # a kept FP8 linear's scale: written with its weight
-        if kind == "fp8" and scale_name in state:  # a kept FP8 linear (`keep_fp8_linears`): as it is held
+        if kind in ("fp8", "fp8_rows", "fp4") and scale_name in state:  # kept quantized (FP8 linear, table, expert)
             out[name], out[scale_name] = p.detach().clone(), state[scale_name].detach().clone()
             continue
         w = p.detach().float()
@@ -984,17 +1048,18 @@ def published_tensors(model: DeepseekV41ForCausalLM) -> dict[str, torch.Tensor]:
 
 
 def dequantized_at_load(name: str) -> bool:
-    """Whether the engine's loader (`load_for_engine`) holds checkpoint tensor `name` dequantized: the FP4 routed
-    experts and the FP8 Engram rows are (their `.scale` tensors dropped); the dense 32x32-block FP8 linears are
-    not (`Fp8Linear`: weight and scale as stored). What `engine.fit` counts."""
-    weight = name.removesuffix(".scale") + ".weight" if name.endswith(".scale") else name
-    return published_storage(weight) in ("fp4", "fp8_rows")
+    """Whether the engine's loader (`load_for_engine`) holds checkpoint tensor `name` dequantized: none now (the
+    dense FP8 linears, the FP4 routed experts and the FP8 Engram tables are held as stored, scales included). What
+    `engine.fit` counts; `load_published()` without the `keep_*` flags is the dequantizing reader (tests)."""
+    del name
+    return False
 
 
 def kept_float32(name: str) -> bool:
     """Whether the engine's loader keeps float parameter `name` in float32 whatever the engine dtype: the published
     FP32 set (mHC, sinks, router biases), the norms and the compressors (`load_for_engine`; `engine.fit` counts it)."""
-    return published_storage(name) == "fp32" or name.endswith("norm.weight") or ".compressor." in name
+    return (published_storage(name) == "fp32" or name.endswith("norm.weight") or ".compressor." in name
+            or (name.startswith("vision.") and ".norm" in name))
 
 
 def keep_fp8_linears(model: DeepseekV41ForCausalLM, scale_dtype: torch.dtype = torch.float8_e8m0fnu) -> list[str]:
@@ -1016,13 +1081,19 @@ def keep_fp8_linears(model: DeepseekV41ForCausalLM, scale_dtype: torch.dtype = t
     return done
 
 
-def load_published(path, moe_backend: str = "torch", *, keep_fp8: bool = False) -> DeepseekV41ForCausalLM:
-    """A V4.1 checkpoint in the published layout -> the float32 model (quantized tensors dequantized exactly).
+def load_published(path, moe_backend: str = "torch", *, keep_fp8: bool = False, keep_fp4: bool = False,
+                   keep_engram: bool = False) -> DeepseekV41ForCausalLM:
+    """A V4.1 checkpoint in the published layout -> the float32 model (quantized tensors dequantized exactly),
+    except what the `keep_*` flags keep as stored (what the engine loads: all three):
 
-    `keep_fp8`: the dense FP8 linears stay FP8 with their 32x32 UE8M0 scales (`keep_fp8_linears`; what the engine
-    loads), the rest as above. For tests and the CPU reference path (it reads every tensor, the Engram tables
-    included, into memory). Refuses, naming them, tensors the model does not have and parameters the checkpoint
-    lacks. Vision and DSpark tensors (`vision.*`, `aligner.*`, `image_*`, `mtp.*`) are not built yet: refused too.
+    * `keep_fp8`: the dense FP8 linears stay FP8 with their 32x32 UE8M0 scales (`keep_fp8_linears`);
+    * `keep_fp4`: the routed experts stay MXFP4 (`engine.quant.v41.keep_fp4_experts`: `Fp4Linear`);
+    * `keep_engram`: the Engram tables stay FP8 with their 1x32 scales as lazy memory maps of the shards, never read
+      here (`keep_engram_tables`: `Fp8EngramTable`, placed later by `load_for_engine`).
+
+    Every other tensor is read on the CPU. Refuses, naming them, tensors the model does not have and parameters the
+    checkpoint lacks. The vision tower's tensors (`vision.*`, `aligner.*`, `image_*`: BF16) load with a
+    `vision_config`; the DSpark stages' (`mtp.*`, `engine.models.dspark`) with DSpark stages in the config.
     """
     import json
     from pathlib import Path
@@ -1030,6 +1101,7 @@ def load_published(path, moe_backend: str = "torch", *, keep_fp8: bool = False) 
     from safetensors import safe_open
 
     from deepinfer.engine.quant.formats import dequant_fp4, dequant_fp8_block
+    from deepinfer.engine.quant.v41 import is_engram_table_tensor, keep_engram_tables, keep_fp4_experts, mapped_tensors
 
     path = Path(path)
     model = DeepseekV41ForCausalLM(V41Config.from_json_file(path), moe_backend=moe_backend)
@@ -1039,14 +1111,21 @@ def load_published(path, moe_backend: str = "torch", *, keep_fp8: bool = False) 
     stored: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            stored.update({k: f.get_tensor(k) for k in f.keys()})
+            # NOTE: kept Engram tables (~94 GiB a layer in Flash) are mapped below, never read here
+            stored.update({k: f.get_tensor(k) for k in f.keys() if not (keep_engram and is_engram_table_tensor(k))})
     kept: set[str] = set()
     if keep_fp8:
         scale_dtypes = {t.dtype for n, t in stored.items()
                         if n.endswith(".scale") and published_storage(n.removesuffix(".scale") + ".weight") == "fp8"}
         if len(scale_dtypes) > 1:
             raise ValueError(f"{path}: the FP8 linears' scales mix dtypes {sorted(map(str, scale_dtypes))}")
-        kept = {f"{m}.{t}" for m in keep_fp8_linears(model, *scale_dtypes) for t in ("weight", "scale")}
+        kept |= {f"{m}.{t}" for m in keep_fp8_linears(model, *scale_dtypes) for t in ("weight", "scale")}
+    if keep_fp4:
+        kept |= {f"{m}.{t}" for m in keep_fp4_experts(model) for t in ("weight", "scale")}
+    if keep_engram:
+        tables = {f"{m}.{t}" for m in keep_engram_tables(model) for t in ("weight", "scale")}
+        stored.update(mapped_tensors(files, tables))
+        kept |= tables
     state = model.state_dict()
     scales = {n.removesuffix(".weight") + ".scale" for n in state}
     unexpected = sorted(n for n in stored if n not in state and n not in scales)
@@ -1056,10 +1135,10 @@ def load_published(path, moe_backend: str = "torch", *, keep_fp8: bool = False) 
                          f"{missing[:8]}")
     loaded = {}
     for name in state:
-        if name in kept:  # an Fp8Linear's weight or scale: as stored
+        if name in kept:  # a kept FP8 linear's, FP4 expert's or FP8 Engram table's weight or scale: as stored
             if stored[name].shape != state[name].shape or stored[name].dtype != state[name].dtype:
-                raise ValueError(f"{path}: {name} is {stored[name].dtype} {list(stored[name].shape)}, the kept FP8 "
-                                 f"linear holds {state[name].dtype} {list(state[name].shape)}")
+                raise ValueError(f"{path}: {name} is {stored[name].dtype} {list(stored[name].shape)}, the kept "
+                                 f"quantized module holds {state[name].dtype} {list(state[name].shape)}")
             loaded[name] = stored[name]
             continue
         t, kind = stored[name], published_storage(name)
@@ -1075,7 +1154,8 @@ def load_published(path, moe_backend: str = "torch", *, keep_fp8: bool = False) 
         if tuple(t.shape) != tuple(state[name].shape):
             raise ValueError(f"{path}: {name} has shape {list(t.shape)}, the config gives {list(state[name].shape)}")
         loaded[name] = t.float()
-    model.load_state_dict(loaded)
+    # NOTE: assign: kept tensors are installed as they are (a mapped table stays a mapping; meta placeholders go)
+    model.load_state_dict(loaded, assign=True)
     return model
 
 
@@ -1107,25 +1187,35 @@ def engram_token_map_for(path, config: V41Config) -> list[int]:
     return token_map[: config.vocab_size]
 
 
-def load_for_engine(path, config: V41Config, dtype: torch.dtype, device, moe_backend: str = "torch"):
-    """The paged engine's V4.1 model (`engine.loader.load_checkpoint`): `load_published(keep_fp8=True)` (every
-    tensor read on the CPU, the Engram tables included: no streaming; the dense FP8 linears kept FP8 with their
-    32x32 scales, the FP4 experts and FP8 Engram rows dequantized), the Engram token map (`engram_token_map_for`),
-    float weights cast to `dtype` except the float32-kept ones (mHC, sinks, router biases, norms, the
-    compressors), moved to `device`, MoE backends prepared."""
-    from deepinfer.engine.quant.linear import Fp8Linear
+def load_for_engine(path, config: V41Config, dtype: torch.dtype, device, moe_backend: str = "torch",
+                    engram_placement: str = "device"):
+    """The paged engine's V4.1 model (`engine.loader.load_checkpoint`): `load_published` with every quantized tensor
+    kept as stored (the dense FP8 linears with their 32x32 scales, the MXFP4 routed experts, the FP8 Engram tables
+    as lazy maps of the shards), the Engram token map (`engram_token_map_for`), float weights cast to `dtype`
+    except the float32-kept ones (mHC, sinks, router biases, norms, the compressors), moved to `device`, the Engram
+    tables placed by `engram_placement` ("device" or "pinned_host": `Fp8EngramTable.place`; `engine.fit` decides it)
+    with their rows dequantized to `dtype`, MoE backends prepared."""
+    from deepinfer.engine.quant.engram import Fp8EngramTable
+    from deepinfer.engine.quant.linear import Fp4Linear, Fp8Linear
 
-    model = load_published(path, moe_backend=moe_backend, keep_fp8=True)
+    if engram_placement not in ("device", "pinned_host"):
+        raise ValueError(f"engram_placement must be 'device' or 'pinned_host' here (engine.fit resolves 'auto'), got "
+                         f"{engram_placement!r}")
+    model = load_published(path, moe_backend=moe_backend, keep_fp8=True, keep_fp4=True, keep_engram=True)
     if config.engram_layer_ids:
         model.set_engram_token_map(engram_token_map_for(path, config))
-    quantized = {id(p) for m in model.modules() if isinstance(m, Fp8Linear) for p in m.parameters()}
+    quantized = {id(p) for m in model.modules() if isinstance(m, (Fp8Linear, Fp4Linear, Fp8EngramTable))
+                 for p in m.parameters()}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if id(p) in quantized:  # stays FP8 (`model.to(device)` below moves it)
+            if id(p) in quantized:  # stays as stored (`model.to(device)` moves the linears; `place` the tables)
                 continue
             keep = kept_float32(name)
             p.data = p.data.to(device=device, dtype=torch.float32 if keep else dtype)
     model.to(device)
+    for table in (m for m in model.modules() if isinstance(m, Fp8EngramTable)):
+        table.out_dtype = dtype
+        table.place(engram_placement, device)
     model.eval().requires_grad_(False)
     model.prepare_for_inference()
     return model

@@ -15,6 +15,11 @@ dequantizes one block at a time inside the matmul; on CUDA Triton kernels (`deep
 through the kernel op registry (`kernels/registry.py`). `resident_nbytes()` counts weight + scale bytes.
 Routed FP4 experts run grouped through the `"fp4"` MoE backend (`engine/moe/fp4_backend.py`).
 
+DeepSeek-V4.1 (`engine.models.deepseek_v41`'s loader): its 32 x 32-block FP8 linears are `Fp8Linear(block=(32,
+32))`; `v41` holds the passes that keep its MXFP4 routed experts (`Fp4Linear`) and FP8 Engram tables
+(`engram.Fp8EngramTable`: lazily mapped from the shards, gathered row by row then dequantized, placed on the
+device or in pinned host memory as `engine.fit` decides) as published.
+
 `formats` holds the number formats themselves (E2M1 table, UE8M0 reinterpretation, packing, block
 quantize/dequantize), exact and documented.
 

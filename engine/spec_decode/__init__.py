@@ -3,7 +3,9 @@
 Turned on by `EngineConfig.speculative = "mtp"` with `num_draft_tokens = k` (default 3; `LLM(model,
 speculative="mtp", num_draft_tokens=3)`, the decode worker's `--speculative mtp --num-draft-tokens 3`; the
 older `speculative_tokens=k` / `speculative_method` are aliases, `config`); the engine then holds a
-`SpecDecoding` (picked once, at construction) whose executor runs every step.
+`SpecDecoding` (picked once, at construction) whose executor runs every step. DeepSeek-V4.1 drafts with its
+DSpark stages instead (`speculative="dspark"`: `dspark_drafter`, one block per step, confidences from the stages'
+own head, and `V41Rollback` for V4.1's short state rings); the rest of the step is the same.
 
 A step (see `executor`): every running decode carries the drafts its previous step proposed
 (`Request.spec_token_ids`; the scheduler trims them to `max_tokens`, `max_model_len` and the budget)
@@ -64,8 +66,19 @@ after its drafts `1 .. j`, which the matcher accepts tentatively and rolls back
 the grammar rejects are trimmed when they are handed to the scheduler (they could never be accepted),
 and a verified block is cut after the token that completes the constraint (`ignore_eos` included).
 
-Not supported yet: async scheduling and multi-rank instances (refused at construction), batched
-compressors / indexer in the batched verify path (they still run per request).
+**Multi-rank instances** (`expert_parallel_size > 1`, `engine.distributed.spec`): each rank verifies and drafts its
+own requests with the same `SpecDecoding.run_local` (SPMD; its ring rows rolled back on a rejection; a rank without
+requests joins the target's MoE collectives with zero rows); rank 0 merges the ranks' tokens and drafts and decides
+the verify schedule over the whole batch (`SpecDecoding.finish`), and the next step's plan carries it. The MTP
+layer's experts are whole on every rank (its MoE runs locally).
+
+**Async scheduling** (`async_scheduling=True`, the default on CUDA; one process): `SpecExecutor(overlap_drafting)`
+verifies inline and drafts on a worker thread while the engine postprocesses the step's tokens; the next step is
+scheduled once its drafts are known, one sync point per step (`SpecExecutor`'s docstring says why steps do not
+overlap each other). Not with `expert_parallel_size > 1` (the multi-rank executor does not overlap).
+
+Not supported yet: batched compressors / indexer in the batched verify path (they still run per request), CUDA
+graphs for verify steps (speculative steps run eagerly).
 """
 
 from deepinfer.engine.spec_decode.acceptance import expand_bitmask, expand_verify_rows, num_accepted, rejection_sample

@@ -2,7 +2,8 @@
 
 Canonical (`EngineConfig`, `LLM(...)`, `DecodeWorkerConfig`, the cluster YAML's decode worker settings):
 
-* `speculative`: None (off) or "mtp" (the checkpoint's MTP layer drafts, chained);
+* `speculative`: None (off), "mtp" (the checkpoint's MTP layer drafts, chained: DeepSeek-V4) or "dspark"
+  (DeepSeek-V4.1's DSpark stages draft a block: `dspark_drafter`);
 * `num_draft_tokens`: drafts proposed per request per step (default `DEFAULT_NUM_DRAFT_TOKENS`);
 * `verify_floor`: drafts every request verifies at least under the "confidence" schedule, 1 or 0.
 
@@ -20,8 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-SPECULATIVE_METHODS = ("mtp",)
-"""Drafters `speculative` may name (the issue's "dspark" comes later)."""
+SPECULATIVE_METHODS = ("mtp", "dspark")
+"""Drafters `speculative` may name: the MTP layer (DeepSeek-V4) or the DSpark stages (DeepSeek-V4.1)."""
 DEFAULT_NUM_DRAFT_TOKENS = 3
 """Drafts per request per step when `num_draft_tokens` is not given (one MTP layer, chained)."""
 VERIFY_FLOORS = (0, 1)

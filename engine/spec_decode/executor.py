@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from deepinfer.engine.attention.base import AttentionBackend
-from deepinfer.engine.executor import Executor, PreparedStep, StepResult
+from deepinfer.engine.executor import Executor, PreparedStep, StepResult, resolve_async_scheduling
 from deepinfer.engine.forward_batch import ForwardBatch
 from deepinfer.engine.scheduler import SchedulerOutput
 from deepinfer.engine.spec_decode.acceptance import num_accepted
@@ -145,14 +145,42 @@ class SpecStepResult(StepResult):
     (`MTPDrafter.keep_features`), else None (before any scheduler trim)."""
 
 
+@dataclass
+class _Verified:
+    """What `SpecDecoding.verify_local` leaves for `draft_local`."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list]
+    streams: torch.Tensor
+    """[T, hc, H] the target's pre-`hc_head` streams of the step (the drafter's input)."""
+    model_s: float
+    sample_s: float
+
+
+@dataclass
+class LocalSpecResult:
+    """What `SpecDecoding.run_local` produced for its share of a step, per entry of its `verify` list (picklable
+    once the features are on the host: a rank ships it to rank 0)."""
+
+    token_ids: list[list[int]]
+    """The tokens each request emits (`1 + accepted`); empty when the step samples nothing."""
+    logprobs: list[list]
+    draft_token_ids: list[list[int]]
+    """Each request's drafts for the next step, before the verify schedule (empty when it wants none)."""
+    draft_probs: list[list[float]]
+    draft_features: list[torch.Tensor | None]
+    model_s: float
+    sample_s: float
+
+
 class SpecDecoding:
     """The engine's speculative-decoding state: drafter, rollback, metrics and the executor."""
 
     def __init__(self, model, cache, sampler, num_slots: int, num_draft_tokens: int, method: str = "mtp",
                  verify_schedule: str = "full", verify_floor: int = 1, batched_verify: bool | None = None,
                  model_dir=None, cost_table: StepCostTable | None = None) -> None:
-        if method != "mtp":
-            raise ValueError(f"unknown speculative method {method!r}; known: mtp")
+        if method not in ("mtp", "dspark"):
+            raise ValueError(f"unknown speculative method {method!r}; known: mtp, dspark")
         if verify_schedule not in ("full", "confidence"):
             raise ValueError(f"unknown verify_schedule {verify_schedule!r}; known: full, confidence")
         check_verify_floor(verify_floor, verify_schedule)
@@ -176,21 +204,46 @@ class SpecDecoding:
         self.model = model
         self.cache = cache
         self.sampler = sampler
-        self.drafter = MTPDrafter(model, num_slots, num_draft_tokens)
-        weight = model.model.embed_tokens.weight
-        self.confidence_head = (load_confidence_head(model_dir, model.config.hidden_size, weight.device)
-                                if verify_schedule == "confidence" else None)
-        """The checkpoint's confidence head (`confidence`), or None: the drafts' MTP probabilities are the confidences."""
-        self.drafter.keep_features = self.confidence_head is not None
-        self.rollback = RingRollback(cache)
+        if method == "dspark":  # DeepSeek-V4.1's DSpark stages, their own confidence head (`dspark_drafter`)
+            from deepinfer.engine.spec_decode.dspark_drafter import DSparkDrafter, V41Rollback
+
+            self.drafter = DSparkDrafter(model, num_slots, num_draft_tokens)
+            self.confidence_head = None
+            self.rollback = V41Rollback(cache, model)
+        else:
+            self.drafter = MTPDrafter(model, num_slots, num_draft_tokens)
+            weight = model.model.embed_tokens.weight
+            self.confidence_head = (load_confidence_head(model_dir, model.config.hidden_size, weight.device)
+                                    if verify_schedule == "confidence" else None)
+            self.drafter.keep_features = self.confidence_head is not None
+            self.rollback = RingRollback(cache)
+        """The checkpoint's confidence head (`confidence`), or None: the drafts' MTP probabilities (DSpark: its own
+        head's sigmoid) are the confidences."""
         if num_draft_tokens > self.rollback.max_positions_per_slot:
             raise ValueError(
                 f"num_draft_tokens={num_draft_tokens} is more than this model's smallest state ring allows "
                 f"({self.rollback.max_positions_per_slot}: rejected drafts must not overwrite live rows); lower it")
         self.num_draft_tokens = num_draft_tokens
         self.metrics = SpecDecodeMetrics(num_draft_tokens)
-        self.executor = SpecExecutor(self)
+        self.executor: Executor = SpecExecutor(self)
+        """Runs the engine's steps: `SpecExecutor` in one process; `make_executor` swaps in the multi-rank one."""
         self._mtp_state_start: dict[str, int] = {}
+
+    def make_executor(self, config, runner) -> Executor:
+        """The executor the engine runs speculative steps on (`config`: its `EngineConfig`), chosen once:
+        `SpecExecutor` in one process, or with `expert_parallel_size > 1` the multi-rank executor, each rank
+        verifying and drafting its own requests (`engine.distributed.spec`; this object is rank 0's share).
+
+        Async scheduling (`async_scheduling`, on by default on CUDA): `SpecExecutor` with `overlap_drafting`, one
+        sync point per step (the next step is scheduled once this step's accepted lengths and drafts are known).
+        Not with expert_parallel_size > 1 (the multi-rank executor does not overlap, `engine.distributed`)."""
+        if config.expert_parallel_size > 1:
+            from deepinfer.engine.distributed.executor import MultiRankExecutor
+
+            self.executor = MultiRankExecutor.from_config(config, runner, self.sampler, spec=self)
+        elif resolve_async_scheduling(config.async_scheduling, config.device):
+            self.executor = SpecExecutor(self, overlap_drafting=True)
+        return self.executor
 
     def prepare(self, step: PreparedStep, out: SchedulerOutput, token_ids_of: dict[str, list[int]],
                 first_rows: list[int], wants_drafts: Callable[[str], bool]) -> SpecPreparedStep:
@@ -228,14 +281,26 @@ class SpecDecoding:
             wants_drafts=[rid in sampling and wants_drafts(rid) for rid in order],
         )
 
-    @torch.inference_mode()
     def run(self, step: SpecPreparedStep) -> SpecStepResult:
-        """Blocks for one speculative step (see the module docstring)."""
+        """Blocks for one speculative step (see the module docstring): `run_local` over the whole batch, then
+        `finish` (metrics and the verify schedule)."""
+        return self.finish(step.verify, self.run_local(step))
+
+    def run_local(self, step: SpecPreparedStep) -> LocalSpecResult:
+        """Blocks for the per-request part of a step (steps 1-5 of the module docstring) over `step`'s batch:
+        the whole batch in one process, or a rank's share of it with expert parallelism (the same code on every
+        rank, SPMD: `engine.distributed.spec`). Per entry of `step.verify`: the tokens it emits, their logprobs,
+        and its drafts for the next step (all of them: the verify schedule is `finish`'s, over the whole batch)."""
+        return self.draft_local(step, self.verify_local(step))
+
+    @torch.inference_mode()
+    def verify_local(self, step: SpecPreparedStep) -> _Verified:
+        """Blocks for steps 1-4 (snapshot, target forward, sampling and acceptance, rollback): the tokens."""
         batch, model = step.batch, self.model
         t0 = time.perf_counter()
         pairs = [(batch.seqs[v.seq_idx].slot, batch.seqs[v.seq_idx].num_computed_tokens + j)
                  for v in step.verify for j in range(1, len(v.drafts) + 1)]
-        snap = self.rollback.snapshot([s for s, _ in pairs], [p for _, p in pairs])
+        snap = self.rollback.snapshot([s for s, _ in pairs], [p for _, p in pairs], batch=batch)
         meta = batch.attn_metadata if batch.attn_metadata is not None else model.build_attention_metadata(batch,
                                                                                                        self.cache)
         verifying = {v.seq_idx for v in step.verify if v.drafts}
@@ -257,22 +322,43 @@ class SpecDecoding:
                 token_ids.append(rows[:m + 1])
                 logprobs.append(lps[v.first_row:v.first_row + m + 1])
                 rejected.extend(j > m for j in range(1, L + 1))
-                if L:
-                    self.metrics.record(L, m)
-            if any(v.drafts for v in step.verify):
-                self.metrics.num_steps += 1
         self.rollback.restore(snap, rejected)
-        t2 = time.perf_counter()
-        seq_ids, seqs = self._draft_seqs(step, token_ids)
-        drafts, probs, feats = self.drafter.propose(streams, seqs)
+        return _Verified(token_ids, logprobs, streams, t1 - t0, time.perf_counter() - t1)
+
+    @torch.inference_mode()
+    def draft_local(self, step: SpecPreparedStep, verified: _Verified) -> LocalSpecResult:
+        """Blocks for step 5 (the drafter's committed pass and chained drafts) after `verify_local`."""
+        t0 = time.perf_counter()
+        seq_ids, seqs = self._draft_seqs(step, verified.token_ids)
+        drafts, probs, feats = self.drafter.propose(verified.streams, seqs)
         at = {i: n for n, i in enumerate(seq_ids)}
-        per_req_drafts = [drafts[at[v.seq_idx]] if v.seq_idx in at else [] for v in step.verify]
-        per_req_probs = [probs[at[v.seq_idx]] if v.seq_idx in at else [] for v in step.verify]
-        per_req_feats = [feats[at[v.seq_idx]] if v.seq_idx in at else None for v in step.verify]
+        return LocalSpecResult(
+            verified.token_ids, verified.logprobs,
+            draft_token_ids=[drafts[at[v.seq_idx]] if v.seq_idx in at else [] for v in step.verify],
+            draft_probs=[probs[at[v.seq_idx]] if v.seq_idx in at else [] for v in step.verify],
+            draft_features=[feats[at[v.seq_idx]] if v.seq_idx in at else None for v in step.verify],
+            model_s=verified.model_s + time.perf_counter() - t0, sample_s=verified.sample_s)
+
+    def finish(self, verify: list[_Verify], local: LocalSpecResult) -> SpecStepResult:
+        """The step's result from the per-request part of every request (`verify` and `local` in the step's
+        sampling order): records the metrics and trims each request's next drafts to the verify schedule.
+
+        NOTE: one process decides the schedule (the engine's: rank 0 of an expert-parallel instance) over the
+        whole batch, so every rank verifies what it decided: the trimmed drafts reach the scheduler, and the
+        next step's plan carries them to the ranks."""
+        token_ids = local.token_ids
+        if token_ids:
+            for v, toks in zip(verify, token_ids, strict=True):
+                if v.drafts:
+                    self.metrics.record(len(v.drafts), len(toks) - 1)
+            if any(v.drafts for v in verify):
+                self.metrics.num_steps += 1
+        per_req_drafts, per_req_probs, per_req_feats = local.draft_token_ids, local.draft_probs, local.draft_features
         if self.verify_schedule == "confidence":
             confidences = per_req_probs
             if self.confidence_head is not None and any(f is not None for f in per_req_feats):
-                have = [f for f in per_req_feats if f is not None]
+                weight = self.model.model.embed_tokens.weight
+                have = [f.to(weight.device) for f in per_req_feats if f is not None]
                 c = self.confidence_head(torch.cat(have)).tolist()
                 confidences, n = [], 0
                 for f in per_req_feats:
@@ -282,7 +368,7 @@ class SpecDecoding:
             lengths = choose_verify_lengths(confidences, floor=self.verify_floor, cost_table=self.cost_table)
             per_req_drafts = [d[:n] for d, n in zip(per_req_drafts, lengths)]
         self.metrics.num_proposed_drafts += sum(len(d) for d in per_req_drafts)
-        return SpecStepResult(token_ids, logprobs, t1 - t0 + time.perf_counter() - t2, t2 - t1,
+        return SpecStepResult(token_ids, local.logprobs, local.model_s, local.sample_s,
                               draft_token_ids=per_req_drafts, draft_probs=per_req_probs,
                               draft_features=per_req_feats)
 
@@ -310,28 +396,86 @@ class SpecDecoding:
         return seq_ids, out
 
 
+class PendingSpecStepResult(SpecStepResult):
+    """A `SpecStepResult` whose tokens are known and whose drafts are still being computed (`SpecExecutor` with
+    `overlap_drafting`): reading `draft_token_ids`, `draft_probs` or `draft_features` blocks until the drafter has
+    finished (and raises its exception, if it failed). NOTE: `model_s` covers the verification only."""
+
+    def __init__(self, token_ids: list, logprobs: list, model_s: float, sample_s: float,
+                 drafts: Future[SpecStepResult]) -> None:
+        StepResult.__init__(self, token_ids, logprobs, model_s, sample_s)
+        self._drafts = drafts
+
+    @property
+    def draft_token_ids(self) -> list[list[int]]:  # type: ignore[override]
+        return self._drafts.result().draft_token_ids
+
+    @property
+    def draft_probs(self) -> list[list[float]]:  # type: ignore[override]
+        return self._drafts.result().draft_probs
+
+    @property
+    def draft_features(self) -> list[torch.Tensor | None]:  # type: ignore[override]
+        return self._drafts.result().draft_features
+
+
 class SpecExecutor(Executor):
-    """Runs speculative steps inline on the caller's thread (`max_inflight = 1`; async scheduling is refused)."""
+    """Runs speculative steps for an engine in one process (`max_inflight = 1`).
+
+    Synchronous (`overlap_drafting=False`): the whole step runs inline in `submit`.
+
+    Async scheduling (`overlap_drafting=True`, `EngineConfig.async_scheduling=True`): `submit` runs the
+    verification inline (forward, sampling, acceptance, rollback) and returns a future that is done once the
+    step's tokens are known; the drafter (and the verify schedule) run on a worker thread meanwhile, so the
+    engine's postprocessing of those tokens (stop checks, detokenization, grammar, the scheduler's update)
+    overlaps the drafting. The result's draft fields block (`PendingSpecStepResult`); the engine reads them
+    last, and schedules the next step after that.
+
+    NOTE: that read is the step's one sync point, and it is needed: the next step's schedule depends on this
+    step's accepted lengths (`num_computed_tokens` moves back over rejected drafts, and the request may have
+    finished inside the accepted block) and its drafts (the width of each verify chunk), so the next step cannot
+    be scheduled before they are known without scheduling against placeholders and fixing the batch up later
+    (positions, blocks and the verify chunk's tokens). Steps therefore do not overlap each other here, as they
+    do on the threaded executor without speculation.
+    """
 
     max_inflight = 1
 
-    def __init__(self, spec: SpecDecoding) -> None:
+    def __init__(self, spec: SpecDecoding, overlap_drafting: bool = False) -> None:
         super().__init__(None, spec.sampler)
         self.spec = spec
         self._is_closed = False
+        self._pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-drafter")
+                      if overlap_drafting else None)
+
+    @property
+    def overlap_drafting(self) -> bool:
+        """Whether the drafter runs on a worker thread while the engine postprocesses the step (async scheduling)."""
+        return self._pool is not None
 
     def submit(self, step: PreparedStep) -> Future[StepResult]:
-        """Blocks while the step runs; returns a future that is already done."""
+        """Blocks while the step runs (its verification only, with `overlap_drafting`); returns a future that
+        is already done."""
         if self._is_closed:
             raise RuntimeError("the executor is closed; create a new Engine")
         if not isinstance(step, SpecPreparedStep):
             raise TypeError("SpecExecutor runs SpecPreparedStep (SpecDecoding.prepare)")
         fut: Future[StepResult] = Future()
         try:
-            fut.set_result(self.spec.run(step))
+            if self._pool is None:
+                fut.set_result(self.spec.run(step))
+            else:
+                verified = self.spec.verify_local(step)
+                spec = self.spec
+                drafts = self._pool.submit(lambda: spec.finish(step.verify, spec.draft_local(step, verified)))
+                fut.set_result(PendingSpecStepResult(verified.token_ids, verified.logprobs, verified.model_s,
+                                                     verified.sample_s, drafts))
         except Exception as e:  # delivered by fut.result(), as the other executors do
             fut.set_exception(e)
         return fut
 
     def close(self) -> None:
+        """Blocks until a drafting still running has finished; idempotent."""
         self._is_closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

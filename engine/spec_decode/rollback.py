@@ -50,8 +50,10 @@ class RingRollback:
         self.max_positions_per_slot = max_draft_tokens(cache)
         """At most this many positions of one slot per snapshot (they must hit distinct rows)."""
 
-    def snapshot(self, slots: list[int], positions: list[int]) -> RingSnapshot:
-        """Copy the rows the `(slots[i], positions[i])` pairs map to (before they are overwritten)."""
+    def snapshot(self, slots: list[int], positions: list[int], batch=None) -> RingSnapshot:
+        """Copy the rows the `(slots[i], positions[i])` pairs map to (before they are overwritten). `batch` (the
+        step's, unused here) is `dspark_drafter.V41Rollback`'s, which shares this interface."""
+        del batch
         if len(slots) != len(positions):
             raise ValueError(f"got {len(slots)} slots for {len(positions)} positions; pass one slot per position")
         s = torch.tensor(slots, dtype=torch.long, device=self.device)

@@ -187,6 +187,7 @@ def make_checkpoint(
     expert_dtype_in: str = "top",
     base: bool = False,
     mtp_layers: int = 1,
+    dspark: bool = False,
 ) -> Path:
     """Write a random-weight checkpoint of `preset` (a preset name or a transformers-style config
     dict) to `directory` and return its path; `vision=True` adds a vision tower (`with_vision`).
@@ -194,7 +195,8 @@ def make_checkpoint(
     `format="published"`: DeepSeek's published layout (module docstring; `dtype` is ignored: the
     formats are the published ones), with `expert_dtype` ("fp4" or "fp8") stated at `expert_dtype_in`
     ("top" as V4 does, or "quantization_config" as V4.1 does), `mtp_layers` MTP layers, and `base`
-    for the `*-Base` variant (FP8 experts, float32 scales).
+    for the `*-Base` variant (FP8 experts, float32 scales). `format="published-v41"` with `dspark`: DSpark draft
+    stages too (`TINY_V41_DSPARK`, `mtp.*` tensors).
     """
     if writer not in WRITERS:
         raise ValueError(f"unknown writer {writer!r}; choose one of {WRITERS}.")
@@ -206,7 +208,8 @@ def make_checkpoint(
             if not overwrite:
                 raise FileExistsError(f"{out} is not empty; pass overwrite=True (--overwrite) or pick another directory.")
             shutil.rmtree(out)
-        return write_published_v41(out, seed=seed, max_shard_size=parse_size(max_shard_size))
+        return write_published_v41(out, seed=seed, max_shard_size=parse_size(max_shard_size), vision=vision,
+                                   text_config=with_tiny_dspark(TINY_V41_TEXT_CONFIG) if dspark else None)
     if format == "published":
         if writer != "ours" or vision:
             raise ValueError("format 'published' is written by writer 'ours' alone, without a vision tower.")
@@ -355,6 +358,22 @@ and ratio-1 KV sources and their consumers, an index source without index keys, 
 user of its candidates) and two Engram layers with tiny tables; widths multiples of 32 (the FP8 blocks)."""
 
 
+TINY_V41_DSPARK: dict[str, Any] = {
+    "num_nextn_predict_layers": 3, "dspark_block_size": 4, "dspark_noise_token_id": 63,
+    "dspark_target_layer_ids": [5, 6, 7], "dspark_markov_rank": 16, "dspark_n_routed_experts": 3,
+    "dspark_num_experts_per_tok": 2,
+}
+"""`--format published-v41 --dspark`'s draft stages (`engine.models.dspark`): three, as Flash has, fed by layers 5 (the
+last KV source) to 7, a block of 4, a smaller MoE than the backbone's."""
+
+
+def with_tiny_dspark(text_config: Mapping[str, Any]) -> dict[str, Any]:
+    """`text_config` plus `TINY_V41_DSPARK` (and a 0 `compress_ratios` entry per stage)."""
+    out = dict(text_config, **TINY_V41_DSPARK)
+    out["compress_ratios"] = list(text_config["compress_ratios"])[: out["num_hidden_layers"]] + [0] * 3
+    return out
+
+
 TINY_V41_SPECIAL_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜System｜>", "<｜User｜>",
                            "<｜Assistant｜>", "<think>", "</think>", "<｜latest_reminder｜>")
 """The tiny V4.1 tokenizer's special tokens, ids 0.. in this order (bos 0, eos 1, pad 2 as config.json states):
@@ -394,7 +413,7 @@ def random_v41_model(config, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "_scale")):
+            if name.endswith(("norm.weight", "_scale", "norm1.weight", "norm2.weight")):
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
             elif name.endswith(("q_weight", "k_weight")):
                 p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
@@ -408,15 +427,26 @@ def random_v41_model(config, seed: int = 0):
     return model
 
 
+TINY_V41_VISION_CONFIG: dict[str, Any] = {
+    "model_type": "deepseek_v41_vision", "num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2,
+    "intermediate_size": 48, "patch_size": 14, "rope_theta": 10000, "downsample_ratio": 3, "max_image_tokens": 1024,
+    "min_pixels": 295936, "max_wh_ratio": None,
+}
+"""`--format published-v41 --vision`'s tower: Flash's image geometry (patch 14, 3 x 3 merge, at most 1024 tokens,
+about 544 x 544 px at least: recipe's V4.1 image-token count holds) with a 2-block, 32-wide ViT."""
+
+
 def write_published_v41(out: str | Path, *, seed: int = 0, text_config: Mapping[str, Any] | None = None,
-                        max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> Path:
+                        max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, vision: bool = False) -> Path:
     """A random V4.1 checkpoint in the published layout (`deepseek_v41.published_storage`: FP8 e4m3 with UE8M0
     32x32 block scales, FP4 experts, FP8 Engram tables with 1x32 row scales) and config.json with
     `text_config` and `quantization_config`, from `random_v41_model(seed)` (`TINY_V41_TEXT_CONFIG` by default).
     The Engram token map is not a tensor of the checkpoint (it derives from the tokenizer): the random one is
     written beside config.json (`deepseek_v41.ENGRAM_TOKEN_MAP_FILE`), which the engine's loader reads. A tiny
     word-level `tokenizer.json` with V4.1's special tokens comes with it (`write_tiny_v41_tokenizer`), so the chat
-    front renders prompts with recipe's V4.1 encoding and the model can serve them. Returns `out`."""
+    front renders prompts with recipe's V4.1 encoding and the model can serve them. `vision`: a vision tower too
+    (`TINY_V41_VISION_CONFIG`, BF16 `vision.*` / `aligner.*` / `image_*` tensors, the routers' `bias_vl`), with
+    `image_token_id` 129264 and the vocabulary raised to 129280 to hold it. Returns `out`."""
     from deepinfer.engine.config import V41Config
     from deepinfer.engine.models.deepseek_v41 import published_tensors
 
@@ -425,6 +455,11 @@ def write_published_v41(out: str | Path, *, seed: int = 0, text_config: Mapping[
                    "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
                                            "weight_block_size": [32, 32], "scale_fmt": "ue8m0", "expert_dtype": "fp4"},
                    "text_config": {"model_type": "deepseek_v41_text", **(text_config or TINY_V41_TEXT_CONFIG)}}
+    if vision:
+        config_json["image_token_id"] = 129264
+        config_json["vision_config"] = dict(TINY_V41_VISION_CONFIG)
+        vocab = config_json["text_config"]["vocab_size"]
+        config_json["text_config"]["vocab_size"] = max(vocab, _VISION_VOCAB)
     model = random_v41_model(V41Config.from_hf_dict(config_json), seed)  # validates before writing anything
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -554,7 +589,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--writer", default="ours", choices=WRITERS, help="ours: direct; hf: via transformers")
     parser.add_argument("--max-shard-size", default=str(DEFAULT_MAX_SHARD_SIZE), help="shard above this size, e.g. 5MB")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
-    parser.add_argument("--vision", action="store_true", help="add a random vision tower (TINY_VISION_CONFIG)")
+    parser.add_argument("--vision", action="store_true", help="add a random vision tower (TINY_VISION_CONFIG; "
+                        "with --format published-v41: TINY_V41_VISION_CONFIG)")
     parser.add_argument("--format", default="transformers", choices=FORMATS,
                         help="transformers: save_pretrained layout; published: DeepSeek's FP8/FP4 layout; "
                              "published-v41: a tiny DeepSeek-V4.1 (TINY_V41_TEXT_CONFIG) in its published layout")
@@ -563,18 +599,20 @@ def main(argv: list[str] | None = None) -> Path:
                         help="published: where config.json states expert_dtype (V4: top, V4.1: quantization_config)")
     parser.add_argument("--base", action="store_true", help="published: the *-Base variant (FP8 experts, fp32 scales)")
     parser.add_argument("--mtp-layers", type=int, default=1, help="published: MTP layers to write")
+    parser.add_argument("--dspark", action="store_true", help="published-v41: DSpark draft stages (TINY_V41_DSPARK)")
     args = parser.parse_args(argv)
     try:
         out = make_checkpoint(
             args.directory, args.preset, seed=args.seed, dtype=args.dtype, writer=args.writer,
             max_shard_size=args.max_shard_size, overwrite=args.overwrite, vision=args.vision,
             format=args.format, expert_dtype=args.expert_dtype, expert_dtype_in=args.expert_dtype_in,
-            base=args.base, mtp_layers=args.mtp_layers,
+            base=args.base, mtp_layers=args.mtp_layers, dspark=args.dspark,
         )
     except (ValueError, FileExistsError) as e:
         parser.error(str(e))
     if args.format == "published-v41":
-        print(f"wrote a tiny DeepSeek-V4.1 checkpoint (published layout, seed {args.seed}) to {out}")
+        print(f"wrote a tiny DeepSeek-V4.1{' + vision' if args.vision else ''} checkpoint (published layout, seed "
+              f"{args.seed}) to {out}")
         return out
     num = num_parameters(args.preset, args.vision)
     what = f"published, experts {'fp8, Base' if args.base else args.expert_dtype}" if args.format == "published" else args.dtype

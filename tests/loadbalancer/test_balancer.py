@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer.loadbalancer import Balancer, InstanceLoad, InsufficientCapacity, NoHealthyInstance, RequestInfo, Stage
+from deepinfer.loadbalancer import (
+    Balancer,
+    InstanceLoad,
+    InsufficientCapacity,
+    NoHealthyInstance,
+    RequestInfo,
+    RequestTooLarge,
+    Stage,
+)
 from deepinfer.loadbalancer.policies import make_policy
 from tests.loadbalancer.factories import add, make_membership
 
@@ -48,11 +56,12 @@ def test_kv_load_without_room_raises_insufficient_capacity():
     members, _ = make_membership()
     add(members, "d0", Stage.DECODE, num_kv_blocks_total=4)
     balancer = Balancer(Stage.DECODE, "kv_load", members)
-    with pytest.raises(InsufficientCapacity, match="has room"):
+    with pytest.raises(RequestTooLarge, match="more KV blocks than any"):  # a subclass: waiting cannot help
         balancer.pick(RequestInfo(num_kv_blocks_needed=5))
     assert balancer.pick(RequestInfo(num_kv_blocks_needed=3)).instance_id == "d0"
-    with pytest.raises(InsufficientCapacity):  # the pick holds 3 of 4 blocks until the next heartbeat
+    with pytest.raises(InsufficientCapacity, match="has room") as e:  # holds 3 of 4 blocks until the next heartbeat
         balancer.pick(RequestInfo(num_kv_blocks_needed=2))
+    assert not isinstance(e.value, RequestTooLarge)
     members.heartbeat("d0", InstanceLoad(num_kv_blocks_total=4))
     assert balancer.pick(RequestInfo(num_kv_blocks_needed=2)).instance_id == "d0"
 

@@ -110,8 +110,11 @@ def test_decode_without_room_is_resource_exhausted():
                 instance_id="d0", stage=common_pb2.STAGE_DECODE, block_size=4,
                 load=loadbalancer_pb2.LoadReport(is_healthy=True, num_kv_blocks_total=2)), timeout=RPC_TIMEOUT_S)
             with pytest.raises(grpc.RpcError) as e:
-                _pick(stub, num_prompt_tokens=12)  # needs 4 blocks
-            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                _pick(stub, num_prompt_tokens=12)  # needs 4 blocks: more than the pool holds, waiting cannot help
+            assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE
             assert _pick(stub, num_prompt_tokens=5).instance.load.num_kv_blocks_used == 2
+            with pytest.raises(grpc.RpcError) as e:
+                _pick(stub, num_prompt_tokens=5)  # both blocks held by the first pick until the next heartbeat
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     finally:
         running.server.stop(None)

@@ -37,7 +37,7 @@ def test_engine_config_canonical_names_and_aliases():
                       (dict(num_draft_tokens=2, speculative_tokens=3), "num_draft_tokens=2 and its alias"),
                       (dict(speculative_tokens=-1), "non-negative"),
                       (dict(speculative_method="eagle"), "not a drafter"),
-                      (dict(speculative="dspark"), "speculative"),
+                      (dict(speculative="eagle"), "speculative"),  # "dspark" is a drafter (V4.1)
                       (dict(speculative="mtp", num_draft_tokens=0), "num_draft_tokens")):
         with pytest.raises(ValidationError, match=match):
             EngineConfig(**kw)

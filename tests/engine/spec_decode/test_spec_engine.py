@@ -196,8 +196,8 @@ def test_stops_limits_and_logprobs_inside_an_accepted_block(tiny):
 
 
 def test_config_refusals(tiny):
-    with pytest.raises(ValueError, match="async_scheduling"):
-        EngineConfig(model=tiny, speculative_tokens=2, async_scheduling=True)
+    with pytest.raises(ValueError, match="leave executor unset"):  # async scheduling and EP > 1: test_spec_async / _ep
+        EngineConfig(model=tiny, speculative_tokens=2, async_scheduling=True, executor="threaded")
     with pytest.raises(ValueError, match="smallest state ring"):
         Engine(EngineConfig(model=tiny, speculative_tokens=8))
     off = Engine(EngineConfig(model=tiny))

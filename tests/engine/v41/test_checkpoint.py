@@ -1,6 +1,6 @@
 """`make_checkpoint --format published-v41`: a tiny V4.1 checkpoint in the published tensor layout (FP8 with
 32x32 UE8M0 blocks, FP4 experts, FP8 Engram tables with 1x32 row scales), its round trip through
-`deepseek_v41.load_published`, and the paged engine's loader reading it (and refusing DSpark stages)."""
+`deepseek_v41.load_published`, and the paged engine's loader reading it (and refusing DSpark stages without target layers)."""
 
 from __future__ import annotations
 
@@ -88,9 +88,11 @@ def test_engine_loader_reads_it_as_v41(ckpt, tmp_path):
     config, quant = read_checkpoint_config(ckpt)
     assert isinstance(config, V41Config) and quant["weight_block_size"] == [32, 32]
     raw = json.loads((ckpt / "config.json").read_text())
-    raw["text_config"].update(num_nextn_predict_layers=1, compress_ratios=raw["text_config"]["compress_ratios"] + [0])
+    # DSpark stages load now (tests/engine/v41/test_dspark.py); stages without the layers that feed them do not
+    raw["text_config"].update(num_nextn_predict_layers=1, dspark_block_size=4,
+                              compress_ratios=raw["text_config"]["compress_ratios"] + [0])
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(CheckpointError, match=r"DeepSeek-V4.1.*Not served yet:.*DSpark"):
+    with pytest.raises(CheckpointError, match=r"DeepSeek-V4.1.*Not served yet:.*DSpark.*dspark_target_layer_ids"):
         read_checkpoint_config(tmp_path)
 
 

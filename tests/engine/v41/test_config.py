@@ -27,11 +27,7 @@ def test_flash_config_parses():
     assert [c.kv_source_of(i) for i in (0, 1, 2, 7, 8, 19, 20, 39)] == [None, None, 2, 2, 8, 14, 20, 20]
     assert [c.index_source_of(i) for i in (3, 21, 24, 27, 39)] == [2, 20, 24, 24, 36]
     assert [c.uses_candidates(i) for i in (14, 20, 21, 24, 36)] == [False, False, False, True, True]
-    unsupported = " ".join(c.unsupported())
-    for field in ("num_nextn_predict_layers", "vision_config"):  # the rest is served (docs/V4_1.md §12)
-        assert field in unsupported
-    for field in ("kv_source_layer_ids", "engram_layer_ids", "weight_block_size"):
-        assert field not in unsupported
+    assert c.unsupported() == []  # everything is served now, DSpark stages included (docs/V4_1.md §12, §13)
 
 
 def test_flat_layout_and_reference_spellings():
@@ -95,11 +91,10 @@ def test_candidate_source_after_a_kv_source_is_refused():
 
 
 def test_v4_parser_and_loader_refuse_v41(tmp_path):
-    with pytest.raises(ValueError, match=r"DeepSeek-V4.1.*V41Config.*cannot serve yet.*DSpark.*vision"):
+    with pytest.raises(ValueError, match=r"DeepSeek-V4.1.*V41Config"):
         ModelConfig.from_hf_dict(flash_config())
     (tmp_path / "config.json").write_text(json.dumps(flash_config()))
-    with pytest.raises(CheckpointError, match=r"DeepSeek-V4.1.*Not served yet:.*DSpark.*vision_config"):
-        read_checkpoint_config(tmp_path)
+    assert isinstance(read_checkpoint_config(tmp_path)[0], V41Config)  # Flash's config is served as a whole now
     bad = flash_config()
     bad["text_config"]["kv_source_layer_ids"] = [1]
     (tmp_path / "config.json").write_text(json.dumps(bad))

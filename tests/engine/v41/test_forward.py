@@ -10,7 +10,7 @@ import torch
 from deepinfer.engine.config import V41Config
 from deepinfer.engine.models import model_class
 from deepinfer.engine.models.deepseek_v41 import DeepseekV41ForCausalLM
-from deepinfer.engine.testing.make_checkpoint import random_v41_model
+from deepinfer.engine.testing.make_checkpoint import TINY_V41_VISION_CONFIG, random_v41_model
 from tests.engine.v41.configs import tiny_config
 from tests.engine.v41.reference import Reference
 
@@ -74,7 +74,8 @@ def test_prefix_logits_are_causal(setup):
 
 def test_image_mask_matches_reference():
     """Image-span tokens: the router's bias_vl (a checkpoint with a vision tower) and no Engram n-grams."""
-    cfg = V41Config.from_hf_dict({**tiny_config(), "vision_config": {"model_type": "deepseek_v41_vision"}})
+    # NOTE: a tiny tower (a bare `vision_config` means Flash's 32-layer ViT, which the model would build)
+    cfg = V41Config.from_hf_dict({**tiny_config(), "vision_config": TINY_V41_VISION_CONFIG})
     model = random_model(cfg, seed=3)
     assert "layers.0.ffn.gate.bias_vl" in model.state_dict()
     ref = Reference(cfg, model.state_dict(), model.engram_hash.token_map)
