@@ -50,6 +50,8 @@ sends it in the transfer notice after the first token (`KVTransferNotice.draft_t
 `num_draft_tokens`, those a structured-output constraint allows; `SpecDecodeMetrics.num_imported_drafts`),
 the bounded replay then stops before token 1, and the request's first decode step computes token 1 with the
 drafts and verifies them. Without it (or from a non-speculative prefill) that step verifies nothing.
+DSpark (`speculative="dspark"`, V4.1) needs no replay: its window rings are per-slot cache state (`dspark_keys`)
+sent with the slot, so the decode's bounded state defaults to "send" (`dspark_drafter`'s docstring).
 
 Greedy outputs equal non-speculative ones token for token; seeded sampled outputs too (the same
 per-position noise, `acceptance`). `verify_schedule = "confidence"` verifies a prefix of each

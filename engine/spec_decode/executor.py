@@ -207,7 +207,7 @@ class SpecDecoding:
         if method == "dspark":  # DeepSeek-V4.1's DSpark stages, their own confidence head (`dspark_drafter`)
             from deepinfer.engine.spec_decode.dspark_drafter import DSparkDrafter, V41Rollback
 
-            self.drafter = DSparkDrafter(model, num_slots, num_draft_tokens)
+            self.drafter = DSparkDrafter(model, num_slots, num_draft_tokens, cache=cache)  # its rings: slot state
             self.confidence_head = None
             self.rollback = V41Rollback(cache, model)
         else:
@@ -254,8 +254,10 @@ class SpecDecoding:
         """
         for rid in out.finished_req_ids + out.preempted_req_ids:
             self._mtp_state_start.pop(rid, None)
-        for n in out.scheduled_new_reqs:
-            self._mtp_state_start[n.req_id] = n.num_computed_tokens
+        in_slot = getattr(self.drafter, "is_state_in_slot", False)
+        for n in out.scheduled_new_reqs:  # an imported slot brings a drafter whose state is in it (DSpark) its rows
+            use_imported = in_slot and n.state_start is not None
+            self._mtp_state_start[n.req_id] = n.state_start if use_imported else n.num_computed_tokens
         batch: ForwardBatch = step.batch
         order = [n.req_id for n in out.scheduled_new_reqs] + [r.req_id for r in out.scheduled_running_reqs]
         # NOTE: a pure-decode batch may end in CUDA-graph padding seqs (one dummy row each): not requests
