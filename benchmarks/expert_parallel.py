@@ -351,11 +351,11 @@ class _Cluster:
             raise
 
     def run(self, trace: list[dict], tag: str) -> dict:
-        """Blocks while `trace` runs (its bursts sent at their offsets); its figures."""
+        """Blocks while `trace` runs (its bursts sent at their offsets); its figures. Sleep 1.5 s before, so that every
+        load report the balancers hold is idle again."""
         from concurrent.futures import ThreadPoolExecutor
 
         args, client = self.args, self.client
-        time.sleep(1.5)  # every load report idle again
         load_before = os.getloadavg()
         sampler = _RankSampler(self.info["decode_lb"]["address"])
         done: list[tuple[float, int] | None] = [None] * len(trace)
@@ -483,11 +483,15 @@ class _Offline:
                 p.terminate()
 
 
-def _cpu_seconds(pids: list[int]) -> float:
-    """CPU seconds (user + system) used so far by the processes `pids` and their live descendants."""
+def _cpu_seconds(pids: list[int], with_self: bool = False) -> float:
+    """CPU seconds (user + system) used so far by the processes `pids` and their live descendants, plus (`with_self`)
+    this process's own (not its children's: the other side's processes are its children too)."""
     import psutil
 
     total = 0.0
+    if with_self:
+        t = psutil.Process().cpu_times()
+        total += t.user + t.system
     for pid in pids:
         try:
             root = psutil.Process(pid)
@@ -520,16 +524,17 @@ def run_balance(args: argparse.Namespace) -> dict:
             cluster = _Cluster(args, ckpt, Path(tmp) / "logs")
             # CPU seconds of each side's process tree (the cluster's with this process: its client threads) in each
             # phase: what each side costs per output token, and what the idle side takes from the running one
-            c_pids = [os.getpid(), *(proc.pid for proc in cluster.processes.procs.values())]
+            c_pids = [proc.pid for proc in cluster.processes.procs.values()]
             o_pids = [proc.pid for proc in offline.procs] if offline is not None else []
             for r, trace in enumerate(traces):
-                t0, c0, o0 = time.monotonic(), _cpu_seconds(c_pids), _cpu_seconds(o_pids)
+                time.sleep(1.5)  # every load report idle again (the heartbeats after the previous phase)
+                t0, c0, o0 = time.monotonic(), _cpu_seconds(c_pids, True), _cpu_seconds(o_pids)
                 c = cluster.run(trace, f"r{r}")
-                t1, c1, o1 = time.monotonic(), _cpu_seconds(c_pids), _cpu_seconds(o_pids)
+                t1, c1, o1 = time.monotonic(), _cpu_seconds(c_pids, True), _cpu_seconds(o_pids)
                 c["cpu_s"], c["other_side_cpu_per_s"] = c1 - c0, (o1 - o0) / (t1 - t0)
                 o = offline.run(r) if offline is not None else None
                 if o is not None:
-                    t2, c2, o2 = time.monotonic(), _cpu_seconds(c_pids), _cpu_seconds(o_pids)
+                    t2, c2, o2 = time.monotonic(), _cpu_seconds(c_pids, True), _cpu_seconds(o_pids)
                     o["cpu_s"], o["other_side_cpu_per_s"] = o2 - o1, (c2 - c1) / (t2 - t1)
                 repeats.append({"cluster": c, "perfect_offline": o,
                                 "throughput_ratio": c["tokens_per_s"] / o["tokens_per_s"] if o else None})

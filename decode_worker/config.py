@@ -49,8 +49,10 @@ class DecodeWorkerConfig(BaseModel):
     bounded_state: Literal["send", "replay"] | None = None
     """How a request's bounded state (sliding-window ring, compressor buffers) gets here: "send" =
     the prefill writes it into a reserved slot with the KV; "replay" = recomputed here by bounded
-    replay of the prompt's tail; None = "send", or "replay" with speculative decoding (the replay also
-    rebuilds the drafter's window). Outputs are identical; BENCHMARKS.md compares the two."""
+    replay of the prompt's tail; None = "send", or "replay" with speculative="mtp" (the replay also
+    rebuilds the MTP drafter's window). With "dspark" the DSpark stages' window rings are part of the slot
+    (`dspark_keys`), so "send" moves them too (the prefill runs `--speculative dspark` as well). Outputs are
+    identical; BENCHMARKS.md compares the two."""
     loopback_ucx: bool = False
     """Keep UCX on loopback (`kv_transfer.LOOPBACK_UCX_ENV`): every process on one host (tests)."""
     embedding_rows: int = Field(8192, gt=0)
@@ -89,16 +91,17 @@ class DecodeWorkerConfig(BaseModel):
     eplb_interval_steps: int = Field(0, ge=0)
     """Re-place the routed experts (EPLB, moving weights while serving) every this many engine steps from the loads
     measured since the last time, with expert_parallel_size > 1; 0 = never (the initial placement stays)."""
-    speculative: Literal["mtp"] | None = None
-    """Speculative decoding (`engine.spec_decode`; lossless): None = off, "mtp" = the checkpoint's MTP layer drafts
-    `num_draft_tokens` per request per step (`--speculative mtp --num-draft-tokens 3`). Needs `bounded_state`
-    "replay" (the default then)."""
+    speculative: Literal["mtp", "dspark"] | None = None
+    """Speculative decoding (`engine.spec_decode`; lossless): None = off, "mtp" = DeepSeek-V4's MTP layer drafts
+    `num_draft_tokens` per request per step (`--speculative mtp --num-draft-tokens 3`; needs `bounded_state`
+    "replay", the default then), "dspark" = DeepSeek-V4.1's DSpark stages draft a block (`--speculative dspark`;
+    its window rings come with the sent state, or are rebuilt by "replay"). Checked against the checkpoint."""
     num_draft_tokens: int | None = Field(None, ge=1)
     """Drafts proposed per request per step with `speculative` on; None = 3 (`spec_decode.config`)."""
     speculative_tokens: int | None = Field(None, ge=0)
     """Alias of `speculative` + `num_draft_tokens` kept for existing YAML and scripts: K > 0 = "mtp" with K drafts,
     0 = off; refused when it disagrees with them. Once validated it mirrors them (0 when off)."""
-    speculative_method: Literal["mtp"] | None = None
+    speculative_method: Literal["mtp", "dspark"] | None = None
     """Alias of `speculative` (the drafter `speculative_tokens` turns on); once validated it mirrors it."""
     verify_schedule: Literal["full", "confidence"] = "full"
     """Drafts verified per request: "full" all of them, "confidence" a prefix chosen over the batch from the
@@ -106,6 +109,9 @@ class DecodeWorkerConfig(BaseModel):
     verify_floor: int = Field(1, ge=0, le=1)
     """Drafts every request verifies at least under the "confidence" schedule: 1, or 0 (none when its drafts are
     unlikely to be accepted); 0 needs verify_schedule "confidence"."""
+    engram_placement: Literal["auto", "device", "pinned_host"] = "auto"
+    """DeepSeek-V4.1: where the FP8 Engram tables live (`EngineConfig.engram_placement`): "device", "pinned_host"
+    (gathered over PCIe) or "auto" (the fit check decides); refused for a checkpoint without Engram tables."""
     verify_cost_table: str | None = None
     """Step-cost table (JSON, `benchmarks/speculative.py --profile-cost --json FILE`) of the "confidence" schedule,
     checked when the config is built (a host that validates it, e.g. `deepinfer up`'s, must read it too); None = the
@@ -153,8 +159,8 @@ class DecodeWorkerConfig(BaseModel):
             return self
         if self.speculative is None or self.verify_schedule != "confidence":
             raise ValueError("verify_cost_table prices the 'confidence' verify schedule of speculative decoding: set "
-                             "speculative='mtp' and verify_schedule='confidence' (--speculative mtp "
-                             "--verify-schedule confidence) or leave it unset")
+                             "speculative ('mtp', or 'dspark' for V4.1) and verify_schedule='confidence' (--speculative "
+                             "mtp --verify-schedule confidence) or leave it unset")
         from deepinfer.engine.spec_decode.step_cost import load_cost_table
 
         load_cost_table(self.verify_cost_table, self.device)  # ValueError naming the file and how to write one
@@ -164,16 +170,23 @@ class DecodeWorkerConfig(BaseModel):
     def _speculation_needs_replay(self) -> DecodeWorkerConfig:
         # NOTE: the MTP drafter's window (its keys at the prompt's last positions) is rebuilt by the same
         # bounded replay that rebuilds the target's state; a sent state would leave it empty
-        # (`engine.spec_decode`'s docstring, "Disaggregated decode")
-        if self.speculative is not None and self.bounded_state == "send":
-            raise ValueError("speculative decoding on a decode instance rebuilds the drafter's window by bounded "
+        # (`engine.spec_decode`'s docstring, "Disaggregated decode"). DSpark's rings are slot state: they are sent.
+        if self.speculative == "mtp" and self.bounded_state == "send":
+            raise ValueError("speculative='mtp' on a decode instance rebuilds the MTP drafter's window by bounded "
                              "replay: set bounded_state='replay' (--bounded-state replay) or leave it unset")
+        return self
+
+    @model_validator(mode="after")
+    def _checkpoint_fits(self) -> DecodeWorkerConfig:
+        from deepinfer.serving.model_checks import check_worker_model
+
+        check_worker_model(self.model, self.speculative, self.engram_placement)  # before anything starts
         return self
 
     @property
     def is_state_sent(self) -> bool:
         """The prefill writes the bounded state with the KV (`bounded_state`, resolved: see its docstring)."""
-        return self.bounded_state == "send" or (self.bounded_state is None and self.speculative is None)
+        return self.bounded_state == "send" or (self.bounded_state is None and self.speculative != "mtp")
 
     def engine_config(self) -> EngineConfig:
         """The engine part of this config."""
@@ -187,6 +200,7 @@ class DecodeWorkerConfig(BaseModel):
                             num_draft_tokens=self.num_draft_tokens, verify_schedule=self.verify_schedule,
                             verify_floor=self.verify_floor,
                             verify_cost_table=self.verify_cost_table,
+                            engram_placement=self.engram_placement,
                             expert_parallel_size=self.expert_parallel_size,
                             num_redundant_experts=self.num_redundant_experts,
                             eplb_interval_steps=self.eplb_interval_steps)

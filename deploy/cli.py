@@ -338,6 +338,9 @@ def _config_from_args(args, parser):
         first = {k: flags[k] for k in ("speculative", "num_draft_tokens") if k in flags}
         if first:
             data["prefill"]["worker"] = {**data["prefill"]["worker"], **first}
+    if getattr(args, "engram_placement", None):  # V4.1's Engram tables: a setting of both stages' workers
+        for stage in ("prefill", "decode"):
+            data[stage]["worker"] = {**data[stage]["worker"], "engram_placement": args.engram_placement}
     thinking = None if args.default_thinking is None else args.default_thinking == "on"
     front = {k: v for k, v in (("served_model_name", args.served_model_name), ("max_model_len", args.max_model_len),
                                ("log_level", args.log_level), ("log_format", getattr(args, "log_format", None)),
@@ -843,14 +846,18 @@ def _add_up_args(p: argparse.ArgumentParser, *, is_serve: bool) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant numerics on every prefill and decode worker (bit-identical outputs whatever "
                         "the batch; slower)")
-    p.add_argument("--speculative", choices=["mtp"], default=None,
-                   help="speculative decoding on the decode stage: the checkpoint's MTP layer drafts (lossless; the "
-                        "prefill drafts the first block; default: the config's, off)")
+    p.add_argument("--speculative", choices=["mtp", "dspark"], default=None,
+                   help="speculative decoding on the decode stage (lossless; the prefill drafts the first block): mtp = "
+                        "DeepSeek-V4's MTP layer, dspark = DeepSeek-V4.1's DSpark stages (their window rings travel "
+                        "with the KV); default: the config's, off")
     p.add_argument("--num-draft-tokens", type=int, default=None, metavar="N",
                    help="drafts per request per step with --speculative (default: the config's, else 3)")
     p.add_argument("--speculative-tokens", type=int, default=None, metavar="K",
                    help="alias: --speculative mtp --num-draft-tokens K (0 = off)")
-    p.add_argument("--speculative-method", choices=["mtp"], default=None, help="alias of --speculative")
+    p.add_argument("--speculative-method", choices=["mtp", "dspark"], default=None, help="alias of --speculative")
+    p.add_argument("--engram-placement", choices=["auto", "device", "pinned_host"], default=None,
+                   help="DeepSeek-V4.1: where the prefill and decode workers keep the Engram tables (device memory, or "
+                        "pinned host memory gathered over PCIe; auto: the fit check decides; default: the config's)")
     p.add_argument("--verify-schedule", choices=["full", "confidence"], default=None,
                    help="drafts verified per request: all (full) or a prefix chosen by confidence")
     p.add_argument("--verify-floor", type=int, choices=[0, 1], default=None,

@@ -14,7 +14,8 @@ prefill:
     - {name: dc-a, datacenter: dc-a, num_instances: 2, resources_per_rank: {GPU: 1}}
 decode:
   balancer: {policy: kv_load}
-  worker: {speculative: mtp, num_draft_tokens: 3}   # speculative decoding (MTP drafts, lossless) on decode
+  worker: {speculative: mtp, num_draft_tokens: 3}   # speculative decoding (MTP drafts, lossless) on decode;
+                                                   # V4.1: dspark (prefill too), engram_placement: pinned_host
   groups:
     - {datacenter: dc-b, num_instances: 1, resources_per_rank: {GPU: 1}}
 entrypoint: {max_attempts: 3}         # any EntrypointConfig field the launcher does not set itself
@@ -399,6 +400,18 @@ class ClusterConfig(_Frozen):
                 except ValidationError as e:
                     raise ValueError(f"{role} settings{f' (num_ranks={num_ranks})' if num_ranks > 1 else ''}: {e}") \
                         from None
+        return self
+
+    @model_validator(mode="after")
+    def _dspark_rings_have_a_sender(self) -> ClusterConfig:
+        # NOTE: a decode stage that takes the sent state with DSpark also takes the DSpark rings from the prefill's
+        # slot (`spec_decode.dspark_drafter`); a prefill without the drafter has none to send (its agent refuses)
+        decode = self.role_config("decode", instance_id="decode-check", lb_address="127.0.0.1:1")
+        prefill = self.role_config("prefill", instance_id="prefill-check", lb_address="127.0.0.1:1")
+        if decode.speculative == "dspark" and decode.is_state_sent and prefill.speculative != "dspark":
+            raise ValueError("decode settings speculative: dspark take the DSpark stages' window rings with the "
+                             "prefill's state: set `speculative: dspark` in the prefill worker settings too (`deepinfer "
+                             "up --speculative dspark` sets both), or `bounded_state: replay` in the decode's")
         return self
 
     @property

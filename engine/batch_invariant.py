@@ -67,6 +67,8 @@ from deepinfer.engine.attention.base import (
 )
 from deepinfer.engine.attention.torch_backend import TorchAttentionBackend
 from deepinfer.engine.cache.kv_cache import V4KVCache
+from deepinfer.engine.models.deepseek_v4 import apply_rope
+from deepinfer.engine.models.deepseek_v41 import PagedAttention
 from deepinfer.engine.moe.base import MoEBackend
 from deepinfer.engine.moe.torch_backend import (
     ExpertFn,
@@ -168,6 +170,20 @@ def _last_dim_sum(x, *args, **kwargs):
     return y if keepdim else y.squeeze(dim)
 
 
+def _last_dim_mean(x, *args, **kwargs):
+    """`mean` through `_last_dim_sum` (a fixed order for a middle dim, a `tree_sum` on CUDA), divided by the count.
+    NOTE: V4 calls no mean; V4.1's Engram gate and DSpark features do."""
+    dim = _dim_arg(args, kwargs, 0)
+    if isinstance(dim, (tuple, list)) and len(dim) == 1:
+        dim = dim[0]
+    if not isinstance(dim, int) or not x.is_floating_point() or (not x.is_cuda and dim % x.dim() == x.dim() - 1):
+        return torch.mean(x, *args, **kwargs)
+    keepdim = kwargs.get("keepdim", args[1] if len(args) > 1 else False)
+    dtype = kwargs.get("dtype")
+    x = x.to(dtype) if dtype is not None else x
+    return _last_dim_sum(x, dim, keepdim=keepdim) / x.shape[dim]
+
+
 def _refuse_einsum(*args, **kwargs):
     raise RuntimeError(
         "batch_invariant=True: torch.einsum is not batch invariant (its contraction order follows the shapes); "
@@ -230,6 +246,8 @@ _OVERRIDES = {
     F.log_softmax: _last_dim_softmax(F.log_softmax),
     torch.sum: _last_dim_sum,
     torch.Tensor.sum: _last_dim_sum,
+    torch.mean: _last_dim_mean,
+    torch.Tensor.mean: _last_dim_mean,
     torch.sigmoid: _sigmoid,
     torch.Tensor.sigmoid: _sigmoid,
     F.silu: _silu,
@@ -445,6 +463,115 @@ class BatchInvariantMoEBackend(MoEBackend):
         return out
 
 
+# --------------------------------------------------------------------------- DeepSeek-V4.1's paged attention
+
+
+def v41_index_scores_tiled(indexer, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, cos, sin) -> torch.Tensor:
+    """V4.1's indexer scores [n, C] (`deepseek_v41.Indexer.scores`' math) with an order fixed per query: keys [C, d]
+    (a prefill chunk's, shared) or [n, C, d] (decode rows', each its own). Each (query, key tile) product has one
+    shape, the heads are weighted then summed by `tree_sum`; queries go QUERY_BLOCK at a time (each block copies
+    its keys per query: a chunk's shared keys are not broadcast into the product, whose path could differ)."""
+    n = x.shape[0]
+    q = apply_rope(indexer.wq_b(qr).view(n, indexer.num_heads, indexer.head_dim), cos, sin).float()  # [n, h, d]
+    w = indexer.weights_proj(x).float() * (indexer.head_dim ** -0.5 * indexer.num_heads ** -0.5)  # [n, h]
+    C = keys.shape[-2]
+    outs = []
+    for a in range(0, n, QUERY_BLOCK):
+        b = min(n, a + QUERY_BLOCK)
+        k = keys[a:b] if keys.dim() == 3 else keys[None].expand(b - a, -1, -1)
+        kp, _ = _pad_keys(k.float(), torch.ones(k.shape[:2], dtype=torch.bool, device=k.device))
+        s = torch.relu(_tile_logits(q[a:b], kp))  # [b - a, T, h, KT]
+        s = tree_sum(s * w[a:b, None, :, None], 2)  # [b - a, T, KT]
+        outs.append(s.reshape(b - a, -1)[:, :C])
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def v41_attn_output(attn, out: torch.Tensor, cos, sin) -> torch.Tensor:
+    """`deepseek_v41.Attention.output` without its einsum: rotate back, the grouped `wo_a` as one batched matmul over
+    the groups ([G, T, NH*D/G] @ [G, NH*D/G, R]: rows padded by the mode), then `wo_b`."""
+    T = out.shape[0]
+    grouped = apply_rope(out, cos, -sin).reshape(T, attn.groups, -1).transpose(0, 1)  # [G, T, NH*D/G]
+    w = attn.wo_a.weight.view(attn.groups, -1, grouped.shape[-1])  # [G, R, NH*D/G]
+    y = _mm(grouped.contiguous(), w.transpose(1, 2).contiguous())  # [G, T, R]
+    return attn.wo_b(y.transpose(0, 1).reshape(T, -1))
+
+
+class BatchInvariantPagedAttention(PagedAttention):
+    """DeepSeek-V4.1's paged attention (`deepseek_v41.PagedAttention`: its cache I/O, KV-source ownership, published
+    selections and candidate masks unchanged) with one per-query computation for decode rows and prefill chunks
+    alike, so a position's bits do not depend on which path, batch or chunk computes it:
+
+    * attention: `attend_tiled` over the window keys oldest first (padded to a tile boundary) then the KV source's
+      entries by entry index; a decode row reads its ring in position order (the `torch` path reads ring order)
+      and attends in the cache's dtype, as a prefill chunk does;
+    * the indexer: `v41_index_scores_tiled` (fixed tiles; a decode row's width, the most entries any row of the
+      batch sees, only adds masked columns, which neither the top-k nor the candidate filter picks);
+    * the grouped output projection: `v41_attn_output` (no einsum);
+    * a KV source's compressor: a prefill chunk's projections are rounded to the buffer's dtype before its groups
+      pool them, as a decode row's (written to the buffer, read back) are; a no-op in float32.
+    """
+
+    name = "v41-torch-batch-invariant"
+    batch_invariant_safe = True
+
+    @staticmethod
+    def _decode_attend(q, kv, sink, ring, dm, W: int, extra) -> torch.Tensor:
+        dt = ring.dtype
+        ring[dm.slots, dm.window_rows[W]] = kv.to(dt)
+        j = torch.arange(W, device=q.device)
+        key_pos = dm.pos[:, None] - (W - 1) + j[None, :]  # [B, W] oldest first
+        win, valid = _pad_keys(ring[dm.slots[:, None], key_pos % W], key_pos >= dm.state_start[:, None])
+        if extra is not None:
+            entries, mask = extra  # [B, C, D], [B, C]
+            keys, valid = torch.cat([win, entries.to(dt)], dim=1), torch.cat([valid, mask], dim=1)
+        else:
+            keys = win
+        # NOTE: q in the cache's dtype, as `PagedAttention.__call__` hands a prefill chunk's queries over (the
+        # result is in that dtype too, cast back exactly)
+        return attend_blocks(q.to(dt), lambda a, b: (keys[a:b], valid[a:b]), sink).to(q.dtype)
+
+    _attend_chunk = staticmethod(BatchInvariantAttentionBackend._attend_one)
+
+    @staticmethod
+    def _output(attn, out: torch.Tensor, cos, sin) -> torch.Tensor:
+        return v41_attn_output(attn, out, cos, sin)
+
+    @staticmethod
+    def _index_scores(indexer, x, qr, keys, cos, sin) -> torch.Tensor:
+        return v41_index_scores_tiled(indexer, x, qr, keys, cos, sin)
+
+    @staticmethod
+    def _chunk_projections(kvp: torch.Tensor, gp: torch.Tensor | None, dtype: torch.dtype):
+        rounded = [None if t is None else t.to(dtype).to(t.dtype) for t in (kvp, gp)]
+        return rounded[0], rounded[1]
+
+
+def _enable_v41(model: nn.Module, device: torch.device) -> None:
+    """`enable_batch_invariant` for a `DeepseekV41ForCausalLM` (its paged step; `forward_full` is the test reference
+    and keeps its einsums): the invariant paged attention, invariant MoE backends (backbone and DSpark stages), the
+    quantized linears' torch references on CUDA, and the mode around `forward` / `compute_logits`."""
+    from deepinfer.engine.quant.linear import _QuantLinear
+
+    for i, layer in enumerate(model.layers):
+        if type(layer.attn.wo_a) is not nn.Linear:
+            raise ValueError(f"batch_invariant=True: layer {i}'s attn.wo_a is a {type(layer.attn.wo_a).__name__}; the "
+                             "mode's grouped output projection needs its float weight (v41_attn_output)")
+    for layer in list(model.layers) + list(model.mtp or ()):
+        ffn = layer.ffn
+        ffn.backend = _swap_moe(ffn.backend)
+        ffn.backend.prepare(ffn.experts)
+        ffn._prepared_ptr = ffn.experts[0].w1.weight.data_ptr()
+    if device.type == "cuda":
+        for mod in model.modules():
+            if isinstance(mod, _QuantLinear):
+                # NOTE: as for V4: the Triton FP8/FP4 GEMMs choose split-K by M; the torch references go through
+                # the mode's fixed-tile matmul
+                mod.select_impl("torch")
+    model.backend = BatchInvariantPagedAttention()
+    model.numerics = BatchInvariantMode
+    model.is_batch_invariant = True
+
+
 # --------------------------------------------------------------------------- enabling the mode
 
 
@@ -490,7 +617,8 @@ def check_device(device: torch.device) -> None:
 
 
 def enable_batch_invariant(model: nn.Module) -> None:
-    """Switch a loaded `DeepseekV4ForCausalLM` to batch-invariant numerics, in place (once, after loading).
+    """Switch a loaded `DeepseekV4ForCausalLM` (or `DeepseekV41ForCausalLM`: `_enable_v41`) to batch-invariant
+    numerics, in place (once, after loading).
 
     Raises ValueError naming the op when a part cannot be made invariant: an attention or MoE backend
     other than `torch` that does not declare `batch_invariant_safe = True`, or a device without an
@@ -501,6 +629,9 @@ def enable_batch_invariant(model: nn.Module) -> None:
 
     device = next(model.parameters()).device
     check_device(device)
+    if hasattr(model, "decoder_replay"):  # DeepSeek-V4.1 (`deepseek_v41.DeepseekV41ForCausalLM`)
+        _enable_v41(model, device)
+        return
     swapped: dict = {}
     for mod in model.modules():
         if isinstance(mod, MoE):

@@ -301,16 +301,10 @@ class Engine(ExternalKVMixin):
         """The checkpoint directory this engine serves (the built-in demo model's when none was given; a
         repo id's snapshot in the Hugging Face cache)."""
         mc, _ = read_checkpoint_config(path)
-        if config.speculative == "dspark" and not hasattr(mc, "kv_source_layer_ids"):
-            raise ValueError("speculative='dspark': DSpark stages are DeepSeek-V4.1's; this DeepSeek-V4 checkpoint "
-                             "drafts with its MTP layer: set speculative='mtp' (or None)")
-        if hasattr(mc, "kv_source_layer_ids"):  # a V41Config: what its paged path does not have yet (docs/V4_1.md §12)
-            if config.speculative == "mtp":
-                raise ValueError("speculative='mtp': DeepSeek-V4.1 has no MTP layer; its drafter is its DSpark stages: "
-                                 "set speculative='dspark' (or None)")
-            if config.batch_invariant:
-                raise ValueError("batch_invariant: DeepSeek-V4.1's paged attention has no batch-invariant mode yet; "
-                                 "set batch_invariant=False")
+        from deepinfer.engine.spec_decode.config import check_drafter_for_model
+
+        check_drafter_for_model(config.speculative, mc)  # "dspark" is V4.1's, "mtp" V4's
+        # NOTE: batch_invariant works for DeepSeek-V4.1 too (`engine.batch_invariant._enable_v41`)
         self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
         block_size = config.block_size or default_block_size(mc.compress_rates.values())  # the layout decides
         self.fit = check_fit(path, mc, dtype=parse_dtype(config.dtype), device=config.device,

@@ -85,7 +85,9 @@ Not moved by default: D rebuilds it by bounded replay. `KVTransferAgent(..., sen
 both sides also registers the per-slot tensors (`V4KVCache.state_tensors()`, slot = dim 1, so one
 contiguous range per tensor and layer), and `send_blocks(..., src_slot=, dst_slot=)` moves one
 request's slot with its blocks in the same WRITE (`expect(..., dst_slot=)` counts its bytes); a
-load with `KVLoadSpec(with_state=True)` then skips the bounded replay.
+load with `KVLoadSpec(with_state=True)` then skips the bounded replay. A drafter with per-slot state (DeepSeek-V4.1's
+DSpark rings, `dspark_keys`) adds it to the cache's state tensors, so it moves too; `add_peer` refuses a peer that
+keeps state this side lacks (its slot would be left stale), and a send leaves out state the peer does not keep.
 
 Progress, threads and UCX
 -------------------------

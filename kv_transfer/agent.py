@@ -340,7 +340,7 @@ class KVTransferAgent:
         for n, mine in self._regions.items():
             theirs = regions.get(n)
             if theirs is None and mine.is_state:
-                continue  # a peer that rebuilds its state by replay: sends to it carry no slot
+                continue  # a peer that rebuilds its state by replay (sends carry no slot), or keeps no drafter state
             if theirs is None:
                 raise ValueError(f"peer {name!r} has no region {n!r}; both sides must run the same model.")
             if (theirs.num_layers, theirs.unit_nbytes) != (mine.num_layers, mine.unit_nbytes):
@@ -348,6 +348,11 @@ class KVTransferAgent:
                     f"peer {name!r} region {n!r} is {theirs.num_layers} layers x {theirs.unit_nbytes} B per unit, "
                     f"ours {mine.num_layers} x {mine.unit_nbytes}; model config, cache dtype and block_size must match."
                 )
+        lacking = [n for n, r in regions.items() if r.is_state and n not in self._regions]
+        if self.send_state and lacking:  # a sent slot would leave these of the peer's slot stale
+            raise ValueError(f"peer {name!r} keeps bounded state {lacking} that this instance does not (a drafter's "
+                             "state, e.g. dspark_keys: the DSpark rings); run this instance with the peer's "
+                             "--speculative (dspark), or the peer with --bounded-state replay")
         self.remove_peer(name)
         loaded = self._nixl.add_remote_agent(metadata)
         loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
@@ -410,7 +415,7 @@ class KVTransferAgent:
             if not mine.is_state:
                 local_rows.append(mine.descs(src_starts, lengths))
                 remote_rows.append(remote[n].descs(dst_starts, lengths))
-            elif src_slot is not None:
+            elif src_slot is not None and n in remote:  # state the peer keeps (a drafter's only if it drafts)
                 local_rows.append(mine.descs(np.array([src_slot]), one))
                 remote_rows.append(remote[n].descs(np.array([dst_slot]), one))
         local = np.concatenate(local_rows)  # [num_descs, 3] (address, num_bytes, device)

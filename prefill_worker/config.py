@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deepinfer.engine.attention import attention_backend_names
 from deepinfer.engine.engine import EngineConfig
@@ -85,12 +85,17 @@ class PrefillWorkerConfig(BaseModel):
     eplb_interval_steps: int = Field(0, ge=0)
     """Re-place the routed experts (EPLB, moving weights while serving) every this many engine steps from the loads
     measured since the last time, with expert_parallel_size > 1; 0 = never (the initial placement stays)."""
-    speculative: Literal["mtp"] | None = None
-    """Speculative decoding's first draft (`engine.spec_decode`): "mtp" = after the first token the checkpoint's MTP
-    layer drafts `num_draft_tokens`, sent with the KV so the decode instance's first step verifies them (set it as on
-    the decode stage); None = none (the decode's first step verifies nothing)."""
+    speculative: Literal["mtp", "dspark"] | None = None
+    """Speculative decoding's first draft (`engine.spec_decode`; set it as on the decode stage): after the first token
+    the drafter drafts `num_draft_tokens`, sent with the KV so the decode instance's first step verifies them: "mtp" =
+    DeepSeek-V4's MTP layer, "dspark" = DeepSeek-V4.1's DSpark stages (whose window rings, seeded from the prompt,
+    also travel with a sent state slot: `dspark_keys`); None = none (the decode's first step verifies nothing).
+    Checked against the checkpoint."""
     num_draft_tokens: int = Field(3, ge=1)
     """Drafts sent with the KV when `speculative` is set."""
+    engram_placement: Literal["auto", "device", "pinned_host"] = "auto"
+    """DeepSeek-V4.1: where the FP8 Engram tables live (`EngineConfig.engram_placement`): "device", "pinned_host"
+    (gathered over PCIe) or "auto" (the fit check decides); refused for a checkpoint without Engram tables."""
 
     kv_store: Literal["off", "embedded", "mooncake"] = "off"
     """Persistent compressed-KV store (`kvstore`): off, embedded (block files on local disk, SQLite index) or
@@ -105,6 +110,13 @@ class PrefillWorkerConfig(BaseModel):
     """mooncake: the master's host:port."""
     kv_store_mooncake_metadata: str = "http://127.0.0.1:8080/metadata"
     """mooncake: the metadata server URL (the master's embedded HTTP one by default)."""
+
+    @model_validator(mode="after")
+    def _checkpoint_fits(self) -> PrefillWorkerConfig:
+        from deepinfer.serving.model_checks import check_worker_model
+
+        check_worker_model(self.model, self.speculative, self.engram_placement)  # before anything starts
+        return self
 
     def kv_store_config(self):
         """The `kvstore.KVStoreConfig` of `kv_store`, or None when it is off."""
@@ -128,6 +140,7 @@ class PrefillWorkerConfig(BaseModel):
                             batch_invariant=self.batch_invariant, speculative=self.speculative,
                             v41_decoder_replay=self.v41_decoder_replay,
                             num_draft_tokens=self.num_draft_tokens,
+                            engram_placement=self.engram_placement,
                             expert_parallel_size=self.expert_parallel_size,
                             num_redundant_experts=self.num_redundant_experts,
                             eplb_interval_steps=self.eplb_interval_steps)

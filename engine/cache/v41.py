@@ -138,6 +138,21 @@ class V41KVCache:
             setattr(self, name, t)
         self.window_kv: torch.Tensor  # [num_layers, num_slots, W, D]
 
+    def add_state(self, name: str, tensor: torch.Tensor) -> None:
+        """Make `tensor` ([layers, slots, ...], slot = dim 1, contiguous) part of every slot's bounded state: it is
+        then a state pool (`pool_layouts`, `state_tensors`, `getattr(cache, name)`) that `copy_slot` copies and a
+        transfer agent built afterwards registers and moves with a slot (the DSpark drafter's window rings,
+        `spec_decode.dspark_drafter`). Call it before any agent is built."""
+        if name in self.tensors:
+            raise ValueError(f"cache tensor {name!r} already exists")
+        if tensor.dim() < 2 or tensor.shape[1] < self.num_slots or not tensor.is_contiguous():
+            raise ValueError(f"state tensor {name!r} must be contiguous [layers, slots >= {self.num_slots}, ...], got "
+                             f"{tuple(tensor.shape)}")
+        self.pool_layouts[name] = PoolLayout(name, tensor.shape[0], tensor.shape[1], tuple(tensor.shape[2:]),
+                                             tensor.element_size(), True)
+        self.tensors[name] = tensor
+        setattr(self, name, tensor)
+
     def entries(self, ratio: int) -> torch.Tensor:
         """`entries_r{ratio}` [sources, num_blocks, block_size // ratio, head_dim]."""
         return self.tensors[f"entries_r{ratio}"]

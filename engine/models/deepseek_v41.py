@@ -41,6 +41,8 @@ positions' input rows, route with `bias_vl` and are dead tokens for Engram. The 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -250,7 +252,9 @@ class Compressor(nn.Module):
         """Groups' projections kv, gate [n, ratio, dim] -> latents [n, dim]: normed softmax-weighted sums
         (ratio 1: the normed projection itself)."""
         if self.ratio == 1:
-            return self.norm(kv[:, 0])
+            # NOTE: float32 as for ratio > 1, whatever dtype the caller holds the projections in (a decode row's come
+            # from the cache's buffer, a prefill chunk's as computed): the entry then does not depend on the path
+            return self.norm(kv[:, 0].float())
         return self.norm((kv.float() * gate.float().softmax(dim=1)).sum(dim=1))
 
 
@@ -477,8 +481,6 @@ class PagedAttention:
 
     def __call__(self, attn: Attention, layer: int, x: torch.Tensor, meta, cache) -> torch.Tensor:
         """x [T, H] (after attn_norm) of the flat batch -> [T, H]; reads and writes `cache`."""
-        from deepinfer.engine.attention.torch_backend import TorchAttentionBackend
-
         lay, r = cache.layout, attn.ratio
         cos, sin = meta.rope["compress" if r else "main"]
         qr, q, kv = attn.project(x, cos, sin)
@@ -501,8 +503,34 @@ class PagedAttention:
             if extra is not None:
                 extra = (extra[0].to(dt), extra[1])
             # NOTE: in the cache's dtype, as V4's layers hand it over (a no-op in float32)
-            out[sl] = TorchAttentionBackend._attend_one(spec, chunk, q[sl].to(dt), kv[sl].to(dt), sink, cache, extra)
-        return attn.output(out.to(x.dtype), cos, sin)
+            out[sl] = self._attend_chunk(spec, chunk, q[sl].to(dt), kv[sl].to(dt), sink, cache, extra)
+        return self._output(attn, out.to(x.dtype), cos, sin)
+
+    # -- what the batch-invariant mode replaces (`engine.batch_invariant.BatchInvariantPagedAttention`) ----------
+
+    @staticmethod
+    def _attend_chunk(spec, chunk, q, kv, sink, cache, extra) -> torch.Tensor:
+        """One prefill chunk's attention over its window (+ selected entries): the `torch` backend's `_attend_one`."""
+        from deepinfer.engine.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend._attend_one(spec, chunk, q, kv, sink, cache, extra)
+
+    @staticmethod
+    def _output(attn: Attention, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The attention output [T, NH, D] -> [T, H] (`Attention.output`)."""
+        return attn.output(out, cos, sin)
+
+    @staticmethod
+    def _index_scores(indexer: Indexer, x, qr, keys, cos, sin) -> torch.Tensor:
+        """An index source's scores [n, C] over keys [C, d] (a chunk's) or [n, C, d] (decode rows'): `Indexer.scores`."""
+        return indexer.scores(x, qr, keys, cos, sin)
+
+    @staticmethod
+    def _chunk_projections(kvp: torch.Tensor, gp: torch.Tensor | None, dtype: torch.dtype):
+        """A prefill chunk's compressor projections as its groups pool them (float32, as computed; the buffer's
+        `dtype` is what decode rows pool)."""
+        del dtype
+        return kvp, gp
 
     # -- the compressed branch ------------------------------------------------------------------
 
@@ -519,7 +547,7 @@ class PagedAttention:
         """An index source's selection for `group` (and the candidate source's mask), published for later layers."""
         if attn.indexer is None:
             return
-        scores = attn.indexer.scores(x, qr, keys, cos, sin)
+        scores = self._index_scores(attn.indexer, x, qr, keys, cos, sin)
         sel, cand = attn.indexer.select(scores, visible, counts, self.candidates.get(group))
         self.selection[group] = sel
         if attn.indexer.is_candidate_source:
@@ -560,7 +588,7 @@ class PagedAttention:
         if attn.compressor is not None:
             ring_kv = cache.tensors[f"comp_kv_r{r}"][row, chunk.slot]  # [r, D]
             ring_gate = cache.tensors[f"comp_gate_r{r}"][row, chunk.slot] if r > 1 else None
-            kvp, gp = attn.compressor.project(x)
+            kvp, gp = self._chunk_projections(*attn.compressor.project(x), ring_kv.dtype)
             if geo.windows.numel() > 0:
                 span_kv, span_gate = kvp, gp
                 if geo.hist_rows is not None:
@@ -672,6 +700,16 @@ class Block(nn.Module):
         return streams, ffn_pre
 
 
+def _in_numerics(fn):
+    """Run a model method inside its `numerics` context (`nullcontext`, or the batch-invariant mode's
+    `TorchFunctionMode`, which `engine.batch_invariant.enable_batch_invariant` sets once)."""
+    @functools.wraps(fn)
+    def run(self, *args, **kwargs):
+        with self.numerics():
+            return fn(self, *args, **kwargs)
+    return run
+
+
 class DeepseekV41ForCausalLM(nn.Module):
     """DeepSeek-V4.1's backbone: embed -> hc streams -> layers -> collapse -> norm -> head.
 
@@ -723,6 +761,11 @@ class DeepseekV41ForCausalLM(nn.Module):
         """The paged step's decoder-side bounded replay (`_decoder_tail`): the layers after `last_kv_source` compute
         a request's tokens from `num_prompt_tokens - sliding_window` on only. The engine sets it from
         `EngineConfig.v41_decoder_replay` (on by default); off here, so a bare model computes every token."""
+        self.numerics = contextlib.nullcontext
+        """Context entered around the paged `forward` and `compute_logits`: `nullcontext`, or the batch-invariant
+        mode's (`engine.batch_invariant.enable_batch_invariant`, once; it also swaps `backend` and the MoE backends)."""
+        self.is_batch_invariant = False
+        """Whether `enable_batch_invariant` switched this model to batch-invariant numerics."""
 
     @property
     def image_encoder(self):
@@ -846,6 +889,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             ring[s.slot, torch.arange(p0 + n - m1, p0 + n, device=device) % m1] = ext[-m1:]
         return self.engram_hash.hash_grams(torch.cat(grams))
 
+    @_in_numerics
     def forward(self, batch, cache, meta=None, return_streams: bool = False):
         """The paged step: hidden [T, H] of the flat batch (`engine.forward_batch.ForwardBatch`) over `cache`
         (`engine.cache.v41.V41KVCache`), updated in place. `meta`: the step's metadata (else the batch's, else
@@ -978,6 +1022,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             for key, rows, c in groups:
                 store[key] = flat[rows, :c] if c else None
 
+    @_in_numerics
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, H] -> float32 logits [n, vocab]."""
         return F.linear(hidden, self.head.weight).float()

@@ -89,3 +89,16 @@ def check_verify_floor(verify_floor: int, verify_schedule: str) -> None:
         raise ValueError("verify_floor=0 lets the 'confidence' verify schedule verify no draft of a request; with "
                          f"verify_schedule={verify_schedule!r} every draft is verified: set "
                          "verify_schedule='confidence' or leave verify_floor at 1")
+
+
+def check_drafter_for_model(speculative: str | None, model_config) -> None:
+    """Refuse a drafter the checkpoint does not have: "dspark" needs DeepSeek-V4.1 (a `V41Config`, its DSpark
+    stages), "mtp" DeepSeek-V4 (its MTP layer). The engine calls it at start, before anything loads; the worker
+    configs call it when they are built (`serving.model_checks`), so a bad pairing fails before a process starts."""
+    is_v41 = hasattr(model_config, "kv_source_layer_ids")
+    if speculative == "dspark" and not is_v41:
+        raise ValueError("speculative='dspark': DSpark stages are DeepSeek-V4.1's; this DeepSeek-V4 checkpoint "
+                         "drafts with its MTP layer: set speculative='mtp' (or None)")
+    if speculative == "mtp" and is_v41:
+        raise ValueError("speculative='mtp': DeepSeek-V4.1 has no MTP layer; its drafter is its DSpark stages: "
+                         "set speculative='dspark' (or None)")

@@ -18,6 +18,15 @@ NOTE: the confidence is read as the conditional acceptance c(r, i) of draft i gi
 accepted (`verify_schedule.survival` multiplies them), which is how the speculative-decoding issue describes the
 head; [M] only computes the logit (nothing in it consumes it).
 
+**Disaggregated decode.** The rings are per-slot state: given the engine's cache (`SpecDecoding` passes it), the
+drafter adds them to it as the state pool `dspark_keys` (`V41KVCache.add_state`), so a transfer agent registers them
+and moves them with a request's slot like the window rings (`DecodeWorkerConfig.bounded_state` "send"; the prefill
+runs `--speculative dspark` too). Per request that is `stages x sliding_window x head_dim` elements (3 x 128 x 512
+in bf16, 384 KiB, for DeepSeek-V4.1-Flash: about 7% of its 40 layers' window rings). The prefill's committed pass
+wrote the prompt's last `sliding_window` positions there, so with `is_state_in_slot` the decode instance's drafter
+takes them as valid from the imported state's start (`NewRequestData.state_start`) and its first block after the
+first verification is the one an offline engine drafts. With "replay" the tail's replay rewrites them instead.
+
 Rows a decoder-side bounded replay left out (prompt positions before `P - sliding_window`) carry zero features;
 their keys are written too and overwritten by the tail's positions before any draft reads them (a prompt's
 last `sliding_window` positions are always computed).
@@ -49,7 +58,10 @@ from deepinfer.engine.spec_decode.rollback import RingRollback, RingSnapshot
 class DSparkDrafter:
     """Drafts with `model.mtp` (a `DeepseekV41ForCausalLM`'s DSpark stages) over its own window rings."""
 
-    def __init__(self, model, num_slots: int, num_draft_tokens: int) -> None:
+    STATE_NAME = "dspark_keys"
+    """The rings' name as a cache state pool (a transfer region on the wire)."""
+
+    def __init__(self, model, num_slots: int, num_draft_tokens: int, cache=None) -> None:
         if getattr(model, "mtp", None) is None or not hasattr(model, "dspark_targets"):
             raise ValueError("speculative='dspark' needs a DeepSeek-V4.1 checkpoint with DSpark stages (`mtp.*`, "
                              "num_nextn_predict_layers > 0 and dspark_block_size > 0); set speculative=None")
@@ -66,6 +78,10 @@ class DSparkDrafter:
         self.rings = torch.zeros(len(model.mtp), num_slots + 1, self.window, cfg.head_dim, dtype=weight.dtype,
                                  device=weight.device)
         """Per stage and slot, the window ring of its keys: [num_stages, num_slots + 1, sliding_window, head_dim]."""
+        self.is_state_in_slot = cache is not None and hasattr(cache, "add_state")
+        """The rings are part of the cache's per-slot state (module docstring): an imported slot brings them."""
+        if self.is_state_in_slot:
+            cache.add_state(self.STATE_NAME, self.rings)
         self.keep_features = False
         """The MTP drafter's flag; DSpark's confidences come from its own head (always returned as the probs)."""
 
@@ -241,7 +257,10 @@ class V41Rollback:
             if x is None:
                 raise RuntimeError(f"KV source {layer}'s attention input was not captured during the verify forward")
             rows = torch.tensor([st.first_row + held[k] - st.p0 for k in fresh], dtype=torch.long, device=x.device)
-            kvp, gp = self.model.layers[layer].attn.compressor.project(x[rows])
+            # NOTE: in the model's numerics, as the forward projected them (batch-invariant mode: these few rows get
+            # the bits a plain decode step gives them)
+            with self.model.numerics():
+                kvp, gp = self.model.layers[layer].attn.compressor.project(x[rows])
             kv_ring[fresh] = kvp.to(kv_ring.dtype)
             if gate_ring is not None and gp is not None:
                 gate_ring[fresh] = gp.to(gate_ring.dtype)

@@ -51,10 +51,18 @@ def test_example_configs_load():
     assert worker.datacenter == "dc-b" and worker.kv_lease_s == 60 and worker.agent_name == "decode-dc-b-0"
 
 
+def test_speculative_decode_runs_in_rank_groups(tmp_path):
+    """Speculative decoding with expert parallelism is supported (`engine.distributed.spec`): a decode group of 2
+    ranks with MTP drafts is a valid layout, and its engine config carries both."""
+    path = tmp_path / "c.yaml"
+    path.write_text("decode: {balancer: {policy: kv_load}, worker: {speculative: mtp}, groups: [{num_ranks: 2}]}")
+    cfg = ClusterConfig.load(path)
+    engine = cfg.role_config("decode", instance_id="d", lb_address="h:1", num_ranks=2).engine_config()
+    assert engine.speculative == "mtp" and engine.expert_parallel_size == 2
+
+
 @pytest.mark.parametrize("text, needle", [
     ("vision: {balancer: {policy: image_affinity}, groups: [{num_ranks: 2}]}", "num_ranks must be 1"),
-    ("decode: {balancer: {policy: kv_load}, worker: {speculative_tokens: 1}, groups: [{num_ranks: 2}]}",
-     "decode settings (num_ranks=2)"),
     ("decode: {balancer: {policy: kv_load}, worker: {port: 5}}", "set by the launcher"),
     ("decode: {balancer: {policy: kv_load}, worker: {max_num_seqs: 0}}", "decode settings"),
     ("decode: {balancer: {policy: kv_load}, worker: {no_such_field: 1}}", "no_such_field"),

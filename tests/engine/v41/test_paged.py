@@ -187,8 +187,7 @@ def test_engine_refuses_what_v41_does_not_build(ckpt, tmp_path):
         load_checkpoint(ckpt, attention_backend="triton")
     with pytest.raises(ValueError, match="DSpark"):
         Engine(model=str(ckpt), speculative_tokens=1, max_model_len=64)
-    with pytest.raises(ValueError, match="batch-invariant"):
-        Engine(model=str(ckpt), batch_invariant=True, max_model_len=64)
+    # NOTE: batch_invariant=True is served now (tests/engine/v41/test_batch_invariant.py)
     # NOTE: a `vision_config` is served now (engine.models.vision_v41; tests/engine/v41/test_vision.py)
 
 
