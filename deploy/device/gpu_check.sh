@@ -30,7 +30,7 @@ step() {  # step NAME SECONDS CMD...
 GPU_TESTS=(
     tests/kernels tests/engine/attention tests/engine/test_cuda_graph.py tests/engine/test_gpu.py
     tests/engine/moe/test_triton_moe.py tests/engine/v41 tests/engine/quant/test_act_quant.py
-    tests/engine/test_batch_invariance.py tests/engine/checkpoints/test_published_loader.py
+    tests/engine/test_batch_invariance.py tests/engine/checkpoints/test_published_loader.py tests/engine/spec_decode/test_spec_async.py
 )
 
 if [[ "$what" == tests || "$what" == all ]]; then
