@@ -38,6 +38,13 @@ any other backend that does not declare `batch_invariant_safe = True`, and sets 
 that routes matmuls and middle-dim reductions through the fixed-tiling versions above. Nothing in a
 hot loop tests the mode: it is all decided here, once.
 
+DeepSeek-V4.1 (`_enable_v41`): its paged attention is not an `AttentionBackend`; the mode swaps the model's
+`PagedAttention` for `BatchInvariantPagedAttention` (the same per-query tiles for decode rows and prefill chunks,
+the indexer's scores tiled, the grouped `wo_a` without einsum, a chunk's compressor projections rounded to the
+buffer's dtype as a decode row's are), the MoE backends of the backbone and the DSpark stages as above, and sets
+the model's `numerics` (entered around its paged `forward` and `compute_logits`). docs/V4_1.md §15 says what the
+guarantee means under decoder-side bounded replay.
+
 On CUDA the row padding is not enough (cuBLAS picks split-K and kernels by shape): matmuls go through
 `kernels.bi_matmul`, a Triton GEMM with one fixed tiling and no split-K. The quantized linears take
 their `torch` reference (dequantize a block, matmul through the mode), since the Triton FP8/FP4
