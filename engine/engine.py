@@ -312,8 +312,9 @@ class Engine(ExternalKVMixin):
                              max_num_seqs=config.max_num_seqs, num_blocks=config.num_blocks,
                              expert_parallel_size=config.expert_parallel_size,
                              num_redundant_experts=config.num_redundant_experts,
-                             engram_placement=config.engram_placement)
-        """The start-up memory plan (`engine.fit`): checked before loading; refuses a model that cannot fit."""
+                             engram_placement=config.engram_placement, speculative=config.speculative)
+        """The start-up memory plan (`engine.fit`): checked before loading; refuses a model that cannot fit. With
+        `speculative`: the drafter's state per slot, and the MTP layers whole on every expert-parallel rank (below)."""
         ep_kwargs = {}
         if config.expert_parallel_size > 1:  # rank 0 of an instance: its routed experts only (`engine.distributed`)
             from deepinfer.engine.distributed.expert_parallel import rank_load_kwargs
