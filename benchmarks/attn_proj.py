@@ -44,7 +44,7 @@ def _cases(T: int, weight, norm_w, ring, device):
     pos = torch.arange(T, device=device) // ring.shape[0] + 1000  # (slot, pos % W) distinct per token
     return [
         ("attn_out_proj", lambda: attn_out_proj_torch(o, cos, sin, weight, G),
-         lambda: attn_out_proj_triton(o, cos, sin, weight, G),
+         lambda: attn_out_proj_triton(o, cos, sin, weight, G, force_kernel=True),
          weight.numel() * 2 + o.numel() * 2 + T * G * R * 2, 2 * T * G * R * (NH * D // G)),
         ("attn_norm_rope q", lambda: attn_norm_rope_torch(o, None, 1e-6, cos, sin),
          lambda: attn_norm_rope_triton(o, None, 1e-6, cos, sin), 2 * o.numel() * 2, 0),

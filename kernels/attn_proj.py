@@ -75,6 +75,13 @@ def attn_out_proj_torch(o, cos, sin, weight, groups: int) -> torch.Tensor:
     return torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(T, -1)  # [T, G*R]
 
 
+TRITON_OUT_PROJ_MAX_TOKENS = 16
+"""Above this many tokens the "triton" `attn_out_proj` runs the torch reference (cuBLAS `bmm`): the kernel's
+large-T tiling reached ~9 TFLOP/s on the H200 (2026-12-05: 243 ms of a 326 ms 8,192-token prefill for 4 layers;
++2.3 ms GPU time at decode batch 128), while its decode tiling (<= 16 tokens: the weight read once) pays.
+`force_kernel=True` runs the kernel at any T (tests, benchmarks)."""
+
+
 def _default(device: torch.device) -> str:
     # the Triton kernels on CUDA (they passed their `gpu` tests on an H200, 2026-12-05), "torch" elsewhere
     return "triton" if device.type == "cuda" and triton is not None else "torch"
@@ -223,7 +230,7 @@ if triton is not None:
     @register_op("attn_out_proj", "triton")
     def attn_out_proj_triton(o, cos, sin, weight, groups: int, block_m: int | None = None,
                              block_r: int | None = None, block_k: int | None = None,
-                             num_warps: int = 8) -> torch.Tensor:
+                             num_warps: int = 8, force_kernel: bool = False) -> torch.Tensor:
         """Triton inverse RoPE + grouped `wo_a`, see the module docstring. o contiguous [T, NH, D], weight
         contiguous [G * R, NH * D / G] of o's dtype, cos/sin float32 [T, rd/2]; block sizes powers of two
         >= 16. Defaults (tiles M x R x K): 16 x 64 x 64 up to 16 tokens (decode: the weight read once, G * R / 64
@@ -248,6 +255,8 @@ if triton is not None:
             if v < 16 or v & (v - 1):
                 raise ValueError(f"attn_out_proj: {name} must be a power of two >= 16, got {v}")
         _check_device("attn_out_proj", o)
+        if T > TRITON_OUT_PROJ_MAX_TOKENS and not force_kernel:
+            return attn_out_proj_torch(o, cos, sin, weight, groups)
         R = weight.shape[0] // groups
         y = torch.empty((T, groups * R), dtype=o.dtype, device=o.device)
         if T:

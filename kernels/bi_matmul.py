@@ -15,6 +15,7 @@ Runs on CUDA, or on the CPU under `TRITON_INTERPRET=1` (tests).
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -82,12 +83,12 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"bi_matmul needs CUDA tensors (or TRITON_INTERPRET=1), got {a.device}")
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
     batch_shape = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    a3 = a.expand(*batch_shape, M, K).reshape(-1, M, K)  # a view where the batch dims merge
-    b3 = b.expand(*batch_shape, K, N).reshape(-1, K, N)
-    nb = a3.shape[0]
+    nb = math.prod(batch_shape)
+    if nb == 0 or M == 0 or N == 0:  # before the reshapes: `reshape(-1, 0, K)` is ambiguous (a step with no logits)
+        return torch.empty(*batch_shape, M, N, dtype=a.dtype, device=a.device)
+    a3 = a.expand(*batch_shape, M, K).reshape(nb, M, K)  # a view where the batch dims merge
+    b3 = b.expand(*batch_shape, K, N).reshape(nb, K, N)
     out = torch.empty(nb, M, N, dtype=a.dtype, device=a.device)
-    if nb == 0 or M == 0 or N == 0:
-        return out.reshape(*batch_shape, M, N)
     for b0 in range(0, nb, _MAX_GRID_Z):  # the grid's third dim holds at most 65535 programs
         b1 = min(nb, b0 + _MAX_GRID_Z)
         x, y, z = a3[b0:b1], b3[b0:b1], out[b0:b1]

@@ -191,7 +191,7 @@ class Fp8EngramTable(nn.Module):
             from deepinfer.kernels import engram_gather as _ops  # registers the op
             from deepinfer.kernels.registry import get_op
 
-            self._gather = get_op("engram_gather", self.gather_impl or _ops.table_gather_impl(key[0], key[1]))
+            self._gather = get_op("engram_gather", self.gather_impl or _ops.table_gather_impl(key[0], key[1], pinned=self.weight.is_pinned()))
             self._gather_key = key
         flat = ids.reshape(-1).to(torch.int64).contiguous()
         return self._gather(flat, self.weight, self.scale, self.out_dtype).view(*ids.shape, self.dim)

@@ -266,12 +266,13 @@ def test_published_on_cuda_matches_cpu(published, name):
     """Kept quantized on the GPU (Triton FP8/FP4 kernels) vs the CPU reference in the same compute dtype,
     float32 and bfloat16.
 
-    NOTE: bf16 is compared with the CPU's bf16 run, not with float32: bf16 rounding alone moves
-    tiny-wide-o's logits by 0.61 from float32 on the CPU (measured 2026-12-04), and the H200's bf16 run
-    agreed with the CPU's bf16 run there to 2e-6.
+    NOTE: bf16 rounding alone moves tiny-wide-o's logits by 0.61 from float32 on the CPU (measured 2026-12-04);
+    with the torch small ops the H200's bf16 run agreed with the CPU's bf16 run to 2e-6, with the fused kernels
+    it sits inside that envelope (below).
     """
     config = load_checkpoint(published(name), "float32")[1]
     ids = torch.randint(2, config.vocab_size, (48,), generator=torch.Generator().manual_seed(2)).tolist()
+    ref32 = None
     for dtype, tol in (("float32", 1e-3), ("bfloat16", 5e-2)):
         cpu, _ = load_checkpoint(published(name), dtype)
         ref = ModelRunnerForTests(cpu, max_seqs=1, max_len=64).run([(0, ids)], logits="all").float()
@@ -279,7 +280,16 @@ def test_published_on_cuda_matches_cpu(published, name):
         gpu, _ = load_checkpoint(published(name), dtype, device="cuda")
         assert isinstance(gpu.model.layers[1].attn.wq_a, Fp8Linear) and gpu.model.layers[1].attn.wq_a.weight.is_cuda
         got = ModelRunnerForTests(gpu, max_seqs=1, max_len=64).run([(0, ids)], logits="all").float().cpu()
-        assert (got - ref).abs().max().item() <= tol * scale, f"{name} {dtype}"
+        bound = tol * scale
+        if ref32 is None:
+            ref32 = ref
+        else:
+            # NOTE: on CUDA the fused mHC / norm+RoPE / output-projection kernels keep float32 where the CPU's torch
+            # ops round to bf16 between steps (H200, 2026-12-05: GPU vs CPU bf16 0.61 on tiny-wide-o, as far as CPU
+            # bf16 is from float32): bf16 is held to bf16's own rounding envelope around float32
+            bound = max(bound, 1.5 * (ref - ref32).abs().max().item())
+            assert (got - ref32).abs().max().item() <= bound, f"{name} {dtype} vs float32"
+        assert (got - ref).abs().max().item() <= bound, f"{name} {dtype}"
 
 
 def test_mtp_layer_runs_quantized_like_its_dequantized_copy(published, dequantized):

@@ -174,6 +174,8 @@ def test_gather_op_implementations_agree():
         engram_gather_torch(ids, w8, s[:, :1])
     assert table_gather_impl(torch.device("cpu"), torch.device("cpu")) == "torch"
     assert table_gather_impl(torch.device("cpu"), torch.device("cuda")) == "host"
+    if table_gather_impl(torch.device("cuda"), torch.device("cuda")) == "triton":  # triton installed
+        assert table_gather_impl(torch.device("cpu"), torch.device("cuda"), pinned=True) == "triton"  # zero-copy
 
 
 _INTERPRET_SCRIPT = textwrap.dedent("""
