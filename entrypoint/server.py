@@ -97,8 +97,10 @@ logger = logging.getLogger("entrypoint")
 
 QUARANTINE_POLL_S = 0.25
 """How often a request whose decode instances are full of quarantined reservations tries to reserve again."""
-DECODE_FULL_POLL_S = 0.1
-"""How often a request that found every decode instance (rank) full tries to pick and reserve again."""
+DECODE_FULL_POLL_S = (0.05, 0.5)
+"""A request that found every decode instance (rank) full tries to pick and reserve again after the first delay,
+doubling up to the second: a freed slot is taken soon, while many waiters do not flood the balancer with picks (its
+view of the slots changes at the decode instances' heartbeats)."""
 
 ABORT_RPC_REASON = "Abort RPC"
 """The abort reason of requests aborted by the Entrypoint's Abort call."""
@@ -452,6 +454,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         reserve, d_stub = None, None
         excluded: list[str] = self._still_lost(req.lost_instance_ids)
         quarantine_wait_until = None
+        full_poll_s = DECODE_FULL_POLL_S[0]
         # the decode work the request brings (the `decode_work` balancer policy): the output tokens it may still make
         num_output_tokens = (sampling.max_tokens if sampling.HasField("max_tokens")
                              else max(0, self.max_model_len - len(prompt)))
@@ -566,7 +569,9 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                     quarantine_wait_until = deadline
                 logger.info("%s: every decode instance is full%s; waiting", rid,
                             "" if full_wait else " of quarantined reservations")
-            poll_s = DECODE_FULL_POLL_S if full_wait else QUARANTINE_POLL_S
+            poll_s = full_poll_s if full_wait else QUARANTINE_POLL_S
+            if full_wait:
+                full_poll_s = min(2 * full_poll_s, DECODE_FULL_POLL_S[1])
             if time.monotonic() + poll_s >= quarantine_wait_until:
                 why = "full" if full_wait else "aborted reservations held their capacity"
                 raise _Failed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request {rid!r}: no decode instance had room "

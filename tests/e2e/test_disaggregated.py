@@ -266,18 +266,6 @@ def test_request_waits_for_capacity_held_by_quarantined_reservations(cluster):
     _wait_for("blocks freed", lambda: _blocks_freed(cluster), 15.0)
 
 
-def test_requests_beyond_the_decode_slots_wait_for_room(cluster):
-    """More concurrent requests than the decode instance has state slots (--max-num-seqs 8): the balancer sees the
-    free slots and refuses a full instance, and the entrypoint waits for room (bounded by the deadline) instead of
-    failing the requests beyond the eighth with RESOURCE_EXHAUSTED."""
-    prompts = [[7 + i, 11, 13, 17, 19] for i in range(14)]
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        outs = list(pool.map(lambda p: cluster.client.generate(p, max_tokens=12, temperature=0.0, ignore_eos=True,
-                                                               deadline_ms=60_000), prompts))
-    assert [len(o["token_ids"]) for o in outs] == [12] * len(prompts)
-    _wait_for("blocks freed", lambda: _blocks_freed(cluster), 15.0)
-
-
 def test_deadline_aborts_the_request(cluster):
     with pytest.raises(GenerateError) as e:
         cluster.client.generate(list(range(3, 40)), max_tokens=3000, temperature=0.0, ignore_eos=True,

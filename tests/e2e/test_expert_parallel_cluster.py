@@ -87,6 +87,19 @@ def test_two_rank_prefill_and_decode_equal_the_offline_engine(cluster):
     assert all(r.num_kv_blocks_total == inst.load.num_kv_blocks_total for r in inst.load.ranks)
 
 
+def test_requests_beyond_the_decode_slots_wait_for_room(cluster):
+    """More concurrent requests than the decode instance's state slots (--max-num-seqs 8: 4 per rank, each request
+    holds one from Reserve on): the decode balancer sees each rank's free slots and refuses full ranks, and the
+    entrypoint waits for room (bounded by the deadline) instead of failing the requests beyond the eighth with
+    RESOURCE_EXHAUSTED (`no free state slot`)."""
+    _, client, _ = cluster
+    prompts = [[7 + i, 11, 13, 17, 19, 23] for i in range(20)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(lambda p: client.generate(p, max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                       deadline_ms=90_000), prompts))
+    assert [len(o["token_ids"]) for o in outs] == [16] * len(prompts)
+
+
 def _stats(address: str, stage: str) -> dict:
     stub_class = prefill_pb2_grpc.PrefillStub if stage == "prefill" else decode_pb2_grpc.DecodeStub
     with grpc.insecure_channel(address) as channel:
