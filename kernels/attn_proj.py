@@ -21,8 +21,9 @@ grouped GEMM (grid `(T / BLOCK_M, R / BLOCK_R, G)`), the inverse RoPE applied to
 loaded (rounded to the weight's dtype, as the model's `apply_rope` rounds before the `bmm`), float32
 accumulation. They differ from the references by float32 summation order and FMA contraction only.
 
-The default is "triton" on CUDA (the `gpu` tests passed on an H200, 2026-12-05) and "torch" elsewhere;
-`op_impls={"attn_norm_rope": "torch", "attn_out_proj": "torch"}` picks the references on CUDA.
+`attn_norm_rope` defaults to "triton" on CUDA (the `gpu` tests passed on an H200, 2026-12-05) and "torch"
+elsewhere; `attn_out_proj` defaults to "torch" everywhere (the kernel is correct but slower than cuBLAS on the
+H200: `_default_out_proj`); `op_impls` picks either on CUDA.
 """
 
 from __future__ import annotations
@@ -87,8 +88,16 @@ def _default(device: torch.device) -> str:
     return "triton" if device.type == "cuda" and triton is not None else "torch"
 
 
+def _default_out_proj(device: torch.device) -> str:
+    # NOTE: "torch" (cuBLAS bmm) on every device: the Triton kernel is correct on the H200 but slow there
+    # (2026-12-05: 134 us a call at batch 1 for a 67 MB weight, ~0.5 TB/s; 870 us at batch 128); `op_impls=
+    # {"attn_out_proj": "triton"}` picks it
+    del device
+    return "torch"
+
+
 register_default_impl("attn_norm_rope")(_default)
-register_default_impl("attn_out_proj")(_default)
+register_default_impl("attn_out_proj")(_default_out_proj)
 
 
 def _check_device(name: str, t: torch.Tensor) -> None:

@@ -145,8 +145,10 @@ def check_mhc_pre_args(name: str, streams: torch.Tensor, fn: torch.Tensor, base:
 
 # ---------------------------------------------------------------------------- Triton
 
-K_SLICE = 1024
-"""Columns of the flattened streams each `_mhc_proj_kernel` program sums (V4-Flash: 16384 / 1024 = 16 splits)."""
+K_SLICE = 256
+"""Columns of the flattened streams each `_mhc_proj_kernel` program sums (V4-Flash: 16384 / 256 = 64 splits).
+NOTE: 1024 (16 programs at decode) took 38 us a call at batch 1 on the H200 (2026-12-05), ~40 GB/s of the
+1.5 MB float32 `fn`: too few programs for 132 SMs."""
 
 if triton is not None:
     from deepinfer.kernels.sinkhorn import _ordered_sum

@@ -71,12 +71,13 @@ def test_references_are_the_models_arithmetic(dtype):
     assert torch.equal(attn_out_proj_torch(**p), torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(T, -1))
 
 
-def test_in_the_model_op_table_torch_on_the_cpu_triton_on_cuda():
+def test_in_the_model_op_table_defaults():
     ops = OpTable("cpu")
     assert ops.impl_names["attn_norm_rope"] == ops.impl_names["attn_out_proj"] == "torch"
     pytest.importorskip("triton")
-    assert OpTable("cuda").impl_names["attn_out_proj"] == OpTable("cuda").impl_names["attn_norm_rope"] == "triton"
-    assert OpTable("cuda", {"attn_out_proj": "torch"}).impl_names["attn_out_proj"] == "torch"
+    assert OpTable("cuda").impl_names["attn_norm_rope"] == "triton"
+    assert OpTable("cuda").impl_names["attn_out_proj"] == "torch"  # cuBLAS is faster on the H200 (kernels/attn_proj.py)
+    assert OpTable("cuda", {"attn_out_proj": "triton"}).impl_names["attn_out_proj"] == "triton"
 
 
 _INTERPRETED = textwrap.dedent("""
