@@ -828,7 +828,8 @@ def load_checkpoint(
     shards; quantized ones stay quantized); `before_prepare(model)` runs before the MoE backends are prepared
     (so an expert-parallel backend, which hands its inner backend only the held experts, can be installed:
     `engine.distributed.expert_parallel`). MTP layers always load all their experts; `load_mtp=False` leaves
-    the MTP layers out (an expert-parallel rank: speculative decoding is off there).
+    the MTP layers out (an expert-parallel rank without speculative decoding; with it every rank holds them whole,
+    `engine.distributed.spec`).
 
     `engram_placement` ("device" or "pinned_host"; DeepSeek-V4.1 only, `engine.fit` decides it): where the FP8
     Engram tables are placed (`engine.quant.engram.Fp8EngramTable.place`).

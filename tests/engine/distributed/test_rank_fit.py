@@ -1,5 +1,5 @@
 """The start-up fit check of an expert-parallel instance (`engine.fit` with `expert_parallel_size` > 1):
-weights and KV counted per rank (the replicated part plus the rank's expert slots, MTP left out)."""
+weights and KV counted per rank (the replicated part plus the rank's expert slots, MTP left out without speculative decoding)."""
 
 from __future__ import annotations
 

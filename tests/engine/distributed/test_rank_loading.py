@@ -1,7 +1,8 @@
 """Loading one expert-parallel rank's share of a checkpoint (`engine.loader.load_checkpoint(routed_experts=...)`,
 `engine.distributed.expert_parallel.rank_load_kwargs`): only the rank's routed experts are read from the shards
 (quantized ones stay quantized), the others are `AbsentExpert`s, the EP backends are in place before the
-first prepare, and the MTP layers are left out."""
+first prepare, and the MTP layers are left out when speculative decoding is off (with it every rank loads them
+whole: `engine.distributed.spec`, `engine.fit.WeightBytes(with_mtp)`)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def test_a_rank_reads_only_its_routed_experts_and_keeps_them_fp4(published_fp4, 
             else:
                 assert isinstance(ex, AbsentExpert) and not ex.state_dict()
     assert held_expert_bytes(part) * 8 == held_expert_bytes(full) * len(want)
-    assert full.mtp and not part.mtp  # no MTP layers on a rank (speculative decoding is off with EP)
+    assert full.mtp and not part.mtp  # no MTP layers on a rank without speculative decoding
     # the shards' other experts were never read: the state dict lists only what this rank holds
     names = [n for n in part.state_dict() if ".ffn.experts." in n]
     assert {int(n.split(".experts.")[1].split(".")[0]) for n in names} == set(want)
