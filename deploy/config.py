@@ -27,7 +27,8 @@ kv_store_dir: /nvme/deepinfer-kvstore # omitted = $DEEPINFER_HOME/kvstore/<name>
 `ClusterConfig.load(path)` reads and validates a file; errors name the field and how to fix it.
 Each instance of a group is one Ray placement group of one bundle: `num_ranks` times `resources_per_rank` (plus
 the datacenter's custom resource, see `datacenter_resource`), all reserved by the instance's actor, which starts
-its ranks 1..N-1 itself on its node (`InstanceGroup.bundles`).
+its ranks 1..N-1 itself on its node (`InstanceGroup.bundles`); with `ranks_per_node` < `num_ranks`, one bundle
+per node slice, each other slice's ranks started by a node-slice actor (`deploy.rank_slice`).
 """
 
 from __future__ import annotations
@@ -87,9 +88,13 @@ class InstanceGroup(_Frozen):
     (the worker's `expert_parallel_size`); vision instances have 1."""
     resources_per_rank: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
     """Ray resources of one rank: {"CPU": 1} here, {"GPU": 1, "CPU": 8} on GPU nodes."""
+    ranks_per_node: int | None = Field(None, ge=1)
+    """Ranks of an instance per node (e.g. 8 on 8-GPU nodes); None = all `num_ranks` on one node. With fewer than
+    `num_ranks` the instance spans nodes: one placement bundle per node slice (`bundles`)."""
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
-    """The Ray strategy of an instance's placement group. NOTE: the group is one bundle today (an instance's ranks
-    share one node, `bundles`), so the strategy places nothing yet; it matters once ranks span nodes."""
+    """The Ray strategy of an instance's placement group. One node (one bundle): nothing to choose. Spanning nodes:
+    a bundle is one node slice (Ray never splits a bundle), so STRICT_PACK (every slice on one node) is replaced by
+    PACK (as few nodes as possible, `placement_strategy_of`); STRICT_SPREAD puts each slice on its own node."""
 
     @field_validator("resources_per_rank")
     @classmethod
@@ -102,19 +107,37 @@ class InstanceGroup(_Frozen):
         return value
 
     def bundles(self) -> list[dict[str, float]]:
-        """The placement group of one instance: one bundle of `num_ranks` x `resources_per_rank` (with the
-        datacenter resource per rank).
+        """The placement group of one instance: one bundle per node slice (`node_slices`; one unless
+        `ranks_per_node` < `num_ranks`) of its ranks x `resources_per_rank` (with the datacenter resource per rank).
 
         NOTE: one bundle, not one per rank: the instance's actor (rank 0) spawns ranks 1..N-1 itself, so it must
         reserve every rank's resources (Ray gives an actor the resources of one bundle only); with GPUs, Ray then
         sets the actor's CUDA_VISIBLE_DEVICES to its N GPUs and rank r runs on visible device r
-        (`engine.distributed.group.rank_device`)."""
-        bundle = {name: amount * self.num_ranks for name, amount in self.resources_per_rank.items() if amount > 0}
+        (`engine.distributed.group.rank_device`). The same holds per node slice: bundle 0 is the actor's, each
+        other bundle a node-slice actor's (`deploy.rank_slice`), which starts its ranks on its node."""
+        return [self._bundle(len(ranks)) for ranks in self.node_slices()]
+
+    def node_slices(self) -> list[range]:
+        """The ranks of each node slice (one bundle each): one slice of all ranks unless `ranks_per_node` is
+        smaller than `num_ranks`; slice 0 holds rank 0, the instance's actor."""
+        from deepinfer.engine.distributed.group import node_slices
+
+        return node_slices(self.num_ranks, min(self.ranks_per_node or self.num_ranks, self.num_ranks))
+
+    def placement_strategy_of(self) -> str:
+        """The strategy the placement group gets: `placement_strategy`, except STRICT_PACK over several node slices
+        (impossible when a slice fills a node) becomes PACK: slices on as few nodes as possible."""
+        if len(self.node_slices()) > 1 and self.placement_strategy == "STRICT_PACK":
+            return "PACK"
+        return self.placement_strategy
+
+    def _bundle(self, num_ranks: int) -> dict[str, float]:
+        bundle = {name: amount * num_ranks for name, amount in self.resources_per_rank.items() if amount > 0}
         if self.datacenter:
-            bundle[datacenter_resource(self.datacenter)] = DATACENTER_RESOURCE_PER_RANK * self.num_ranks
+            bundle[datacenter_resource(self.datacenter)] = DATACENTER_RESOURCE_PER_RANK * num_ranks
         if not bundle:
             raise ValueError(f"group {self.name!r}: a placement bundle needs at least one resource")
-        return [bundle]
+        return bundle
 
 
 class BalancerSettings(_Frozen):
@@ -445,9 +468,11 @@ class ClusterConfig(_Frozen):
 
     def role_config(self, role: str, *, instance_id: str = "", lb_address: str = "", datacenter: str = "",
                     lb_addresses: tuple[str, str] = ("", ""), advertise_host: str | None = None,
-                    vision_lb_address: str = "", num_ranks: int = 1):
+                    vision_lb_address: str = "", num_ranks: int = 1, rank_group_address: str = "",
+                    local_ranks: int | None = None):
         """The validated config of one process: a vision/prefill/decode worker, a balancer or the entrypoint.
-        `num_ranks`: the instance's group's (a prefill / decode worker's `expert_parallel_size`)."""
+        `num_ranks`: the instance's group's (a prefill / decode worker's `expert_parallel_size`); an instance
+        spanning nodes also gets `rank_group_address` and `local_ranks` (`deploy.rank_slice`)."""
         loopback = self.is_loopback if self.loopback_ucx is None else self.loopback_ucx
         common = dict(host=self.host, port=0, advertise_host=advertise_host)
         if role in STAGES:
@@ -463,7 +488,9 @@ class ClusterConfig(_Frozen):
                        lb_address=lb_address, instance_id=instance_id, agent_name=instance_id, datacenter=datacenter,
                        loopback_ucx=loopback,
                        **({"batch_invariant": self.batch_invariant} if role != "vision" else {}),
-                       **({"expert_parallel_size": num_ranks} if num_ranks > 1 else {}))
+                       **({"expert_parallel_size": num_ranks} if num_ranks > 1 else {}),
+                       **({"rank_group_address": rank_group_address, "local_ranks": local_ranks}
+                          if rank_group_address else {}))
         if role.endswith("_lb"):
             stage = role.removesuffix("_lb")
             b = self.stage(stage).balancer

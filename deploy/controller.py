@@ -91,6 +91,9 @@ class ClusterController:
         self._scale_lock = threading.Lock()
         self._instances: dict[str, _Instance] = {}
         self._next_index: dict[tuple[str, str], int] = {}
+        self._slice_starts: dict[str, list] = {}
+        """Instance id -> the `start` calls of its node-slice actors (an instance spanning nodes), until it serves.
+        NOTE: the slice actors live in the instance's placement group and go with it."""
         self._roles: dict[str, ray.actor.ActorHandle] = {}
         self.addresses: dict[str, str] = {}
         self._is_up = False
@@ -325,21 +328,34 @@ class ClusterController:
             self._next_index[key] = index + 1
             instance_id = f"{stage}-{index}" if group.name == "default" else f"{stage}-{group.name}-{index}"
             bundles = group.bundles()
-            pg = placement_group(bundles, strategy=group.placement_strategy, name=f"{c.name}-{instance_id}")
+            slices = group.node_slices()
+            pg = placement_group(bundles, strategy=group.placement_strategy_of(), name=f"{c.name}-{instance_id}")
             try:
                 ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
             except ray.exceptions.GetTimeoutError:
                 remove_placement_group(pg)
+                where = "on one node" if len(slices) == 1 else f"in {len(slices)} node slices"
                 raise LaunchError(
-                    f"cannot place {instance_id} ({group.num_ranks} rank(s) on one node): {bundles[0]} did not fit within "
+                    f"cannot place {instance_id} ({group.num_ranks} rank(s) {where}): {bundles} did not fit within "
                     f"{PLACEMENT_TIMEOUT_S:.0f} s (available: {ray.available_resources()}); add nodes or lower "
-                    f"resources_per_rank of {stage} group {group.name!r}") from None
+                    f"resources_per_rank (or ranks_per_node) of {stage} group {group.name!r}") from None
+            spanning = {}
+            if len(slices) > 1:  # NOTE: the other slices' actors start first and wait for rank 0's spec
+                from deepinfer.deploy.rank_slice import pick_group_address, start_node_slices
+                from deepinfer.engine.distributed.group import backend_for
+
+                address = pick_group_address(pg)
+                slice_actors = start_node_slices(pg, bundles, slices, address, backend_for(c.device),
+                                                 runtime_env=_role_runtime_env())
+                self._slice_starts[instance_id] = [a.start.remote() for a in slice_actors]
+                spanning = dict(rank_group_address=address, local_ranks=len(slices[0]))
             bundle = dict(bundles[0])
             role_config = c.role_config(stage, instance_id=instance_id, lb_address=self.addresses[f"{stage}_lb"],
-                                        datacenter=group.datacenter, num_ranks=group.num_ranks)
+                                        datacenter=group.datacenter, num_ranks=group.num_ranks, **spanning)
             actor = ServiceActor.options(
                 num_cpus=bundle.pop("CPU", 0), num_gpus=bundle.pop("GPU", 0), resources=bundle,
-                max_restarts=c.stage(stage).max_restarts, max_concurrency=4, namespace=NAMESPACE,
+                # NOTE: a group spanning nodes meets once: Ray restarting rank 0 alone would wait for ranks gone
+                max_restarts=0 if spanning else c.stage(stage).max_restarts, max_concurrency=4, namespace=NAMESPACE,
                 name=f"{c.name}-{instance_id}", runtime_env=_role_runtime_env(),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
             ).remote(stage, role_config.model_dump())
@@ -347,10 +363,12 @@ class ClusterController:
         for inst in started:
             try:
                 ray.get(inst.actor.info.remote(), timeout=STARTUP_TIMEOUT_S)
+                ray.get(self._slice_starts.pop(inst.instance_id, []), timeout=STARTUP_TIMEOUT_S)
             except Exception as e:
                 for other in started:
                     ray.kill(other.actor, no_restart=True)
-                    remove_placement_group(other.pg)
+                    remove_placement_group(other.pg)  # NOTE: its node-slice actors go with it
+                    self._slice_starts.pop(other.instance_id, None)
                 raise LaunchError(f"{inst.instance_id} did not start: {e}") from None
         with self._lock:
             self._instances.update({i.instance_id: i for i in started})

@@ -125,6 +125,13 @@ class EngineConfig(BaseModel):
     """Ranks of the instance (`engine.distributed`): attention data-parallel over the ranks, routed experts split
     over them (expert parallelism); 1 = one process (today's engine). With N > 1 the engine's process is rank 0 and
     starts N - 1 rank processes (gloo on the CPU, NCCL on GPUs); prefix caching is then off."""
+    rank_group_address: str = ""
+    """With expert_parallel_size > 1: "host:port" where the instance's ranks meet (rank 0 hosts the rendezvous
+    there: its node's IP and a free port, picked by the launcher); "" = loopback and a free port (one node)."""
+    local_ranks: int | None = Field(None, ge=1)
+    """With expert_parallel_size > 1: how many ranks run on this node (ranks 0..local_ranks-1; this process starts
+    1..local_ranks-1); the others are started on their nodes by node-slice actors (`deploy.rank_slice`) and join
+    the same group at `rank_group_address`. None = all of them here (one node)."""
     num_redundant_experts: int = Field(0, ge=0)
     """Extra replicas of hot routed experts per MoE layer (EPLB, `engine.moe.eplb`), with expert_parallel_size > 1;
     n_routed_experts + num_redundant_experts must divide by expert_parallel_size."""

@@ -80,6 +80,10 @@ class PrefillWorkerConfig(BaseModel):
     expert_parallel_size: int = Field(1, ge=1)
     """Ranks of this instance (one process each: attention data-parallel, routed experts split over them, each rank
     with its own KV pools and KV transfer agent, `kv_transfer.ranked`); 1 = one process."""
+    rank_group_address: str = ""
+    """An instance spanning nodes: where its ranks meet (`EngineConfig.rank_group_address`; set by the launcher)."""
+    local_ranks: int | None = Field(None, ge=1)
+    """An instance spanning nodes: its ranks on this node (`EngineConfig.local_ranks`; set by the launcher)."""
     num_redundant_experts: int = Field(0, ge=0)
     """Extra replicas of hot routed experts per MoE layer (EPLB), with expert_parallel_size > 1."""
     eplb_interval_steps: int = Field(0, ge=0)
@@ -142,5 +146,6 @@ class PrefillWorkerConfig(BaseModel):
                             num_draft_tokens=self.num_draft_tokens,
                             engram_placement=self.engram_placement,
                             expert_parallel_size=self.expert_parallel_size,
+                            rank_group_address=self.rank_group_address, local_ranks=self.local_ranks,
                             num_redundant_experts=self.num_redundant_experts,
                             eplb_interval_steps=self.eplb_interval_steps)

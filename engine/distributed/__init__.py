@@ -38,6 +38,13 @@ def check_config(config) -> None:
     if config.async_scheduling:
         raise ValueError("the multi-rank executor does not overlap steps; set async_scheduling=False (or leave it "
                          "unset) with expert_parallel_size > 1")
+    if config.local_ranks is not None and config.local_ranks > config.expert_parallel_size:
+        raise ValueError(f"local_ranks ({config.local_ranks}) is the ranks on rank 0's node, at most "
+                         f"expert_parallel_size ({config.expert_parallel_size})")
+    if config.rank_group_address:
+        from deepinfer.engine.distributed.group import parse_address
+
+        parse_address(config.rank_group_address)
     if config.executor not in (None, "multirank"):
         raise ValueError(f"expert_parallel_size > 1 runs on the 'multirank' executor, not {config.executor!r}; "
                          "leave executor unset")

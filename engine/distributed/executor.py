@@ -7,7 +7,9 @@ the control group, every rank runs its plan (the same `RankState.run`: SPMD; a r
 joins the MoE collectives with zero rows), each rank samples its own rows (rank 0 resolves the
 unseeded rows' seeds with its sampler first, `engine.distributed.sampling`, so every token is drawn
 exactly as the single-process engine draws it), and rank 0 gathers the token ids and logprobs in the
-step's sampling order. Ranks 1..N-1 are processes this executor starts (`spawn`) and stops.
+step's sampling order. Ranks 1..N-1 are processes this executor starts (`spawn`) and stops; in a group spanning
+nodes (`EngineConfig.local_ranks` < N) only its own node slice's, the others' being started on their nodes
+(`deploy.rank_slice`) from the `RankSpec` this executor publishes in the group's store at `rank_group_address`.
 
 `max_inflight = 1`: the step runs inside `submit` (no overlap yet).
 
@@ -108,13 +110,21 @@ class MultiRankExecutor(Executor):
         spec_config = None if spec is None else SpecRankConfig(
             spec.num_draft_tokens, spec.batched_verify, getattr(spec.drafter, "keep_features", False),
             config.speculative)
+        if config.rank_group_address:  # a group spanning nodes: rank 0's node IP and port, picked by the launcher
+            from deepinfer.engine.distributed.group import parse_address
+
+            host, port = parse_address(config.rank_group_address)
+        else:
+            host, port = "127.0.0.1", free_port()
+        local = config.local_ranks or world
         rank_spec = RankSpec(
-            address=GroupAddress("127.0.0.1", free_port(), world, backend_for(config.device)),
+            address=GroupAddress(host, port, world, backend_for(config.device)),
+            local_ranks=None if local >= world else tuple(range(1, local)),
             model_path=str(resolve_model(config.model, config.revision)), load_kwargs=load_kwargs,
             device=config.device, batch_invariant=config.batch_invariant, num_blocks=cache.num_blocks,
             block_size=cache.block_size, num_slots=cache.num_slots, max_blocks_per_seq=cache.max_blocks_per_seq,
             num_redundant_experts=config.num_redundant_experts,
-            num_threads=max(1, (os.cpu_count() or 1) // world), speculative=spec_config,
+            num_threads=max(1, (os.cpu_count() or 1) // local), speculative=spec_config,
         )
         return cls(runner, sampler, rank_spec, eplb_interval_steps=config.eplb_interval_steps, spec_decoding=spec)
 
@@ -135,15 +145,21 @@ class MultiRankExecutor(Executor):
         self._failure: BaseException | None = None
         self._step_payloads = None  # `attach_endpoints`: what each step carries to the rank endpoints
         self._endpoint_results: list[list] = []
+        store = None
+        if len(spec.spawned_ranks) < self.world_size - 1:  # a group spanning nodes: the other slices read the spec
+            from deepinfer.engine.distributed.group import host_store, publish
+
+            store = host_store(spec.address)
+            publish(store, spec)
         ctx = mp.get_context("spawn")
         ready = ctx.Queue()
         self._procs = [ctx.Process(target=rank_main, args=(r, spec, ready), name=f"deepinfer-rank{r}", daemon=True)
-                       for r in range(1, self.world_size)]
+                       for r in spec.spawned_ranks]  # NOTE: the other node slices' ranks start on their nodes
         for p in self._procs:
             p.start()
         try:
             self._wait_ready(ready)
-            self._ctrl = join_group(spec.address, 0)
+            self._ctrl = join_group(spec.address, 0, store=store)
             self.state = RankState(0, runner.model, runner.cache, spec.num_redundant_experts)
             self.state.spec = spec_decoding
         except BaseException:
@@ -176,7 +192,7 @@ class MultiRankExecutor(Executor):
         or died first."""
         import queue
 
-        pending = set(range(1, self.world_size))
+        pending = set(self.spec.spawned_ranks)
         while pending:
             try:
                 rank, error = ready.get(timeout=1.0)

@@ -109,6 +109,17 @@ class RankSpec:
     """torch intra-op threads of a rank process (the CPU ranks of one host share its cores)."""
     speculative: SpecRankConfig | None = None
     """Speculative decoding on the ranks (they then load the MTP layer and hold a drafter), or None: off."""
+    local_ranks: tuple[int, ...] | None = None
+    """The ranks rank 0's process starts itself (its node slice, rank 0 excluded); the others are started on their
+    nodes (`RankSlice`, by `deploy.rank_slice`) and join at `address`. None = ranks 1..N-1 (one node)."""
+    first_local_rank: int = 0
+    """The lowest rank of the node slice a rank process runs in (`rank_device`: rank r uses the node's GPU
+    r - first_local_rank)."""
+
+    @property
+    def spawned_ranks(self) -> tuple[int, ...]:
+        """The ranks rank 0's process starts (see `local_ranks`)."""
+        return tuple(range(1, self.address.world_size)) if self.local_ranks is None else tuple(self.local_ranks)
 
 
 @dataclass
@@ -200,7 +211,7 @@ def _load_rank(spec: RankSpec, rank: int) -> RankState:
     from deepinfer.engine.cache.kv_cache import V4KVCache
     from deepinfer.engine.loader import load_checkpoint, read_checkpoint_config
 
-    device = rank_device(spec.device, rank)
+    device = rank_device(spec.device, rank, spec.first_local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     mc, _ = read_checkpoint_config(spec.model_path)
@@ -270,3 +281,64 @@ def rank_main(rank: int, spec: RankSpec, ready=None) -> None:
             except Exception:  # the process exits anyway: its registrations go with it
                 traceback.print_exc()
         leave_group()
+
+
+class RankSlice:
+    """The rank processes of one node slice of a group spanning nodes (not rank 0's: the engine starts those):
+    spawned here, each running `rank_main`, joining the group at `spec.address` (rank 0's node).
+
+    NOTE: the processes die with this one (`_exit_with_parent`), so killing a node slice's actor kills its ranks;
+    the group's collectives then fail on every other rank and the instance fails as a whole."""
+
+    def __init__(self, spec: RankSpec, ranks: range | list[int]) -> None:
+        import dataclasses
+
+        import torch.multiprocessing as mp
+
+        ranks = list(ranks)
+        if not ranks or min(ranks) < 1 or max(ranks) >= spec.address.world_size:
+            raise ValueError(f"a node slice holds ranks within 1..{spec.address.world_size - 1}, got {ranks}")
+        spec = dataclasses.replace(spec, first_local_rank=min(ranks))
+        self.ranks = ranks
+        ctx = mp.get_context("spawn")
+        self._ready = ctx.Queue()
+        self.procs = [ctx.Process(target=rank_main, args=(r, spec, self._ready), name=f"deepinfer-rank{r}",
+                                  daemon=True) for r in ranks]
+        for p in self.procs:
+            p.start()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def wait_loaded(self, timeout_s: float = 600.0) -> None:
+        """Blocks until every rank of the slice has loaded (they then wait in the group's rendezvous); raises
+        RuntimeError with a rank's traceback if one failed or died first."""
+        import queue
+
+        pending = set(self.ranks)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ranks {sorted(pending)} did not load within {timeout_s:.0f} s")
+            try:
+                rank, error = self._ready.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p.name for p in self.procs if not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"rank process(es) {', '.join(dead)} exited while loading") from None
+                continue
+            if error is not None:
+                raise RuntimeError(f"rank {rank} failed to load:\n{error}")
+            pending.discard(rank)
+
+    def alive(self) -> list[bool]:
+        return [p.is_alive() for p in self.procs]
+
+    def kill(self) -> None:
+        """Ends the slice's rank processes (SIGKILL: a rank stuck in a collective ignores nothing less)."""
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=10)

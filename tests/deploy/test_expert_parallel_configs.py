@@ -1,5 +1,6 @@
 """The V4-Flash expert-parallel layouts in deploy/configs/ (issue 25) load and validate, and a multi-rank
-instance's placement group is one bundle of all its ranks' resources (its actor reserves every rank's GPU)."""
+instance's placement group is one bundle of its ranks' resources per node slice (its actor reserves every rank's GPU
+of its node; a `deploy.rank_slice` actor each other node's)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def test_v4_flash_layouts_load_as_expert_parallel_groups(name, stage, num_ranks,
     config = ClusterConfig.load(CONFIGS / f"{name}.yaml")
     (group,) = config.stage(stage).groups
     assert group.num_ranks == num_ranks
-    assert group.bundles() == [{"GPU": float(num_ranks), "CPU": 8.0 * num_ranks}]  # one node's worth, one actor
+    # one bundle (8 GPUs) per node slice: one node, one actor; the 48-rank decode over 6 nodes (rank_slice actors)
+    assert group.bundles() == [{"GPU": 8.0, "CPU": 64.0}] * (num_ranks // 8)
     worker = config.role_config(stage, instance_id=f"{stage}-0", lb_address="h:1", num_ranks=group.num_ranks)
     engine = worker.engine_config()
     assert (engine.expert_parallel_size, engine.num_redundant_experts) == (num_ranks, num_redundant)
