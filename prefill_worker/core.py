@@ -31,11 +31,19 @@ from deepinfer.kv_transfer.embeddings import EmbeddingAgent, EmbeddingSource
 from deepinfer.kv_transfer.pd_connector import KVDestination, PDConnector
 from deepinfer.kvstore import KVStore
 
-__all__ = ["ImageInput", "KVDestination", "NoRoomForEmbeddings", "PrefillCore", "PrefillDone", "PrefillWork"]
+__all__ = ["ImageInput", "KVDestination", "NoRoomForEmbeddings", "PrefillCore", "PrefillDone", "PrefillWork",
+           "StillSending"]
 
 
 class NoRoomForEmbeddings(ValueError):
     """The embedding buffer has no free run of rows for an image right now (retry later or elsewhere)."""
+
+
+class StillSending(ValueError):
+    """A request id arrived again while this instance still holds an earlier attempt of it: an aborted attempt
+    whose KV WRITE is still in flight (`abort` keeps it until the connector reports the send). The new attempt
+    may succeed on another instance, or here once the send is reported (retryable, not an internal error; seen
+    in the chaos test: a retry reached the same prefill right after the entrypoint gave up on the first try)."""
 
 
 @dataclass
@@ -144,7 +152,7 @@ class PrefillCore:
             raise ValueError("this prefill instance has no embedding agent (its model has no vision tower)")
         rid = work.request_id
         if rid in self._reading or rid in self._reqs:
-            raise ValueError(f"request id {rid!r} is already being prefilled here")
+            raise StillSending(f"request id {rid!r} is already being prefilled here (an earlier attempt)")
         reading = _Reading(work, [], set())
         try:
             for i, image in enumerate(work.images):
@@ -172,6 +180,9 @@ class PrefillCore:
 
     def _add(self, work: PrefillWork, spans=None) -> None:
         params = replace(work.params, max_tokens=1, min_tokens=0, n=1)
+        if work.request_id in self._reqs:
+            raise StillSending(f"request id {work.request_id!r}: an earlier attempt of it is still sending its KV "
+                               "from this instance; retry elsewhere or once that send is reported")
         self.connector.expect_save(work.request_id, work.destination)
         if self.store_connector is not None:
             self.store_connector.set_traffic_class(work.request_id, work.traffic_class)

@@ -46,6 +46,7 @@ from deepinfer.prefill_worker.core import (
     PrefillCore,
     PrefillDone,
     PrefillWork,
+    StillSending,
 )
 from deepinfer.protos import common_pb2, loadbalancer_pb2, prefill_pb2, prefill_pb2_grpc
 from deepinfer.protos.convert import sampling_params_from_proto, token_logprobs_to_proto
@@ -57,6 +58,7 @@ from deepinfer.serving.shell import EngineShell, ShellServicer, serve_worker
 PREFILL_REFUSALS = (
     (HolderUnreachable, common_pb2.ERROR_CODE_UNAVAILABLE, "image_embeddings"),  # retryable: encode again elsewhere
     (NoRoomForEmbeddings, common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, ""),
+    (StillSending, common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, "request_id"),  # retryable: another instance or later
 )
 """This stage's rows of the refusal table (`serving.errors`), checked before the shared ones."""
 

@@ -15,7 +15,10 @@ from deepinfer.engine import LLM, SamplingParams
 from deepinfer.engine.engine import Engine, EngineConfig
 from deepinfer.engine.testing.make_checkpoint import make_checkpoint
 from deepinfer.kv_transfer import LOOPBACK_UCX_ENV, KVTransferAgent
-from deepinfer.prefill_worker.core import KVDestination, PrefillCore, PrefillWork
+from deepinfer.prefill_worker.core import KVDestination, PrefillCore, PrefillWork, StillSending
+from deepinfer.prefill_worker.server import PREFILL_REFUSALS
+from deepinfer.protos import common_pb2
+from deepinfer.serving.errors import error_of
 
 pytest.importorskip("nixl")
 
@@ -174,6 +177,14 @@ def test_prefill_reports_sending_between_compute_and_write_done(pd, monkeypatch)
         assert prefill.step() == []
         step_decode()
     assert prefill.is_sending("slow-link") and prefill.num_inflight == 1
+    # a retry of the same id while an earlier attempt's WRITE is in flight (`abort` keeps that attempt until the
+    # send is reported) is refused as retryable (RESOURCE_EXHAUSTED: another instance, or later), not INTERNAL
+    # (the CI chaos test, 2026-12-05: "already has a pending save" failed an accepted request)
+    prefill.abort("slow-link")
+    with pytest.raises(StillSending):
+        prefill.submit(PrefillWork("slow-link", prompt, params,
+                                   KVDestination(res.peer, res.block_ids, res.transfer_id, 30.0, state_slot=res.state_slot)))
+    assert error_of(StillSending("x"), extra=PREFILL_REFUSALS).code == common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED
 
     def release_poll():
         ev = real_poll()
