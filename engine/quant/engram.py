@@ -131,6 +131,7 @@ class Fp8EngramTable(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.scale = nn.Parameter(scale, requires_grad=False)
         self.placement = placement
+        self._gather_key = None  # new tensors (e.g. now pinned): `forward` picks the gather again
 
     def place(self, placement: str, device: torch.device | str) -> None:
         """Move the table to `placement` for an engine on `device`: "device" (copied into `device` memory a chunk at a
@@ -191,7 +192,8 @@ class Fp8EngramTable(nn.Module):
             from deepinfer.kernels import engram_gather as _ops  # registers the op
             from deepinfer.kernels.registry import get_op
 
-            self._gather = get_op("engram_gather", self.gather_impl or _ops.table_gather_impl(key[0], key[1], pinned=self.weight.is_pinned()))
+            impl = self.gather_impl or _ops.table_gather_impl(key[0], key[1], pinned=self.weight.is_pinned())
+            self._gather = get_op("engram_gather", impl)
             self._gather_key = key
         flat = ids.reshape(-1).to(torch.int64).contiguous()
         return self._gather(flat, self.weight, self.scale, self.out_dtype).view(*ids.shape, self.dim)
