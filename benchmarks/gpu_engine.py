@@ -1,7 +1,7 @@
 """Engine throughput on a CUDA GPU with a larger random-weight V4 preset in bf16.
 
     python -m deepinfer.benchmarks.gpu_engine [--preset-scale medium] [--batches 1,32,128] [--skip-hf] [--json OUT]
-        [--attention-backend NAME] [--moe-backend NAME] [--enforce-eager]
+        [--attention-backend NAME] [--moe-backend NAME] [--enforce-eager] [--batch-invariant]
 
 The engine runs with its CUDA defaults: overlapped scheduling (the threaded executor) and, when the
 backends are graph-safe, CUDA-graph decode (`--enforce-eager` turns graphs off).
@@ -147,9 +147,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--attention-backend", default="torch")
     ap.add_argument("--moe-backend", default="torch")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="the engine in batch-invariant mode (issue 23: its cost is this run against one without)")
     args = ap.parse_args(argv)
     engine_kw = {"attention_backend": args.attention_backend, "moe_backend": args.moe_backend,
-                 "enforce_eager": args.enforce_eager}
+                 "enforce_eager": args.enforce_eager, "batch_invariant": args.batch_invariant}
     tmp = Path(tempfile.mkdtemp())
     t0 = time.perf_counter()
     path = str(make_checkpoint(tmp / "medium", preset=args.preset or medium_config(), seed=0, dtype=args.dtype))

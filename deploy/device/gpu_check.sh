@@ -3,7 +3,9 @@
 # repository root with the carried wheels (.whl-min) installed and PYTHONPATH set:
 #   bash deploy/device/gpu_check.sh tests   # every `gpu`-marked test (pytest-xdist, 8 workers)
 #   bash deploy/device/gpu_check.sh bench   # roofline + kernel benchmarks, each under its own time limit
-#   bash deploy/device/gpu_check.sh all
+#   bash deploy/device/gpu_check.sh extra   # the other issues' H200 figures: batch-invariant cost (23), speculative
+#                                           # decoding (24), V4.1 prefill with decoder replay on/off (28)
+#   bash deploy/device/gpu_check.sh all     # tests + bench (extra needs a call of its own: ~8 min)
 # Logs and JSON go to $OUT (a tarball of the JSON, since only 8 files come back from a device call).
 # Each step has its own `timeout` so that one hung step leaves time (and output) for the rest.
 set -uo pipefail
@@ -49,5 +51,19 @@ if [[ "$what" == bench || "$what" == all ]]; then
     step moe_kernels 90 $B.moe_kernels --json "$RES/moe_kernels.json"
     step fp8_swap_ab 40 $B.fp8_swap_ab
     } 2>&1 | tee "$OUT/bench.log"
+fi
+if [[ "$what" == extra ]]; then
+    B="python3 -m deepinfer.benchmarks"
+    {
+    for bi in off on; do
+        flag=(); [[ $bi == on ]] && flag=(--batch-invariant)
+        step "gpu_engine_bi_$bi" 150 $B.gpu_engine --skip-hf --batches 1,32,128 --attention-backend triton \
+            --moe-backend triton "${flag[@]}" --json "$RES/gpu_engine_bi_$bi.json"
+    done
+    step speculative 120 $B.speculative --device cuda --dtype bfloat16 --batch-sizes 1,16,32 --ks 0,3,3c \
+        --repeats 3 --max-tokens 64 --json "$RES/speculative_cuda.json"
+    step v41_replay 200 $B.v41_decoder_replay --shape flash --device cuda --dtype bfloat16 --prompt-len 8192,32768 \
+        --chunk 4096 --layers 10 --experts 8 --reps 2 --json "$RES/v41_replay_flash.json"
+    } 2>&1 | tee "$OUT/extra.log"
 fi
 tar -C "$OUT" -czf "$OUT/res.tgz" res && rm -rf "$RES"

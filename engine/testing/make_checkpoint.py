@@ -404,26 +404,35 @@ def write_tiny_v41_tokenizer(out: str | Path, vocab_size: int) -> Path:
     return file
 
 
-def random_v41_model(config, seed: int = 0):
+def random_v41_model(config, seed: int = 0, device: torch.device | str | None = None):
     """A `DeepseekV41ForCausalLM` of `config` with every parameter random from `seed` (norm weights and mHC
-    scales near 1, linears ~ 1/sqrt(fan-in)) and a random Engram token map."""
+    scales near 1, linears ~ 1/sqrt(fan-in)) and a random Engram token map.
+
+    `device`: build and draw it there (a generator of that device: a V4.1-Flash-width stack of GBs is drawn on
+    the GPU in seconds, not on the host); None: the CPU. The values depend on the device's generator."""
     from deepinfer.engine.models.deepseek_v41 import DeepseekV41ForCausalLM
 
-    model = DeepseekV41ForCausalLM(config)
-    g = torch.Generator().manual_seed(seed)
+    dev = torch.device(device or "cpu")
+    with dev:
+        model = DeepseekV41ForCausalLM(config)
+    g = torch.Generator(device=dev).manual_seed(seed)
+
+    def randn(shape):
+        return torch.randn(shape, generator=g, device=dev)
+
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("norm.weight", "_scale", "norm1.weight", "norm2.weight")):
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+                p.copy_(1 + 0.1 * randn(p.shape))
             elif name.endswith(("q_weight", "k_weight")):
-                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
+                p.copy_(1 + 0.5 * randn(p.shape))
             elif p.dim() == 2 and not name.endswith(("embed.weight", "_fn")):
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+                p.copy_(randn(p.shape) / p.shape[1] ** 0.5)
             else:
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+                p.copy_(0.5 * randn(p.shape))
     if config.engram_layer_ids:
         model.set_engram_token_map(torch.randint(0, config.engram_compressed_vocab_size, (config.vocab_size,),
-                                                 generator=g))
+                                                 generator=g, device=dev))
     return model
 
 
