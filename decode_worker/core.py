@@ -94,7 +94,8 @@ class DecodeCore:
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 lease_s: float = 60.0, images=None, *, traffic_class: str | None = None,
-                is_conversation: bool = False, rank: int | None = None) -> Reservation:
+                is_conversation: bool = False, rank: int | None = None,
+                num_original_prompt_tokens: int | None = None) -> Reservation:
         """Reserve blocks for the prompt's KV; raises InvalidRequestError on bad input,
         NoFreeBlocksError / NoFreeSlotsError when full (reserving nothing).
 
@@ -103,11 +104,13 @@ class DecodeCore:
         the prompt and answer to the store when the request finishes (with a store; filed under
         `traffic_class`, None = the store's default class). `rank`: on a multi-rank instance, the rank a
         balancer picked (taken when it has room); the reservation names the rank whose pools hold the KV:
-        its agent and its own block ids and slot (`PDConnector.destination`)."""
+        its agent and its own block ids and slot (`PDConnector.destination`). `num_original_prompt_tokens`: a
+        continuation's original prompt length (`Engine.add_request`; the prefill gets the same)."""
         self.engine.prefer_kv_rank(request_id, rank)
         transfer_id = self.connector.expect_load(request_id, len(prompt_token_ids), lease_s)
         try:
             self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params,
+                                    num_original_prompt_tokens=num_original_prompt_tokens,
                                     **({"images": images} if images else {}))
         except BaseException:
             self.connector.forget_load(request_id)

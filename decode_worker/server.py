@@ -48,6 +48,7 @@ from deepinfer.decode_worker.load_report import (
 from deepinfer.engine.cache.block_pool import NoFreeBlocksError, NoFreeSlotsError
 from deepinfer.engine.engine import RequestOutput
 from deepinfer.engine.errors import InvalidRequestError
+from deepinfer.engine.scheduler import check_num_original_prompt_tokens
 from deepinfer.kv_transfer.embeddings import EmbeddingSource
 from deepinfer.kvstore.store import open_worker_store
 from deepinfer.protos import common_pb2, decode_pb2, decode_pb2_grpc, loadbalancer_pb2
@@ -105,7 +106,7 @@ class DecodeWorker(EngineShell):
 
     def _reserve(self, request_id: str, prompt_token_ids: list[int], params, lease_s: float,
                  deadline: float | None, images=(), traffic_class: str = "", is_conversation: bool = False,
-                 rank: int | None = None):
+                 rank: int | None = None, num_original_prompt_tokens: int | None = None):
         if request_id in self._streams:
             # NOTE: the entrypoint that owns the id retries it here while the Abort of its earlier attempt is
             # still on its way (sent in a daemon thread to an instance it had lost): it aborts and retries
@@ -138,7 +139,7 @@ class DecodeWorker(EngineShell):
         try:
             reservation = self.core.reserve(request_id, prompt_token_ids, params, lease_s=lease_s, images=spans,
                                             traffic_class=traffic_class, is_conversation=is_conversation,
-                                            rank=rank)
+                                            rank=rank, num_original_prompt_tokens=num_original_prompt_tokens)
         except (NoFreeBlocksError, NoFreeSlotsError) as e:  # RESOURCE_EXHAUSTED (serving.errors)
             self.engine.abort_request(request_id)
             if self.core.num_quarantined:
@@ -302,13 +303,16 @@ class DecodeServicer(ShellServicer, decode_pb2_grpc.DecodeServicer):
                       for ref, emb in zip(request.images, request.image_embeddings)]
             if request.num_kv_tokens and request.num_kv_tokens != len(request.prompt_token_ids):
                 raise InvalidRequestError("num_kv_tokens must equal the prompt length", field="num_kv_tokens")
+            num_original = (request.num_original_prompt_tokens if request.HasField("num_original_prompt_tokens")
+                            else None)
+            check_num_original_prompt_tokens(num_original, len(request.prompt_token_ids))
             params = sampling_params_from_proto(request.sampling_params)
             lease_s = request.lease_ms / 1000 if request.lease_ms else w.config.kv_lease_s
             deadline = time.monotonic() + request.deadline_ms / 1000 if request.deadline_ms else None
             now_unix = time.time()
             reservation = w.loop.call(partial(w._reserve, rid, list(request.prompt_token_ids), params, lease_s,
                                               deadline, images, request.kv_traffic_class, request.is_conversation,
-                                              request.rank if request.HasField("rank") else None),
+                                              request.rank if request.HasField("rank") else None, num_original),
                                       LOOP_CALL_TIMEOUT_S)
         except Exception as e:
             return decode_pb2.ReserveResponse(request_id=rid, error=_error(e))

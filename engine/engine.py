@@ -37,7 +37,13 @@ from deepinfer.engine.multimodal import ImageSpan
 from deepinfer.engine.sampling import IncrementalDetokenizer, Sampler, SamplingBatch, SamplingParams
 from deepinfer.engine.sampling.sampler import TokenLogprobs, compute_logprobs
 from deepinfer.engine.sampling.stop import StopChecker
-from deepinfer.engine.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
+from deepinfer.engine.scheduler import (
+    Request,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    check_num_original_prompt_tokens,
+)
 from deepinfer.engine.structured_output import GrammarCompiler, GrammarState, allocate_bitmask
 
 
@@ -268,6 +274,8 @@ class _Parent:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     error: str | None = None
     image_spans: tuple[ImageSpan, ...] = ()
+    num_original_prompt_tokens: int | None = None
+    """A continuation's original prompt length (`add_request`), else None."""
     queued_at: float | None = None
     """time.monotonic() when the first sequence entered the scheduler (after its KV load, if any)."""
     scheduled_at: float | None = None
@@ -445,9 +453,18 @@ class Engine(ExternalKVMixin):
         hold_kv: bool = False,
         hold_state: bool = False,
         images: Sequence[ImageSpan] | None = None,
+        num_original_prompt_tokens: int | None = None,
         _kv_load: KVLoadSpec | None = None,
     ) -> str:
         """Validate and queue a request; raises InvalidRequestError (naming the field) on bad input.
+
+        `num_original_prompt_tokens`: the request continues an earlier one (after a decode restart or a
+        migration: that request's prompt followed by the k tokens it generated, with k fewer to make), and this is
+        that prompt's length, in `[1, len(prompt)]`. What the model fixes by the prompt alone keeps the original:
+        DeepSeek-V4.1's decoder-side bounded replay starts its tail at `num_original_prompt_tokens - sliding_window`
+        as the uninterrupted request did, so with `batch_invariant=True` the continuation's tokens and logprobs are
+        the uninterrupted run's bit for bit. V4 computes nothing from where a prompt ends: it accepts and ignores
+        it. None: the whole prompt is the original.
 
         `images`: the prompt's images (`engine.multimodal.ImageSpan`, sorted by offset), each over
         positions of the prompt ids that hold `image_token_id`, with `embeds` [num_tokens, hidden]
@@ -470,6 +487,7 @@ class Engine(ExternalKVMixin):
         vocab = self.model_config.vocab_size
         if not ids:
             raise InvalidRequestError("the prompt is empty; send at least one token", field="prompt")
+        check_num_original_prompt_tokens(num_original_prompt_tokens, len(ids))
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab]
         if bad:
             raise InvalidRequestError(
@@ -490,7 +508,8 @@ class Engine(ExternalKVMixin):
             self.grammar_compiler.compile(params.structured_output)  # refuses a bad constraint before any compute
         spans = tuple(self.encode_images(self._check_images(ids, images))) if images else ()
         parent = _Parent(request_id, text, ids, params, priority,
-                         [CompletionOutput(index=i) for i in range(params.n)], image_spans=spans)
+                         [CompletionOutput(index=i) for i in range(params.n)], image_spans=spans,
+                         num_original_prompt_tokens=num_original_prompt_tokens)
         for i in range(params.n):
             child = params.for_child(i) if params.n > 1 else params
             det = IncrementalDetokenizer(self.tokenizer, ids, child.skip_special_tokens)
@@ -595,7 +614,8 @@ class Engine(ExternalKVMixin):
         p = seq.parent
         rid = p.request_id if len(p.seqs) == 1 else f"{p.request_id}#{seq.index}"
         seq.req = Request(rid, p.prompt_token_ids, max_tokens=seq.params.max_tokens, priority=p.priority,
-                          sampling_params=seq.params, arrival_time=time.monotonic(), image_spans=p.image_spans)
+                          sampling_params=seq.params, arrival_time=time.monotonic(), image_spans=p.image_spans,
+                          num_original_prompt_tokens=p.num_original_prompt_tokens)
         self._seqs[rid] = seq
         if load is None:
             p.queued_at = p.queued_at or time.monotonic()

@@ -50,7 +50,8 @@ class SeqChunk:
     """Compressed entries of windows ending at or before this position are already in the
     (possibly shared) blocks: they are read, never rewritten."""
     num_prompt_tokens: int | None = None
-    """Length of the request's prompt (its original one: a resumed request's outputs do not count), or None
+    """Length of the request's prompt (its original one: a resumed request's outputs do not count, nor the
+    generated tokens a continuation carries in its prompt, `Request.num_original_prompt_tokens`), or None
     (unknown: side passes, tests). DeepSeek-V4.1's decoder-side bounded replay computes the layers after its
     last KV source only from position `num_prompt_tokens - sliding_window` on (`engine.models.deepseek_v41`)."""
 

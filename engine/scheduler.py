@@ -149,6 +149,18 @@ _FINISH_REASONS = {
 }
 
 
+def check_num_original_prompt_tokens(value, num_prompt_tokens: int) -> None:
+    """Refuse (InvalidRequestError) a continuation's original prompt length that is not an int in
+    `[1, num_prompt_tokens]` (`Request.num_original_prompt_tokens`); None passes (not a continuation)."""
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= num_prompt_tokens:
+        raise InvalidRequestError(
+            f"num_original_prompt_tokens must be an int in [1, {num_prompt_tokens}] (the prompt length of the request "
+            f"this one continues; the rest of the prompt is what it generated), got {value!r}; leave it unset for a "
+            "request that continues none", field="num_original_prompt_tokens")
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence as the scheduler sees it (a child of an `n > 1` request is its own Request)."""
@@ -184,6 +196,11 @@ class Request:
     """Set when the request's bounded state was written from outside into the state slot it already
     holds (prefill -> decode with the state sent): it is admitted on that slot with no bounded
     replay, its sliding window valid from this position on. Cleared at admission."""
+    num_original_prompt_tokens: int | None = None
+    """Set when the request continues an earlier one (a migration's or a restart's continuation): the length of
+    that request's prompt, the rest of `prompt_token_ids` being tokens it generated. What a model fixes by the
+    prompt alone (V4.1's decoder-side bounded replay tail start) uses it, so the continuation computes what the
+    uninterrupted request would have. None: the whole prompt is the original (`num_replay_prompt_tokens`)."""
     all_token_ids: list[int] = field(init=False)
     """Prompt followed by the outputs so far (kept in sync by `append_output_token_ids`)."""
 
@@ -195,6 +212,13 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_replay_prompt_tokens(self) -> int:
+        """The prompt length that fixes V4.1's decoder-replay tail start (`SeqChunk.num_prompt_tokens`): the
+        original prompt's for a continuation (`num_original_prompt_tokens`), else this prompt's."""
+        n = self.num_original_prompt_tokens
+        return self.num_prompt_tokens if n is None else n
 
     @property
     def num_output_tokens(self) -> int:
@@ -254,7 +278,8 @@ class NewRequestData:
     image_spans: tuple[ImageSpan, ...] = ()
     """The request's images (positions and input embeddings), for the steps that compute them."""
     num_prompt_tokens: int | None = None
-    """Length of the request's prompt (`SeqChunk.num_prompt_tokens`: V4.1's decoder-side bounded replay)."""
+    """Length of the request's original prompt (`Request.num_replay_prompt_tokens`; `SeqChunk.num_prompt_tokens`:
+    V4.1's decoder-side bounded replay)."""
 
 
 @dataclass
@@ -368,6 +393,7 @@ class Scheduler:
             )
         if req.max_tokens is not None and req.max_tokens <= 0:
             raise InvalidRequestError(f"max_tokens must be at least 1; got {req.max_tokens}", field="max_tokens")
+        check_num_original_prompt_tokens(req.num_original_prompt_tokens, req.num_prompt_tokens)
         kv = self.kv_cache_manager
         if kv.num_blocks_for(req.num_tokens) > kv.num_blocks:
             raise InvalidRequestError(
@@ -565,7 +591,7 @@ class Scheduler:
                         num_cached_tokens=num_cached,
                         state_start=state_start,
                         image_spans=req.image_spans,
-                        num_prompt_tokens=req.num_prompt_tokens,
+                        num_prompt_tokens=req.num_replay_prompt_tokens,
                     )
                 )
             else:

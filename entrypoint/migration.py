@@ -13,6 +13,10 @@ on with no duplicated and no missing token:
 
 - Greedy output equals an uninterrupted run: the continuation's prefill computes exactly the KV an
   uninterrupted decode would hold (DESIGN.md §7, disaggregation does not change a greedy output).
+  The continuation names the client's prompt length (`num_original_prompt_tokens`): what a model
+  fixes by the prompt alone keeps it (DeepSeek-V4.1's decoder-side bounded replay starts its tail at
+  the original prompt's last window), so in batch-invariant mode the continuation's tokens and
+  logprobs are the uninterrupted run's bit for bit.
 - Seeded sampling stays reproducible: the sampler's noise is a pure function of (seed, position of
   the token being sampled) (`engine.sampling.sampler`), and the continuation keeps every position.
 - Repetition penalty counts prompt and output tokens alike, so moving the output into the prompt
@@ -105,7 +109,8 @@ def not_migratable_reason(sampling: common_pb2.SamplingParams) -> str | None:
 def continuation(request: entrypoint_pb2.GenerateRequest,
                  generated_token_ids: list[int]) -> entrypoint_pb2.GenerateRequest | None:
     """The request that continues `request` after the client received `generated_token_ids`:
-    prompt + those tokens, `max_tokens` and `min_tokens` lowered by their count.
+    prompt + those tokens, `max_tokens` and `min_tokens` lowered by their count, and
+    `num_original_prompt_tokens` the client's prompt length (kept when `request` is itself a continuation).
 
     None when nothing is left to generate (`max_tokens` reached); the caller ends the stream with
     finish_reason LENGTH. Images keep their offsets (the generated tokens follow the whole prompt).
@@ -115,6 +120,8 @@ def continuation(request: entrypoint_pb2.GenerateRequest,
     n = len(generated_token_ids)
     if n == 0:
         return out
+    if not request.HasField("num_original_prompt_tokens"):
+        out.num_original_prompt_tokens = len(request.prompt_token_ids)
     out.prompt_token_ids.extend(generated_token_ids)
     sampling = out.sampling_params
     if sampling.HasField("max_tokens"):

@@ -144,6 +144,16 @@ def validate_request(request: entrypoint_pb2.GenerateRequest, vocab_size: int, m
                                           f", which overlap another image or leave the prompt ({len(prompt)} tokens); "
                                           "images must be in prompt order, each on its own placeholder", field="images")
             end = ref.offset + ref.num_tokens
+    if request.HasField("num_original_prompt_tokens"):
+        n = request.num_original_prompt_tokens
+        if not 0 < n <= len(prompt):
+            raise InvalidRequestError(f"num_original_prompt_tokens must be in [1, {len(prompt)}] (the prompt length of "
+                                      f"the request this one continues), got {n}; leave it unset for a request that "
+                                      "continues none", field="num_original_prompt_tokens")
+        if any(ref.offset + ref.num_tokens > n for ref in request.images):
+            raise InvalidRequestError(f"an image lies after the first num_original_prompt_tokens ({n}) prompt tokens; "
+                                      "a continuation's images are those of its original prompt",
+                                      field="num_original_prompt_tokens")
     params = sampling_params_from_proto(request.sampling_params)
     params.validate_against_vocab(vocab_size)
     if params.n != 1:
@@ -157,6 +167,16 @@ def validate_request(request: entrypoint_pb2.GenerateRequest, vocab_size: int, m
         raise InvalidRequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                                   f"context length ({max_model_len})", field="max_tokens")
     return params
+
+
+def expanded_num_original_prompt_tokens(request: entrypoint_pb2.GenerateRequest, prompt: list[int]) -> int | None:
+    """A continuation's original prompt length (`GenerateRequest.num_original_prompt_tokens`) in the positions of
+    `prompt`, the request's prompt with its images' placeholders expanded (`expand_image_placeholders`), as the
+    prefill and decode stages get it; None when the request continues none. NOTE: its images lie inside the
+    original prompt (`validate_request`), so the expansion lengthens the original part by all of it."""
+    if not request.HasField("num_original_prompt_tokens"):
+        return None
+    return request.num_original_prompt_tokens + len(prompt) - len(request.prompt_token_ids)
 
 
 def expand_image_placeholders(prompt_token_ids: list[int], images, num_tokens: list[int], content_hashes: list[str],
@@ -447,6 +467,8 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                 self._release_images(req, wait=True)
             prompt, sampling, images, image_embeddings = self._encode_images(req, request, deadline, deadline_ms)
         req.usage.prompt_tokens = len(prompt) - req.num_resumed_tokens
+        num_original = expanded_num_original_prompt_tokens(request, prompt)
+        original = {"num_original_prompt_tokens": num_original} if num_original is not None else {}
         # a stage that just lost an instance: wait for one to serve before holding blocks on decode
         self._await_stage(req, "prefill", self.prefill_lb, deadline)
         self._await_stage(req, "decode", self.decode_lb, deadline)
@@ -492,7 +514,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                         request_id=rid, prompt_token_ids=prompt, sampling_params=sampling, num_kv_tokens=len(prompt),
                         deadline_ms=deadline_ms(), lease_ms=self.config.kv_lease_ms,
                         images=images, image_embeddings=image_embeddings, kv_traffic_class=request.kv_traffic_class,
-                        is_conversation=request.is_conversation,
+                        is_conversation=request.is_conversation, **original,
                         **({"rank": req.decode_rank} if req.decode_rank is not None else {})),
                         deadline, f"reserving KV on decode instance {d_inst.instance_id}")
                 except _Cancelled:
@@ -604,7 +626,8 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                 prefilled = self._unary(req, p_stub.Prefill, prefill_pb2.PrefillRequest(
                     request_id=rid, prompt_token_ids=prompt, sampling_params=sampling, destination=destination,
                     num_kv_tokens=len(prompt), deadline_ms=deadline_ms(), images=images,
-                    image_embeddings=image_embeddings, kv_traffic_class=request.kv_traffic_class), deadline, "prefilling")
+                    image_embeddings=image_embeddings, kv_traffic_class=request.kv_traffic_class, **original),
+                    deadline, "prefilling")
             except _Cancelled:
                 if req.lost_prefill_id != p_inst.instance_id or req.abort_reason is not None:
                     raise

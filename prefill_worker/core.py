@@ -69,6 +69,8 @@ class PrefillWork:
     images: list[ImageInput] = field(default_factory=list)
     traffic_class: str | None = None
     """The KV store's traffic class (its TTL: agent, chat, ...); None = the store's default class."""
+    num_original_prompt_tokens: int | None = None
+    """A continuation's original prompt length (`Engine.add_request`'s; the decode side gets the same), else None."""
 
 
 @dataclass
@@ -188,6 +190,7 @@ class PrefillCore:
             self.store_connector.set_traffic_class(work.request_id, work.traffic_class)
         try:
             self.engine.add_request(work.request_id, {"prompt_token_ids": work.prompt_token_ids}, params,
+                                    num_original_prompt_tokens=work.num_original_prompt_tokens,
                                     **({"images": spans} if spans else {}))
         except BaseException:
             self.connector.forget_save(work.request_id)

@@ -36,6 +36,7 @@ from concurrent.futures import Future
 from functools import partial
 
 from deepinfer.engine.errors import InvalidRequestError
+from deepinfer.engine.scheduler import check_num_original_prompt_tokens
 from deepinfer.kv_transfer.agent import layout_from_wire
 from deepinfer.kv_transfer.embeddings import EmbeddingSource, HolderUnreachable
 from deepinfer.prefill_worker.config import PrefillWorkerConfig
@@ -275,7 +276,10 @@ class PrefillServicer(ShellServicer, prefill_pb2_grpc.PrefillServicer):
             send_deadline = time.monotonic() + lease_s
         destination = KVDestination(dest.agent_name, list(dest.block_ids), dest.transfer_id, lease_s, send_deadline,
                                     dest.state_slot if dest.HasField("state_slot") else None)
-        work = PrefillWork(request.request_id, list(request.prompt_token_ids), params, destination, images)
+        num_original = request.num_original_prompt_tokens if request.HasField("num_original_prompt_tokens") else None
+        check_num_original_prompt_tokens(num_original, len(request.prompt_token_ids))
+        work = PrefillWork(request.request_id, list(request.prompt_token_ids), params, destination, images,
+                           num_original_prompt_tokens=num_original)
         return work, bytes(dest.agent_metadata), bytes(dest.agent_layout)
 
 

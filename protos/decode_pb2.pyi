@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "images", "num_kv_tokens", "deadline_ms", "lease_ms", "image_embeddings", "kv_traffic_class", "is_conversation", "rank")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "images", "num_kv_tokens", "deadline_ms", "lease_ms", "image_embeddings", "kv_traffic_class", "is_conversation", "rank", "num_original_prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class ReserveRequest(_message.Message):
     KV_TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
     IS_CONVERSATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    NUM_ORIGINAL_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -32,7 +33,8 @@ class ReserveRequest(_message.Message):
     kv_traffic_class: str
     is_conversation: bool
     rank: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageRef, _Mapping]]] = ..., num_kv_tokens: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ..., image_embeddings: _Optional[_Iterable[_Union[_vision_pb2.ImageEmbeddings, _Mapping]]] = ..., kv_traffic_class: _Optional[str] = ..., is_conversation: _Optional[bool] = ..., rank: _Optional[int] = ...) -> None: ...
+    num_original_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageRef, _Mapping]]] = ..., num_kv_tokens: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ..., image_embeddings: _Optional[_Iterable[_Union[_vision_pb2.ImageEmbeddings, _Mapping]]] = ..., kv_traffic_class: _Optional[str] = ..., is_conversation: _Optional[bool] = ..., rank: _Optional[int] = ..., num_original_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("request_id", "agent_name", "agent_metadata", "block_ids", "block_size", "transfer_id", "lease_deadline_unix_ms", "error", "agent_layout", "state_slot")

@@ -25,19 +25,19 @@ _sym_db = _symbol_database.Default()
 from deepinfer.protos import common_pb2 as deepinfer_dot_protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!deepinfer/protos/entrypoint.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x1d\x64\x65\x65pinfer/protos/common.proto\"\xc8\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x35\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12&\n\x06images\x18\x04 \x03(\x0b\x32\x16.deepinfer.v1.ImageRef\x12\x31\n\rtraffic_class\x18\x05 \x01(\x0e\x32\x1a.deepinfer.v1.TrafficClass\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x07 \x01(\r\x12\x1d\n\x15is_max_tokens_default\x18\x08 \x01(\x08\x12\x18\n\x10kv_traffic_class\x18\t \x01(\t\x12\x17\n\x0fis_conversation\x18\n \x01(\x08J\x04\x08\x06\x10\x07R\x08priority\"\x80\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x11\n\x04text\x18\x04 \x01(\tH\x01\x88\x01\x01\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.deepinfer.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1b.deepinfer.v1.TokenLogprobs\x12\x31\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x1a.deepinfer.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x08 \x01(\x05H\x00\x12\x12\n\x08stop_str\x18\t \x01(\tH\x00\x12\"\n\x05usage\x18\n \x01(\x0b\x32\x13.deepinfer.v1.Usage\x12\"\n\x05\x65rror\x18\x0b \x01(\x0b\x32\x13.deepinfer.v1.ErrorB\r\n\x0bstop_reasonB\x07\n\x05_text*e\n\x0cTrafficClass\x12\x1d\n\x19TRAFFIC_CLASS_UNSPECIFIED\x10\x00\x12\x1d\n\x19TRAFFIC_CLASS_INTERACTIVE\x10\x01\x12\x17\n\x13TRAFFIC_CLASS_BATCH\x10\x02\x32\xe0\x01\n\nEntrypoint\x12K\n\x08Generate\x12\x1d.deepinfer.v1.GenerateRequest\x1a\x1e.deepinfer.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.deepinfer.v1.AbortRequest\x1a\x1b.deepinfer.v1.AbortResponse\x12\x43\n\x06Health\x12\x1b.deepinfer.v1.HealthRequest\x1a\x1c.deepinfer.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!deepinfer/protos/entrypoint.proto\x12\x0c\x64\x65\x65pinfer.v1\x1a\x1d\x64\x65\x65pinfer/protos/common.proto\"\x90\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x35\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1c.deepinfer.v1.SamplingParams\x12&\n\x06images\x18\x04 \x03(\x0b\x32\x16.deepinfer.v1.ImageRef\x12\x31\n\rtraffic_class\x18\x05 \x01(\x0e\x32\x1a.deepinfer.v1.TrafficClass\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x07 \x01(\r\x12\x1d\n\x15is_max_tokens_default\x18\x08 \x01(\x08\x12\x18\n\x10kv_traffic_class\x18\t \x01(\t\x12\x17\n\x0fis_conversation\x18\n \x01(\x08\x12\'\n\x1anum_original_prompt_tokens\x18\x0b \x01(\rH\x00\x88\x01\x01\x42\x1d\n\x1b_num_original_prompt_tokensJ\x04\x08\x06\x10\x07R\x08priority\"\x80\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x11\n\x04text\x18\x04 \x01(\tH\x01\x88\x01\x01\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.deepinfer.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1b.deepinfer.v1.TokenLogprobs\x12\x31\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x1a.deepinfer.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x08 \x01(\x05H\x00\x12\x12\n\x08stop_str\x18\t \x01(\tH\x00\x12\"\n\x05usage\x18\n \x01(\x0b\x32\x13.deepinfer.v1.Usage\x12\"\n\x05\x65rror\x18\x0b \x01(\x0b\x32\x13.deepinfer.v1.ErrorB\r\n\x0bstop_reasonB\x07\n\x05_text*e\n\x0cTrafficClass\x12\x1d\n\x19TRAFFIC_CLASS_UNSPECIFIED\x10\x00\x12\x1d\n\x19TRAFFIC_CLASS_INTERACTIVE\x10\x01\x12\x17\n\x13TRAFFIC_CLASS_BATCH\x10\x02\x32\xe0\x01\n\nEntrypoint\x12K\n\x08Generate\x12\x1d.deepinfer.v1.GenerateRequest\x1a\x1e.deepinfer.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.deepinfer.v1.AbortRequest\x1a\x1b.deepinfer.v1.AbortResponse\x12\x43\n\x06Health\x12\x1b.deepinfer.v1.HealthRequest\x1a\x1c.deepinfer.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'deepinfer.protos.entrypoint_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRAFFICCLASS']._serialized_start=800
-  _globals['_TRAFFICCLASS']._serialized_end=901
+  _globals['_TRAFFICCLASS']._serialized_start=872
+  _globals['_TRAFFICCLASS']._serialized_end=973
   _globals['_GENERATEREQUEST']._serialized_start=83
-  _globals['_GENERATEREQUEST']._serialized_end=411
-  _globals['_GENERATERESPONSE']._serialized_start=414
-  _globals['_GENERATERESPONSE']._serialized_end=798
-  _globals['_ENTRYPOINT']._serialized_start=904
-  _globals['_ENTRYPOINT']._serialized_end=1128
+  _globals['_GENERATEREQUEST']._serialized_end=483
+  _globals['_GENERATERESPONSE']._serialized_start=486
+  _globals['_GENERATERESPONSE']._serialized_end=870
+  _globals['_ENTRYPOINT']._serialized_start=976
+  _globals['_ENTRYPOINT']._serialized_end=1200
 # @@protoc_insertion_point(module_scope)

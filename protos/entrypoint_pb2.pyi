@@ -18,7 +18,7 @@ TRAFFIC_CLASS_INTERACTIVE: TrafficClass
 TRAFFIC_CLASS_BATCH: TrafficClass
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "images", "traffic_class", "deadline_ms", "is_max_tokens_default", "kv_traffic_class", "is_conversation")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "images", "traffic_class", "deadline_ms", "is_max_tokens_default", "kv_traffic_class", "is_conversation", "num_original_prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class GenerateRequest(_message.Message):
     IS_MAX_TOKENS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
     KV_TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
     IS_CONVERSATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_ORIGINAL_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -37,7 +38,8 @@ class GenerateRequest(_message.Message):
     is_max_tokens_default: bool
     kv_traffic_class: str
     is_conversation: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageRef, _Mapping]]] = ..., traffic_class: _Optional[_Union[TrafficClass, str]] = ..., deadline_ms: _Optional[int] = ..., is_max_tokens_default: _Optional[bool] = ..., kv_traffic_class: _Optional[str] = ..., is_conversation: _Optional[bool] = ...) -> None: ...
+    num_original_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageRef, _Mapping]]] = ..., traffic_class: _Optional[_Union[TrafficClass, str]] = ..., deadline_ms: _Optional[int] = ..., is_max_tokens_default: _Optional[bool] = ..., kv_traffic_class: _Optional[str] = ..., is_conversation: _Optional[bool] = ..., num_original_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "index", "token_ids", "text", "logprobs", "prompt_logprobs", "finish_reason", "stop_token_id", "stop_str", "usage", "error")

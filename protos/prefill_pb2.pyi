@@ -31,7 +31,7 @@ class KVDestination(_message.Message):
     def __init__(self, decode_instance_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., transfer_id: _Optional[str] = ..., lease_deadline_unix_ms: _Optional[int] = ..., agent_layout: _Optional[bytes] = ..., state_slot: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "images", "destination", "num_kv_tokens", "deadline_ms", "image_embeddings", "kv_traffic_class")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "images", "destination", "num_kv_tokens", "deadline_ms", "image_embeddings", "kv_traffic_class", "num_original_prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class PrefillRequest(_message.Message):
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     KV_TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ORIGINAL_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -50,7 +51,8 @@ class PrefillRequest(_message.Message):
     deadline_ms: int
     image_embeddings: _containers.RepeatedCompositeFieldContainer[_vision_pb2.ImageEmbeddings]
     kv_traffic_class: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageRef, _Mapping]]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., num_kv_tokens: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., image_embeddings: _Optional[_Iterable[_Union[_vision_pb2.ImageEmbeddings, _Mapping]]] = ..., kv_traffic_class: _Optional[str] = ...) -> None: ...
+    num_original_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageRef, _Mapping]]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., num_kv_tokens: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., image_embeddings: _Optional[_Iterable[_Union[_vision_pb2.ImageEmbeddings, _Mapping]]] = ..., kv_traffic_class: _Optional[str] = ..., num_original_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_token_logprobs", "num_kv_tokens", "num_cached_prompt_tokens", "transfer_id", "error")

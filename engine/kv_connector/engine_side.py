@@ -208,7 +208,8 @@ class ExternalKVMixin:
 
     def reserve_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                    num_kv_tokens: int, *, with_state: bool = False,
-                   images: Sequence[ImageSpan] | None = None) -> list[tuple[str, int, int, int]]:
+                   images: Sequence[ImageSpan] | None = None,
+                   num_original_prompt_tokens: int | None = None) -> list[tuple[str, int, int, int]]:
         """Reserve blocks for a request whose first `num_kv_tokens` tokens' compressed KV will be
         written from outside, by the caller; returns their `(pool, block, byte_offset, num_bytes)`.
 
@@ -222,10 +223,12 @@ class ExternalKVMixin:
         `images` (as in `add_request`): an image prompt needs its spans here too, with embeddings,
         whenever this instance may compute image positions (bounded replay without `with_state`,
         recompute after preemption) and so that its prefix-cache hashes carry the images.
+        `num_original_prompt_tokens` (as in `add_request`): a continuation's original prompt length.
         """
         if params.n != 1:
             raise InvalidRequestError("requests with imported KV must have n = 1", field="n")
         self.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params, images=images,
+                         num_original_prompt_tokens=num_original_prompt_tokens,
                          _kv_load=KVLoadSpec(num_kv_tokens, with_state))
         return self.kv_descriptors(request_id)
 

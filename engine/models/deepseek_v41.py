@@ -949,7 +949,9 @@ class DeepseekV41ForCausalLM(nn.Module):
     def decoder_tail_start(self, num_prompt_tokens: int | None) -> int:
         """First position the layers after `last_kv_source` compute for a prompt of `num_prompt_tokens` with
         decoder-side bounded replay on: the prompt's last `sliding_window` tokens and everything after them
-        (0: every position; also for an unknown prompt, None)."""
+        (0: every position; also for an unknown prompt, None). A continuation (prompt + k generated tokens after
+        a migration or a decode restart) passes its original prompt's length (`Request.num_original_prompt_tokens`
+        -> `SeqChunk.num_prompt_tokens`), so its tail starts where the uninterrupted request's did."""
         if num_prompt_tokens is None:
             return 0
         return max(0, num_prompt_tokens - self.config.sliding_window)
@@ -962,8 +964,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         A request's tokens before `decoder_tail_start(num_prompt_tokens)` leave; its window history there counts as
         none (`state_start` raised to the tail's start: those layers' rings never held those positions). Rows from
         the tail's start on are computed in every layer, whatever the chunking (a chunk straddling the start is
-        cut), prefix hits or preemption (the start depends on the original prompt only), and the rings of these
-        layers hold the last `sliding_window` positions a decode reads.
+        cut), prefix hits, preemption or a continuation (the start depends on the original prompt only), and the
+        rings of these layers hold the last `sliding_window` positions a decode reads.
         NOTE: the layers after the last KV source run no compressor, so the kept rows need nothing of the left-out
         ones but the selections already published (`_remap_published`)."""
         if self.last_kv_source < 0 or self.last_kv_source == len(self.layers) - 1:

@@ -65,6 +65,10 @@ def test_continuation_appends_the_streamed_tokens_and_lowers_the_budgets():
     assert list(req.prompt_token_ids) == [1, 2, 3]  # the original is untouched
     assert continuation(req, list(range(10))) is None  # nothing left to generate
     assert not continuation(_request([1]), [5]).sampling_params.HasField("max_tokens")  # no cap stays no cap
+    # the client's prompt length travels with it (V4.1's decoder-replay tail start), kept across continuations
+    assert cont.num_original_prompt_tokens == 3 and not req.HasField("num_original_prompt_tokens")
+    assert continuation(cont, [7]).num_original_prompt_tokens == 3
+    assert not continuation(req, []).HasField("num_original_prompt_tokens")  # nothing streamed: the same request
 
 
 def test_only_exact_continuations_migrate_after_tokens_streamed():
@@ -114,6 +118,8 @@ def test_run_migrating_continues_the_stream_with_right_usage():
     assert list(seen[1].prompt_token_ids) == [1, 2, 3, 4, 5, 10, 11]
     assert list(seen[2].prompt_token_ids) == [1, 2, 3, 4, 5, 10, 11, 12, 13]
     assert seen[2].sampling_params.max_tokens == 2
+    assert not seen[0].HasField("num_original_prompt_tokens")
+    assert seen[1].num_original_prompt_tokens == seen[2].num_original_prompt_tokens == 5
     assert [r.HasField("usage") for r in out] == [True, False, False, False, False, True]
     assert out[-1].usage.prompt_tokens == 5 and out[-1].usage.completion_tokens == 6
     assert out[-1].usage.cached_prompt_tokens == 3  # the first prefill's hit

@@ -186,8 +186,8 @@ def test_decode_restart_continuation_is_bit_identical_with_replay_off(ckpt, dtyp
     """Issue 23's "across a decode-worker restart" (a migration re-submits prompt + the k tokens the client has, with
     `max_tokens - k`, to another instance) with decoder-side replay off: the continuation's prefill, chunked beside
     other companions, gives the logits the original decode steps gave, so greedy and seeded tokens and every logprob
-    after the restart equal the uninterrupted run's. NOTE: with replay on the continuation is a longer prompt whose
-    tail starts k positions later, so its later layers see other windows (docs/V4_1.md §15): not compared. The
+    after the restart equal the uninterrupted run's. NOTE: with replay on a continuation needs the original prompt
+    length (`num_original_prompt_tokens`, else its tail starts k positions later): test_replay_continuation.py. The
     positions the original run decoded one at a time are prefill rows here: in bfloat16 both paths must meet the
     cache's dtype at the same points."""
     k, max_tokens = 4, 10
