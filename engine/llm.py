@@ -94,7 +94,7 @@ class LLM:
         """
         import deepseek_recipe as recipe
 
-        from deepinfer.engine.images import InvalidImageError
+        from deepinfer.engine.images import IMAGE_PLACEHOLDER_ID, InvalidImageError
         from deepinfer.engine.tokenizer import load_chat_encoding
 
         if isinstance(conversations, recipe.Conversation):
@@ -110,6 +110,12 @@ class LLM:
                 raise InvalidImageError("the offline chat() fetches no image URLs; give the image bytes "
                                         "(BytesImageSource) or a data: URL", field="image")
             prompt: dict = {"prompt_token_ids": encoding.encode(conv)}
+            placeholder = getattr(encoding, "image_placeholder_id", None)
+            if sources and placeholder not in (None, IMAGE_PLACEHOLDER_ID):
+                # NOTE: V4.1's tokenizer spells an image `<｜deepseek_image｜>` (129264); the engine's prompts
+                # mark images with `<｜image｜>` (129279), whichever the model (`expand_image_placeholders`)
+                prompt["prompt_token_ids"] = [IMAGE_PLACEHOLDER_ID if t == placeholder else t
+                                              for t in prompt["prompt_token_ids"]]
             if sources:
                 resolver = recipe.ImageResolver(
                     recipe.ReqwestImageFetcher().with_destination_filter(lambda host, address: False),

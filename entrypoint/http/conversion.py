@@ -24,6 +24,7 @@ import deepseek_recipe as recipe
 
 from deepinfer.engine.config import read_config_json
 from deepinfer.engine.images import IMAGE_PLACEHOLDER_ID, ImageUrlPolicy, InvalidImageError, image_descriptor
+from deepinfer.engine.tokenizer import RecipeChatEncoding
 from deepinfer.entrypoint.http import fields, structured
 from deepinfer.entrypoint.http.errors import ApiError, invalid, json_object
 from deepinfer.protos import common_pb2
@@ -83,6 +84,26 @@ def image_urls(body: Any) -> list[str]:
                 urls.append(node["url"])  # Messages image source
             stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
     return urls
+
+
+IMAGE_PART_TYPES = ("image_url", "input_image", "image")
+"""Content part types that carry an image: Chat Completions', Responses' and Messages' (any source, base64 too)."""
+
+
+def has_image_parts(body: Any) -> bool:
+    """Whether a Chat Completions / Responses / Messages body has an image part in its conversation (`messages`,
+    `input`, `system`; tool results included), whatever its source; the rest of the body (tool schemas) is not
+    looked at."""
+    stack = [body.get(key) for key in ("messages", "input", "system")] if isinstance(body, dict) else []
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if node.get("type") in IMAGE_PART_TYPES:
+                return True
+            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+    return False
 
 
 @dataclass
@@ -275,16 +296,18 @@ class RecipeFront:
         self.max_model_len = max_model_len
         self.image_policy = image_policy
         self.encoding_name = chat_encoding(model_dir)
-        self.tokenizer = recipe.Tokenizer.from_file(str(tokenizer_path(model_dir)))
-        if self.encoding_name == "v4.1":
-            version, encoding = recipe.ModelVersion.DeepseekV41Flash, recipe.DeepseekV41Encoding()
-        else:
-            version, encoding = recipe.ModelVersion.DeepseekV4Pro, recipe.DeepseekV4Encoding()
-        self.encoding = encoding.with_tokenizer(self.tokenizer)
+        # the checkpoint's tokenizer; with V4.1's, recipe's <｜image｜> is its <｜deepseek_image｜> (`RecipeChatEncoding`)
+        self.encoding = RecipeChatEncoding(self.encoding_name, tokenizer_path(model_dir))
+        self.tokenizer = self.encoding.tokenizer
+        self.image_placeholder_id = self.encoding.image_placeholder_id
+        """The one id each image renders to in a prompt (`<｜image｜>` 129279 with V4's tokenizer,
+        `<｜deepseek_image｜>` 129264 with V4.1's); the entrypoint replaces it by the image's span."""
+        version = (recipe.ModelVersion.DeepseekV41Flash if self.encoding_name == "v4.1"
+                   else recipe.ModelVersion.DeepseekV4Pro)
         self.has_vision = "vision_config" in read_config_json(model_dir)
         if self.has_vision:
-            # NOTE: recipe's V4-Pro conversion drops image parts; V4.1-Flash's keeps them, and every chat
-            # encoding renders one <｜image｜> placeholder per image
+            # NOTE: recipe's V4-Pro conversion drops image parts; V4.1-Flash's keeps them, and either encoding
+            # renders one placeholder (`image_placeholder_id`) per image
             version = recipe.ModelVersion.DeepseekV41Flash
         self.model_names = (served_model_name, *[n for n in RECIPE_MODEL_NAMES if n != served_model_name])
         self.options = recipe.ConversionOptions().with_model_versions_by_name({n: version for n in self.model_names})
@@ -333,6 +356,15 @@ class RecipeFront:
         elif api == MESSAGES and converted.conversation.thinking_mode and _forced_tool_name(
                 api, parsed.get("tool_choice")) is not None:  # recipe turns `any` into `auto` there
             required_tool = _forced_tool_name(api, parsed.get("tool_choice"))
+        has_images = has_image_parts(parsed) or any(m.image_sources for m in converted.conversation.messages)
+        if has_images and not self.has_vision:
+            # NOTE: before encoding: V4.1's conversion keeps image parts (its tokenizer may have no image token),
+            # V4-Pro's drops them (an Anthropic base64 image would be ignored silently)
+            raise invalid("this model takes no images (its checkpoint has no vision tower); send text only",
+                          code="images_not_supported")
+        if has_images and self.image_placeholder_id is None and not self.is_template:
+            raise invalid("this model's tokenizer has no image token (`<｜image｜>` or `<｜deepseek_image｜>`), so its "
+                          "prompts cannot hold images; send text only", code="images_not_supported")
         if self.is_template:
             _check_template_request(converted, has_images=bool(image_urls(parsed)))
         try:
@@ -343,7 +375,7 @@ class RecipeFront:
             if not self.is_template:
                 raise
             raise invalid(f"the checkpoint's chat template cannot render this conversation: {e}") from None
-        images = _image_refs(converted.conversation, prompt_token_ids)
+        images = _image_refs(converted.conversation, prompt_token_ids, self.image_placeholder_id)
         if not images and image_urls(parsed):
             raise invalid("this model takes no images (its checkpoint has no vision tower); send text only",
                           code="images_not_supported")
@@ -434,8 +466,10 @@ def _conversion_error(e: recipe.ConversionError, param: str | None = None) -> Ap
     return ApiError(status, message, param=param, code=code)
 
 
-def _image_refs(conversation: recipe.Conversation, prompt_token_ids: list[int]) -> list[common_pb2.ImageRef]:
-    """The prompt's images for the vision stage: one per placeholder token (`<｜image｜>`), in prompt order.
+def _image_refs(conversation: recipe.Conversation, prompt_token_ids: list[int],
+                placeholder_id: int = IMAGE_PLACEHOLDER_ID) -> list[common_pb2.ImageRef]:
+    """The prompt's images for the vision stage: one per placeholder token (`placeholder_id`: `<｜image｜>` with
+    V4's tokenizer, `<｜deepseek_image｜>` with V4.1's), in prompt order.
 
     Each ref covers its one placeholder; the entrypoint expands it to the image's token count. The
     content hash is left to the vision stage (it hashes the preprocessed image).
@@ -443,7 +477,7 @@ def _image_refs(conversation: recipe.Conversation, prompt_token_ids: list[int]) 
     sources = [s for m in conversation.messages for s in m.image_sources]
     if not sources:
         return []
-    offsets = [i for i, t in enumerate(prompt_token_ids) if t == IMAGE_PLACEHOLDER_ID]
+    offsets = [i for i, t in enumerate(prompt_token_ids) if t == placeholder_id]
     if len(offsets) != len(sources):
         raise invalid(f"the conversation has {len(sources)} images but its prompt renders {len(offsets)} image "
                       "placeholders; put each image in a user message's content", param="messages")

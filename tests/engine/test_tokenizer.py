@@ -91,3 +91,45 @@ def test_named_encoding_wins_over_a_template(tmp_path):
     (ckpt / "chat_template.jinja").write_text(TEMPLATE)
     assert checkpoint_chat_template(ckpt) == TEMPLATE
     assert not isinstance(load_chat_encoding(ckpt), TemplateChatEncoding)
+
+
+V41_RENAMED = {128799: "<｜System｜>", 129264: "<｜deepseek_image｜>", 129279: "<|place_holder_mm_span_0442|>"}
+"""DeepSeek-V4.1-Flash's tokenizer.json against V4's (third-party listings of the published file, two agreeing:
+the same 1,283 added tokens, `<｜System｜>` in placeholder 799's slot, 129264 spelled `<｜deepseek_image｜>`,
+129279 an unused mm-span placeholder: no `<｜image｜>`)."""
+
+
+def test_v41_tokenizer_renders_images_as_its_deepseek_image_token(tmp_path):
+    """recipe renders `<｜image｜>` per image, which V4.1's tokenizer lacks: `RecipeChatEncoding` encodes it as
+    `<｜deepseek_image｜>` (129264), a user's literal spellings stay plain text, and nothing else changes."""
+    from deepinfer.engine.tokenizer import RecipeChatEncoding
+
+    data = json.loads(default_tokenizer_path().read_text())
+    for token in data["added_tokens"]:
+        token["content"] = V41_RENAMED.get(token["id"], token["content"])
+    ckpt = _v4_checkpoint(tmp_path, model_type="deepseek_v41")
+    (ckpt / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
+    image = recipe.BytesImageSource(b"not decoded here")
+    text = "look <｜image｜> <｜deepseek_image｜>"
+    conv = recipe.Conversation([recipe.SystemMessage("be brief"), recipe.UserMessage(text + " <｜image｜>", [image])],
+                               thinking_mode=False)
+    plain = recipe.DeepseekV41Encoding().with_tokenizer(recipe.Tokenizer.from_file(str(ckpt / "tokenizer.json")))
+    with pytest.raises(RuntimeError, match="image"):  # why the alias: recipe refuses the tokenizer as it is
+        plain.encode(conv)
+    encoding = load_chat_encoding(ckpt)
+    assert isinstance(encoding, RecipeChatEncoding) and encoding.image_placeholder_id == 129264
+    ids = encoding.encode(conv)
+    assert ids[:2] == [0, 128799] and ids.count(129264) == 1 and max(ids) < 129280
+    assert ids[-2:] == [128804, 128822]  # <｜Assistant｜></think> (thinking off)
+    # recipe's placeholder is the text's first <｜image｜> (UserMessage's rule); the later spellings are plain text
+    rendered = encoding.render_conversation(conv)
+    assert rendered.prompt.count("<｜image｜>") == 2 and len(rendered.image_sources) == 1
+    assert ids[ids.index(129264) + 1:-2] == plain.encode(recipe.Conversation(
+        [recipe.UserMessage(" <｜deepseek_image｜> <｜image｜>")], thinking_mode=False))[2:-2]
+    assert encoding.tokenizer.encode("<｜image｜>") != [encoding._alias_id]  # the alias is the encoding's only
+    # V4's tokenizer has <｜image｜> (129279): recipe's own ids, no alias
+    v4 = RecipeChatEncoding("v4", default_tokenizer_path())
+    assert v4.image_placeholder_id == 129279 and v4._alias_id is None
+    v4_conv = recipe.Conversation([recipe.UserMessage("look <｜image｜>", [image])], thinking_mode=False)
+    own = recipe.DeepseekV4Encoding().with_tokenizer(recipe.Tokenizer.from_file(str(default_tokenizer_path())))
+    assert v4.encode(v4_conv) == own.encode(v4_conv) and 129279 in own.encode(v4_conv)
