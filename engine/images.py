@@ -12,8 +12,10 @@ preprocess, limits) and the offline path, so every stage applies the same rules.
   + `ImageQuota`); every failure is an `InvalidImageError` (HTTP 400) with a message saying what to fix.
 * `image_descriptor` / `image_source` — the `ImageRef.descriptor` bytes of a source and back.
 
-Token layout (vision contract): recipe renders one placeholder (`IMAGE_PLACEHOLDER_ID`, `<｜image｜>`)
-per image; the inference input replaces it with `num_tokens` x `IMAGE_TOKEN_ID`.
+Token layout (vision contract): an engine prompt holds one placeholder (`IMAGE_PLACEHOLDER_ID`, `<｜image｜>`)
+per image, whichever the model (recipe's encodings render it with V4's tokenizer; with V4.1's, which spells its
+image token `<｜deepseek_image｜>`, `engine.tokenizer.RecipeChatEncoding` renders that id and the chat fronts map it
+back); the inference input replaces it with `num_tokens` x `IMAGE_TOKEN_ID`.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from deepinfer.engine.errors import InvalidRequestError
 IMAGE_TOKEN_ID: int = recipe.IMAGE_SPECIAL_TOKEN_ID
 """`<｜image2｜>` (129264): the id every image token position holds in the prompt the engine runs."""
 IMAGE_PLACEHOLDER_ID = 129279
-"""`<｜image｜>`: the one token recipe's chat encodings render per image."""
+"""`<｜image｜>` (V4's tokenizer): the one token an engine prompt holds per image (module docstring)."""
 MAX_DIMENSION_PX = 2048
 """Recipe's preprocessing bound of a high-detail image's longer side."""
 LOW_DETAIL_MAX_DIMENSION_PX = 512

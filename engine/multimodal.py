@@ -5,7 +5,8 @@ The engine runs prompt ids in which every image occupies `num_tokens` consecutiv
 encoded, the input embeddings of those positions (see engine/models/vision.py for the layout).
 
 Who fills what:
-* recipe's chat encodings render one placeholder (129279) per image; `expand_image_placeholders`
+* a prompt holds one placeholder (129279) per image (the chat fronts map V4.1's `<｜deepseek_image｜>` to it: see
+  engine.images); `expand_image_placeholders`
   turns a prompt with placeholders plus recipe's preprocessed images (`ImageInfo`) into engine
   prompt ids and spans carrying the images (`embeds=None`).
 * `Engine.add_request(..., images=spans)` takes spans with `embeds` (computed elsewhere, e.g. by
@@ -31,7 +32,8 @@ if TYPE_CHECKING:
     import torch
 
 IMAGE_PLACEHOLDER_ID = 129279
-"""`<｜image｜>`: the one token recipe's chat encodings render per image (same as engine.images)."""
+"""`<｜image｜>`: the one token an engine prompt holds per image (same as engine.images, whose docstring says how
+V4.1's `<｜deepseek_image｜>` maps to it)."""
 
 
 @dataclass(frozen=True, eq=False)
