@@ -20,6 +20,11 @@ Implementations:
     the Sinkhorn iterations in registers (`kernels.sinkhorn._ordered_sum`, the order of the "triton"
     Sinkhorn) and collapses the streams. `mhc_post` is one launch. CUDA, or the CPU under
     `TRITON_INTERPRET=1`; a call that needs a gradient takes the torch reference.
+  * the "split" variant of those two launches (`VARIANT`, env DEEPINFER_MHC_VARIANT=split; "legacy" stays the
+    default until it is measured on the H200): for decode latency the projection's programs are cut further
+    by logit groups and the mix / collapse runs over (token block, hidden block) programs, both giving the
+    legacy kernels' bits (`_pre_launch_split` says why); for long chunks (T >= MATMUL_MIN_T) outside
+    batch-invariant mode the projection is one cuBLAS float32 matmul (TF32 off), within float32 rounding.
 
 NOTE (numerics): the Triton path computes rsqrt(mean(x^2) + eps) * (x @ fn.T) where the reference
 computes (x * rsqrt(...)) @ fn.T, and sums in another order: equal within float32 rounding (the tests
@@ -31,6 +36,7 @@ streams' dtype (the collapse, post * y, the comb matmul, their sum) the kernels 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -150,6 +156,97 @@ K_SLICE = 256
 NOTE: 1024 (16 programs at decode) took 38 us a call at batch 1 on the H200 (2026-12-05), ~40 GB/s of the
 1.5 MB float32 `fn`: too few programs for 132 SMs."""
 
+VARIANT_ENV = "DEEPINFER_MHC_VARIANT"
+"""Environment knob picking the pre-mix kernels (`VARIANT`, read once at import)."""
+VARIANTS = ("legacy", "split")
+VARIANT = os.environ.get(VARIANT_ENV, "legacy")
+"""Which kernels `mhc_pre` / `mhc_head` ("triton") launch; a module-level switch (assign it, or set
+DEEPINFER_MHC_VARIANT before import). "legacy": `_mhc_proj_kernel` + `_mhc_mix_kernel`, as measured on the
+H200. "split" (opt-in until measured there): `_mhc_proj_nsplit_kernel` + `_mhc_mix_split_kernel`, the same
+bits as "legacy" with more programs for decode (see `_pre_launch_split`), and for T >= `MATMUL_MIN_T`
+outside batch-invariant mode the projection as one cuBLAS float32 matmul (`_proj_route`)."""
+MATMUL_MIN_T_ENV = "DEEPINFER_MHC_MATMUL_MIN_T"
+"""Environment knob for `MATMUL_MIN_T` (0 turns the matmul route off)."""
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    try:
+        return int(raw) if raw.strip() else default
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+
+
+MATMUL_MIN_T = _env_int(MATMUL_MIN_T_ENV, 1024)
+"""Tokens from which the "split" variant projects with a cuBLAS float32 matmul instead of the fixed-split
+kernel (outside batch-invariant mode, TF32 off). NOTE: 1024 is a placeholder until `benchmarks/gpu_mhc.py`
+has run on the H200 (the fixed-split kernel took 20 ms of a 108 ms 8,192-token prefill step, 2026-12-05)."""
+NSPLIT_MAX_T_ENV = "DEEPINFER_MHC_NSPLIT_MAX_T"
+"""Environment knob for `NSPLIT_MAX_T`."""
+NSPLIT_MAX_T = _env_int(NSPLIT_MAX_T_ENV, 0)
+"""In the "split" variant below MATMUL_MIN_T, the largest T projected by `_mhc_proj_nsplit_kernel`; above it
+`_mhc_proj_kernel` (the same bits on the GPU, fewer programs re-reading x). 0: no limit. Set from the
+`split` / `mix_split` rows of `benchmarks/gpu_mhc.py`."""
+PROJ_BLOCK_N = 8
+"""Logits per `_mhc_proj_nsplit_kernel` program (V4-Flash: 32 padded logits -> 4 programs per split)."""
+PROJ_DOT_T = 16
+"""Token rows per tl.dot in `_mhc_proj_nsplit_kernel` (a divisor of its 16-token block; 16: the legacy M, with
+masked rows at decode; smaller: no masked FMAs, more passes over `fn` for full blocks). A fixed knob, never
+chosen by T, so that a token's bits do not depend on T on the CPU interpreter either (on the GPU they do not
+for any value)."""
+PROJ_DOT_K = 128
+"""Columns per tl.dot in `_mhc_proj_nsplit_kernel` (a divisor of K_SLICE; the FMA lowering holds a piece's
+operands in registers, fewer columns fewer registers)."""
+MIX_BLOCK_H = 256
+"""Hidden columns each `_mhc_mix_split_kernel` program collapses (V4-Flash: 4096 / 256 = 16 programs a token tile)."""
+MIX_BLOCK_H_LONG = 1024
+"""MIX_BLOCK_H from T = 1024 tokens on: enough programs anyway, fewer recomputed Sinkhorns."""
+
+
+def _variant() -> str:
+    if VARIANT not in VARIANTS:
+        raise ValueError(f"kernels.mhc.VARIANT ({VARIANT_ENV}) must be one of {VARIANTS}, got {VARIANT!r}")
+    return VARIANT
+
+
+def _batch_invariant_active() -> bool:
+    """Whether `engine.batch_invariant.BatchInvariantMode` is on this thread's torch-function mode stack (a
+    token's numbers must then not depend on T: no shape-dependent cuBLAS route). Not imported here: when its
+    module was never imported, the mode cannot be active."""
+    mod = sys.modules.get("deepinfer.engine.batch_invariant")
+    if mod is None:
+        return False
+    from torch.overrides import _get_current_function_mode_stack
+
+    return any(isinstance(m, mod.BatchInvariantMode) for m in _get_current_function_mode_stack())
+
+
+def _cublas_tf32() -> bool:
+    """Whether float32 cuBLAS matmuls may use TF32 (read only: torch refuses reads that mix its legacy and
+    new precision APIs, so both are tried)."""
+    m = torch.backends.cuda.matmul
+    try:
+        return bool(m.allow_tf32)
+    except RuntimeError:
+        return getattr(m, "fp32_precision", "ieee") == "tf32"
+
+
+def _proj_route(T: int, variant: str | None = None, matmul_min_t: int | None = None,
+                nsplit_max_t: int | None = None) -> str:
+    """How the pre-mix runs for T tokens: "legacy" (the legacy launches), or the "split" variant's mix after
+    "nsplit" (`_mhc_proj_nsplit_kernel`), "legacy_proj" (`_mhc_proj_kernel`, for T > NSPLIT_MAX_T) or "matmul"
+    (cuBLAS float32: for T >= MATMUL_MIN_T, outside batch-invariant mode and with TF32 off, since its reduction
+    order follows T). `matmul_min_t` / `nsplit_max_t` override the module's knobs."""
+    variant = _variant() if variant is None else variant
+    if variant == "legacy":
+        return "legacy"
+    min_t = MATMUL_MIN_T if matmul_min_t is None else matmul_min_t
+    if 0 < min_t <= T and not _batch_invariant_active() and not _cublas_tf32():
+        return "matmul"
+    max_t = NSPLIT_MAX_T if nsplit_max_t is None else nsplit_max_t
+    return "legacy_proj" if 0 < max_t < T else "nsplit"
+
+
 if triton is not None:
     from deepinfer.kernels.sinkhorn import _ordered_sum
 
@@ -249,6 +346,134 @@ if triton is not None:
                 acc += pj[:, None] * sj.to(tl.float32)
             tl.store(coll_ptr + rt[:, None].to(tl.int64) * H + rh[None, :], acc.to(DT), mask=msk)
 
+    # ------------------------------------------------------------ the "split" variant (see `_pre_launch_split`)
+
+    @triton.jit
+    def _mhc_proj_nsplit_kernel(x_ptr, fn_ptr, part_ptr, ss_ptr, T, KK, k_slice, NM, NM_PAD: tl.constexpr,
+                                BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                                DOT_T: tl.constexpr, DOT_K: tl.constexpr):
+        # program (token block, split s, logit group g): `_mhc_proj_kernel`'s partials for logits
+        # [g*BLOCK_N, (g+1)*BLOCK_N) only, with the same bits (see `_pre_launch_split`):
+        # * ss (group 0 only): that kernel's x tile [BLOCK_T, BLOCK_K] and loop line for line, so the same
+        #   register layout and reduction tree;
+        # * the projection: tl.dot over [DOT_T, DOT_K] x [DOT_K, BLOCK_N] pieces, row blocks without a token
+        #   skipped. Each output of an IEEE float32 tl.dot is one FMA chain over k in order from the
+        #   accumulator whatever the tile's M, N and K, so the pieces chain exactly as that kernel's dot.
+        t0 = tl.program_id(0) * BLOCK_T
+        s = tl.program_id(1)
+        g = tl.program_id(2)
+        k_lo = s * k_slice
+        if g == 0:
+            rt = t0 + tl.arange(0, BLOCK_T)
+            t_ok = rt < T
+            ss = tl.zeros((BLOCK_T,), dtype=tl.float32)
+            for k0 in range(0, k_slice, BLOCK_K):
+                kk = k_lo + k0 + tl.arange(0, BLOCK_K)
+                k_ok = (kk < KK) & (k0 + tl.arange(0, BLOCK_K) < k_slice)
+                x = tl.load(x_ptr + rt[:, None].to(tl.int64) * KK + kk[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                            other=0.0).to(tl.float32)
+                ss += tl.sum(x * x, axis=1)
+            tl.store(ss_ptr + (s * T + rt).to(tl.int64), ss, mask=t_ok)
+        rn = g * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < NM
+        k_end = tl.where(g * BLOCK_N < NM, k_slice, 0)  # a group of padding logits only stores its zeros
+        for r0 in tl.static_range(0, BLOCK_T, DOT_T):
+            if t0 + r0 < T:
+                rd = t0 + r0 + tl.arange(0, DOT_T)
+                d_ok = rd < T
+                acc = tl.zeros((DOT_T, BLOCK_N), dtype=tl.float32)
+                for k0 in range(0, k_end, DOT_K):
+                    kd = k_lo + k0 + tl.arange(0, DOT_K)
+                    kd_ok = (kd < KK) & (k0 + tl.arange(0, DOT_K) < k_slice)
+                    xd = tl.load(x_ptr + rd[:, None].to(tl.int64) * KK + kd[None, :],
+                                 mask=d_ok[:, None] & kd_ok[None, :], other=0.0).to(tl.float32)
+                    f = tl.load(fn_ptr + rn[None, :] * KK + kd[:, None], mask=kd_ok[:, None] & n_ok[None, :],
+                                other=0.0)
+                    acc += tl.dot(xd, f, input_precision="ieee")
+                base = (s * T + rd).to(tl.int64)
+                tl.store(part_ptr + base[:, None] * NM_PAD + rn[None, :], acc, mask=d_ok[:, None])
+
+    @triton.jit
+    def _mhc_sumsq_kernel(x_ptr, xf_ptr, ss_ptr, KK, WRITE: tl.constexpr, BLOCK_K: tl.constexpr):
+        # one token a program: sum of x^2 over its hc*H columns (float32), and x as float32 when WRITE (the
+        # matmul route's operand: cuBLAS has no bf16 x float32 GEMM), reading the streams once
+        t = tl.program_id(0).to(tl.int64)
+        acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, KK, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < KK
+            x = tl.load(x_ptr + t * KK + kk, mask=k_ok, other=0.0).to(tl.float32)
+            if WRITE:
+                tl.store(xf_ptr + t * KK + kk, x, mask=k_ok)
+            acc += x * x
+        tl.store(ss_ptr + t, tl.sum(acc, axis=0))
+
+    @triton.jit
+    def _mhc_mix_split_kernel(x_ptr, part_ptr, ss_ptr, base_ptr, scale_ptr, coll_ptr, post_ptr, comb_ptr, T, H,
+                              eps, norm_eps, SPLIT: tl.constexpr, ITERS: tl.constexpr, HC: tl.constexpr,
+                              HC_PAD: tl.constexpr, NM_PAD: tl.constexpr, HEAD: tl.constexpr,
+                              BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+        # program (token block, hidden block): `_mhc_mix_kernel` with the collapse of hidden columns
+        # [pid_h*BLOCK_H, (pid_h+1)*BLOCK_H) only. Every program re-adds the partials and recomputes pre (and
+        # post, comb: program 0 of each token block stores them). The arithmetic is `_mhc_mix_kernel`'s, line for
+        # line and with the same tile shapes; the partials' loop is unrolled (SPLIT constexpr), the adds kept
+        # in split order, so their loads are in flight together instead of one L2 round trip per split.
+        DT = x_ptr.dtype.element_ty
+        rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = rt < T
+        t_st = rt < tl.where(tl.program_id(1) == 0, T, 0)  # post and comb: stored by hidden block 0 only
+        cols = tl.arange(0, NM_PAD)[None, :]
+        mix = tl.zeros((BLOCK_T, NM_PAD), dtype=tl.float32)
+        ss = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):  # in split order: deterministic, the legacy sums
+            base = (s * T + rt).to(tl.int64)
+            mix += tl.load(part_ptr + base[:, None] * NM_PAD + cols, mask=t_ok[:, None], other=0.0)
+            ss += tl.load(ss_ptr + base, mask=t_ok, other=0.0)
+        rms = tl.math.rsqrt(ss / (HC * H) + norm_eps)
+        mix = mix * rms[:, None]
+        jj = tl.arange(0, HC_PAD)[None, :]  # [1, HC_PAD]
+        pre = tl.zeros((BLOCK_T, HC_PAD), dtype=tl.float32)
+        sc0 = tl.load(scale_ptr)
+        for j in tl.static_range(HC):
+            v = _col(mix, cols, j) * sc0 + tl.load(base_ptr + j)
+            pre = tl.where(jj == j, (tl.math.div_rn(tl.full(v.shape, 1.0, tl.float32), 1.0 + tl.exp(-v)) + eps)[:, None],
+                           pre)
+        if not HEAD:
+            sc1 = tl.load(scale_ptr + 1)
+            sc2 = tl.load(scale_ptr + 2)
+            for j in tl.static_range(HC):
+                v = _col(mix, cols, HC + j) * sc1 + tl.load(base_ptr + HC + j)
+                tl.store(post_ptr + rt * HC + j, 2.0 * tl.math.div_rn(tl.full(v.shape, 1.0, tl.float32),
+                                                                        1.0 + tl.exp(-v)), mask=t_st)
+            i3 = tl.arange(0, HC_PAD)[None, :, None]
+            j3 = tl.arange(0, HC_PAD)[None, None, :]
+            c3 = tl.full((BLOCK_T, HC_PAD, HC_PAD), float("-inf"), tl.float32)
+            for i in tl.static_range(HC):
+                for j in tl.static_range(HC):
+                    v = _col(mix, cols, 2 * HC + i * HC + j) * sc2 + tl.load(base_ptr + 2 * HC + i * HC + j)
+                    c3 = tl.where((i3 == i) & (j3 == j), v[:, None, None], c3)
+            m = tl.max(c3, axis=2)
+            m = tl.where(tl.arange(0, HC_PAD)[None, :] < HC, m, 0.0)
+            ex = tl.exp(c3 - m[:, :, None])
+            real = (i3 < HC) & (j3 < HC)
+            ex = tl.where(real, ex, 0.0)
+            den = tl.where(i3 < HC, tl.sum(ex, axis=2)[:, :, None], 1.0)
+            a = tl.where(real, tl.math.div_rn(ex, den) + eps, 0.0)
+            a = tl.math.div_rn(a, _ordered_sum(a, i3, 1, HC) + eps)
+            for _ in range(ITERS - 1):
+                a = tl.math.div_rn(a, _ordered_sum(a, j3, 2, HC) + eps)
+                a = tl.math.div_rn(a, _ordered_sum(a, i3, 1, HC) + eps)
+            tl.store(comb_ptr + rt[:, None, None] * (HC * HC) + i3 * HC + j3, a,
+                     mask=t_st[:, None, None] & real)
+        rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        msk = t_ok[:, None] & (rh < H)[None, :]
+        acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+        for j in tl.static_range(HC):
+            pj = tl.sum(tl.where(jj == j, pre, 0.0), axis=1)
+            sj = tl.load(x_ptr + (rt[:, None].to(tl.int64) * HC + j) * H + rh[None, :], mask=msk, other=0.0)
+            acc += pj[:, None] * sj.to(tl.float32)
+        tl.store(coll_ptr + rt[:, None].to(tl.int64) * H + rh[None, :], acc.to(DT), mask=msk)
+
     @triton.jit
     def _mhc_post_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, H, HC: tl.constexpr, HC_PAD: tl.constexpr,
                          BLOCK_H: tl.constexpr):
@@ -270,7 +495,17 @@ if triton is not None:
         tl.store(out_ptr + (t * HC + k[:, None]) * H + rh[None, :], out.to(DT), mask=k_ok[:, None] & h_ok[None, :])
 
     def _pre_launch(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-                    eps: float, norm_eps: float, head: bool):
+                    eps: float, norm_eps: float, head: bool, variant: str | None = None,
+                    matmul_min_t: int | None = None):
+        """The pre-mix launches of `variant` (default: the module's `VARIANT`); see `_proj_route`."""
+        route = _proj_route(streams.shape[0], variant, matmul_min_t)
+        if route == "legacy":
+            return _pre_launch_legacy(streams, fn, base, scale, iters, eps, norm_eps, head)
+        return _pre_launch_split(streams, fn, base, scale, iters, eps, norm_eps, head,
+                                 "legacy" if route == "legacy_proj" else route)
+
+    def _pre_launch_legacy(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                           iters: int, eps: float, norm_eps: float, head: bool):
         T, hc, hidden = streams.shape
         num_logits = fn.shape[0]
         kk = hc * hidden
@@ -296,6 +531,83 @@ if triton is not None:
             streams, part, ss, base, scale, collapsed, post, comb, T, hidden, split, eps, norm_eps, ITERS=iters,
             HC=hc, HC_PAD=triton.next_power_of_2(hc), NM_PAD=nm_pad, HEAD=head, BLOCK_T=mix_bt,
             BLOCK_H=min(512, triton.next_power_of_2(hidden)), num_warps=4)
+        return collapsed, post, comb
+
+    def _pre_launch_split(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                          iters: int, eps: float, norm_eps: float, head: bool, proj: str = "nsplit",
+                          block_n: int | None = None, block_h: int | None = None, dot_t: int | None = None,
+                          dot_k: int | None = None):
+        """The "split" variant: the legacy partials and weights, computed by more programs.
+
+        * `_mhc_proj_nsplit_kernel`: `_mhc_proj_kernel`'s (token block, split) program cut further by groups of
+          `block_n` logits (V4-Flash decode: 64 x 4 programs instead of 64), its dot in [dot_t, dot_k] pieces
+          (at decode: no FMAs on masked rows). Same bits on the GPU: an IEEE float32 tl.dot is lowered to
+          FMAs (no tensor-core path), each output one fused multiply-add chain over k in order starting from
+          the accumulator (Triton's FMA dot lowering, `GenericFMAVectorMultiplier`; `acc += tl.dot(..)` is
+          folded into the dot's accumulator by `CombineDotAddFPattern`), so an output does not depend on the
+          tile's M, N or K as long as the pieces run in k order; the sum of squares uses the legacy x tile
+          unchanged. NOTE: the CPU interpreter runs tl.dot as numpy's BLAS matmul, whose rounding follows the
+          tile shape, so there it is only equal within float32 rounding (the `gpu` tests check the bits).
+        * `matmul` (T >= MATMUL_MIN_T, outside batch-invariant mode): x @ fn.T by cuBLAS in float32 and the
+          sums of squares by `_mhc_sumsq_kernel` (one split): not the legacy bits, within float32 rounding.
+        * `_mhc_mix_split_kernel`: the legacy mix over (token block, hidden block) programs (V4-Flash decode:
+          16 instead of 1), each re-adding the partials in split order; the same bits.
+
+        `proj` "legacy" pairs `_mhc_proj_kernel` with the new mix (tests and `benchmarks/gpu_mhc.py` isolate the
+        mix with it); `block_n` / `block_h` / `dot_t` / `dot_k` override PROJ_BLOCK_N / MIX_BLOCK_H (_LONG) /
+        PROJ_DOT_T / PROJ_DOT_K (benchmark sweeps).
+        """
+        T, hc, hidden = streams.shape
+        num_logits = fn.shape[0]
+        kk = hc * hidden
+        nm_pad = max(16, triton.next_power_of_2(num_logits))
+        dev = streams.device
+        if T == 0:
+            return (streams.new_empty(0, hidden), torch.empty(0, hc, device=dev), torch.empty(0, hc, hc, device=dev))
+        if proj not in ("nsplit", "legacy", "matmul"):
+            raise ValueError(f"proj must be 'nsplit', 'legacy' or 'matmul', got {proj!r}")
+        if proj == "matmul":
+            if _cublas_tf32():
+                raise ValueError("mhc: the matmul route needs TF32 off for cuBLAS float32 matmuls")
+            split = 1
+            ss = torch.empty(T, dtype=torch.float32, device=dev)
+            flat = streams.view(T, kk)
+            xf = flat if streams.dtype == torch.float32 else torch.empty(T, kk, dtype=torch.float32, device=dev)
+            _mhc_sumsq_kernel[(T,)](flat, xf, ss, kk, WRITE=xf is not flat,
+                                    BLOCK_K=min(2048, triton.next_power_of_2(kk)), num_warps=4)
+            part = F.pad(torch.mm(xf, fn.t()), (0, nm_pad - num_logits))  # [T, nm_pad] float32, TF32 off
+        else:
+            block_t, block_k = 16, 128  # `_mhc_proj_kernel`'s tile: the same x layout and ss tree
+            split = triton.cdiv(kk, K_SLICE)
+            part = torch.empty(split * T * nm_pad, dtype=torch.float32, device=dev)
+            ss = torch.empty(split * T, dtype=torch.float32, device=dev)
+            if proj == "legacy":
+                _mhc_proj_kernel[(triton.cdiv(T, block_t), split)](streams, fn, part, ss, T, kk, K_SLICE, num_logits,
+                                                                   NM_PAD=nm_pad, BLOCK_T=block_t, BLOCK_K=block_k,
+                                                                   num_warps=4)
+            else:
+                bn = min(PROJ_BLOCK_N if block_n is None else block_n, nm_pad)
+                dt = PROJ_DOT_T if dot_t is None else dot_t
+                dk = PROJ_DOT_K if dot_k is None else dot_k
+                if any(v < 1 or v & (v - 1) for v in (bn, dt, dk)) or block_t % dt or K_SLICE % dk or dk < 8:
+                    raise ValueError(f"mhc: block_n, dot_t and dot_k must be powers of two, dot_t <= {block_t}, "
+                                     f"8 <= dot_k <= {K_SLICE}; got {bn}, {dt}, {dk}")
+                _mhc_proj_nsplit_kernel[(triton.cdiv(T, block_t), split, nm_pad // bn)](
+                    streams, fn, part, ss, T, kk, K_SLICE, num_logits, NM_PAD=nm_pad, BLOCK_T=block_t,
+                    BLOCK_K=block_k, BLOCK_N=bn, DOT_T=dt, DOT_K=dk, num_warps=4)
+        collapsed = torch.empty(T, hidden, dtype=streams.dtype, device=dev)
+        post = torch.empty(T, hc, dtype=torch.float32, device=dev)
+        comb = torch.empty(T, hc, hc, dtype=torch.float32, device=dev)
+        mix_bt = 8  # `_mhc_mix_kernel`'s: the same layouts for the softmax's sum
+        if block_h is None:
+            block_h = MIX_BLOCK_H if T < 1024 else MIX_BLOCK_H_LONG
+        bh = min(block_h, triton.next_power_of_2(hidden))
+        if bh < 1 or bh & (bh - 1):
+            raise ValueError(f"mhc: block_h must be a power of two, got {bh}")
+        _mhc_mix_split_kernel[(triton.cdiv(T, mix_bt), triton.cdiv(hidden, bh))](
+            streams, part, ss, base, scale, collapsed, post, comb, T, hidden, eps, norm_eps, SPLIT=split,
+            ITERS=iters, HC=hc, HC_PAD=triton.next_power_of_2(hc), NM_PAD=nm_pad, HEAD=head, BLOCK_T=mix_bt,
+            BLOCK_H=bh, num_warps=4)
         return collapsed, post, comb
 
     @register_op("mhc_pre", "triton")

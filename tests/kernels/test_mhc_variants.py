@@ -1,0 +1,270 @@
+"""The "split" variant of the mHC pre-mix kernels (`kernels.mhc`, DEEPINFER_MHC_VARIANT): the hidden-split mix
+equals the legacy mix bit for bit, the logit-split projection keeps every token's bits independent of T, the
+matmul route for long chunks stays within the reference's tolerance and is never taken in batch-invariant
+mode; the switch and its routes; the benchmark's CPU smoke run. CPU under TRITON_INTERPRET=1 (tiny shapes);
+the bit-identity of the projection to the legacy kernel is a GPU test (the interpreter runs tl.dot as numpy's
+BLAS matmul, whose rounding follows the tile shape).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKENS = (1, 3, 16, 17, 40)
+
+
+def _interpret(script: str, timeout: int = 300) -> str:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("DEEPINFER_MHC_VARIANT", None)
+    env.pop("DEEPINFER_MHC_MATMUL_MIN_T", None)
+    env.pop("DEEPINFER_MHC_NSPLIT_MAX_T", None)
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout,
+                         cwd=ROOT)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr
+    return res.stdout
+
+
+def test_switch_and_routes(monkeypatch):
+    pytest.importorskip("triton")
+    from deepinfer.kernels import mhc
+
+    if "DEEPINFER_MHC_VARIANT" not in os.environ:
+        assert mhc.VARIANT == "legacy"  # opt-in until measured on the H200
+    assert mhc._proj_route(1, "legacy", 1) == mhc._proj_route(10_000, "legacy", 1) == "legacy"
+    assert mhc._proj_route(15, "split", 16) == "nsplit" and mhc._proj_route(16, "split", 16) == "matmul"
+    assert mhc._proj_route(10_000, "split", 0) == "nsplit"  # 0: no matmul route
+    assert mhc._proj_route(16, "split", 0, 16) == "nsplit" and mhc._proj_route(17, "split", 0, 16) == "legacy_proj"
+    monkeypatch.setattr(mhc, "VARIANT", "split")
+    monkeypatch.setattr(mhc, "MATMUL_MIN_T", 8)
+    assert mhc._proj_route(7) == "nsplit" and mhc._proj_route(8) == "matmul"
+    monkeypatch.setattr(mhc, "_cublas_tf32", lambda: True)  # TF32 on: never the cuBLAS route
+    assert mhc._proj_route(8) == "nsplit"
+    monkeypatch.setattr(mhc, "VARIANT", "fast")
+    with pytest.raises(ValueError, match="DEEPINFER_MHC_VARIANT"):
+        mhc._proj_route(1)
+    monkeypatch.setenv("DEEPINFER_MHC_MATMUL_MIN_T", "lots")
+    with pytest.raises(ValueError, match="DEEPINFER_MHC_MATMUL_MIN_T must be an integer"):
+        mhc._env_int("DEEPINFER_MHC_MATMUL_MIN_T", 1)
+
+
+def test_batch_invariant_mode_keeps_the_fixed_split():
+    pytest.importorskip("triton")
+    from deepinfer.engine.batch_invariant import BatchInvariantMode
+    from deepinfer.kernels import mhc
+
+    assert mhc._proj_route(4096, "split", 16) == "matmul"
+    with BatchInvariantMode():
+        assert mhc._batch_invariant_active()
+        assert mhc._proj_route(4096, "split", 16) == "nsplit"
+    assert not mhc._batch_invariant_active()
+
+
+_SPLIT_EQUALS_LEGACY = textwrap.dedent("""
+    import torch
+    from deepinfer.kernels import mhc
+    g = torch.Generator().manual_seed(0)
+    ITERS, EPS = 2, 1e-6
+    def params(T, hc, H, dtype):
+        n = (2 + hc) * hc
+        s = torch.randn(T, hc, H, generator=g).to(dtype)
+        return s, torch.randn(n, hc * H, generator=g) * 0.05, torch.randn(n, generator=g) * 0.5, torch.rand(3, generator=g) + 0.5
+    TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+    def close(a, b, tol):
+        err = ((a.float() - b.float()).abs() / (1 + b.float().abs())).max().item()
+        assert err < tol, err
+    # hc*H = 288: two K_SLICE splits, the last one partial; 120: one partial split
+    for hc, H, dtype, tokens in ((4, 72, torch.bfloat16, __TOKENS__), (3, 40, torch.float32, (1, 17))):
+        S, fn, base, scale = params(max(tokens), hc, H, dtype)
+        hf, hb, hs = fn[:hc].contiguous(), base[:hc].contiguous(), scale[:1].contiguous()
+        first = None
+        for T in tokens:
+            s = S[:T].contiguous()
+            args = (s, fn, base, scale, ITERS, EPS, EPS)
+            leg = mhc._pre_launch_legacy(*args, False)
+            # the hidden-split mix on the legacy partials: the legacy bits, every T
+            mix = mhc._pre_launch_split(*args, False, proj="legacy", block_h=64)
+            assert all(torch.equal(a, b) for a, b in zip(leg, mix)), (hc, H, T)
+            # the whole split variant: a token's bits never depend on T; within float32 rounding of legacy
+            new = mhc._pre_launch_split(*args, False, proj="nsplit", block_h=64)
+            first = first or [new, None]
+            assert all(torch.equal(a[:1], b) for a, b in zip(new, first[0])), (hc, H, T)
+            if T in (1, 17, 40):  # other tilings of the projection: still T-invariant (fixed knobs, not by T)
+                knobs = mhc._pre_launch_split(*args, False, proj="nsplit", block_n=16, dot_t=4, dot_k=64, block_h=64)
+                first[1] = first[1] or knobs
+                assert all(torch.equal(a[:1], b) for a, b in zip(knobs, first[1])), (hc, H, T)
+                for a, b in zip(knobs, leg):
+                    close(a, b, TOL[dtype])
+            for a, b in zip(new, leg):
+                close(a, b, TOL[dtype])
+            if T in (1, 17):  # the head (one logit group, no post / comb)
+                hargs = (s, hf, hb, hs, 1, EPS, EPS, True)
+                hl = mhc._pre_launch_legacy(*hargs)[0]
+                assert torch.equal(mhc._pre_launch_split(*hargs, proj="legacy", block_h=64)[0], hl)
+                close(mhc._pre_launch_split(*hargs, proj="nsplit")[0], hl, TOL[dtype])
+    print("OK")
+""").replace("__TOKENS__", repr(TOKENS))
+
+
+def test_split_variant_bits_under_the_interpreter():
+    _interpret(_SPLIT_EQUALS_LEGACY)
+
+
+_ROUTES = textwrap.dedent("""
+    import torch
+    from deepinfer.kernels import mhc
+    from deepinfer.kernels.mhc import mhc_head_torch, mhc_head_triton, mhc_pre_torch, mhc_pre_triton
+    g = torch.Generator().manual_seed(1)
+    EPS = 1e-6
+    TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+    def close(a, b, tol):
+        err = ((a.float() - b.float()).abs() / (1 + b.float().abs())).max().item()
+        assert err < tol, err
+    mhc.VARIANT, mhc.MATMUL_MIN_T = "split", 16
+    # through the registered ops: T < 16 the logit-split kernel, T >= 16 cuBLAS float32 (+ `_mhc_sumsq_kernel`,
+    # writing float32 x for half streams, reading float32 streams as they are); the reference's tolerances
+    for hc, H, dtype in ((4, 64, torch.float32), (4, 48, torch.bfloat16), (3, 40, torch.float16)):
+        n = (2 + hc) * hc
+        fn = torch.randn(n, hc * H, generator=g) * 0.05
+        base = torch.randn(n, generator=g) * 0.5
+        scale = torch.rand(3, generator=g) + 0.5
+        tol = TOL[dtype]
+        for T in (5, 20):
+            assert mhc._proj_route(T) == ("matmul" if T >= 16 else "nsplit")
+            s = torch.randn(T, hc, H, generator=g).to(dtype)
+            got = mhc_pre_triton(s, fn, base, scale, hc, 20, EPS, EPS)
+            ref = mhc_pre_torch(s, fn, base, scale, hc, 20, EPS, EPS)
+            for a, b in zip(got, ref):
+                assert a.dtype == b.dtype and a.shape == b.shape
+                close(a, b, tol)
+            hf, hb, hs = fn[:hc].contiguous(), base[:hc].contiguous(), scale[:1].contiguous()
+            close(mhc_head_triton(s, hf, hb, hs, EPS, EPS), mhc_head_torch(s, hf, hb, hs, EPS, EPS), tol)
+    # batch-invariant mode: no matmul route, so a token's bits stay those of T = 1 for every T
+    from deepinfer.engine.batch_invariant import BatchInvariantMode
+    hc, H = 4, 48
+    n = (2 + hc) * hc
+    S = torch.randn(40, hc, H, generator=g).to(torch.bfloat16)
+    fn, base, scale = torch.randn(n, hc * H, generator=g) * 0.05, torch.randn(n, generator=g) * 0.5, torch.ones(3)
+    with BatchInvariantMode():
+        one = mhc_pre_triton(S[:1].contiguous(), fn, base, scale, hc, 2, EPS, EPS)
+        for T in (17, 40):
+            out = mhc_pre_triton(S[:T].contiguous(), fn, base, scale, hc, 2, EPS, EPS)
+            assert all(torch.equal(a[:1], b) for a, b in zip(out, one)), T
+    # outside it the same T = 40 call takes the matmul route: other bits, same numbers
+    out = mhc_pre_triton(S, fn, base, scale, hc, 2, EPS, EPS)
+    for a, b in zip(out, one):
+        close(a[:1], b, TOL[torch.bfloat16])
+    print("OK")
+""")
+
+
+def test_split_variant_routes_under_the_interpreter():
+    _interpret(_ROUTES)
+
+
+def test_benchmark_smoke():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-m", "deepinfer.benchmarks.gpu_mhc", "--smoke"], env=env,
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [line.split("|") for line in res.stdout.splitlines() if line.startswith("| pre |")]
+    got = {(r[2].strip(), r[3].strip()): r[6].strip() for r in rows}
+    assert set(got) == {(t, c) for t in ("1", "17") for c in ("legacy", "mix_split", "split", "matmul")}
+    assert got["1", "mix_split"] == got["17", "mix_split"] == "True"
+
+
+# ---------------------------------------------------------------------------- CUDA
+
+
+def _cuda_params(T, hc=4, H=4096, head=False, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = hc if head else (2 + hc) * hc
+    s = torch.randn(T, hc, H, generator=g).to("cuda", dtype)
+    fn = (torch.randn(n, hc * H, generator=g) * 0.02).cuda()
+    base = (torch.randn(n, generator=g) * 0.5).cuda()
+    scale = (torch.rand(1 if head else 3, generator=g) + 0.5).cuda()
+    return s, fn, base, scale
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head, dtype", [(False, torch.bfloat16), (False, torch.float32), (True, torch.bfloat16)])
+def test_split_variant_is_bit_identical_to_legacy_on_cuda(head, dtype):
+    """V4-Flash widths: the logit-split projection and the hidden-split mix give the legacy bits for every T,
+    so the "split" variant below MATMUL_MIN_T keeps batch invariance and changes no model output."""
+    from deepinfer.kernels import mhc
+
+    S, fn, base, scale = _cuda_params(128, head=head, dtype=dtype, seed=7)
+    iters = 1 if head else 20
+    first = None
+    for T in (*TOKENS, 128):
+        args = (S[:T].contiguous(), fn, base, scale, iters, 1e-6, 1e-6, head)
+        leg = mhc._pre_launch_legacy(*args)
+        outs = (0,) if head else (0, 1, 2)
+        for kw in ({"proj": "legacy"}, {"proj": "nsplit"},
+                   {"proj": "nsplit", "block_n": 4, "dot_t": 1, "dot_k": 32, "block_h": 512},
+                   {"proj": "nsplit", "block_n": 32, "dot_t": 4, "dot_k": 64, "block_h": 1024}):
+            new = mhc._pre_launch_split(*args, **kw)
+            for i in outs:
+                assert torch.equal(new[i], leg[i]), (T, kw, i, (new[i].float() - leg[i].float()).abs().max().item())
+        first = first or leg
+        for i in outs:
+            assert torch.equal(leg[i][:1], first[i])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1024, 4096])
+def test_matmul_route_matches_the_reference_on_cuda(T):
+    from deepinfer.kernels import mhc
+
+    s, fn, base, scale = _cuda_params(T, seed=T)
+    got = mhc._pre_launch_split(s, fn, base, scale, 20, 1e-6, 1e-6, False, proj="matmul")
+    ref = mhc.mhc_pre_torch(s.cpu().float(), fn.cpu(), base.cpu(), scale.cpu(), 4, 20, 1e-6, 1e-6)
+    torch.testing.assert_close(got[1].cpu(), ref[1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[2].cpu(), ref[2], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[0].cpu().float(), ref[0], atol=1e-2, rtol=1e-2)
+    leg = mhc._pre_launch_legacy(s, fn, base, scale, 20, 1e-6, 1e-6, False)
+    torch.testing.assert_close(got[2], leg[2], atol=1e-4, rtol=1e-4)  # float32 rounding apart
+
+
+@pytest.mark.gpu
+def test_split_variant_in_batch_invariant_mode_on_cuda(monkeypatch):
+    from deepinfer.engine.batch_invariant import BatchInvariantMode
+    from deepinfer.kernels import mhc
+
+    monkeypatch.setattr(mhc, "VARIANT", "split")
+    monkeypatch.setattr(mhc, "MATMUL_MIN_T", 16)
+    S, fn, base, scale = _cuda_params(64, seed=3)
+    with BatchInvariantMode():
+        one = mhc.mhc_pre_triton(S[:1].contiguous(), fn, base, scale, 4, 20, 1e-6, 1e-6)
+        whole = mhc.mhc_pre_triton(S, fn, base, scale, 4, 20, 1e-6, 1e-6)
+    leg = mhc._pre_launch_legacy(S, fn, base, scale, 20, 1e-6, 1e-6, False)
+    for a, b, c in zip(whole, one, leg):
+        assert torch.equal(a[:1], b) and torch.equal(a, c)
+
+
+@pytest.mark.gpu
+def test_split_variant_under_a_cuda_graph():
+    from deepinfer.kernels import mhc
+
+    s, fn, base, scale = _cuda_params(8, seed=5)
+    eager = mhc._pre_launch_split(s, fn, base, scale, 20, 1e-6, 1e-6, False)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        mhc._pre_launch_split(s, fn, base, scale, 20, 1e-6, 1e-6, False)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mhc._pre_launch_split(s, fn, base, scale, 20, 1e-6, 1e-6, False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(out, eager))
