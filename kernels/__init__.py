@@ -9,6 +9,9 @@ file beside its torch reference (the oracle) and a wrapper that checks shapes, d
     and head collapse ("torch", the model's reference arithmetic; "triton", fused, the CUDA default).
   * `kernels.attn_proj`: the attention layer's RMSNorm + RoPE (+ the window-ring write) and its grouped output
     projection with the inverse RoPE ("torch", the model's arithmetic; "triton").
+  * `kernels.rmsnorm`, `kernels.rope`, `kernels.swiglu`: the layers' RMSNorm, the interleaved partial RoPE (queries,
+    the indexer's queries, the output's inverse rotation) and the shared expert's clamped SwiGLU ("torch", the model's
+    arithmetic; "triton", one launch each, the CUDA default: decode steps are launch-bound).
   * `kernels.moe_routing`, `kernels.moe_gemm`: the `"triton"` MoE backend's routing and grouped expert GEMMs
     (module ops, picked by the backend).
   * `kernels.fp8_gemm`, `kernels.fp4_gemm`: the quantized GEMMs behind `engine.quant.Fp8Linear` / `Fp4Linear`
@@ -24,7 +27,10 @@ A new kernel (Triton, TileLang) goes into the op's file, or a new `kernels/<op>.
 
 from deepinfer.kernels import attn_proj as _attn_proj  # noqa: F401  (registers "attn_norm_rope", "attn_out_proj")
 from deepinfer.kernels import mhc as _mhc  # noqa: F401  (registers "mhc_pre", "mhc_post", "mhc_head")
+from deepinfer.kernels import rmsnorm as _rmsnorm  # noqa: F401  (registers "rms_norm")
+from deepinfer.kernels import rope as _rope  # noqa: F401  (registers "rope")
 from deepinfer.kernels import sinkhorn as _sinkhorn  # noqa: F401  (registers the op's implementations)
+from deepinfer.kernels import swiglu as _swiglu  # noqa: F401  (registers "swiglu")
 from deepinfer.kernels.registry import OpTable, default_impl, get_op, op_impl_names, op_names, register_op
 
 __all__ = ["OpTable", "default_impl", "get_op", "op_impl_names", "op_names", "register_op"]

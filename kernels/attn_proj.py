@@ -22,8 +22,9 @@ loaded (rounded to the weight's dtype, as the model's `apply_rope` rounds before
 accumulation. They differ from the references by float32 summation order and FMA contraction only.
 
 `attn_norm_rope` defaults to "triton" on CUDA (the `gpu` tests passed on an H200, 2026-12-05) and "torch"
-elsewhere; `attn_out_proj` defaults to "torch" everywhere (the kernel is correct but slower than cuBLAS on the
-H200: `_default_out_proj`); `op_impls` picks either on CUDA.
+elsewhere; `attn_out_proj` keeps cuBLAS' `bmm` everywhere (the kernel is correct but slower than cuBLAS on the
+H200: `_default_out_proj`), on CUDA with the inverse RoPE as one launch ("rope_bmm": `kernels.rope`'s kernel, the
+reference's bits); `op_impls` picks any on CUDA.
 """
 
 from __future__ import annotations
@@ -76,6 +77,20 @@ def attn_out_proj_torch(o, cos, sin, weight, groups: int) -> torch.Tensor:
     return torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(T, -1)  # [T, G*R]
 
 
+if triton is not None:
+    from deepinfer.kernels.rope import rope_triton
+
+    @register_op("attn_out_proj", "rope_bmm")
+    def attn_out_proj_rope_bmm(o, cos, sin, weight, groups: int) -> torch.Tensor:
+        """The reference with its inverse RoPE as one Triton launch (`kernels.rope`, bit-identical to `_apply_rope`),
+        then the same `bmm`: equal to `attn_out_proj_torch` bit for bit, ~10 launches fewer. The CUDA default."""
+        T = o.shape[0]
+        out = rope_triton(o, cos, sin, inverse=True)
+        grouped = out.reshape(T, groups, -1).transpose(0, 1)  # [G, T, NH*D/G]
+        w = weight.view(groups, -1, grouped.shape[-1])  # [G, R, NH*D/G]
+        return torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(T, -1)  # [T, G*R]
+
+
 TRITON_OUT_PROJ_MAX_TOKENS = 16
 """Above this many tokens the "triton" `attn_out_proj` runs the torch reference (cuBLAS `bmm`): the kernel's
 large-T tiling reached ~9 TFLOP/s on the H200 (2026-12-05: 243 ms of a 326 ms 8,192-token prefill for 4 layers;
@@ -89,11 +104,10 @@ def _default(device: torch.device) -> str:
 
 
 def _default_out_proj(device: torch.device) -> str:
-    # NOTE: "torch" (cuBLAS bmm) on every device: the Triton kernel is correct on the H200 but slow there
-    # (2026-12-05: 134 us a call at batch 1 for a 67 MB weight, ~0.5 TB/s; 870 us at batch 128); `op_impls=
-    # {"attn_out_proj": "triton"}` picks it
-    del device
-    return "torch"
+    # NOTE: cuBLAS bmm on every device: the Triton GEMM is correct on the H200 but slow there (2026-12-05: 134 us
+    # a call at batch 1 for a 67 MB weight, ~0.5 TB/s; 870 us at batch 128); `op_impls={"attn_out_proj": "triton"}`
+    # picks it. On CUDA the inverse RoPE before the bmm is one Triton launch ("rope_bmm", bit-identical to "torch").
+    return "rope_bmm" if device.type == "cuda" and triton is not None else "torch"
 
 
 register_default_impl("attn_norm_rope")(_default)

@@ -31,8 +31,10 @@ scores, a correction bias for selection only), normalised routed weights times
 The router is `engine.moe.router.Gate`; the routed experts run on an `engine.moe` backend named at
 construction (`moe_backend=`) and prepared once after loading (`prepare_for_inference`).
 
-Small fused ops (the mHC pre/post mixing and Sinkhorn) come from the `kernels` op registry: an `OpTable` picks each op's
-implementation once, for the weights' device; the forward never tests the device.
+Small fused ops (the mHC pre/post mixing and Sinkhorn, the layers' RMSNorms, RoPE, the shared expert's activation) come
+from the `kernels` op registry: an `OpTable` picks each op's implementation once, for the weights' device; the forward
+never tests the device. The functions and modules here (`rms_norm`, `RMSNorm`, `apply_rope`, `Expert`) stay the
+references those ops are checked against (and what DeepSeek-V4.1's modules call).
 
 Causality is exact by construction: nothing a position computes depends on later tokens or on
 how tokens are chunked into steps or batched with other requests.
@@ -63,6 +65,7 @@ from deepinfer.engine.forward_batch import ForwardBatch
 from deepinfer.engine.moe import Gate, MoEBackend, get_moe_backend
 from deepinfer.kernels import OpTable
 from deepinfer.kernels.mhc import hc_collapse_torch, hc_weights_torch
+from deepinfer.kernels.swiglu import swiglu_torch
 
 # --------------------------------------------------------------------------- small pieces
 
@@ -239,8 +242,10 @@ def topk_mask(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tens
 class Indexer(nn.Module):
     """Lightning indexer of a CSA layer: scores compressed index keys per query, keeps top-k."""
 
-    def __init__(self, config: ModelConfig, rate: int) -> None:
+    def __init__(self, config: ModelConfig, rate: int, ops: OpTable | None = None) -> None:
         super().__init__()
+        self.ops = ops if ops is not None else OpTable(torch.get_default_device())
+        """The model's small-op implementations ("rope" for the queries), shared with its attention layer."""
         self.num_heads, self.head_dim = config.index_n_heads, config.index_head_dim
         self.topk = config.index_topk
         self.compressor = Compressor(config.hidden_size, self.head_dim, rate, True, config.rms_norm_eps)
@@ -252,7 +257,7 @@ class Indexer(nn.Module):
 
     def _queries(self, q_res: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Index queries [n, heads, index_head_dim]: wq_b, RoPE, then (reference numerics) rotation + FP4."""
-        q = apply_rope(self.wq_b(q_res).view(q_res.shape[0], self.num_heads, self.head_dim), cos, sin)
+        q = self.ops.rope(self.wq_b(q_res).view(q_res.shape[0], self.num_heads, self.head_dim), cos, sin)
         return rotate_and_quant(q) if self.numerics == "reference" else q
 
     def select(
@@ -297,7 +302,8 @@ class Attention(nn.Module):
         H, D, NH = config.hidden_size, config.head_dim, config.num_attention_heads
         self.spec = spec
         self.ops = ops if ops is not None else OpTable(torch.get_default_device())
-        """The model's small-op implementations ("attn_norm_rope", "attn_out_proj": `kernels.attn_proj`)."""
+        """The model's small-op implementations ("attn_norm_rope", "attn_out_proj": `kernels.attn_proj`; "rms_norm",
+        "rope")."""
         self.backend = backend
         self.layer_idx = spec.layer_idx
         self.num_heads, self.head_dim = NH, D
@@ -314,7 +320,7 @@ class Attention(nn.Module):
         if spec.is_compressed:
             self.compressor = Compressor(H, D, spec.compress_rate, spec.is_overlap, config.rms_norm_eps)
         if spec.has_indexer:
-            self.indexer = Indexer(config, spec.compress_rate)
+            self.indexer = Indexer(config, spec.compress_rate, self.ops)
 
     def forward(self, x: torch.Tensor, cache: V4KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """x: [T, H] (after attn_norm) -> [T, H]."""
@@ -322,7 +328,7 @@ class Attention(nn.Module):
         NH, D = self.num_heads, self.head_dim
         spec = self.spec
         cos, sin = meta.rope[spec.rope]  # [T, rd/2] of this layer's flavour
-        q_res = self.q_norm(self.wq_a(x))  # [T, q_lora_rank]
+        q_res = self.ops.rms_norm(self.wq_a(x), self.q_norm.weight, self.q_norm.eps)  # [T, q_lora_rank]: q_norm
         q = self.wq_b(q_res).view(T, NH, D)
         q = self.ops.attn_norm_rope(q, None, self.eps, cos, sin)  # [T, NH, D]: apply_rope(rms_norm(q))
         kv = self.ops.attn_norm_rope(self.wkv(x), self.norm.weight, self.norm.eps, cos, sin)  # [T, D]
@@ -338,7 +344,7 @@ class Attention(nn.Module):
             # the rope channels rotated back by the query position, then the grouped wo_a (one op)
             return self.wo_b(self.ops.attn_out_proj(out.contiguous(), cos, sin, self.wo_a.weight, self.o_groups))
         # wo_a kept quantized (engine.quant, chosen by the loader): rotate back, then per group
-        out = apply_rope(out, cos, -sin)
+        out = self.ops.rope(out.contiguous(), cos, sin, inverse=True)  # apply_rope(out, cos, -sin)
         grouped = out.reshape(T, self.o_groups, -1).transpose(0, 1)  # [G, T, NH*D/G]
         views = _row_group_views(self, "wo_a", self.o_groups)
         if views is not None:  # group g's rows as an FP8 linear of its own (views, no copy)
@@ -392,14 +398,13 @@ class Expert(nn.Module):
         self.w3 = nn.Linear(hidden, inter, bias=False)
         self.limit = limit
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, swiglu: Callable[..., torch.Tensor] = swiglu_torch) -> torch.Tensor:
+        """x [n, H] -> [n, H]; `swiglu(g, u, limit)`: the clamped activation, the reference unless the caller
+        passes its `OpTable`'s ("swiglu": one kernel on CUDA, `kernels.swiglu`)."""
         if type(self.w1) is not nn.Linear:  # kept-quantized linears (engine.quant): only the modules compute
-            g, u = self.w1(x).clamp(max=self.limit), self.w3(x).clamp(min=-self.limit, max=self.limit)
-            return self.w2(F.silu(g) * u)
+            return self.w2(swiglu(self.w1(x).contiguous(), self.w3(x).contiguous(), self.limit))
         # NOTE: F.linear on the weights skips three nn.Module calls per expert (decode steps are op-bound)
-        g = F.linear(x, self.w1.weight).clamp(max=self.limit)
-        u = F.linear(x, self.w3.weight).clamp(min=-self.limit, max=self.limit)
-        return F.linear(F.silu(g) * u, self.w2.weight)
+        return F.linear(swiglu(F.linear(x, self.w1.weight), F.linear(x, self.w3.weight), self.limit), self.w2.weight)
 
 
 class MoE(nn.Module):
@@ -411,8 +416,11 @@ class MoE(nn.Module):
     moved to another device), which a data pointer tells.
     """
 
-    def __init__(self, config: ModelConfig, is_hash: bool, moe_backend: str = "torch") -> None:
+    def __init__(self, config: ModelConfig, is_hash: bool, moe_backend: str = "torch",
+                 ops: OpTable | None = None) -> None:
         super().__init__()
+        self.ops = ops if ops is not None else OpTable(torch.get_default_device())
+        """The model's small-op implementations ("swiglu" for the shared expert), shared with the layers."""
         H, inter, lim = config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
         self.gate = Gate(config, is_hash)
         self.experts = nn.ModuleList(Expert(H, inter, lim) for _ in range(config.n_routed_experts))
@@ -431,7 +439,7 @@ class MoE(nn.Module):
         if self.experts[0].w1.weight.data_ptr() != self._prepared_ptr:
             self.prepare()
         topk_weights, topk_ids = self.gate(x, input_ids)  # [num_tokens, k] each
-        return self.backend(x, topk_weights, topk_ids) + self.shared_experts(x)
+        return self.backend(x, topk_weights, topk_ids) + self.shared_experts(x, self.ops.swiglu)
 
 
 # --------------------------------------------------------------------------- hyper-connections
@@ -457,7 +465,7 @@ class DecoderLayer(nn.Module):
         """The model's small-op implementations (`kernels`), shared by every layer; picked once."""
         self.hc, self.iters, self.hc_eps, self.eps = hc, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps
         self.attn = Attention(config, spec, attention_backend, self.ops)
-        self.ffn = MoE(config, config.mlp_layer_types[layer_idx] == "hash_moe", moe_backend)
+        self.ffn = MoE(config, config.mlp_layer_types[layer_idx] == "hash_moe", moe_backend, self.ops)
         self.attn_norm = RMSNorm(H, config.rms_norm_eps)
         self.ffn_norm = RMSNorm(H, config.rms_norm_eps)
         n = (2 + hc) * hc
@@ -476,8 +484,11 @@ class DecoderLayer(nn.Module):
         return self.ops.mhc_post(y, streams, post, comb)
 
     def forward(self, streams, batch: ForwardBatch, cache: V4KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        streams = self._mix("attn", streams, lambda h: self.attn(self.attn_norm(h), cache, meta))
-        return self._mix("ffn", streams, lambda h: self.ffn(self.ffn_norm(h), batch.input_ids))
+        # the norms through the op table ("rms_norm": one kernel on CUDA); `attn_norm` / `ffn_norm` hold the weights
+        norm = self.ops.rms_norm
+        an, fn = self.attn_norm, self.ffn_norm
+        streams = self._mix("attn", streams, lambda h: self.attn(norm(h, an.weight, an.eps), cache, meta))
+        return self._mix("ffn", streams, lambda h: self.ffn(norm(h, fn.weight, fn.eps), batch.input_ids))
 
 
 class HyperHead(nn.Module):
@@ -552,7 +563,7 @@ class DeepseekV4Model(nn.Module):
         streams = h.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()  # [T, hc, H]
         for layer in self.layers:
             streams = layer(streams, batch, cache, meta)
-        hidden = self.norm(self.hc_head(streams))
+        hidden = self.ops.rms_norm(self.hc_head(streams), self.norm.weight, self.norm.eps)  # `norm`
         return (hidden, streams) if return_streams else hidden
 
 

@@ -118,7 +118,8 @@ def test_resident_bytes_are_the_checkpoint_bytes(make, dense):
 
 
 def test_module_ops_stay_out_of_the_model_op_table():
-    assert set(OpTable("cpu").impl_names) == {"sinkhorn", "mhc_pre", "mhc_post", "mhc_head", "attn_norm_rope", "attn_out_proj"}
+    assert set(OpTable("cpu").impl_names) == {"sinkhorn", "mhc_pre", "mhc_post", "mhc_head", "attn_norm_rope", "attn_out_proj",
+                                              "rms_norm", "rope", "swiglu"}
 
 
 def test_kernel_wrappers_check_their_arguments():
