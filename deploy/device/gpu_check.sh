@@ -5,7 +5,9 @@
 #   bash deploy/device/gpu_check.sh bench   # roofline + kernel benchmarks, each under its own time limit
 #   bash deploy/device/gpu_check.sh extra   # the other issues' H200 figures: batch-invariant cost (23), speculative
 #                                           # decoding (24), V4.1 prefill with decoder replay on/off (28)
-#   bash deploy/device/gpu_check.sh all     # tests + bench (extra needs a call of its own: ~8 min)
+#   bash deploy/device/gpu_check.sh mhc     # the mHC 'split' variant (2026-12-05, opt-in): its kernel benchmark
+#                                           # and the roofline with it on, to decide whether it becomes the default
+#   bash deploy/device/gpu_check.sh all     # tests + bench (extra and mhc need calls of their own)
 # Logs and JSON go to $OUT (a tarball of the JSON, since only 8 files come back from a device call).
 # Each step has its own `timeout` so that one hung step leaves time (and output) for the rest.
 set -uo pipefail
@@ -52,6 +54,15 @@ if [[ "$what" == bench || "$what" == all ]]; then
     step fp8_swap_ab 40 $B.fp8_swap_ab
     } 2>&1 | tee "$OUT/bench.log"
 fi
+if [[ "$what" == mhc ]]; then
+    B="python3 -m deepinfer.benchmarks"
+    {
+    step gpu_mhc 150 $B.gpu_mhc --json "$RES/gpu_mhc.json"
+    step roofline_mhc_split 240 env DEEPINFER_MHC_VARIANT=split $B.gpu_roofline --config v4-flash-4l --device cuda \
+        --batches 1,32,128 --attention-backend triton --moe-backend triton --json "$RES/gpu_roofline_mhc_split.json"
+    } 2>&1 | tee "$OUT/mhc.log"
+fi
+
 if [[ "$what" == extra ]]; then
     B="python3 -m deepinfer.benchmarks"
     {
