@@ -21,7 +21,11 @@ path (`engine.spec_decode.verify_rows`); best of `--repeats` interleaved runs ea
 (`verify_schedule="confidence"`, the checkpoint's confidence head when it has one) instead of full blocks,
 `d` (e.g. `3d`) the same with the drafts' MTP probabilities as confidences (the head unloaded); a
 trailing `p` (e.g. `3p`) runs the verify chunks as per-request prefill chunks instead of the batched
-verify path (`engine.spec_decode.verify_rows`; the default wherever the attention backend has it).
+verify path (`engine.spec_decode.verify_rows`; the default wherever the attention backend has it); a trailing
+`e` (e.g. `3e`, `3ce`, `0e`) runs with `enforce_eager=True`: no CUDA graphs, neither of decode steps nor of
+verify steps (`engine.cuda_graph.VerifyGraphRunner`), so `--device cuda --ks 0,0e,3,3e,3c,3ce` compares them.
+Each row says whether its verify steps ran as graphs (`verify_graphs`) and the graph runner's counters
+(cumulative: captures happen lazily, in the first repeat, which the best-of-repeats timing leaves out).
 
 Workload (fixed by `--seed`): the built-in demo model's own tasks rendered in its chat format
 (two-digit additions, copy / reverse word lists, the weather tool call; thinking mode for half of
@@ -173,8 +177,9 @@ def main(argv: list[str] | None = None) -> dict:
     ks = args.ks.split(",")
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    llms = {k: LLM(device=args.device, dtype=args.dtype, max_num_seqs=max(sizes), speculative_tokens=int(k.rstrip("cdp")),
-                   verify_schedule="confidence" if ("c" in k or "d" in k) else "full") for k in ks}
+    llms = {k: LLM(device=args.device, dtype=args.dtype, max_num_seqs=max(sizes), speculative_tokens=int(k.rstrip("cdpe")),
+                   verify_schedule="confidence" if ("c" in k or "d" in k) else "full", enforce_eager="e" in k)
+            for k in ks}
     for k, llm in llms.items():
         if "p" in k:
             llm.engine.spec.batched_verify = False
@@ -221,6 +226,11 @@ def main(argv: list[str] | None = None) -> dict:
                    "tokens_per_s": round(num_out / best[k], 1), "speedup": round(best[ks[0]] / best[k], 3),
                    "best_cpu_s": round(best_cpu[k], 4), "cpu_speedup": round(best_cpu[ks[0]] / best_cpu[k], 3),
                    "outputs_changed": changed.get(k, 0)}
+            spec = llms[k].engine.spec
+            if spec is not None:
+                row["verify_graphs"] = spec.graphs is not None
+                if spec.graphs is not None:
+                    row["verify_graph_stats"] = dict(spec.graphs.stats)
             if k in stats:
                 s = stats[k]
                 row.update(mean_accepted_length=round(s["mean_accepted_length"], 3),

@@ -38,6 +38,12 @@ so a later capture may reuse the pool memory of an earlier graph's intermediates
 
 NOTE: a capture runs while no other thread issues device work on the capture stream; the mode is
 "thread_local" so that the engine thread may keep preparing the next step on the default stream.
+
+Speculative verify steps (`VerifyGraphRunner`, used by `engine.spec_decode.SpecDecoding`, whose steps do not go
+through `ModelRunner.run`): a pure verify step is padded to a key `(B_pad, N_pad, blocks_pad)` and its static
+verify metadata (`engine.spec_decode.verify_rows.static_verify_metadata`) copied into the captured tensors; the
+graph outputs the final hidden states and the pre-`hc_head` streams (the MTP drafter's input), whose real rows
+are gathered out. See the class docstring.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from deepinfer.engine.forward_batch import ForwardBatch, SeqChunk
+from deepinfer.engine.forward_batch import ForwardBatch, SeqChunk, host_to_device
 
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 """Bucket sizes of decode batches captured as graphs (those up to `max_num_seqs`, plus `max_num_seqs`)."""
@@ -283,3 +289,143 @@ class CudaGraphRunner:
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = fn()
         return graph, out
+
+
+# --------------------------------------------------------------------------- speculative verify steps
+
+
+@dataclass
+class CapturedVerifyStep:
+    """One verify key's graph and its buffers."""
+
+    graph: torch.cuda.CUDAGraph
+    structure: tuple
+    static_tensors: list[torch.Tensor]
+    hidden: torch.Tensor  # [B_pad * N_pad, hidden] final hidden states, overwritten by every replay
+    streams: torch.Tensor  # [B_pad * N_pad, hc, hidden] the pre-`hc_head` streams (the MTP drafter's input)
+
+
+class VerifyGraphRunner(CudaGraphRunner):
+    """Captures and replays speculative verify steps (`engine.spec_decode`), one graph per key
+    `(B_pad, N_pad, blocks_pad)`.
+
+    A verify step of B requests, request r computing `1 + L_r` tokens (its last token and its drafts), is padded
+    to `B_pad` = the smallest decode bucket `>= B` requests of `N_pad = 1 + max_r L_r` queries each (padding
+    queries and requests mirror real ones: `verify_rows.static_verify_metadata`), so the graph computes
+    `B_pad * N_pad` tokens. `N_pad` is the step's own widest chunk, not `1 + num_draft_tokens`: the confidence
+    schedule often verifies fewer drafts than drafted, and a shorter key then computes fewer tokens; a key
+    costs one capture (lazily, at its first step). The key holds the pair, not the product `B_pad * N_pad`
+    (8 x 2 and 4 x 4 are different shapes), and `blocks_pad`, the compressed-entry blocks per request the static
+    metadata gathers, a power of two (`key`): at most `len(buckets) * (1 + num_draft_tokens) *
+    (1 + log2(max_blocks_per_seq))` graphs, of which a workload meets the few its batch sizes and lengths reach.
+
+    A step is *eligible* when it is a pure verify step (every request of the batch samples and computes exactly
+    its `1 + L_r` tokens: no prefill or replay chunk, no image rows) whose requests fit a bucket; a step of
+    plain decodes (every `L_r = 0`) is one with `N_pad = 1`. Others run eagerly, counted in
+    `stats["eager_steps"]`; an eligible step whose structure differs from its capture (it should not: the
+    static form has no step-varying host value) in `stats["eager_fallbacks"]`.
+
+    `run(batch, is_pure_verify)` returns `(hidden, streams)` of the batch's own flat rows (gathered out of the
+    static buffers, so the next replay overwrites nothing handed out), or None: run it eagerly. As for decode
+    steps, the LM head stays outside the graph (the caller computes the logits of the verified rows).
+    """
+
+    def __init__(self, model: nn.Module, cache, batch_sizes: Sequence[int], max_queries: int) -> None:
+        super().__init__(model, cache, batch_sizes)
+        self.max_queries = max_queries
+        """`1 + num_draft_tokens`: the widest verify chunk."""
+        self.graphs: dict[tuple[int, int, int], CapturedVerifyStep] = {}  # type: ignore[assignment]
+        self.stats["eager_steps"] = 0
+
+    def key(self, batch: ForwardBatch) -> tuple[int, int, int] | None:
+        """`(B_pad, N_pad, blocks_pad)` of a pure verify `batch`, or None (too many requests, tokens or blocks: eager).
+
+        `blocks_pad`: the blocks of compressed entries the longest request needs, rounded up to a power of two
+        (at most `cache.max_blocks_per_seq`): the static metadata gathers every request's entries densely, so
+        sizing them by the whole `max_model_len` would make a long-context instance's short steps gather (and
+        hold in the graph pool) up to `max_model_len / rate` entries per request and layer."""
+        num_queries = max(s.num_new_tokens for s in batch.seqs)
+        size = self.bucket(len(batch.seqs))
+        if size is None or num_queries > self.max_queries:
+            return None
+        bs, bound = self.cache.block_size, self.cache.max_blocks_per_seq
+        need = max(-(-(s.num_computed_tokens + s.num_new_tokens) // bs) for s in batch.seqs)
+        if need > bound:
+            return None
+        return size, num_queries, min(1 << (need - 1).bit_length(), bound)
+
+    def pad_verify(self, batch: ForwardBatch, key: tuple[int, int, int]) -> tuple[ForwardBatch, torch.Tensor]:
+        """The padded batch of `key` (its static verify metadata attached) and `real_rows` [T]: the padded row of
+        each of `batch`'s flat rows (no device value is read: the ids are scattered on the device)."""
+        from deepinfer.engine.spec_decode.verify_rows import static_verify_metadata  # spec_decode imports this module
+
+        size, N, max_blocks = key
+        device = batch.input_ids.device
+        real = [b * N + i for b, s in enumerate(batch.seqs) for i in range(s.num_new_tokens)]
+        real_rows = host_to_device(torch.tensor(real, dtype=torch.long), device)
+        ids = torch.zeros(size * N, dtype=torch.long, device=device)
+        ids[real_rows] = batch.input_ids
+        first = batch.seqs[0]
+        seqs = ([SeqChunk(s.slot, s.block_table, s.num_computed_tokens, N, s.state_start, s.num_frozen_tokens)
+                 for s in batch.seqs] + [SeqChunk(first.slot, [], 0, N)] * (size - len(batch.seqs)))
+        padded = ForwardBatch(input_ids=ids, seqs=seqs)
+        inner = getattr(self.model, "model", self.model)
+        rope_fns = {"main": inner.rotary_main, "compress": inner.rotary_compress}
+        padded.attn_metadata = static_verify_metadata(batch.seqs, size, N, padded.positions, inner.layer_specs,
+                                                      rope_fns, self.cache, max_blocks)
+        return padded, real_rows
+
+    @torch.inference_mode()
+    def run(self, batch: ForwardBatch, is_pure_verify: bool = True):  # type: ignore[override]
+        """Blocks while the verify step replays (or is captured); `(hidden [T, H], streams [T, hc, H])` of `batch`'s
+        rows, or None when the step must run eagerly (see the class docstring)."""
+        if not is_pure_verify or batch.input_embeds is not None or batch.num_dummy_rows or not batch.seqs:
+            self.stats["eager_steps"] += 1
+            return None
+        key = self.key(batch)
+        if key is None:
+            self.stats["eager_steps"] += 1
+            return None
+        padded, real_rows = self.pad_verify(batch, key)
+        try:
+            structure, tensors = flatten(graph_inputs(padded))
+        except UnsupportedLeaf:
+            self.stats["eager_fallbacks"] += 1
+            return None
+        step = self.graphs.get(key)
+        if step is None:
+            hidden, streams = self.capture_verify(padded, key, structure, tensors)
+        else:
+            if structure != step.structure:
+                self.stats["eager_fallbacks"] += 1
+                return None
+            for dst, src in zip(step.static_tensors, tensors):
+                dst.copy_(src, non_blocking=True)
+            step.graph.replay()
+            self.stats["replays"] += 1
+            hidden, streams = step.hidden, step.streams
+        return hidden.index_select(0, real_rows), streams.index_select(0, real_rows)
+
+    def capture_dummy(self, size: int) -> None:
+        """Not for verify steps: they are captured lazily, from real steps (padding mirrors a real request's
+        writes, so there is no all-padding batch to capture from)."""
+        raise NotImplementedError("verify graphs are captured by their first step (VerifyGraphRunner.run)")
+
+    def capture_verify(self, padded: ForwardBatch, key: tuple[int, int, int], structure: tuple,
+                       tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks while `padded` runs eagerly (the warm-up: the step itself) and `key` is captured; returns that
+        eager run's `(hidden, streams)` of every padded row."""
+        static_tensors = [t.clone() for t in tensors]  # outside the graph pool: never reused by a capture
+        memo = {id(t): s for t, s in zip(tensors, static_tensors)}
+        input_ids, positions, meta = clone_tensors(graph_inputs(padded), memo)
+        static = copy.copy(padded)
+        static.input_ids, static.positions, static.attn_metadata = input_ids, positions, meta
+
+        def forward():
+            return self.model(static, self.cache, meta, return_streams=True)
+
+        eager = forward()  # warm-up (kernel compilation, library handles): the step's own results
+        graph, (hidden, streams) = self.record(forward)
+        self.graphs[key] = CapturedVerifyStep(graph, structure, static_tensors, hidden, streams)
+        self.stats["captures"] += 1
+        return eager

@@ -394,7 +394,8 @@ class Engine(ExternalKVMixin):
             self.slots,
             replay_tokens_fn=lambda hit: self.replay_tokens,
         )
-        # NOTE: speculative steps run their own forward (`engine.spec_decode`) on unpadded batches: eager
+        # NOTE: speculative steps run their own forward (`engine.spec_decode`): the runner's decode graphs stay off,
+        # pure verify steps replay graphs of their own (`SpecDecoding.graphs`, set up in `make_executor`)
         self.runner = ModelRunner(self.model, self.cache, enforce_eager=config.enforce_eager or config.speculative is not None
                                   or config.expert_parallel_size > 1,
                                   cuda_graph_batch_sizes=config.cuda_graph_batch_sizes, max_num_seqs=config.max_num_seqs)

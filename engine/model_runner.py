@@ -54,6 +54,10 @@ class ModelRunner:
         if not self.cuda_graph_blockers:
             sizes = graph_batch_sizes(max_num_seqs or cache.num_slots, cuda_graph_batch_sizes)
             self.cuda_graphs = CudaGraphRunner(model, cache, sizes)
+        self.defer_verify_metadata = False
+        """Speculative decoding with verify graphs (`SpecDecoding.make_executor` sets it): a pure verify step (every
+        request samples its `1 + L` tokens) gets no ragged `attn_metadata` here; the verify graph runner builds the
+        static form, and an eager fallback builds the ragged one when it runs (`SpecDecoding.verify_local`)."""
 
     def capture_cuda_graphs(self, sizes: tuple[int, ...] | None = None) -> None:
         """Blocks while every bucket (or `sizes`) is captured from all-dummy batches, largest first (start-up).
@@ -137,6 +141,9 @@ class ModelRunner:
                 embeds[row:row + e.shape[0]] = e
                 mask[row:row + e.shape[0]] = True
             batch.input_embeds, batch.embeds_mask = embeds, mask  # [num_tokens, hidden], [num_tokens]
+        if self.defer_verify_metadata and not image_rows and len(out.sampling_req_ids) == len(order) and all(
+                out.num_scheduled_tokens[r] == 1 + len(out.scheduled_spec_token_ids.get(r, ())) for r in order):
+            return batch  # a pure verify step: its metadata is the verify graph runner's (or the eager fallback's)
         batch.attn_metadata = self.model.build_attention_metadata(batch, self.cache)  # once per step
         return batch
 

@@ -11,7 +11,9 @@ Per layer and step:
   plus the selected entries, and write the chunk's last keys into the ring;
 * verify rows (speculative decoding, `AttentionMetadata.verify`: `1 + L` tokens per request) run as one
   batch padded to the longest: the compressors, the indexer, the window gather and the attention core
-  each once for all their queries (`_verify_batched`), in the per-chunk path's order of operations.
+  each once for all their queries (`_verify_batched`), in the per-chunk path's order of operations. The
+  same code reads the static form (`verify_rows.static_verify_metadata`, CUDA graphs of verify steps):
+  no host value decided per step, no boolean compaction, padding writes mirroring real ones.
 
 NOTE: the arithmetic order is the model's reference; a kernel backend is tested against this one.
 """
@@ -101,8 +103,9 @@ class TorchAttentionBackend(AttentionBackend):
         if extras is not None:
             C = entries.shape[1]
             o = o + torch.einsum("bnhc,bcd->bnhd", probs[..., W:W + C].to(entries.dtype), entries)
-        ring[vr.write_slots, geo.write_rows] = inputs.kv[vr.flat_rows].to(ring.dtype)  # after the history read
-        return o[vr.is_valid]
+        src = vr.flat_rows if vr.write_src is None else vr.write_src  # static form: padding mirrors a real key
+        ring[vr.write_slots, geo.write_rows] = inputs.kv[src].to(ring.dtype)  # after the history read
+        return o.flatten(0, 1) if vr.is_static else o[vr.is_valid]  # static: every row (no device-sized mask)
 
     def _verify_compressed(self, spec: LayerSpec, vr, inputs: AttentionInputs, cache: V4KVCache,
                            meta: AttentionMetadata):
@@ -136,12 +139,17 @@ class TorchAttentionBackend(AttentionBackend):
         """`_run_compressor` for every verify chunk at once: entries of the windows they complete, the
         ring update, and each request's entries [B, C, D] (None while none has one)."""
         kv, gate = kv[vr.flat_rows], gate[vr.flat_rows]  # [T, width]
-        if geo.num_windows:  # a host int: no sync
+        if geo.num_windows:  # a host int: no sync (the static form: fixed by its shape)
             span_kv = torch.cat([buf_kv[geo.hist_slots, geo.hist_rows], kv], dim=0)
             span_gate = torch.cat([buf_gate[geo.hist_slots, geo.hist_rows], gate], dim=0)
             new = comp.compress_gathered(span_kv[geo.cur_rows], span_gate[geo.cur_rows], span_kv[geo.prev_rows],
                                          span_gate[geo.prev_rows], geo.windows, geo.entry_rope)
-            pool.view(-1, pool.shape[-1])[geo.write_rows] = new.to(pool.dtype)
+            flat, new = pool.view(-1, pool.shape[-1]), new.to(pool.dtype)
+            if geo.write_src is not None:  # static form: padding windows mirror a real one, or keep the row's value
+                new = torch.where(geo.write_keep[:, None], new[geo.write_src], flat[geo.write_rows])
+            flat[geo.write_rows] = new
+        if vr.write_src is not None:  # static form: padding tokens write what the token they mirror writes
+            kv, gate = kv[vr.write_src], gate[vr.write_src]
         buf_kv[vr.write_slots, geo.tail_rows] = kv.to(buf_kv.dtype)
         buf_gate[vr.write_slots, geo.tail_rows] = gate.to(buf_gate.dtype)
         if geo.entry_rows is None:

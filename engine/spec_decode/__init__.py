@@ -79,8 +79,10 @@ verifies inline and drafts on a worker thread while the engine postprocesses the
 scheduled once its drafts are known, one sync point per step (`SpecExecutor`'s docstring says why steps do not
 overlap each other). Not with `expert_parallel_size > 1` (the multi-rank executor does not overlap).
 
-Not supported yet: batched compressors / indexer in the batched verify path (they still run per request), CUDA
-graphs for verify steps (speculative steps run eagerly).
+**CUDA graphs** (`SpecDecoding.graphs`, `engine.cuda_graph.VerifyGraphRunner`): a pure verify step (every request
+samples its `1 + L` positions) is padded to `(B_pad, N_pad = 1 + max L, blocks_pad)` and replayed from a graph captured once per
+key over the static verify metadata (`verify_rows.static_verify_metadata`); other steps run eagerly. Off with
+`enforce_eager`, expert parallelism, DSpark, or a backend that is not graph-safe (docs/DESIGN.md section 8).
 """
 
 from deepinfer.engine.spec_decode.acceptance import expand_bitmask, expand_verify_rows, num_accepted, rejection_sample

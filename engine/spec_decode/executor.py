@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.engine.attention.base import AttentionBackend
+from deepinfer.engine.cuda_graph import VerifyGraphRunner, graph_batch_sizes, graph_blockers
 from deepinfer.engine.executor import Executor, PreparedStep, StepResult, resolve_async_scheduling
 from deepinfer.engine.forward_batch import ForwardBatch
 from deepinfer.engine.scheduler import SchedulerOutput
@@ -227,6 +228,11 @@ class SpecDecoding:
         self.metrics = SpecDecodeMetrics(num_draft_tokens)
         self.executor: Executor = SpecExecutor(self)
         """Runs the engine's steps: `SpecExecutor` in one process; `make_executor` swaps in the multi-rank one."""
+        self.graphs: VerifyGraphRunner | None = None
+        """CUDA graphs of pure verify steps (`engine.cuda_graph.VerifyGraphRunner`), set by `make_executor` when the
+        device, the backends and the config allow them (`verify_graph_blockers`); None: every step eager."""
+        self.verify_graph_blockers: list[str] = ["not set up (make_executor)"]
+        """Why verify steps run eagerly (empty: they run as CUDA graphs)."""
         self._mtp_state_start: dict[str, int] = {}
 
     def make_executor(self, config, runner) -> Executor:
@@ -237,6 +243,11 @@ class SpecDecoding:
         Async scheduling (`async_scheduling`, on by default on CUDA): `SpecExecutor` with `overlap_drafting`, one
         sync point per step (the next step is scheduled once this step's accepted lengths and drafts are known).
         Not with expert_parallel_size > 1 (the multi-rank executor does not overlap, `engine.distributed`)."""
+        self.verify_graph_blockers = self._verify_graph_blockers(config)
+        if not self.verify_graph_blockers:
+            sizes = graph_batch_sizes(config.max_num_seqs, config.cuda_graph_batch_sizes)
+            self.graphs = VerifyGraphRunner(self.model, self.cache, sizes, 1 + self.num_draft_tokens)
+            runner.defer_verify_metadata = True  # the ragged metadata of a pure verify step would go unused
         if config.expert_parallel_size > 1:
             from deepinfer.engine.distributed.executor import MultiRankExecutor
 
@@ -244,6 +255,20 @@ class SpecDecoding:
         elif resolve_async_scheduling(config.async_scheduling, config.device):
             self.executor = SpecExecutor(self, overlap_drafting=True)
         return self.executor
+
+    def _verify_graph_blockers(self, config) -> list[str]:
+        """Why this engine's verify steps cannot run as CUDA graphs (empty: they can): `enforce_eager`, expert
+        parallelism (the multi-rank executor runs its ranks' forwards), a drafter other than the MTP layer (V4.1's
+        DSpark verifies through V4.1's own attention), no batched verify path (the batch-invariant backend), and
+        `cuda_graph.graph_blockers` (a CUDA device; every backend the model holds graph-safe)."""
+        reasons = ["enforce_eager"] if config.enforce_eager else []
+        if config.expert_parallel_size > 1:
+            reasons.append("expert_parallel_size > 1")
+        if not isinstance(self.drafter, MTPDrafter):
+            reasons.append(f"the {type(self.drafter).__name__} drafter")
+        if not self.batched_verify:
+            reasons.append("no batched verify path (supports_verify_rows)")
+        return reasons + graph_blockers(self.model, self.cache, self.cache.device)
 
     def prepare(self, step: PreparedStep, out: SchedulerOutput, token_ids_of: dict[str, list[int]],
                 first_rows: list[int], wants_drafts: Callable[[str], bool]) -> SpecPreparedStep:
@@ -303,12 +328,20 @@ class SpecDecoding:
         pairs = [(batch.seqs[v.seq_idx].slot, batch.seqs[v.seq_idx].num_computed_tokens + j)
                  for v in step.verify for j in range(1, len(v.drafts) + 1)]
         snap = self.rollback.snapshot([s for s, _ in pairs], [p for _, p in pairs], batch=batch)
-        meta = batch.attn_metadata if batch.attn_metadata is not None else model.build_attention_metadata(batch,
-                                                                                                       self.cache)
-        verifying = {v.seq_idx for v in step.verify if v.drafts}
-        if self.batched_verify and len(verifying) > 1:  # one chunk alone gains nothing from the padding
-            batch_verify_chunks(meta, verifying)
-        hidden, streams = model(batch, self.cache, meta, return_streams=True)  # [T, H], [T, hc, H]
+        replayed = None
+        if self.graphs is not None:  # a pure verify step: every request samples its `1 + L` positions
+            is_pure = len(step.verify) == len(batch.seqs) and all(
+                batch.seqs[v.seq_idx].num_new_tokens == 1 + len(v.drafts) for v in step.verify)
+            replayed = self.graphs.run(batch, is_pure)
+        if replayed is not None:
+            hidden, streams = replayed
+        else:
+            meta = batch.attn_metadata if batch.attn_metadata is not None else model.build_attention_metadata(
+                batch, self.cache)
+            verifying = {v.seq_idx for v in step.verify if v.drafts}
+            if self.batched_verify and len(verifying) > 1:  # one chunk alone gains nothing from the padding
+                batch_verify_chunks(meta, verifying)
+            hidden, streams = model(batch, self.cache, meta, return_streams=True)  # [T, H], [T, hc, H]
         logits = model.compute_logits(hidden[batch.logits_indices])  # [num_rows, vocab]
         t1 = time.perf_counter()
         token_ids: list[list[int]] = []

@@ -12,6 +12,14 @@ NOTE: `1 + L <= min ring length <= W` (`rollback.max_draft_tokens`, checked when
 is built), so a verify chunk's positions hit distinct window-ring rows and every key it computes is
 among the last `W` (it is all of the ring write). Padding queries see no key (their window is masked:
 the sink alone keeps their softmax finite) and their outputs are dropped.
+
+**The static form** (`static_verify_metadata`, what CUDA graphs of verify steps replay,
+`engine.cuda_graph.VerifyGraphRunner`): the step padded to `B_pad` requests of `N_pad` queries, request b's
+query i at flat row `b * N_pad + i`; every tensor is shaped by `(B_pad, N_pad, max_blocks)` (the graph key)
+and the cache geometry (buffered compressor rows padded to `ring_len - 1` per request, completed windows to
+`ceil(N_pad / rate)` per request, entries to `max_blocks * entries_per_block`), its only host values
+(`num_queries`, `num_windows`, `is_static`) are fixed by the key, and padding rows mirror real writes (see the
+function).
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.engine.attention.base import AttentionMetadata, PrefillChunk
+from deepinfer.engine.attention.base import AttentionMetadata, LayerSpec, PrefillChunk, RopeFn
+from deepinfer.engine.forward_batch import SeqChunk, host_to_device
 
 
 @dataclass
@@ -53,6 +62,12 @@ class VerifyCompressor:
     tail_rows: torch.Tensor  # [T] ring row of every verify token (pos % ring_len), in `flat_rows` order
     entry_rows: torch.Tensor | None  # [B, C] flat pool rows of each request's entries (0 past its own), or None
     visible: torch.Tensor | None  # [B, N, C] bool: entry c is visible to query i of request b
+    write_src: torch.Tensor | None = None
+    """Static form only (`static_verify_metadata`): [nw] the window whose new entry row i writes (itself, or the
+    real window a padding row mirrors); None in the ragged form (every row writes its own entry)."""
+    write_keep: torch.Tensor | None = None
+    """Static form only: [nw] bool, False where row i rewrites its target's current value (a padding row in a step
+    in which no request completes a window: a no-op write)."""
 
 
 @dataclass
@@ -70,6 +85,12 @@ class VerifyRows:
     write_slots: torch.Tensor  # [T] the slot of every verify token, in `flat_rows` order
     windows: dict[int, VerifyWindow]
     compressors: dict[tuple[int, bool], VerifyCompressor]
+    write_src: torch.Tensor | None = None
+    """Static form only (`static_verify_metadata`): [T] the flat row whose key (and compressor input) every token
+    writes: itself, or for a padding query the real query it mirrors; None in the ragged form."""
+    is_static: bool = False
+    """The static form: `flat_rows` is every row of the padded `[B, N]` batch (padding included) and a backend
+    returns all `B * N` outputs (no boolean compaction: nothing sized from a device value)."""
 
 
 def batch_verify_chunks(meta: AttentionMetadata, seq_ids: set[int]) -> AttentionMetadata:
@@ -153,3 +174,137 @@ def _compressor(chunks: list[PrefillChunk], key: tuple[int, bool], N: int, devic
         entry_rope=(torch.cat([g.entry_rope[0] for g in geos]), torch.cat([g.entry_rope[1] for g in geos])),
         tail_rows=torch.cat([g.tail_rows for g in geos]), entry_rows=entry_rows, visible=visible,
     )
+
+
+# --------------------------------------------------------------------------- the static form (CUDA graphs)
+
+
+def static_verify_metadata(seqs: list[SeqChunk], num_reqs: int, num_queries: int, positions: torch.Tensor,
+                           specs: tuple[LayerSpec, ...], rope_fns: dict[str, RopeFn], cache,
+                           max_blocks: int | None = None) -> AttentionMetadata:
+    """The `AttentionMetadata` of a verify step padded to `num_reqs` requests of `num_queries` queries, every
+    tensor shaped by `(num_reqs, num_queries, max_blocks)` and the cache geometry alone (what a CUDA graph replays).
+
+    `seqs`: the step's requests (each `1 + L_r <= num_queries` tokens at `num_computed_tokens`); `positions`:
+    the padded batch's positions `[num_reqs * num_queries]` (request b's query i is flat row `b * N + i`);
+    `max_blocks`: blocks of compressed entries each request may see (its entries are gathered densely, padded
+    to `max_blocks * entries_per_block`), at most and by default `cache.max_blocks_per_seq`.
+
+    NOTE: padding never touches memory a request owns, and never the cache's `dummy_slot` / `dummy_block`
+    either (they own no memory, and this path is plain torch indexing: an index past a pool would fault).
+    A padding query (past its request's `1 + L_r`, or of a padding request) *mirrors* a real query: it
+    writes the same value (`write_src`) to the same ring row as the first query of its request (padding
+    requests: of request 0), so the duplicate writes are identical and the result does not depend on which
+    one lands. Padding windows mirror the step's first real window the same way, or, in a step where no
+    request completes a window, rewrite row 0 of the pool with its own value (`write_keep` False). Their
+    reads (rings of the mirrored slot, entry row 0) are masked: padding queries see no key (`allowed`,
+    `visible` False) and their outputs are dropped.
+    """
+    B, Bp, N = len(seqs), num_reqs, num_queries
+    if not 0 < B <= Bp:
+        raise ValueError(f"a static verify batch needs 1..{Bp} requests; got {B}")
+    if any(s.num_new_tokens > N for s in seqs):
+        raise ValueError(f"a verify chunk is longer than num_queries={N}")
+    device, T, pad = positions.device, Bp * N, Bp - B
+    max_blocks = cache.max_blocks_per_seq if max_blocks is None else max_blocks
+    if any(s.num_computed_tokens + s.num_new_tokens > max_blocks * cache.block_size for s in seqs):
+        raise ValueError(f"a verify chunk runs past max_blocks_per_seq ({max_blocks}) blocks")
+
+    def t(values, dtype=torch.long) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype)
+
+    p0 = t([s.num_computed_tokens for s in seqs] + [0] * pad)  # [Bp] (host tensors; moved once at the end)
+    n = t([s.num_new_tokens for s in seqs] + [0] * pad)
+    slot = t([s.slot for s in seqs] + [seqs[0].slot] * pad)  # padding requests read request 0's slot (masked)
+    state_start = t([s.state_start for s in seqs] + [0] * pad)
+    frozen = t([s.num_frozen_tokens for s in seqs] + [0] * pad)
+    tables = t([s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks])) for s in seqs]
+               + [[0] * max_blocks] * pad)  # [Bp, max_blocks]
+    b, i = torch.arange(Bp), torch.arange(N)
+    is_real = b < B
+    valid = i[None, :] < n[:, None]  # [Bp, N]
+    qpos = p0[:, None] + i[None, :]  # [Bp, N]
+    mirror = torch.where(is_real, b, 0) * N  # the flat row of each request's first query (padding: request 0's)
+    src = torch.where(valid, b[:, None] * N + i[None, :], mirror[:, None]).flatten()  # [T]
+    wpos, wslot = qpos.flatten()[src], slot[src // N]  # [T] position and slot each token writes
+
+    dev: list[torch.Tensor] = []  # every host tensor, moved to the device in one go below
+
+    def put(x: torch.Tensor) -> int:
+        dev.append(x)
+        return len(dev) - 1
+
+    windows = {}
+    for W in sorted({s.window for s in specs}):
+        if N > W:
+            raise ValueError(f"num_queries={N} exceeds the window ({W})")
+        j = torch.arange(W - 1)
+        h0 = torch.maximum(state_start, p0 - W + 1)
+        dead = (h0 - (p0 - W + 1)).clamp(min=0)
+        key_pos = qpos[..., None] - (W - 1) + torch.arange(W)  # [Bp, N, W]
+        windows[W] = (put((p0[:, None] - W + 1 + j[None, :]) % W),
+                      put((j[None, :] >= dead[:, None]) & is_real[:, None]),
+                      put((key_pos >= h0[:, None, None]) & valid[..., None]), put(wpos % W))
+
+    compressors = {}
+    for rate, is_overlap in sorted({(s.compress_rate, s.is_overlap) for s in specs if s.is_compressed}):
+        ring_len = (2 if is_overlap else 1) * rate
+        if N > ring_len:
+            raise ValueError(f"num_queries={N} exceeds a compressor ring ({ring_len})")
+        epb = cache.block_size // rate
+        Hb, K, C = ring_len - 1, -(-N // rate), max_blocks * epb  # buffered rows, windows, entries per request
+        C0, C1 = p0 // rate, (p0 + n) // rate
+        h0 = ((C0 - (1 if is_overlap else 0)) * rate).clamp(min=0)
+        h = p0 - h0  # [Bp] buffered tokens before the chunk (< ring_len)
+        jh = torch.arange(Hb)
+        hist_rows = torch.where(jh[None, :] < h[:, None], (h0[:, None] + jh[None, :]) % ring_len, 0)
+        w = torch.maximum(C0, frozen // rate)[:, None] + torch.arange(K)[None, :]  # [Bp, K]
+        live = (w < C1[:, None]) & is_real[:, None]
+        sc = (w * rate - h0[:, None])[..., None] + torch.arange(rate)  # [Bp, K, rate] request-relative span rows
+        cur = _static_span(sc, h, Hb, N).flatten(0, 1)
+        prev = _static_span((sc - rate).clamp(min=0), h, Hb, N).flatten(0, 1)
+        wrows = (tables.gather(1, (w // epb).clamp(max=max_blocks - 1)) * epb + w % epb).flatten()
+        w, live = w.flatten(), live.flatten()
+        keep = live.clone()
+        wsrc = torch.arange(Bp * K)
+        first = int(live.to(torch.int8).argmax()) if bool(live.any()) else -1  # host tensors: no device sync
+        if first >= 0:  # padding windows mirror the first real one (identical value, same row)
+            wsrc, keep = torch.where(live, wsrc, first), torch.ones_like(live)
+            cur, prev = cur[wsrc], prev[wsrc]
+            w, wrows = w[wsrc], wrows[wsrc]
+        else:  # no request completes a window: every row rewrites pool row 0 with its current value
+            cur, prev, w, wrows = cur * 0, prev * 0, w * 0, wrows * 0
+        cur, prev = cur.clamp(0, Bp * Hb + T - 1), prev.clamp(0, Bp * Hb + T - 1)
+        c = torch.arange(C)
+        entry_rows = torch.where(c[None, :] < C1[:, None],
+                                 tables.gather(1, (c // epb)[None, :].expand(Bp, -1)) * epb + c % epb, 0)
+        visible = (c[None, None, :] < ((qpos + 1) // rate)[..., None]) & valid[..., None]  # [Bp, N, C]
+        compressors[(rate, is_overlap)] = (
+            put(slot.repeat_interleave(Hb)), put(hist_rows.flatten()), Bp * K, put(w), put(cur), put(prev),
+            put(wrows), rate, put(wpos % ring_len), put(entry_rows), put(visible), put(wsrc), put(keep))
+
+    base = [put(x) for x in (torch.arange(T).view(Bp, N), valid, torch.arange(T), slot, wslot, src)]
+    moved = [host_to_device(x, device) for x in dev]  # NOTE: non-blocking copies (pinned) on CUDA
+    get = moved.__getitem__
+    token_index, is_valid, flat_rows, slots, write_slots, write_src = map(get, base)
+    vr_windows = {W: VerifyWindow(get(a), get(a2), get(a3), get(a4)) for W, (a, a2, a3, a4) in windows.items()}
+    vr_comp = {}
+    for key, (hs, hr, nw, wi, cu, pr, wr, rate, tr, er, vi, ws, kp) in compressors.items():
+        wins = get(wi)
+        vr_comp[key] = VerifyCompressor(
+            hist_slots=get(hs), hist_rows=get(hr), num_windows=nw, windows=wins, cur_rows=get(cu), prev_rows=get(pr),
+            write_rows=get(wr), entry_rope=rope_fns["compress"](wins * rate), tail_rows=get(tr), entry_rows=get(er),
+            visible=get(vi), write_src=get(ws), write_keep=get(kp))
+    verify = VerifyRows(chunks=[], num_queries=N, token_index=token_index, is_valid=is_valid, flat_rows=flat_rows,
+                        slots=slots, write_slots=write_slots, windows=vr_windows, compressors=vr_comp,
+                        write_src=write_src, is_static=True)
+    return AttentionMetadata(num_tokens=T, positions=positions, rope={k: fn(positions) for k, fn in rope_fns.items()},
+                             block_size=cache.block_size, decode=None, prefill=[], is_pure_decode=False, verify=verify)
+
+
+def _static_span(rows: torch.Tensor, num_hist: torch.Tensor, Hb: int, N: int) -> torch.Tensor:
+    """Request-relative compressor span rows `[Bp, K, rate]` (request b's span: its `num_hist[b]` buffered tokens,
+    then its chunk) -> rows of the static span `[Bp * Hb buffered rows | Bp * N tokens]`."""
+    Bp = num_hist.shape[0]
+    b, h = torch.arange(Bp)[:, None, None], num_hist[:, None, None]
+    return torch.where(rows < h, b * Hb + rows, Bp * Hb + b * N + rows - h)
