@@ -35,6 +35,7 @@ GPU_TESTS=(
     tests/kernels tests/engine/attention tests/engine/test_cuda_graph.py tests/engine/test_gpu.py
     tests/engine/moe/test_triton_moe.py tests/engine/v41 tests/engine/quant/test_act_quant.py
     tests/engine/test_batch_invariance.py tests/engine/checkpoints/test_published_loader.py tests/engine/spec_decode/test_spec_async.py
+    tests/engine/spec_decode/test_verify_graph.py
 )
 
 if [[ "$what" == tests || "$what" == all ]]; then
@@ -71,7 +72,7 @@ if [[ "$what" == extra ]]; then
         step "gpu_engine_bi_$bi" 150 $B.gpu_engine --skip-hf --batches 1,32,128 --attention-backend triton \
             --moe-backend triton "${flag[@]}" --json "$RES/gpu_engine_bi_$bi.json"
     done
-    step speculative 120 $B.speculative --device cuda --dtype bfloat16 --batch-sizes 1,16,32 --ks 0,3,3c \
+    step speculative 120 $B.speculative --device cuda --dtype bfloat16 --batch-sizes 1,16,32 --ks 0,3,3e,3c,3ce \
         --repeats 3 --max-tokens 64 --json "$RES/speculative_cuda.json"
     step v41_replay 200 $B.v41_decoder_replay --shape flash --device cuda --dtype bfloat16 --prompt-len 8192,32768 \
         --chunk 4096 --layers 10 --experts 8 --reps 2 --json "$RES/v41_replay_flash.json"
