@@ -19,10 +19,15 @@ descending sort; either way the set is the rule's, then sorted ascending so the 
 sums in one order whatever the batch. A score of -0.0 is made +0.0 first (CUDA's topk orders the two
 by their bits; the rule treats them as equal).
 
-The Triton kernel computes the scores: one program per row and `BLOCK_C` entries, all index heads as
-the M dim of one `tl.dot` against the gathered key tile, ReLU, weights and the head sum in registers;
-tiles past a row's visible entries only write -inf. Its grid `(B, MB * epb / BLOCK_C)` is fixed for a
-batch size and cache geometry (CUDA graphs).
+The Triton impl is three launches (a CSA layer's decode budget, issue 22): `_indexer_scores_kernel`
+computes the scores: one program per row and `BLOCK_C` entries, all index heads as the M dim of one
+`tl.dot` against the gathered key tile, ReLU, weights and the head sum in registers, a -0.0 sum stored as
++0.0; tiles past a row's visible entries only write -inf. Then `torch.topk` (CUDA; a stable sort on the
+CPU under `TRITON_INTERPRET=1`), and `_topk_post_kernel` (`select_topk_triton`), one program per row:
+drops picks at or past the row's visible count, sorts the k indices ascending (`tl.sort` over k padded
+to a power of two) and writes the -1 padding — `select_topk`'s bits without its eight element-wise
+launches. Grids `(B, MB * epb / BLOCK_C)` and `(B,)`: fixed for a batch size and cache geometry, no
+host syncs (CUDA graphs).
 """
 
 from __future__ import annotations
@@ -111,10 +116,64 @@ if triton is not None:
             else:
                 s = tl.dot(q, tl.trans(k))  # bf16 / fp16 operands: exact products, float32 sums
             s = tl.maximum(s, 0.0) * scale * w[:, None]  # [BLOCK_IH, BLOCK_C]
+            # + 0.0: a sum of -0.0 (relu 0 times negative weights only) is stored +0.0, select_topk's
+            # `scores + 0.0` done here (torch.topk on CUDA orders -0.0 below +0.0; the rule ties them).
+            # Not folded away: IEEE x + 0.0 is not x for x = -0.0 (only x + -0.0 folds; no fast-math).
             score = tl.sum(s, axis=0) + 0.0
             tl.store(out_ptr + b * C + c, tl.where(vis, score, float("-inf")))
         else:
             tl.store(out_ptr + b * C + c, tl.full([BLOCK_C], float("-inf"), tl.float32))
+
+    @triton.jit
+    def _topk_post_kernel(idx_ptr, pos_ptr, out_ptr, idx_stride, C, RATE: tl.constexpr, TOPK: tl.constexpr,
+                          K_P2: tl.constexpr, FROM_IDX: tl.constexpr):
+        # One row: its TOPK picks (FROM_IDX; else `arange(C)` then C, select_topk's C <= topk case) ->
+        # those below the row's visible count ascending, then -1. int32 inside (C < 2**31 - 1, checked).
+        b = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, K_P2)
+        in_k = j < TOPK
+        # Triton's // truncates, torch's floors: they differ only for pos < -1, where both counts are <= 0.
+        n_vis = (tl.load(pos_ptr + b) + 1) // RATE
+        if FROM_IDX:
+            i = tl.load(idx_ptr + b * idx_stride + j, mask=in_k, other=0).to(tl.int32)
+        else:
+            i = tl.minimum(j, C)
+        v = tl.where(in_k & (i < n_vis), i, 2147483647)
+        v = tl.sort(v)
+        tl.store(out_ptr + b * TOPK + j, tl.where(v == 2147483647, -1, v).to(tl.int64), mask=in_k)
+
+    def select_topk_triton(scores: torch.Tensor, pos: torch.Tensor, rate: int, topk: int) -> torch.Tensor:
+        """`select_topk(scores, (pos + 1) // rate, topk)` bit for bit in two launches (one when C <= topk):
+        `torch.topk` on CUDA (a stable descending sort elsewhere, as `select_topk`), then `_topk_post_kernel`.
+
+        scores [B, C] float32 (-inf where not visible) must hold no -0.0 (`_indexer_scores_kernel` stores
+        +0.0): unlike `select_topk` this adds no 0.0, and CUDA's topk would order -0.0 below +0.0.
+        pos [B] int64 contiguous. No host sync; the launch shapes depend on B, C and topk only.
+        """
+        if scores.dim() != 2 or scores.dtype != torch.float32:
+            raise ValueError(f"select_topk_triton: scores must be float32 [B, C], got {scores.dtype} "
+                             f"{list(scores.shape)}")
+        B, C = scores.shape
+        if pos.dtype != torch.int64 or pos.shape != (B,) or not pos.is_contiguous():
+            raise ValueError(f"select_topk_triton: pos must be contiguous int64 [{B}], got {pos.dtype} "
+                             f"{list(pos.shape)}")
+        if C >= 2**31 - 1 or topk < 0 or rate < 1:
+            raise ValueError(f"select_topk_triton: C = {C} < 2**31 - 1, topk = {topk} >= 0, rate = {rate} >= 1 "
+                             "expected")
+        out = torch.empty((B, topk), dtype=torch.int64, device=scores.device)
+        if B == 0 or topk == 0:
+            return out
+        if C <= topk:
+            idx = out  # not read
+        elif scores.is_cuda:
+            idx = torch.topk(scores, topk, dim=-1).indices
+        else:
+            idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :topk]
+        if idx.stride(1) != 1:  # pragma: no cover - topk's and the sort's slices are row-contiguous
+            idx = idx.contiguous()
+        _topk_post_kernel[(B,)](idx, pos, out, idx.stride(0), C, RATE=rate, TOPK=topk,
+                                K_P2=max(2, triton.next_power_of_2(topk)), FROM_IDX=C > topk, num_warps=4)
+        return out
 
     @register_op("indexer_topk", "triton", in_op_table=False)
     def indexer_topk_triton(q, weights, pool, pos, block_tables, rate, topk, block_c: int = 64) -> torch.Tensor:
@@ -155,4 +214,4 @@ if triton is not None:
                 BLOCK_ID=max(16, triton.next_power_of_2(ID)), IEEE=q.dtype == torch.float32, num_warps=4,
             )
             scores = scores[:, :C]
-        return select_topk(scores, (pos + 1) // rate, topk)
+        return select_topk_triton(scores, pos, rate, topk)
