@@ -2,14 +2,17 @@
 memory roofline.
 
     python -m deepinfer.benchmarks.moe_kernels [--tokens 1,32,128,4096] [--experts 64,256] [--topk 6]
-        [--formats bf16,fp4] [--copy-tbps 4.3] [--json OUT] [--tiny]
+        [--formats bf16,fp4] [--parts routed,routing,mhc,prefill] [--prefill-tokens 8192]
+        [--copy-tbps 4.3] [--json OUT] [--tiny]
 
 Routed experts (hidden 4096, expert width 2048, top-6; 64 and 256 experts; tokens routed uniformly at
 random to distinct experts; random weights: timing only, correctness is the tests' job):
   * `triton`: the backend's four launches (`kernels.moe_gemm`: align, gate/up + SwiGLU, down + weight,
     combine), bf16 experts or FP4 experts (E2M1 + UE8M0 scales, decoded in registers);
-  * `grouped_mm` (bf16): the same align and combine around torch's `_grouped_mm` for the two projections
-    (x gathered, SwiGLU and weighting as torch ops), the alternative the backend could have used;
+  * `grouped_mm` (bf16): the backend's large-batch route (`triton_backend.grouped_mm_experts`, taken from
+    `DEEPINFER_MOE_GROUPED_MM_MIN_ROWS` rows): the same align and combine around torch's `_grouped_mm` for
+    the projections (x gathered, gate and up as two grouped GEMMs, the `"swiglu"` op, the rows put back at
+    their pairs and weighted);
   * `fp4_op` (FP4): the same around the existing `"fp4_grouped_gemm"` op (`kernels.fp4_gemm`).
 Each is timed as a CUDA-graph replay of `--reps` captured calls (divided by `--reps`), so the host's
 per-launch cost is left out as in a captured decode step; CUDA events, median of `--iters` replays,
@@ -21,6 +24,13 @@ measured on the H200: 4.3 TB/s).
 Also: the routing kernel (`kernels.moe_routing`) against the torch router's ops after the gate matmul,
 and the fused mHC pre/post mix (`kernels.mhc`, hc 4) against the reference ops (with the Triton Sinkhorn,
 as the model ran on CUDA before), both captured the same way.
+
+`--parts prefill` (issue 22's prefill MFU): one `--prefill-tokens` prompt (8,192) through 64 bf16 experts
+(or the first of `--experts`), top-6, width 2048, hidden 4096 — one MoE layer of the prefill case of
+`gpu_roofline` — run eagerly as a prefill step runs: `triton` (the four kernels) against `grouped_mm` (the
+route), each whole and split into its up part (align, gate/up, SwiGLU) and down part (down, weighting,
+combine); TFLOP/s and the fraction of a measured bf16 8192^3 matmul; the route's largest deviation from the
+Triton path (relative to the output's mean magnitude) and each path's peak extra memory.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.benchmarks.timing import time_call
+from deepinfer.engine.moe.triton_backend import grouped_mm_experts
 from deepinfer.kernels import get_op
 from deepinfer.kernels import moe_gemm as mg
 from deepinfer.kernels.fp8_gemm import TUNED
@@ -98,12 +109,9 @@ def _routed_variants(x, ids, tw, w13, w2, wfmt: int, fmt: str, inter: int) -> di
 
     variants = {"triton": triton_fwd}
     if fmt == "bf16" and hasattr(torch, "_grouped_mm"):
-        w13t, w2t = w13[0].transpose(1, 2), w2[0].transpose(1, 2)  # [E, H, 2I], [E, I, H]
-
-        def grouped(w):
-            return lambda a, cnt: torch._grouped_mm(a, w, offs=cnt.cumsum(0).to(torch.int32))
-
-        variants["grouped_mm"] = lambda: swiglu_around(grouped(w13t), grouped(w2t))
+        swiglu = get_op("swiglu", "triton")
+        variants["grouped_mm"] = functools.partial(grouped_mm_experts, x, tw, ids, w13[0], w2[0], 10.0, align, swiglu,
+                                                   combine)
     if fmt == "fp4":
         gemm = get_op("fp4_grouped_gemm", "triton")
         variants["fp4_op"] = lambda: swiglu_around(lambda a, cnt: gemm(a, w13[0], w13[1], cnt),
@@ -142,6 +150,84 @@ def routed_cases(args, device: torch.device, out: list[dict]) -> None:
                           f"{row['of_copy'] * 100:5.1f}% of copy  {row['tflops']:6.1f} TFLOP/s", flush=True)
             w13 = w2 = None
             torch.cuda.empty_cache()
+
+
+def _matmul_tflops(device: torch.device, n: int = 8192, iters: int = 10) -> float:
+    """TFLOP/s of a bf16 n^3 matmul (the MFU denominator of `gpu_roofline`)."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    return 2 * n**3 / time_call(lambda: a @ b, device, iters) / 1e12
+
+
+def _peak_extra_bytes(fn, device: torch.device) -> int:
+    """Bytes `fn()` allocates at its peak above what was allocated before it (its output included)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def prefill_cases(args, device: torch.device, out: list[dict]) -> None:
+    """The Triton path against the `_grouped_mm` route at a prefill's size, eagerly (module docstring)."""
+    hidden, inter, k, tokens, num_experts = args.hidden, args.inter, args.topk, args.prefill_tokens, args.experts[0]
+    align, up, down = get_op("moe_align", "triton"), get_op("moe_up", "triton"), get_op("moe_down", "triton")
+    combine, swiglu = get_op("moe_combine", "triton"), get_op("swiglu", "triton")
+    w13, w2, _ = expert_weights(num_experts, hidden, inter, "bf16", device)
+    g = torch.Generator(device=device).manual_seed(tokens)
+    x = torch.randn(tokens, hidden, device=device, generator=g).bfloat16()
+    ids = torch.rand(tokens, num_experts, device=device, generator=g).argsort(dim=1)[:, :k].contiguous()
+    tw = torch.rand(tokens, k, device=device, generator=g)  # float32, as the router gives them
+    rows, limit = tokens * k, 10.0
+    sp, cnt = align(ids, num_experts)
+    offs = cnt.cumsum(0, dtype=torch.int32)
+    act = up(x, w13, sp, cnt, k, limit)
+    w13t = w13[0].transpose(1, 2)
+
+    def grouped_up():
+        xs = x.index_select(0, sp // k)
+        return swiglu(torch._grouped_mm(xs, w13t[:, :, :inter], offs=offs),
+                      torch._grouped_mm(xs, w13t[:, :, inter:], offs=offs), limit)
+
+    def grouped_down():
+        y_sorted = torch._grouped_mm(act, w2[0].transpose(1, 2), offs=offs)
+        y = torch.empty_like(y_sorted)
+        y.index_copy_(0, sp.long(), y_sorted)
+        return combine(y.mul_(tw.reshape(-1, 1).bfloat16()), ids)
+
+    def triton_whole():
+        sp_, cnt_ = align(ids, num_experts)
+        return combine(down(up(x, w13, sp_, cnt_, k, limit), w2, sp_, cnt_, tw), ids)
+
+    flops = {"whole": 2 * 3 * rows * hidden * inter, "up": 2 * 2 * rows * hidden * inter, "down": 2 * rows * hidden * inter}
+    variants = {
+        ("triton", "whole"): triton_whole,
+        ("triton", "up"): lambda: up(x, w13, *align(ids, num_experts), k, limit),
+        ("triton", "down"): lambda: combine(down(act, w2, sp, cnt, tw), ids),
+        ("grouped_mm", "whole"): functools.partial(grouped_mm_experts, x, tw, ids, w13[0], w2[0], limit, align,
+                                                   swiglu, combine),
+        ("grouped_mm", "up"): lambda: (align(ids, num_experts), grouped_up()),
+        ("grouped_mm", "down"): grouped_down,
+    }
+    matmul = _matmul_tflops(device)
+    ref = variants[("triton", "whole")]().float()
+    got = variants[("grouped_mm", "whole")]().float()
+    dev = ((got - ref).abs().max() / ref.abs().mean()).item()
+    for (impl, part), fn in variants.items():
+        sec = time_call(fn, device, args.iters)
+        row = {"kind": "prefill", "format": "bf16", "experts": num_experts, "tokens": tokens, "impl": impl,
+               "part": part, "ms": sec * 1e3, "tflops": flops[part] / sec / 1e12, "matmul_tflops": matmul,
+               "of_matmul": flops[part] / sec / 1e12 / matmul}
+        if part == "whole":
+            row.update(peak_extra_mb=_peak_extra_bytes(fn, device) / 1e6,
+                       max_dev_vs_triton=dev if impl == "grouped_mm" else 0.0)
+        out.append(row)
+        print(f"prefill bf16 E={num_experts} T={tokens} {impl:10s} {part:5s} {row['ms']:8.3f} ms "
+              f"{row['tflops']:6.1f} TFLOP/s  {100 * row['of_matmul']:5.1f}% of matmul ({matmul:.0f})"
+              + (f"  peak +{row['peak_extra_mb']:.0f} MB" if part == "whole" else "")
+              + (f"  max |route - triton| / mean |triton| {dev:.2e}" if impl == "grouped_mm" and part == "whole" else ""),
+              flush=True)
 
 
 def routing_cases(args, device: torch.device, out: list[dict]) -> None:
@@ -191,7 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--inter", type=int, default=2048)
     p.add_argument("--formats", default="bf16,fp4")
-    p.add_argument("--parts", default="routed,routing,mhc")
+    p.add_argument("--parts", default="routed,routing,mhc", help="any of routed,routing,mhc,prefill")
+    p.add_argument("--prefill-tokens", type=int, default=8192, help="tokens of the prefill part")
     p.add_argument("--reps", type=int, default=10, help="calls captured per graph (2 at >= 1024 tokens)")
     p.add_argument("--iters", type=int, default=10, help="graph replays timed (median)")
     p.add_argument("--copy-tbps", type=float, default=4.3)
@@ -204,11 +291,11 @@ def main(argv: list[str] | None = None) -> None:
     args.experts = [int(e) for e in args.experts.split(",")]
     args.formats = args.formats.split(",")
     if args.tiny:
-        args.hidden, args.inter, args.tokens, args.experts = 256, 128, [1, 64], [8]
+        args.hidden, args.inter, args.tokens, args.experts, args.prefill_tokens = 256, 128, [1, 64], [8], 256
     device = torch.device("cuda")
     out: list[dict] = []
     t0 = time.time()
-    parts = {"routed": routed_cases, "routing": routing_cases, "mhc": mhc_cases}
+    parts = {"routed": routed_cases, "routing": routing_cases, "mhc": mhc_cases, "prefill": prefill_cases}
     for part in args.parts.split(","):
         parts[part](args, device, out)
         result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "host": platform.node(),

@@ -34,6 +34,28 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu"
 
 
+def grouped_mm_fast(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs for `dtype` on `device` as one grouped kernel with no host sync: the
+    CPU (float32 / bfloat16 / float16), and CUDA bfloat16 on compute capability 9.x / 10.x (torch's CUTLASS
+    grouped GEMM). Elsewhere on CUDA (other dtypes or GPUs) torch falls back to copying the group offsets to
+    the host and looping over matmuls, a sync per call. Used by the `"triton"` backend's large-batch route
+    (`triton_backend.grouped_mm_experts`); the `"torch"` backend keeps `grouped_mm_supported`.
+    NOTE: both devices need rows whose strides are multiples of 16 bytes (`grouped_mm_aligned`)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cpu":
+        return dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if device.type == "cuda":
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
+    return False
+
+
+def grouped_mm_aligned(hidden: int, inter: int, dtype: torch.dtype) -> bool:
+    """Whether `pack_experts`' stacks of experts [inter, hidden] in `dtype` (and activations of those widths)
+    meet `torch._grouped_mm`'s 16-byte stride rule, including the up half of w13 (offset inter * hidden)."""
+    return hidden * dtype.itemsize % 16 == 0 and inter * dtype.itemsize % 16 == 0
+
+
 def has_plain_weights(expert: nn.Module) -> bool:
     """Whether an expert's w1/w2/w3 are plain `nn.Linear`s (float weights), not quantized modules."""
     return all(isinstance(getattr(expert, w), nn.Linear) for w in ("w1", "w2", "w3"))

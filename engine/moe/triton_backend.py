@@ -20,6 +20,19 @@ up to the float32 summation order inside the dot products; no autograd.
 
 On CUDA (or the CPU under `TRITON_INTERPRET=1`) the Triton kernels run; elsewhere `prepare` picks the
 ops' torch references (the same arithmetic, host loops), so the backend works on any device.
+
+Large batches (prefill): the fixed-tile grouped kernels reach ~114 TFLOP/s on the H200 at 8,192 tokens, where
+torch's CUTLASS grouped GEMM is far faster at that size. So a forward with R = T * k rows at or above
+`grouped_mm_min_rows` (env `DEEPINFER_MOE_GROUPED_MM_MIN_ROWS`, read when the backend is constructed; an
+attribute you may assign; default 0 = off, opt-in until measured on the H200) runs the two projections
+through `torch._grouped_mm` instead (`grouped_mm_experts`): the same align and combine ops around them,
+the `"swiglu"` op between, the weights the same packed stacks viewed transposed (no copy). Only plain float
+experts whose device and dtype have a fused `_grouped_mm` (`torch_backend.grouped_mm_fast`: bf16 on
+sm90/sm100, any float on the CPU); FP8/FP4 experts keep their kernels. R is a host int from the batch's
+shape, so the choice never syncs; decode sizes stay below any sensible threshold, and a forward inside a
+CUDA-graph capture never takes the route, so captured decode steps are the four kernels whatever the
+threshold. The batch-invariant mode never reaches it: `engine.batch_invariant` refuses this backend (it
+does not declare `batch_invariant_safe`) and runs the torch backends' fixed-order variant instead.
 """
 
 from __future__ import annotations
@@ -32,7 +45,7 @@ from torch import nn
 
 from deepinfer.engine.moe.base import MoEBackend, register_moe_backend
 from deepinfer.engine.moe.fp4_backend import pack_fp4_experts
-from deepinfer.engine.moe.torch_backend import has_plain_weights, pack_experts
+from deepinfer.engine.moe.torch_backend import grouped_mm_aligned, grouped_mm_fast, has_plain_weights, pack_experts
 from deepinfer.engine.quant.act_quant import fp8_round_activations
 from deepinfer.engine.quant.linear import Fp4Linear, Fp8Linear, register_gemm_ops
 from deepinfer.kernels import moe_gemm
@@ -83,6 +96,67 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+GROUPED_MM_MIN_ROWS_ENV = "DEEPINFER_MOE_GROUPED_MM_MIN_ROWS"
+"""Environment knob: the (token, expert) rows from which a `"triton"` backend runs its projections through
+`torch._grouped_mm` (`TritonMoEBackend.grouped_mm_min_rows`; read at construction; 0 or unset = never)."""
+
+
+def grouped_mm_min_rows_from_env() -> int:
+    """`DEEPINFER_MOE_GROUPED_MM_MIN_ROWS` as a non-negative int (0 when unset); a ValueError otherwise."""
+    raw = os.environ.get(GROUPED_MM_MIN_ROWS_ENV, "")
+    try:
+        rows = int(raw) if raw.strip() else 0
+    except ValueError:
+        raise ValueError(f"{GROUPED_MM_MIN_ROWS_ENV} must be a non-negative integer, got {raw!r}") from None
+    if rows < 0:
+        raise ValueError(f"{GROUPED_MM_MIN_ROWS_ENV} must be a non-negative integer (0 = off), got {rows}")
+    return rows
+
+
+def grouped_mm_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
+                       w2: torch.Tensor, limit: float, align, swiglu, combine) -> torch.Tensor:
+    """The routed experts with both projections as `torch._grouped_mm`: x [T, H] -> [T, H] in x's dtype.
+
+    w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I] are the backend's contiguous float stacks, read
+    transposed (views, no copy); `align`, `swiglu`, `combine` are the `"moe_align"`, `"swiglu"` and
+    `"moe_combine"` implementations. Steps: align the T * k pairs by expert; gather each sorted pair's token
+    row; gate and up as two grouped GEMMs (so each comes out contiguous for the SwiGLU op) -> [R, I]; the
+    clamped SwiGLU; the down projection -> [R, H]; the rows put back at their pairs (p = t * k + slot) and
+    times the pair's weight rounded to x's dtype; the combine (a token's rows in ascending expert id).
+
+    Arithmetic: the Triton path's roundings (each projection, the clamps, silu, the product, the weighting,
+    each add of the combine) up to the float32 summation order inside the GEMMs. No host sync (the offsets
+    are a device cumsum of the align's counts) on the devices of `torch_backend.grouped_mm_fast`.
+    NOTE (memory): no copy of the weights. Transient activations: the gathered x [R, H] with gate and up
+    [R, I] each, then a second [R, H] while the rows are put back: a peak of max(R (H + 2I), 2 R H) elements,
+    0.8 GB for 8,192 tokens at top-6, H 4096, I 2048 in bf16, where the Triton path holds act [R, I] and the
+    pair rows [R, H] (0.6 GB).
+    """
+    if x.dim() != 2 or x.shape[1] != w13.shape[2] or x.dtype != w13.dtype:
+        raise ValueError(f"grouped_mm_experts: x must be [T, {w13.shape[2]}] in the experts' dtype {w13.dtype}, "
+                         f"got {x.dtype} {list(x.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"grouped_mm_experts: topk_ids and topk_weights must be [T={x.shape[0]}, k], got "
+                         f"{list(topk_ids.shape)} and {list(topk_weights.shape)}")
+    num_experts, inter, k = w13.shape[0], w2.shape[2], topk_ids.shape[1]
+    w13t = w13.transpose(1, 2)  # [E, H, 2I] K-major (the layout `pack_experts` returns)
+    sorted_pairs, counts = align(topk_ids, num_experts)  # [R], [E] on the device
+    offs = counts.cumsum(0, dtype=torch.int32)
+    xs = x.index_select(0, sorted_pairs // k)  # [R, H] each sorted pair's token row
+    g = torch._grouped_mm(xs, w13t[:, :, :inter], offs=offs)  # [R, I]
+    u = torch._grouped_mm(xs, w13t[:, :, inter:], offs=offs)  # [R, I]
+    del xs
+    act = swiglu(g, u, limit)  # [R, I]
+    del g, u
+    y_sorted = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)  # [R, H] rows in expert order
+    del act
+    y = torch.empty_like(y_sorted)
+    y.index_copy_(0, sorted_pairs.long(), y_sorted)  # [R, H] at the pairs' rows
+    del y_sorted
+    y.mul_(topk_weights.reshape(-1, 1).to(x.dtype))  # NOTE: one rounding of a product of two x-dtype values
+    return combine(y, topk_ids)  # [T, H]
+
+
 @register_moe_backend("triton")
 class TritonMoEBackend(MoEBackend):
     """Grouped expert GEMMs in four launches, no host sync (see the module docstring)."""
@@ -102,6 +176,12 @@ class TritonMoEBackend(MoEBackend):
         """"triton" or "torch" (the ops' references), picked in `prepare` from the weights' device."""
         self.prepare_input = _identity
         """Applied to x and to the SwiGLU output before each projection (FP8 activation rounding, or nothing)."""
+        self.grouped_mm_min_rows = grouped_mm_min_rows_from_env()
+        """Rows (tokens x top-k) from which `forward` runs `grouped_mm_experts` where `grouped_mm_usable`;
+        0 = never. From `DEEPINFER_MOE_GROUPED_MM_MIN_ROWS` at construction; assignable."""
+        self.grouped_mm_usable = False
+        """Whether the experts can take the `_grouped_mm` route: plain float stacks whose device and dtype have
+        a fused `_grouped_mm` with aligned strides (decided in `prepare`; never for FP8 / FP4)."""
 
     def prepare(self, experts: Sequence[nn.Module]) -> None:
         first = experts[0]
@@ -133,8 +213,21 @@ class TritonMoEBackend(MoEBackend):
         self._up = get_op("moe_up", self.impl_name)
         self._down = get_op("moe_down", self.impl_name)
         self._combine = get_op("moe_combine", self.impl_name)
+        self._swiglu = get_op("swiglu", self.impl_name)
+        w = self.w13[0]
+        self.grouped_mm_usable = (self.wfmt == moe_gemm.WFMT_FLOAT and grouped_mm_fast(w.device, w.dtype)
+                                  and grouped_mm_aligned(w.shape[2], w.shape[1] // 2, w.dtype))
+
+    def uses_grouped_mm(self, num_rows: int) -> bool:
+        """Whether a forward of `num_rows` (token, expert) rows takes the `_grouped_mm` route (host ints only;
+        also False inside a CUDA-graph capture, so captured steps keep the four kernels)."""
+        return (self.grouped_mm_usable and 0 < self.grouped_mm_min_rows <= num_rows
+                and not (self.w13[0].is_cuda and torch.cuda.is_current_stream_capturing()))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.uses_grouped_mm(topk_ids.numel()):  # large batches (prefill): see the module docstring
+            return grouped_mm_experts(x.contiguous(), topk_weights.contiguous(), topk_ids.contiguous(), self.w13[0],
+                                      self.w2[0], self.limit, self._align, self._swiglu, self._combine)
         dtype, topk_ids = x.dtype, topk_ids.contiguous()
         x = self.prepare_input(x).contiguous()
         sorted_pairs, counts = self._align(topk_ids, self.w13[0].shape[0])  # [T*k], [E] on the device
