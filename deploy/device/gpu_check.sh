@@ -5,8 +5,9 @@
 #   bash deploy/device/gpu_check.sh bench   # roofline + kernel benchmarks, each under its own time limit
 #   bash deploy/device/gpu_check.sh extra   # the other issues' H200 figures: batch-invariant cost (23), speculative
 #                                           # decoding (24), V4.1 prefill with decoder replay on/off (28)
-#   bash deploy/device/gpu_check.sh mhc     # the mHC 'split' variant (2026-12-05, opt-in): its kernel benchmark
-#                                           # and the roofline with it on, to decide whether it becomes the default
+#   bash deploy/device/gpu_check.sh opt     # the opt-in variants of 2026-12-05 (mHC 'split', the MoE grouped_mm
+#                                           # prefill route): their benchmarks and the roofline with both on, to
+#                                           # decide whether they become the defaults
 #   bash deploy/device/gpu_check.sh all     # tests + bench (extra and mhc need calls of their own)
 # Logs and JSON go to $OUT (a tarball of the JSON, since only 8 files come back from a device call).
 # Each step has its own `timeout` so that one hung step leaves time (and output) for the rest.
@@ -35,7 +36,7 @@ GPU_TESTS=(
     tests/kernels tests/engine/attention tests/engine/test_cuda_graph.py tests/engine/test_gpu.py
     tests/engine/moe/test_triton_moe.py tests/engine/v41 tests/engine/quant/test_act_quant.py
     tests/engine/test_batch_invariance.py tests/engine/checkpoints/test_published_loader.py tests/engine/spec_decode/test_spec_async.py
-    tests/engine/spec_decode/test_verify_graph.py
+    tests/engine/spec_decode/test_verify_graph.py tests/engine/moe/test_grouped_mm_route.py
 )
 
 if [[ "$what" == tests || "$what" == all ]]; then
@@ -55,13 +56,16 @@ if [[ "$what" == bench || "$what" == all ]]; then
     step fp8_swap_ab 40 $B.fp8_swap_ab
     } 2>&1 | tee "$OUT/bench.log"
 fi
-if [[ "$what" == mhc ]]; then
+if [[ "$what" == opt ]]; then
     B="python3 -m deepinfer.benchmarks"
     {
-    step gpu_mhc 150 $B.gpu_mhc --json "$RES/gpu_mhc.json"
-    step roofline_mhc_split 240 env DEEPINFER_MHC_VARIANT=split $B.gpu_roofline --config v4-flash-4l --device cuda \
-        --batches 1,32,128 --attention-backend triton --moe-backend triton --json "$RES/gpu_roofline_mhc_split.json"
-    } 2>&1 | tee "$OUT/mhc.log"
+    step gpu_mhc 120 $B.gpu_mhc --json "$RES/gpu_mhc.json"
+    step moe_prefill_route 120 $B.moe_kernels --parts prefill,routed --formats bf16 --experts 64 \
+        --tokens 256,1024,4096 --json "$RES/moe_grouped_route.json"
+    step roofline_opt 240 env DEEPINFER_MHC_VARIANT=split DEEPINFER_MOE_GROUPED_MM_MIN_ROWS=4096 $B.gpu_roofline \
+        --config v4-flash-4l --device cuda --batches 1,32,128 --attention-backend triton --moe-backend triton \
+        --json "$RES/gpu_roofline_opt.json"
+    } 2>&1 | tee "$OUT/opt.log"
 fi
 
 if [[ "$what" == extra ]]; then
