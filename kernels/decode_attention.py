@@ -6,6 +6,8 @@ Module ops (`register_op(..., in_op_table=False)`; the `triton` attention backen
   state_start [B], block_tables [B, MB], entries [B, K] | None, rate, sink [NH], split_size) -> [B, NH, D]`.
 * `"ring_write"`: `(ring [S, R, width], slots [B], pos [B], src [B, width]) -> None`: row `pos % R` of
   each row's slot gets `src[b]` (the window ring's one-token write).
+* `"verify_attention"`: `decode_attention`'s arguments plus `new_kv [B, D]` and `queries_per_request` (Q), before
+  `split_size` -> [B, NH, D]: speculative verify rows (`verify_attention_torch` says how they differ).
 
 What a row attends to, all decided on the device from its own tensors (no host value per step):
 
@@ -82,8 +84,13 @@ def decode_attention_torch(q, ring, pool, slots, pos, state_start, block_tables,
                            split_size=DEFAULT_SPLIT_SIZE) -> torch.Tensor:
     """Reference decode attention (see the module docstring); float32 arithmetic, any device.
     `split_size` is accepted for a common signature and changes nothing here."""
-    B, NH, D = q.shape
     keys, valid = _window_keys(ring, slots, pos, state_start)
+    return _attend_rows(q, keys, valid, pool, pos, block_tables, entries, rate, sink)
+
+
+def _attend_rows(q, keys, valid, pool, pos, block_tables, entries, rate, sink) -> torch.Tensor:
+    """Rows' window keys [B, W, D] (valid [B, W]) plus their compressed entries and the sink, float32 arithmetic."""
+    B, NH, D = q.shape
     if pool is not None:
         epb = pool.shape[1]
         if entries is None:
@@ -99,6 +106,34 @@ def decode_attention_torch(q, ring, pool, slots, pos, state_start, block_tables,
     logits = torch.cat([logits, sink.float().view(1, NH, 1).expand(B, -1, -1)], dim=-1)
     probs = logits.softmax(dim=-1)[..., :-1]
     return torch.einsum("bhn,bnd->bhd", probs, kf).to(q.dtype)
+
+
+def _verify_window_keys(ring, slots, pos, state_start, new_kv, queries_per_request):
+    """`_window_keys` of verify rows: window keys at positions `>= pos - b % Q` (the step's own) come from
+    `new_kv` rows (row `b - (pos - key_pos)`), the older ones from the ring (which has not been written yet)."""
+    keys, valid = _window_keys(ring, slots, pos, state_start)
+    B, W = keys.shape[0], keys.shape[1]
+    j = torch.arange(W, device=ring.device)
+    key_pos = pos[:, None] - ((pos[:, None] - j[None, :]) % W)  # [B, W]
+    b = torch.arange(B, device=ring.device)[:, None]
+    is_new = key_pos >= (pos[:, None] - b % queries_per_request)
+    src = (b - (pos[:, None] - key_pos)).clamp(0, max(B - 1, 0))
+    return torch.where(is_new[..., None], new_kv[src].to(keys.dtype), keys), valid
+
+
+def verify_attention_torch(q, ring, pool, slots, pos, state_start, block_tables, entries, rate, sink, new_kv,
+                           queries_per_request, split_size=DEFAULT_SPLIT_SIZE) -> torch.Tensor:
+    """Reference verify attention: `decode_attention` over rows that are the queries of speculative verify chunks.
+
+    Rows come in groups of Q = `queries_per_request` (request b's query i is row `b * Q + i`, at position
+    `pos[row] = p_b + i`); `new_kv [B, D]` holds every row's own key in the same layout. The window ring still
+    holds the positions before the step (`p_b - W .. p_b - 1`: the step's keys are written after attention, since
+    row i's oldest window keys share ring rows with the step's later keys), so a row's window keys at positions
+    `>= p_b` come from `new_kv` (the key of position `p_b + t` is row `b * Q + t`), the older ones from the ring.
+    Compressed entries and the sink are `decode_attention`'s (the entries the step completes must already be in the
+    pool). Padding queries are padding rows (dummy slot, position 0: the sink alone)."""
+    keys, valid = _verify_window_keys(ring, slots, pos, state_start, new_kv, queries_per_request)
+    return _attend_rows(q, keys, valid, pool, pos, block_tables, entries, rate, sink)
 
 
 def masked_row_write(flat: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, ok: torch.Tensor) -> None:
@@ -122,6 +157,7 @@ def ring_write_torch(ring: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
 
 
 register_op("decode_attention", "torch", in_op_table=False)(decode_attention_torch)
+register_op("verify_attention", "torch", in_op_table=False)(verify_attention_torch)
 register_op("ring_write", "torch", in_op_table=False)(ring_write_torch)
 
 
@@ -130,6 +166,7 @@ def _pick(device: torch.device) -> str:
 
 
 register_default_impl("decode_attention")(_pick)
+register_default_impl("verify_attention")(_pick)
 register_default_impl("ring_write")(_pick)
 
 
@@ -142,6 +179,30 @@ def _check_index(name: str, what: str, t: torch.Tensor, shape: tuple[int, ...]) 
     if t.dtype != torch.int64 or tuple(t.shape) != shape or not t.is_contiguous():
         raise ValueError(f"{name}: {what} must be a contiguous int64 tensor of shape {list(shape)}, "
                          f"got {t.dtype} {list(t.shape)}")
+
+
+def _check_decode_args(op, q, ring, pool, slots, pos, state_start, block_tables, entries, sink) -> None:
+    """The shape, dtype and contiguity checks of `decode_attention` / `verify_attention` (`op`: the op's name)."""
+    if q.dim() != 3 or ring.dim() != 3 or ring.shape[2] != q.shape[2]:
+        raise ValueError(f"{op}: q [B, NH, D] and ring [S, W, D] expected, got {list(q.shape)} and {list(ring.shape)}")
+    B, NH, D = q.shape
+    for name, t in (("q", q), ("ring", ring)) + ((("pool", pool),) if pool is not None else ()):
+        if not t.is_contiguous():
+            raise ValueError(f"{op}: {name} must be contiguous (call .contiguous())")
+        if t.dtype != q.dtype:
+            raise ValueError(f"{op}: {name} is {t.dtype}, q is {q.dtype} (one dtype)")
+    if pool is not None and (pool.dim() != 3 or pool.shape[2] != D):
+        raise ValueError(f"{op}: pool must be [N, epb, {D}], got {list(pool.shape)}")
+    if sink.shape != (NH,) or sink.dtype != torch.float32:
+        raise ValueError(f"{op}: sink must be float32 [{NH}], got {sink.dtype} {list(sink.shape)}")
+    for name, t in (("slots", slots), ("pos", pos), ("state_start", state_start)):
+        _check_index(op, name, t, (B,))
+    MB = block_tables.shape[1] if block_tables.dim() == 2 else -1
+    _check_index(op, "block_tables", block_tables, (B, MB))
+    if entries is not None:
+        if pool is None:
+            raise ValueError(f"{op}: entries without a pool")
+        _check_index(op, "entries", entries, (B, entries.shape[-1]))
 
 
 # --------------------------------------------------------------------------- Triton
@@ -182,13 +243,15 @@ if triton is not None:
 
     @triton.jit
     def _decode_attn_kernel(
-        q_ptr, ring_ptr, pool_ptr, slots_ptr, pos_ptr, start_ptr, bt_ptr, idx_ptr, sink_ptr,
+        q_ptr, ring_ptr, pool_ptr, slots_ptr, pos_ptr, start_ptr, bt_ptr, idx_ptr, sink_ptr, new_ptr,
         out_ptr, part_o_ptr, part_ml_ptr,
-        num_slots, num_blocks, max_blocks, K, NH, scale,
+        num_slots, num_blocks, max_blocks, K, NH, NQ, scale,
         D: tl.constexpr, W: tl.constexpr, RATE: tl.constexpr, EPB: tl.constexpr, HAS_POOL: tl.constexpr,
         SPARSE: tl.constexpr, SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, VERIFY: tl.constexpr,
     ):
+        # VERIFY: rows are verify queries, NQ per request (`verify_attention_torch`): window keys of the step's own
+        # positions (>= pos - b % NQ) are read from new_ptr [B, D] (row b - (pos - key_pos)), older ones from the ring
         hg = tl.program_id(0)  # head groups of one (row, split) run side by side: the key tile is read from HBM
         s = tl.program_id(1)  # once and from L2 by the others
         b = tl.program_id(2)
@@ -215,7 +278,10 @@ if triton is not None:
                 key_pos = pos - ((pos - i + W) % W)
                 # NOTE: the slot test is made per key (not a scalar &): the interpreter widens scalar-vector masks
                 win_ok = is_win & (key_pos >= start_pos) & (slot + 0 * i < num_slots)
-                win_off = (slot * W + i) * D
+                win_ptrs = ring_ptr + (slot * W + i) * D
+                if VERIFY:
+                    is_new = key_pos >= pos - b % NQ
+                    win_ptrs = tl.where(is_new, new_ptr + (b - (pos - key_pos)) * D, win_ptrs)
                 if HAS_POOL:
                     ci = i - W
                     comp = in_range & (i >= W)
@@ -227,10 +293,10 @@ if triton is not None:
                     blk = tl.load(bt_ptr + b * max_blocks + c // EPB, mask=comp, other=num_blocks)
                     comp = comp & (blk < num_blocks)
                     pool_off = (blk * EPB + c % EPB) * D
-                    ptrs = tl.where(is_win, ring_ptr + win_off, pool_ptr + pool_off)
+                    ptrs = tl.where(is_win, win_ptrs, pool_ptr + pool_off)
                     valid = (win_ok | comp) & in_range  # comp is False on window rows
                 else:
-                    ptrs = ring_ptr + win_off
+                    ptrs = win_ptrs
                     valid = win_ok & in_range
                 k = tl.load(ptrs[:, None] + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
                 m_i, l_i, acc = online_softmax_step(q, k, valid, m_i, l_i, acc, scale, IEEE)
@@ -319,28 +385,34 @@ if triton is not None:
         row's result does not depend on its batch). `block_h`: heads per program (the dot's M dim);
         `block_n`: keys per tile (default `min(32, split_size)`).
         """
-        if q.dim() != 3 or ring.dim() != 3 or ring.shape[2] != q.shape[2]:
-            raise ValueError(f"decode_attention: q [B, NH, D] and ring [S, W, D] expected, got {list(q.shape)} "
-                             f"and {list(ring.shape)}")
+        _check_decode_args("decode_attention", q, ring, pool, slots, pos, state_start, block_tables, entries, sink)
+        return _launch(q, ring, pool, slots, pos, state_start, block_tables, entries, rate, sink, None, 1, split_size,
+                       block_h, block_n, num_warps)
+
+    @register_op("verify_attention", "triton", in_op_table=False)
+    def verify_attention_triton(q, ring, pool, slots, pos, state_start, block_tables, entries, rate, sink, new_kv,
+                                queries_per_request, split_size=DEFAULT_SPLIT_SIZE, block_h: int = 32,
+                                block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+        """Triton verify attention (`verify_attention_torch`; the decode kernel with its window reads switched
+        to `new_kv` for the step's own positions) -> [B, NH, D] in q's dtype. new_kv [B, D] in q's dtype,
+        contiguous; B a multiple of `queries_per_request`. The other arguments as `decode_attention_triton`."""
+        _check_decode_args("verify_attention", q, ring, pool, slots, pos, state_start, block_tables, entries, sink)
+        B, D = q.shape[0], q.shape[2]
+        if tuple(new_kv.shape) != (B, D) or new_kv.dtype != q.dtype or not new_kv.is_contiguous():
+            raise ValueError(f"verify_attention: new_kv must be a contiguous {q.dtype} [{B}, {D}] tensor, got "
+                             f"{new_kv.dtype} {list(new_kv.shape)}")
+        Q = int(queries_per_request)
+        if Q < 1 or B % Q:
+            raise ValueError(f"verify_attention: {B} rows are not a multiple of queries_per_request={Q}")
+        return _launch(q, ring, pool, slots, pos, state_start, block_tables, entries, rate, sink, new_kv, Q,
+                       split_size, block_h, block_n, num_warps)
+
+    def _launch(q, ring, pool, slots, pos, state_start, block_tables, entries, rate, sink, new_kv, nq, split_size,
+                block_h, block_n, num_warps) -> torch.Tensor:
+        """The split kernel (+ the reduce kernel for rows of several splits) over checked arguments."""
         B, NH, D = q.shape
         S, W = ring.shape[0], ring.shape[1]
-        for name, t in (("q", q), ("ring", ring)) + ((("pool", pool),) if pool is not None else ()):
-            if not t.is_contiguous():
-                raise ValueError(f"decode_attention: {name} must be contiguous (call .contiguous())")
-            if t.dtype != q.dtype:
-                raise ValueError(f"decode_attention: {name} is {t.dtype}, q is {q.dtype} (one dtype)")
-        if pool is not None and (pool.dim() != 3 or pool.shape[2] != D):
-            raise ValueError(f"decode_attention: pool must be [N, epb, {D}], got {list(pool.shape)}")
-        if sink.shape != (NH,) or sink.dtype != torch.float32:
-            raise ValueError(f"decode_attention: sink must be float32 [{NH}], got {sink.dtype} {list(sink.shape)}")
-        for name, t in (("slots", slots), ("pos", pos), ("state_start", state_start)):
-            _check_index("decode_attention", name, t, (B,))
-        MB = block_tables.shape[1] if block_tables.dim() == 2 else -1
-        _check_index("decode_attention", "block_tables", block_tables, (B, MB))
-        if entries is not None:
-            if pool is None:
-                raise ValueError("decode_attention: entries without a pool")
-            _check_index("decode_attention", "entries", entries, (B, entries.shape[-1]))
+        MB = block_tables.shape[1]
         block_n = block_n or min(32, split_size)
         if split_size % block_n or block_n < 16 or block_n & (block_n - 1):
             raise ValueError(f"decode_attention: split_size ({split_size}) must be a multiple of block_n "
@@ -364,11 +436,11 @@ if triton is not None:
         idx = entries if sparse else slots
         grid = (triton.cdiv(NH, BLOCK_H), num_splits, B)
         _decode_attn_kernel[grid](
-            q, ring, pool_t, slots, pos, state_start, block_tables, idx, sink, out, part_o, part_ml,
-            S, pool.shape[0] if has_pool else 0, MB, K, NH, D**-0.5,
+            q, ring, pool_t, slots, pos, state_start, block_tables, idx, sink, ring if new_kv is None else new_kv, out,
+            part_o, part_ml, S, pool.shape[0] if has_pool else 0, MB, K, NH, nq, D**-0.5,
             D=D, W=W, RATE=rate if has_pool else 1, EPB=epb, HAS_POOL=has_pool, SPARSE=sparse, SPLIT=split_size,
             NUM_SPLITS=num_splits, BLOCK_N=block_n, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, IEEE=ieee,
-            num_warps=warps, num_stages=2,
+            VERIFY=new_kv is not None, num_warps=warps, num_stages=2,
         )
         if num_splits > 1:
             BLOCK_HR = min(BLOCK_H, 16)

@@ -20,8 +20,18 @@ Prefill chunks (and the prefill part of a mixed step) run eagerly: per chunk the
 `torch` backend (entries written to the pools) and, for CSA, the indexer's selection of every query with
 `indexer_topk` (each query a row at its own position); then the window + entries + sink of every chunk of
 the step in one `prefill_attention` launch per layer (`kernels.prefill_attention`; its per-token table is
-built once per step), and the chunks' last keys into their rings. Verify rows (speculative decoding) and decode rows of metadata built elsewhere (not
+built once per step), and the chunks' last keys into their rings. Decode rows of metadata built elsewhere (not
 static: the MTP layer's own builder) take the `torch` path.
+
+Verify rows (speculative decoding, `AttentionMetadata.verify`, ragged or the static form of verify CUDA graphs) run
+through the decode kernels, each verify query a decode row (`_verify_batched`): request b's query i is row
+`b * N + i` with the request's slot and block table at position `p_b + i`; padding queries are padding rows (the
+dummy slot, position 0). Per layer: the compressors' multi-token update as the `torch` backend (static form
+included: the step's new entries are in the pools first); for CSA `indexer_topk` over the rows; then
+`verify_attention` (`kernels.decode_attention`: the decode kernel whose window reads take the step's own keys
+from the step's K=V rows, since the ring, written after attention as in the `torch` backend, still holds the
+older ones); then the ring write. The rows' positions, slots, state starts and per-row block tables are built once
+per forward (`_VerifyRowArgs`), not per layer.
 
 Each kernel is a module op of `kernels.registry` with a torch reference: on a device without Triton
 (the CPU) the backend runs those references, the same static-metadata arithmetic in plain torch;
@@ -55,7 +65,8 @@ from deepinfer.kernels import indexer as _indexer  # noqa: F401
 from deepinfer.kernels.prefill_attention import PrefillSpans
 from deepinfer.kernels.registry import default_impl, get_op
 
-_OPS = ("ring_write", "compressor_decode", "write_entries", "indexer_topk", "decode_attention", "prefill_attention")
+_OPS = ("ring_write", "compressor_decode", "write_entries", "indexer_topk", "decode_attention", "prefill_attention",
+        "verify_attention")
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,7 @@ class _DecodeOps:
     indexer_topk: object
     decode_attention: object
     prefill_attention: object
+    verify_attention: object
 
 
 @dataclass
@@ -77,6 +89,21 @@ class _ChunkEntries:
 
     comp: torch.Tensor  # [C1, D] the request's entries 0 .. C1 - 1
     selected: torch.Tensor | None  # [n, topk] int64 entry indices per query (-1 none; CSA), None: all visible
+
+
+@dataclass
+class _VerifyRowArgs:
+    """A step's verify rows as decode-kernel rows (request b's query i is row `b * N + i`), shared by its layers."""
+
+    pos: torch.Tensor  # [B * N] p_b + i (padding queries: 0)
+    slots: torch.Tensor  # [B * N] the request's slot (padding queries: the cache's dummy slot, never read)
+    state_start: dict[int, torch.Tensor]  # window W -> [B * N] the oldest position of the request's window keys
+    tables: dict[tuple[int, bool], torch.Tensor | None]
+    """Compressor geometry -> [B * N, blocks] the request's block table (the blocks of its entries; None while no
+    request has an entry)."""
+    no_entries: dict[tuple[int, bool], object]
+    """Compressor geometry -> its `VerifyCompressor` without `entry_rows` (the torch update without the gather)."""
+    no_table: torch.Tensor  # [B * N, 1] for layers without compressed entries (never read)
 
 
 @register_attention_backend("triton")
@@ -94,6 +121,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
         self._ops: dict[torch.device, _DecodeOps] = {}
         self._spans_meta: AttentionMetadata | None = None
         self._spans: dict[int, PrefillSpans] = {}
+        self._vrows: tuple[object, int, _VerifyRowArgs] | None = None  # (VerifyRows, last layer, its rows)
 
     @classmethod
     def build_metadata(cls, batch, specs: tuple[LayerSpec, ...], rope_fns: dict[str, RopeFn],
@@ -135,6 +163,66 @@ class TritonAttentionBackend(TorchAttentionBackend):
         out = ops.decode_attention(q, ring, pool, dm.slots, dm.pos, dm.state_start, dm.block_tables, entries,
                                    rate, inputs.sink.float(), self.split_size)
         return out.to(inputs.q.dtype)
+
+    # -- verify rows (speculative decoding) -------------------------------------------------------
+
+    def _verify_batched(self, spec: LayerSpec, vr, inputs: AttentionInputs, cache: V4KVCache,
+                        meta: AttentionMetadata) -> torch.Tensor:
+        """Every verify query a decode row (see the module docstring), in the `torch` backend's order: the
+        compressors (new entries written), the indexer's top-k, the attention over the ring's older keys, the
+        step's own keys and the entries, then the step's keys into the ring. Returns [T, NH, D] in
+        `vr.flat_rows` order (the static form: all `B * N` rows)."""
+        ops = self.ops_for(inputs.q.device)
+        rows = self._verify_rows(spec, vr, cache, meta)
+        B, N = vr.token_index.shape
+        ti = None if vr.is_static else vr.token_index.flatten()  # static: row b * N + i is token b * N + i
+
+        def take(x: torch.Tensor) -> torch.Tensor:
+            return x if ti is None else x[ti]
+
+        pool = tables = entries = None
+        rate = spec.compress_rate
+        if spec.is_compressed:
+            key = (rate, spec.is_overlap)
+            pool, buf_kv, buf_gate, ipool, ibuf_kv, ibuf_gate = _pools(spec, cache)
+            geo = rows.no_entries[key]
+            self._verify_compressor(inputs.compressor, inputs.compressor_kv, inputs.compressor_gate, buf_kv, buf_gate,
+                                    vr, geo, pool)
+            if spec.has_indexer:
+                self._verify_compressor(inputs.indexer.compressor, inputs.index_kv, inputs.index_gate, ibuf_kv,
+                                        ibuf_gate, vr, geo, ipool)
+            tables = rows.tables[key]
+            if tables is None:  # no request has an entry yet (ragged form)
+                pool = None
+            elif spec.has_indexer:
+                indexer = inputs.indexer
+                cos, sin = meta.rope[spec.rope]
+                qi = indexer._queries(take(inputs.q_res), take(cos), take(sin)).to(ipool.dtype).contiguous()
+                weights = (indexer.weights_proj(take(inputs.x)).float() * indexer.num_heads**-0.5).contiguous()
+                entries = ops.indexer_topk(qi, weights, ipool, rows.pos, tables, rate, indexer.topk)
+        ring = cache.window_kv[spec.layer_idx]  # [slots, W, D]
+        q = take(inputs.q).to(ring.dtype).contiguous()  # [B * N, NH, D]
+        new_kv = take(inputs.kv).to(ring.dtype).contiguous()  # [B * N, D]
+        out = ops.verify_attention(q, ring, pool, rows.slots, rows.pos, rows.state_start[spec.window],
+                                   rows.no_table if tables is None else tables, entries, rate, inputs.sink.float(),
+                                   new_kv, N, self.split_size)
+        src = vr.flat_rows if vr.write_src is None else vr.write_src  # static form: padding mirrors a real key
+        ring[vr.write_slots, vr.windows[spec.window].write_rows] = inputs.kv[src].to(ring.dtype)  # after the reads
+        out = out.to(inputs.q.dtype)
+        return out if vr.is_static else out.view(B, N, *out.shape[1:])[vr.is_valid]
+
+    def _verify_rows(self, spec: LayerSpec, vr, cache: V4KVCache, meta: AttentionMetadata) -> _VerifyRowArgs:
+        """The step's `_VerifyRowArgs`, built by the first layer of each forward over `vr` and reused by the
+        later ones (keyed on `vr`, which a mixed step's per-layer copy of `meta` shares; a forward visits its layers
+        in increasing order, so a layer index not above the last one seen starts a new forward, e.g. a re-run or a
+        graph capture over the same static metadata with new values copied in)."""
+        cached = self._vrows
+        if cached is not None and cached[0] is vr and spec.layer_idx > cached[1]:
+            self._vrows = (vr, spec.layer_idx, cached[2])
+            return cached[2]
+        args = _verify_row_args(vr, cache, meta)
+        self._vrows = (vr, spec.layer_idx, args)
+        return args
 
     @staticmethod
     def _compress(ops: _DecodeOps, spec: LayerSpec, dm: DecodeRows, comp, kv, gate, buf_kv, buf_gate,
@@ -228,3 +316,35 @@ class TritonAttentionBackend(TorchAttentionBackend):
                                        [c.state_start for c in ch], rate, device)
             self._spans[rate] = spans
         return spans
+
+
+def _verify_row_args(vr, cache: V4KVCache, meta: AttentionMetadata) -> _VerifyRowArgs:
+    """Verify rows (`engine.spec_decode.verify_rows.VerifyRows`, either form) as decode-kernel rows, from device
+    tensors only (no host sync: it runs inside verify CUDA graphs).
+
+    * position `p_b + i` (`meta.positions` of the query's token), 0 on padding queries, whose slot is the cache's
+      dummy slot: the kernels read nothing for them (the `torch` backend's padding sees no key either);
+    * the window's state start: the ring rows of positions `p_b - W + 1 .. p_b - 1` that hold a key of the request
+      are its last `alive` ones (`VerifyWindow.hist_alive`), so keys at positions `>= p_b - alive` are valid;
+    * block tables: request b's entry `c` is at flat pool row `entry_rows[b, c]` =
+      `block_table[c // epb] * epb + c % epb` for every entry it has (`c < C1_b`), so the blocks are
+      `entry_rows[b, ::epb] // epb`; a row reads only entries `c < (pos + 1) // rate <= C1_b`, so the blocks past
+      the request's entries (0 in `entry_rows`) are never read.
+    """
+    ti, valid = vr.token_index, vr.is_valid
+    B, N = ti.shape
+    qpos = meta.positions[ti]  # [B, N]
+    pos = torch.where(valid, qpos, torch.zeros_like(qpos)).flatten().contiguous()
+    slots = torch.where(valid, vr.slots[:, None], torch.full_like(qpos, cache.dummy_slot)).flatten().contiguous()
+
+    def per_row(x: torch.Tensor) -> torch.Tensor:  # [B, ...] -> [B * N, ...]
+        return x[:, None].expand(B, N, *x.shape[1:]).reshape(B * N, *x.shape[1:]).contiguous()
+
+    starts = {W: per_row(qpos[:, 0] - g.hist_alive.sum(dim=1)) for W, g in vr.windows.items()}
+    tables, no_entries = {}, {}
+    for key, geo in vr.compressors.items():
+        epb = cache.block_size // key[0]
+        tables[key] = None if geo.entry_rows is None else per_row(geo.entry_rows[:, ::epb] // epb)
+        no_entries[key] = dataclasses.replace(geo, entry_rows=None)
+    no_table = torch.full((B * N, 1), cache.dummy_block, dtype=torch.long, device=pos.device)
+    return _VerifyRowArgs(pos, slots, starts, tables, no_entries, no_table)
