@@ -54,6 +54,8 @@ class ModelRunner:
         if not self.cuda_graph_blockers:
             sizes = graph_batch_sizes(max_num_seqs or cache.num_slots, cuda_graph_batch_sizes)
             self.cuda_graphs = CudaGraphRunner(model, cache, sizes)
+            if hasattr(model, "static_decode"):  # DeepSeek-V4.1: graphs need its static decode rows (docs/V4_1.md §16)
+                model.static_decode = True
         self.defer_verify_metadata = False
         """Speculative decoding with verify graphs (`SpecDecoding.make_executor` sets it): a pure verify step (every
         request samples its `1 + L` tokens) gets no ragged `attn_metadata` here; the verify graph runner builds the

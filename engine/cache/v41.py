@@ -18,6 +18,10 @@ source's entries (and index keys). So the paged pools have one row per KV source
 
 Prefix hashing, the block pool and bounded replay work as for V4 (one block table per request; the
 bounded state is rebuilt by recomputing recent tokens, `exact_replay_tokens`).
+
+Padding rows (CUDA-graph decode) use `dummy_slot` / `dummy_block`, ids one past the real ranges as in `V4KVCache`,
+owning no memory (the pools keep their `PoolLayout` shapes): the static decode path of
+`engine.models.deepseek_v41.PagedAttention` reads clamped rows for them, masks them, and writes nothing.
 """
 
 from __future__ import annotations

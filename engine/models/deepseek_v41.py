@@ -37,6 +37,11 @@ selections within the step), Engram hashes from a per-slot history ring, and dec
 on only; `_decoder_tail`). Image spans (the vision tower's rows, `engine.models.vision_v41`) replace their
 positions' input rows, route with `bias_vl` and are dead tokens for Engram. The DSpark draft stages (`mtp`) are
 `engine.models.dspark`; the step hands the drafter its features (`forward(return_streams=True)`).
+
+With `static_decode` (set by the engine's `ModelRunner` when it runs graphs) the step's decode rows are V4's static
+form (`PagedAttention._decode_static`, `_engram_grams_static`): shapes from the batch size and the cache geometry,
+every decision on the device, padding rows masked, so `engine.cuda_graph.CudaGraphRunner` captures and replays
+pure-decode steps (docs/V4_1.md §16).
 """
 
 from __future__ import annotations
@@ -274,7 +279,8 @@ def candidate_blocks(scores: torch.Tensor, counts: torch.Tensor, num_blocks: int
     top = torch.sort(best, dim=-1, descending=True, stable=True)
     k = min(num_blocks, nb)
     keep = torch.zeros_like(best, dtype=torch.bool).scatter_(-1, top.indices[:, :k], top.values[:, :k] > float("-inf"))
-    return keep.repeat_interleave(block, dim=-1)[:, :C]
+    # NOTE: an expand, not `repeat_interleave`, whose CUDA kernel may size its output from a device read
+    return keep[:, :, None].expand(T, nb, block).reshape(T, nb * block)[:, :C]
 
 
 class Indexer(nn.Module):
@@ -464,20 +470,44 @@ class PagedAttention:
     "decode" or a prefill chunk's index).
 
     Not a registered `AttentionBackend`: the seam's `AttentionInputs` / `LayerSpec` carry V4's per-layer
-    compressor and indexer, not V4.1's cross-layer reuse. `cuda_graph_safe` is False (eager decode).
+    compressor and indexer, not V4.1's cross-layer reuse.
+
+    **Static decode rows** (`DecodeRows.is_static`: what the model builds with `DeepseekV41ForCausalLM.static_decode`)
+    run `_decode_static`, whose shapes come from the batch size and the cache geometry only and whose every decision
+    is taken on the device, so a pure-decode step is captured and replayed as a CUDA graph
+    (`engine.cuda_graph.CudaGraphRunner`; `cuda_graph_safe = True`): every request's block table is padded to
+    `cache.max_blocks_per_seq` (C = that many blocks' entries per row, masked by position), a KV source updates its
+    buffer and emits the group its token completes under a mask (`_write_rows`), an index source scores all C index
+    keys (causal visibility and the candidate mask as masks), and attention gathers the `index_topk` selected entries
+    of the row. Padding rows (`cache.dummy_slot`, a table of `cache.dummy_block`, position 0; ids one past the
+    pools, which own no memory for them) read clamped rows, are masked out and write nothing a real row reads. The
+    host-decided rows (the default: today's bits) keep the path above. A subclass (the batch-invariant mode's)
+    is graph-safe only if it says so itself (`__init_subclass__`): the model then builds host-decided rows for it.
     """
 
     name = "v41-torch"
-    cuda_graph_safe = False
+    cuda_graph_safe = True
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        # NOTE: a subclass overriding the hooks (`engine.batch_invariant.BatchInvariantPagedAttention`) has not been
+        # checked for the static path: not graph-safe unless it declares so
+        cls.cuda_graph_safe = cls.__dict__.get("cuda_graph_safe", False)
 
     def __init__(self) -> None:
         self.selection: dict[object, torch.Tensor | None] = {}
         self.candidates: dict[object, torch.Tensor | None] = {}
+        self.selection_topk = 0
+        """`index_topk` of the index sources (the most entries a selection holds; set by the first that publishes)."""
+        self._static_rows: dict[tuple[int, int], tuple] = {}
+        self._picked: dict[int, tuple] = {}
 
     def reset(self) -> None:
         """Forget the previous step's selections (each step starts with its own sources)."""
         self.selection.clear()
         self.candidates.clear()
+        self._static_rows.clear()
+        self._picked.clear()
 
     def __call__(self, attn: Attention, layer: int, x: torch.Tensor, meta, cache) -> torch.Tensor:
         """x [T, H] (after attn_norm) of the flat batch -> [T, H]; reads and writes `cache`."""
@@ -492,7 +522,11 @@ class PagedAttention:
             pools = (cache.entries(r)[row], cache.index_keys(r)[row], row)
         spec, dt = _PagedSpec(layer, attn.window), cache.window_kv.dtype
         dm = meta.decode
-        if dm is not None:
+        if dm is not None and dm.is_static:
+            rr, (dcos, dsin) = dm.rows, dm.rope["compress" if r else "main"]
+            out[rr] = self._decode_static(attn, layer, r, x[rr], qr[rr], q[rr], kv[rr], dcos, dsin, sink, dm, cache,
+                                          pools)
+        elif dm is not None:
             rr = dm.rows
             extra = self._decode_compressed(attn, r, x[rr], qr[rr], cos[rr], sin[rr], dm, cache, pools) if r else None
             out[rr] = self._decode_attend(q[rr], kv[rr], sink, cache.window_kv[layer], dm, attn.window, extra)
@@ -630,6 +664,151 @@ class PagedAttention:
             o = o + torch.einsum("bhc,bcd->bhd", probs[..., W:W + entries.shape[1]], entries)
         return o
 
+    # -- static decode rows (CUDA-graph safe: shapes from B and the cache geometry, decisions on the device) ----------
+
+    def _decode_static(self, attn: Attention, layer: int, r: int, x, qr, q, kv, cos, sin, sink, dm, cache,
+                       pools) -> torch.Tensor:
+        """Static decode rows [B] of one layer: the window ring write, the compressed branch (`_static_compressed`) and
+        the attention over the ring + the selected entries + the sink -> [B, NH, D] float32."""
+        ring = cache.window_kv[layer]  # [slots, W, D]
+        S, W = ring.shape[0], attn.window
+        _ring_write(ring, dm.slots, dm.pos, kv)  # padding slots (>= S) write nothing
+        extra = self._static_compressed(attn, r, x, qr, cos, sin, dm, cache, pools) if r else None
+        keys = ring[dm.slots.clamp(max=S - 1)]  # [B, W, D]: a padding row reads a clamped slot, all masked
+        valid = dm.window_valid[W] & (dm.slots < S)[:, None]
+        return self._attend_static(q, keys, valid, sink, extra)
+
+    @staticmethod
+    def _attend_static(q, keys, valid, sink, extra) -> torch.Tensor:
+        """`_decode_attend`'s math over keys [B, W, D] (ring rows) masked by valid [B, W] (its own write done before)."""
+        keys = keys.float()
+        W, scale = keys.shape[1], q.shape[-1]**-0.5
+        parts = [(torch.einsum("bhd,bwd->bhw", q, keys) * scale).masked_fill(~valid[:, None, :], float("-inf"))]
+        if extra is not None:
+            entries, mask = extra
+            entries = entries.float()
+            parts.append((torch.einsum("bhd,bcd->bhc", q, entries) * scale).masked_fill(~mask[:, None, :],
+                                                                                        float("-inf")))
+        parts.append(sink.view(1, -1, 1).expand(q.shape[0], -1, 1))
+        probs = torch.cat(parts, dim=-1).softmax(dim=-1)  # the sink keeps every row finite (padding rows too)
+        o = torch.einsum("bhw,bwd->bhd", probs[..., :W], keys)
+        if extra is not None:
+            o = o + torch.einsum("bhc,bcd->bhd", probs[..., W:W + entries.shape[1]], entries)
+        return o
+
+    def _static_index(self, dm, r: int, num_blocks: int, epb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat pool rows [B, C], visible [B, C]) of entries 0 .. C - 1 (C = the padded table's blocks x `epb`) of
+        every row at ratio `r`: entry c is visible once its group ended at or before the row's token and its block is
+        real (a padding row's tables are `dummy_block`: nothing). Built once per step and ratio (the layers share it)."""
+        key = (id(dm), r)
+        hit = self._static_rows.get(key)
+        if hit is not None and hit[0] is dm:
+            return hit[1], hit[2]
+        C = dm.block_tables.shape[1] * epb
+        c = torch.arange(C, device=dm.pos.device)
+        blk = dm.block_tables[:, c // epb]  # [B, C]
+        visible = (c[None, :] < ((dm.pos + 1) // r)[:, None]) & (blk < num_blocks)
+        rows = torch.where(visible, blk * epb + c % epb, torch.zeros_like(blk))
+        self._static_rows[key] = (dm, rows, visible)
+        return rows, visible
+
+    def _static_compressed(self, attn: Attention, r: int, x, qr, cos, sin, dm, cache, pools):
+        """Static decode rows' compressed branch: a KV source buffers its token's projections and emits the group it
+        completes (masked: rows whose token ends no group, ends a frozen one or is padding write nothing); an index
+        source scores the C visible index keys and publishes its selection (the candidate source its block mask) as
+        [B, C] masks; every compressed layer gathers the selection's entries: (entries [B, K, D], valid [B, K]) with
+        K = min(index_topk, C), or None when no selection was published for the decode rows."""
+        entries, keys_pool, row = pools
+        N, epb = entries.shape[0], entries.shape[1]
+        if attn.compressor is not None:
+            ring_kv = cache.tensors[f"comp_kv_r{r}"][row]  # [slots, r, D]
+            S = ring_kv.shape[0]
+            kvp, gp = attn.compressor.project(x)
+            _ring_write(ring_kv, dm.slots, dm.pos, kvp)
+            ring_gate = None
+            if gp is not None:
+                ring_gate = cache.tensors[f"comp_gate_r{r}"][row]
+                _ring_write(ring_gate, dm.slots, dm.pos, gp)
+            w = (dm.pos + 1) // r - 1  # the group the row's token would complete (-1: none yet)
+            wc = w.clamp(min=0)
+            blk = dm.block_tables.gather(1, (wc // epb).clamp(max=dm.block_tables.shape[1] - 1)[:, None])[:, 0]
+            done = ((dm.pos + 1) % r == 0) & (w >= dm.frozen // r) & (dm.slots < S) & (blk < N)
+            s = dm.slots.clamp(max=S - 1)
+            # NOTE: no overlap: the group's tokens are the slot's whole buffer, rows 0 .. r - 1 in position order
+            latent = attn.compressor.pool(ring_kv[s], None if ring_gate is None else ring_gate[s])  # [B, D]
+            ecos, esin = dm.entry_rope[r]
+            _write_rows(entries.view(-1, entries.shape[-1]), blk * epb + wc % epb,
+                        apply_rope(latent, ecos, esin), done)
+            keys = attn.indexer.index_keys(latent.to(attn.indexer.wk.weight.dtype), ecos, esin)
+            _write_rows(keys_pool.view(-1, keys_pool.shape[-1]), blk * epb + wc % epb, keys, done)
+        rows, visible = self._static_index(dm, r, N, epb)
+        C = rows.shape[1]
+        if attn.indexer is not None:
+            keys = keys_pool.view(-1, keys_pool.shape[-1])[rows]  # [B, C, ID]
+            scores = self._index_scores(attn.indexer, x, qr, keys, cos, sin)
+            cand = self.candidates.get("decode")
+            sel, published = attn.indexer.select(scores, visible, (dm.pos + 1) // r,
+                                                 None if cand is None else _fit_width(cand, C))
+            self.selection["decode"] = sel
+            self.selection_topk = attn.indexer.topk
+            if attn.indexer.is_candidate_source:
+                self.candidates["decode"] = published
+        sel = self.selection.get("decode")
+        if sel is None:  # a mixed step's decode rows after the decoder-replay cut with nothing visible
+            return None
+        picked = self._picked.get(id(sel))
+        if picked is None or picked[0] is not sel or picked[1].shape[1] != C:
+            mask = _fit_width(sel, C)
+            K = min(self.selection_topk or C, C)
+            if K < C:  # the (at most K) selected entries, in entry order (a stable sort puts them first)
+                order = torch.sort(mask.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :K]
+                picked = (sel, rows.gather(1, order), mask.gather(1, order))
+            else:
+                picked = (sel, rows, mask)
+            self._picked[id(sel)] = picked
+        return entries.view(-1, entries.shape[-1])[picked[1]], picked[2]
+
+
+def _fit_width(mask: torch.Tensor, C: int) -> torch.Tensor:
+    """A [B, C'] entry mask as [B, C]: cut, or padded with False (host shapes only; a pure decode step's are C)."""
+    if mask.shape[1] == C:
+        return mask
+    if mask.shape[1] > C:
+        return mask[:, :C]
+    return F.pad(mask, (0, C - mask.shape[1]), value=False)
+
+
+def _ring_write(ring: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, src: torch.Tensor) -> None:
+    """`ring[slot, pos % R] = src` for every row whose slot is real ([S, R, width]; padding slots `>= S` write
+    nothing): the registered `ring_write` op (one Triton launch on CUDA, `masked_row_write` elsewhere)."""
+    op = _RING_WRITE.get(ring.device)
+    if op is None:
+        from deepinfer.kernels import decode_attention  # noqa: F401  (registers the op)
+        from deepinfer.kernels.registry import default_impl, get_op
+
+        op = _RING_WRITE[ring.device] = get_op("ring_write", default_impl("ring_write", ring.device))
+    op(ring, slots, pos, src.to(ring.dtype).contiguous())
+
+
+_RING_WRITE: dict[torch.device, object] = {}
+"""The `ring_write` implementation picked per device (once)."""
+
+
+def _write_rows(flat: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, ok: torch.Tensor) -> None:
+    """`flat[rows[b]] = src[b]` where `ok[b]`, decided on the device (no host sync, no data-dependent shape).
+
+    NOTE: `index_put_` keeps an arbitrary one of duplicate indices, so a masked-off row must not even write an old
+    value back where a real row writes: every masked-off row repeats the first writing row's write (none writing:
+    every row rewrites one row with its current value). The semantics of `kernels.decode_attention.masked_row_write`,
+    with the first row taken by a [1]-shaped index instead of a 0-dim tensor (indexing by a 0-dim tensor may read it
+    on the host)."""
+    first = ok.to(torch.int64).argmax(dim=0, keepdim=True)  # [1]
+    target = torch.where(ok, rows, rows.index_select(0, first)).clamp(min=0, max=flat.shape[0] - 1)
+    src = src.to(flat.dtype)
+    head = torch.where(ok.index_select(0, first)[:, None], src.index_select(0, first),
+                       flat.index_select(0, target.index_select(0, first)))  # [1, width]
+    flat[target] = torch.where(ok[:, None], src, head)
+
 
 @dataclass(frozen=True)
 class _PagedSpec:
@@ -766,6 +945,13 @@ class DeepseekV41ForCausalLM(nn.Module):
         mode's (`engine.batch_invariant.enable_batch_invariant`, once; it also swaps `backend` and the MoE backends)."""
         self.is_batch_invariant = False
         """Whether `enable_batch_invariant` switched this model to batch-invariant numerics."""
+        self.static_decode = False
+        """Whether the step metadata has static decode rows (`DecodeRows.is_static`: `PagedAttention._decode_static`,
+        what a CUDA graph captures). The engine's `ModelRunner` turns it on when it runs decode steps as CUDA graphs
+        (every step then reads the static rows, eager ones included); only while `backend` is `cuda_graph_safe` (not
+        under the batch-invariant mode, whose paged attention keeps the host-decided rows). Off, the host-decided
+        rows: bit for bit what they were; the static rows give the same tokens with other float rounding (e.g. a KV
+        source pools every row's group under a mask, attention reads only the selected entries)."""
 
     @property
     def image_encoder(self):
@@ -867,27 +1053,68 @@ class DeepseekV41ForCausalLM(nn.Module):
         from deepinfer.engine.attention.base import build_attention_metadata
 
         rope_fns = {"main": lambda p: self._rope("main", p), "compress": lambda p: self._rope("compress", p)}
-        return build_attention_metadata(batch, self.layer_specs, rope_fns, cache.block_size)
+        static = (cache.max_blocks_per_seq, cache.dummy_block) if self.uses_static_decode(cache) else None
+        return build_attention_metadata(batch, self.layer_specs, rope_fns, cache.block_size, static_decode=static)
 
-    def _engram_rows_paged(self, batch, cache, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def uses_static_decode(self, cache) -> bool:
+        """Whether this model's steps over `cache` get static decode rows (`static_decode`)."""
+        return (self.static_decode and getattr(self.backend, "cuda_graph_safe", False)
+                and getattr(cache, "dummy_block", None) is not None)
+
+    def _engram_rows_paged(self, batch, cache, image_mask: torch.Tensor | None = None, meta=None) -> torch.Tensor:
         """Engram row ids [T, L, cols] of the step's new tokens, each request's history read from (and its newest
         tokens written to) its slot's `engram_tokens` ring. History before the slot's `state_start` (or before
         position 0) counts as no token: exact for positions whose `max_ngram - 1` predecessors were computed in
         this life (a replay covers them: `exact_replay_tokens`). Image positions (`image_mask` [T]) are dead tokens
-        (-1 in the ring: the n-grams through them latch to the pad)."""
+        (-1 in the ring: the n-grams through them latch to the pad). Static decode rows of `meta`
+        (`DecodeRows.is_static`) read and write the ring on the device (`_engram_grams_static`)."""
         ring = cache.tensors["engram_tokens"][0]  # [slots, m1]
         m1 = ring.shape[-1]
-        device = batch.input_ids.device
         ids = batch.input_ids if image_mask is None else batch.input_ids.masked_fill(image_mask, -1)
-        grams = []
-        for i, s in enumerate(batch.seqs):
-            a, n, p0 = batch.starts[i], s.num_new_tokens, s.num_computed_tokens
-            hp = torch.arange(p0 - m1, p0, device=device)
-            hist = torch.where(hp >= s.state_start, ring[s.slot, hp % m1], -1)
-            ext = torch.cat([hist, ids[a:a + n]])  # positions p0 - m1 .. p0 + n - 1
-            grams.append(torch.stack([ext[m1 - k:m1 - k + n] for k in range(m1 + 1)], dim=-1))  # [n, m1 + 1]
-            ring[s.slot, torch.arange(p0 + n - m1, p0 + n, device=device) % m1] = ext[-m1:]
+        dm = None if meta is None else meta.decode
+        if dm is not None and dm.is_static:
+            dgrams = self._engram_grams_static(dm, ids[dm.rows], ring)
+            if meta.is_pure_decode:  # every row a decode row, in order
+                return self.engram_hash.hash_grams(dgrams)
+            grams_t = dgrams.new_empty(batch.num_tokens, m1 + 1)
+            grams_t[dm.rows] = dgrams
+            decode_ids = set(dm.seq_ids)
+            for i, s in enumerate(batch.seqs):
+                if i not in decode_ids:
+                    a, n = batch.starts[i], s.num_new_tokens
+                    grams_t[a:a + n] = self._engram_grams_chunk(s, ids[a:a + n], ring)
+            return self.engram_hash.hash_grams(grams_t)
+        grams = [self._engram_grams_chunk(s, ids[a:a + s.num_new_tokens], ring) for a, s in zip(batch.starts,
+                                                                                                   batch.seqs)]
         return self.engram_hash.hash_grams(torch.cat(grams))
+
+    @staticmethod
+    def _engram_grams_chunk(s, ids: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
+        """One request's grams [n, m1 + 1] (tokens at t, t-1, .., t-m1) of its new tokens ids [n], from its host ints
+        (`SeqChunk` s); its ring updated (the host-decided path, and a prefill chunk beside static decode rows)."""
+        m1, n, p0 = ring.shape[-1], s.num_new_tokens, s.num_computed_tokens
+        hp = torch.arange(p0 - m1, p0, device=ids.device)
+        hist = torch.where(hp >= s.state_start, ring[s.slot, hp % m1], -1)
+        ext = torch.cat([hist, ids])  # positions p0 - m1 .. p0 + n - 1
+        ring[s.slot, torch.arange(p0 + n - m1, p0 + n, device=ids.device) % m1] = ext[-m1:]
+        return torch.stack([ext[m1 - k:m1 - k + n] for k in range(m1 + 1)], dim=-1)  # [n, m1 + 1]
+
+    @staticmethod
+    def _engram_grams_static(dm, ids: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
+        """Static decode rows' grams [B, m1 + 1] (tokens at t, t-1, .., t-m1; -1: none) from their slots' rings, read
+        and written on the device: the history at positions `pos - m1 .. pos - 1` (none before `state_start`, before
+        0 or in a padding slot), then the ring rows of `pos - m1 + 1 .. pos` rewritten with that history and the new
+        token, as the host-decided path writes them (padding slots write nothing). ids [B] (-1: a dead token)."""
+        S, m1 = ring.shape
+        ok = dm.slots < S
+        s = dm.slots.clamp(max=S - 1)[:, None]
+        hp = dm.pos[:, None] - m1 + torch.arange(m1, device=ids.device)[None, :]  # [B, m1]
+        hist = torch.where((hp >= dm.state_start[:, None]) & ok[:, None], ring[s, hp % m1], -1)
+        ext = torch.cat([hist, ids[:, None]], dim=1)  # positions pos - m1 .. pos
+        rows = s * m1 + (hp + 1) % m1  # the ring rows of positions pos - m1 + 1 .. pos
+        _write_rows(ring.view(-1, 1), rows.reshape(-1), ext[:, 1:].reshape(-1, 1),
+                    ok[:, None].expand(-1, m1).reshape(-1))
+        return ext.flip(1)
 
     @_in_numerics
     def forward(self, batch, cache, meta=None, return_streams: bool = False):
@@ -903,10 +1130,14 @@ class DeepseekV41ForCausalLM(nn.Module):
             meta = batch.attn_metadata if batch.attn_metadata is not None else self.build_attention_metadata(batch,
                                                                                                              cache)
         T, hc = batch.num_tokens, self.config.hc_mult
+        if (meta.decode is not None and not meta.decode.is_static and batch.input_ids.is_cuda
+                and torch.cuda.is_current_stream_capturing()):
+            raise RuntimeError("host-decided decode rows cannot be captured in a CUDA graph (their host ints would be "
+                               "baked in): set `static_decode` (the ModelRunner does when it runs graphs)")
         image_mask = batch.embeds_mask if batch.input_embeds is not None else None  # [T] bool
         live = None if image_mask is None else ~image_mask
         tail = self._decoder_tail(batch, cache) if self.decoder_replay else None
-        rows = self._engram_rows_paged(batch, cache, image_mask) if self.engram_hash is not None else None
+        rows = self._engram_rows_paged(batch, cache, image_mask, meta) if self.engram_hash is not None else None
         x = self.embed(batch.input_ids)
         if image_mask is not None:
             x = torch.where(image_mask[:, None], batch.input_embeds.to(x.dtype), x)
