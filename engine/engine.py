@@ -79,17 +79,22 @@ class EngineConfig(BaseModel):
     async_scheduling: bool | None = None
     """Overlap scheduling and output processing with the model run (a worker thread: the `threaded` executor);
     None = on for CUDA devices, off on the CPU. With `speculative`: the drafter overlaps output processing, one sync
-    point per step (`spec_decode.SpecExecutor`)."""
+    point per step (`spec_decode.SpecExecutor`). With `expert_parallel_size > 1`: the multi-rank executor's rounds run
+    on a worker thread of rank 0 (`engine.distributed.executor`)."""
     executor: str | None = None
     """Executor by registry name (`engine.executor.EXECUTORS`: inprocess, threaded); None = picked from
     async_scheduling (threaded when on, else inprocess). An explicit name must agree with async_scheduling."""
     replay_tokens: int | None = Field(None, ge=0)
     """Tokens recomputed before a prefix hit to rebuild the bounded state; None = the exact minimum
     (`exact_replay_tokens`). Smaller values are refused: they would change outputs."""
-    attention_backend: str = "torch"
-    """Attention backend by registry name (`engine.attention.attention_backend_names()`)."""
-    moe_backend: str = "torch"
-    """MoE backend by registry name (`engine.moe.moe_backend_names()`)."""
+    attention_backend: str = "auto"
+    """Attention backend by registry name (`engine.attention.attention_backend_names()`), or "auto": the fused
+    "triton" backend on a CUDA device (its decode kernels over static metadata, CUDA-graph safe), "torch" on the CPU,
+    in batch-invariant mode and for DeepSeek-V4.1 (its own paged attention); resolved by `Engine` once the checkpoint
+    is read (`resolve_backends`), so `Engine.config` holds the name that runs."""
+    moe_backend: str = "auto"
+    """MoE backend by registry name (`engine.moe.moe_backend_names()`), or "auto": "triton" (grouped GEMMs over the
+    routed experts, float / FP8 / FP4) on a CUDA device, "torch" on the CPU and in batch-invariant mode."""
     fp8_activations: Literal["bf16", "fp8"] = "bf16"
     """Activations of the FP8 linears: "bf16" as they come (matches transformers), or "fp8" per token per 128
     channels with power-of-two scales as the official DeepSeek reference (`engine.quant.act_quant`)."""

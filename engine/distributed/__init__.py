@@ -23,10 +23,14 @@ the decode balancer picks an (instance, rank) (`RankedKVCacheManager.prefer_rank
 Speculative decoding runs over the ranks too (`spec`: each rank verifies and drafts its own requests, rank 0
 decides the verify schedule for the whole batch).
 
+Async scheduling (`async_scheduling`, the default on CUDA) overlaps rank 0's scheduling and output processing
+with the ranks' steps (`executor`: the command rounds run on one worker thread of rank 0, in submission order;
+with speculative decoding the tokens come back before the drafts, as in one process).
+
 `check_config` holds the configuration rules of a multi-rank instance (called by `EngineConfig`). Not
-supported yet with EP > 1 (refused with a message): async scheduling, prompt logprobs, KV loads / holds by
-hand (`reserve_kv`, `hold_kv`: they name one pool's bytes) and connectors that do not serve ranks
-(`KVConnector.serves_ranks`: the KV store's today).
+supported yet with EP > 1 (refused with a message): prompt logprobs, KV loads / holds by hand (`reserve_kv`,
+`hold_kv`: they name one pool's bytes) and connectors that do not serve ranks (`KVConnector.serves_ranks`: the
+KV store's today).
 """
 
 from __future__ import annotations
@@ -35,9 +39,6 @@ from __future__ import annotations
 def check_config(config) -> None:
     """Raise ValueError (saying how to fix it) when `config` (an `EngineConfig` with
     `expert_parallel_size > 1`) asks for something a multi-rank instance does not support yet."""
-    if config.async_scheduling:
-        raise ValueError("the multi-rank executor does not overlap steps; set async_scheduling=False (or leave it "
-                         "unset) with expert_parallel_size > 1")
     if config.local_ranks is not None and config.local_ranks > config.expert_parallel_size:
         raise ValueError(f"local_ranks ({config.local_ranks}) is the ranks on rank 0's node, at most "
                          f"expert_parallel_size ({config.expert_parallel_size})")

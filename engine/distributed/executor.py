@@ -11,20 +11,33 @@ step's sampling order. Ranks 1..N-1 are processes this executor starts (`spawn`)
 nodes (`EngineConfig.local_ranks` < N) only its own node slice's, the others' being started on their nodes
 (`deploy.rank_slice`) from the `RankSpec` this executor publishes in the group's store at `rank_group_address`.
 
-`max_inflight = 1`: the step runs inside `submit` (no overlap yet).
+Overlapped scheduling (`async_scheduling=True`, the default on CUDA, `engine.executor.resolve_async_scheduling`):
+the same contract as the threaded executor. `max_inflight = 2` and `submit` only queues the step on one worker
+thread of rank 0 (`engine-ranks`), which cuts it into plans, scatters them, runs rank 0's share and gathers the
+tokens; the engine meanwhile schedules step N+1 and postprocesses step N (stop checks, detokenization, the
+scheduler's update). Every command round (steps, EPLB, loads, memory, endpoints) runs on that thread, one at a
+time in submission order, so every rank runs the same commands in the same order; a command called from another
+thread (`rebalance_experts`, `expert_loads`, `call_endpoints`, ...) waits for the steps submitted before it and
+runs before the later ones, when no step is in flight on any rank. No rank runs ahead: the engine builds step
+N+1 from step N's tokens (it waits for them), so a plan never depends on results a rank has not produced.
+Without it (`async_scheduling=False`, the CPU default), `max_inflight = 1` and the step runs inside `submit`.
+The counters `num_submitted`, `num_finished` and `max_steps_in_flight` show the overlap.
 
 Speculative decoding (`spec=` the engine's `SpecDecoding`): a `SpecPreparedStep` is split into `SpecRankPlan`s,
 every rank verifies and drafts its own requests, and rank 0 merges their results and decides the verify schedule
-(`engine.distributed.spec`).
+(`engine.distributed.spec`). With async scheduling, as in one process (`SpecExecutor(overlap_drafting=True)`): the
+step's future is done once every rank's tokens are in (a round of their own inside the step), the drafts follow
+(`PendingSpecStepResult`), and `max_inflight` is 1 (the next step is scheduled from the drafts: one sync point a
+step).
 
 Memory: each rank holds its own routed experts only (loaded that way, `expert_parallel.rank_load_kwargs`)
 and its own KV pool (`num_blocks` blocks and its share of the state slots, `kv_pools`); `rank_memory()`
 reports what each rank holds.
 
-EPLB: `rebalance_experts()` (or every `eplb_interval_steps` steps) re-places each MoE layer's experts
-from the loads measured since the last rebalance, moving the weights a rank gains from a rank that holds
-them; `expert_loads()` returns the measured loads and the
-imbalance (max / mean rows per rank per MoE layer), the metric EPLB drives down.
+EPLB: `rebalance_experts()` (or every `eplb_interval_steps` steps, right after the step's result is handed to the
+engine) re-places each MoE layer's experts from the loads measured since the last rebalance, moving the weights a
+rank gains from a rank that holds them, always between two steps' rounds; `expert_loads()` returns the measured
+loads and the imbalance (max / mean rows per rank per MoE layer), the metric EPLB drives down.
 
 Rank endpoints: `attach_endpoints(factory, kwargs, local)` gives every rank an endpoint over its own cache (rank
 0's is `local`, built in this process; ranks 1..N-1 build theirs with `factory`, `worker` module docstring) and
@@ -49,7 +62,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -63,7 +76,7 @@ from deepinfer.engine.distributed.plan import split_step
 from deepinfer.engine.distributed.sampling import resolve_seeds, select_rows
 from deepinfer.engine.distributed.spec import merge_spec_results, split_spec_step
 from deepinfer.engine.distributed.worker import Command, RankError, RankSpec, RankState, SpecRankConfig, rank_main
-from deepinfer.engine.executor import Executor, PreparedStep, StepResult
+from deepinfer.engine.executor import Executor, PreparedStep, StepResult, resolve_async_scheduling
 
 if TYPE_CHECKING:
     from deepinfer.engine.engine import EngineConfig
@@ -126,12 +139,14 @@ class MultiRankExecutor(Executor):
             num_redundant_experts=config.num_redundant_experts,
             num_threads=max(1, (os.cpu_count() or 1) // local), speculative=spec_config,
         )
-        return cls(runner, sampler, rank_spec, eplb_interval_steps=config.eplb_interval_steps, spec_decoding=spec)
+        return cls(runner, sampler, rank_spec, eplb_interval_steps=config.eplb_interval_steps, spec_decoding=spec,
+                   async_scheduling=resolve_async_scheduling(config.async_scheduling, config.device))
 
     def __init__(self, runner: ModelRunner, sampler: Sampler, spec: RankSpec, eplb_interval_steps: int = 0,
-                 spec_decoding: SpecDecoding | None = None) -> None:
+                 spec_decoding: SpecDecoding | None = None, async_scheduling: bool = False) -> None:
         """Blocks until ranks 1..N-1 are started, loaded and joined with this process (rank 0).
-        `spec_decoding`: rank 0's speculative decoding (with `spec.speculative` set), or None."""
+        `spec_decoding`: rank 0's speculative decoding (with `spec.speculative` set), or None;
+        `async_scheduling`: overlap the engine's host work with the ranks' steps (module docstring)."""
         if (spec_decoding is None) != (spec.speculative is None):
             raise ValueError("pass spec_decoding exactly when the rank spec has speculative set")
         super().__init__(runner, sampler)
@@ -140,6 +155,21 @@ class MultiRankExecutor(Executor):
         self.spec = spec
         self.world_size = spec.address.world_size
         self.eplb_interval_steps = eplb_interval_steps
+        self.async_scheduling = async_scheduling
+        self.max_inflight = 2 if async_scheduling and spec_decoding is None else 1
+        """2 with async scheduling (1 with speculative decoding: its drafts are the step's sync point), else 1."""
+        self._pool = None
+        self._pool_thread: threading.Thread | None = None
+        if async_scheduling:  # NOTE: one thread runs every command round, so the ranks see them in one order
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-ranks",
+                                            initializer=self._init_pool_thread, initargs=(runner.device,))
+        self.num_submitted = 0
+        """Steps submitted."""
+        self.num_finished = 0
+        """Steps whose run over the ranks has ended (tokens and drafts in, or failed)."""
+        self.max_steps_in_flight = 0
+        """The most steps submitted and not yet finished at once (2: a step was queued behind a running one)."""
+        self._count_lock = threading.Lock()
         self._num_steps = 0
         self._is_closed = False
         self._failure: BaseException | None = None
@@ -207,9 +237,11 @@ class MultiRankExecutor(Executor):
 
     # ------------------------------------------------------------------ SPMD commands
 
-    def _run_all(self, commands: list[Command]) -> list:
+    def _run_all(self, commands: list[Command], on_tokens=None) -> list:
         """Blocks while every rank runs its command (rank 0 here); the ranks' results, by rank. Raises
-        RuntimeError (and fails the executor) when a rank fails or has died."""
+        RuntimeError (and fails the executor) when a rank fails or has died. Runs on the thread of the command
+        rounds (`_call`). `on_tokens(parts)`: a `tokens_first` speculative step's tokens round, by rank (a
+        `RankError` where a rank failed), handed over while the ranks go on drafting."""
         if self._failure is not None:
             raise RuntimeError("the rank group failed earlier; create a new engine") from self._failure
         try:
@@ -218,43 +250,117 @@ class MultiRankExecutor(Executor):
                 raise RuntimeError(f"rank process(es) {', '.join(dead)} died; the instance fails as a whole")
             box = [None]
             dist.scatter_object_list(box, commands, src=0, group=self._ctrl)
+            if on_tokens is not None:
+                self.state.tokens_round = lambda mine: self._tokens_round(mine, on_tokens)
             try:
                 mine = self.state.run(box[0])
             except Exception as e:  # NOTE: still gather, so the other ranks are not left waiting
                 mine = RankError(0, repr(e))
+            finally:
+                self.state.tokens_round = None
             results = [None] * self.world_size
             dist.gather_object(mine, results, dst=0, group=self._ctrl)
             errors = [r for r in results if isinstance(r, RankError)]
             if errors:
-                raise RuntimeError("rank " + "; rank ".join(f"{e.rank} failed: {e.message}" for e in errors))
+                raise RuntimeError(_failed(errors))
             return results
         except BaseException as e:
             self._failure = e
             raise
 
+    def _tokens_round(self, mine, on_tokens) -> None:
+        parts = [None] * self.world_size
+        dist.gather_object(mine, parts, dst=0, group=self._ctrl)
+        on_tokens(parts)
+
+    def _init_pool_thread(self, device: torch.device) -> None:
+        self._pool_thread = threading.current_thread()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # the current device is per thread; rank 0's NCCL collectives run here
+
+    def _call(self, fn, *args):
+        """`fn(*args)` on the thread of the command rounds (async scheduling: after the steps submitted before,
+        so no step is in flight on any rank while it runs), blocking until it has run; its result."""
+        if self._pool is None or threading.current_thread() is self._pool_thread:
+            return fn(*args)
+        if self._is_closed:
+            raise RuntimeError("the executor is closed; create a new Engine")
+        return self._pool.submit(fn, *args).result()
+
     def _broadcast(self, kind: str, payload=None) -> list:
-        return self._run_all([Command(kind, payload) for _ in range(self.world_size)])
+        return self._call(self._run_all, [Command(kind, payload) for _ in range(self.world_size)])
 
     # ------------------------------------------------------------------ the executor contract
 
+    @property
+    def num_inflight(self) -> int:
+        """Steps submitted whose run over the ranks has not ended yet."""
+        return self.num_submitted - self.num_finished
+
     def submit(self, step: PreparedStep) -> Future[StepResult]:
-        """Blocks while every rank runs its share of `step`; returns a future that is already done."""
+        """Without async scheduling: blocks while every rank runs its share of `step`, and returns a future that
+        is already done. With it: queues the step on the thread of the command rounds and returns at once; the
+        future is done when the tokens are in (with speculative decoding, before the drafts)."""
         if self._is_closed:
             raise RuntimeError("the executor is closed; create a new Engine")
         fut: Future[StepResult] = Future()
-        try:
-            fut.set_result(self._run_step(step))
-        except Exception as e:
-            fut.set_exception(e)
+        # NOTE: the endpoints' payloads are taken here, on the engine's thread, in submission order
+        payloads = self._step_payloads() if self._step_payloads is not None else None
+        with self._count_lock:
+            self.num_submitted += 1
+            self.max_steps_in_flight = max(self.max_steps_in_flight, self.num_inflight)
+        if self._pool is None:
+            self._execute(step, payloads, fut)
+        else:
+            self._pool.submit(self._execute, step, payloads, fut)
         return fut
 
-    def _run_step(self, step: PreparedStep) -> StepResult:
+    def _execute(self, step: PreparedStep, payloads, fut: Future) -> None:
+        """Runs `step` over the ranks and sets `fut` (its result or exception). On the thread of the command
+        rounds."""
+        drafts: Future | None = None
+        try:
+            if not fut.set_running_or_notify_cancel():
+                return
+            if hasattr(step, "verify") and self._pool is not None:  # speculative: tokens first, drafts after
+                drafts = Future()
+                drafts.set_running_or_notify_cancel()
+                drafts.set_result(self._run_step(step, payloads, fut, drafts))
+            else:
+                fut.set_result(self._run_step(step, payloads))
+        except Exception as e:
+            if drafts is not None and not drafts.done():
+                drafts.set_exception(e)
+            if not fut.done():
+                fut.set_exception(e)
+            return
+        finally:
+            with self._count_lock:
+                self.num_finished += 1
+        if self.eplb_interval_steps and self._num_steps % self.eplb_interval_steps == 0:
+            # NOTE: after the step's result is handed over (the engine prepares the next step meanwhile) and before
+            # the next step's round (on this thread): no step is in flight on any rank. A failure fails the
+            # executor (`_run_all`), so the next step raises it.
+            try:
+                self.rebalance_experts()
+            except Exception:
+                pass
+
+    def _run_step(self, step: PreparedStep, payloads, tokens_fut: Future | None = None,
+                  drafts: Future | None = None) -> StepResult:
+        """Blocks while every rank runs its share of `step`; the step's result. `tokens_fut` (a speculative step
+        under async scheduling): set with a `PendingSpecStepResult` over `drafts` once the tokens are in."""
         import time
 
         t0 = time.perf_counter()
         verify_at = None
+        on_tokens = None
         if hasattr(step, "verify"):  # a `SpecPreparedStep` (speculative decoding, `engine.distributed.spec`)
             plans, rows_of_rank, verify_at = split_spec_step(step, self.world_size, self.spec.num_blocks)
+            if tokens_fut is not None:
+                for p in plans:
+                    p.tokens_first = True
+                on_tokens = self._tokens_setter(verify_at, tokens_fut, drafts)
         else:
             plans, rows_of_rank = split_step(step.batch, self.world_size, self.spec.num_blocks)
         if step.sampling_batch is not None:
@@ -264,17 +370,15 @@ class MultiRankExecutor(Executor):
             for plan, rows in zip(plans, rows_of_rank):
                 if rows:
                     plan.sampling = select_rows(sampling, rows)
-        if self._step_payloads is None:
-            results = self._run_all([Command("step", p) for p in plans])
+        if payloads is None:
+            results = self._run_all([Command("step", p) for p in plans], on_tokens)
         else:  # the rank endpoints' traffic rides the step (`attach_endpoints`)
-            payloads = self._step_payloads()
-            pairs = self._run_all([Command("step", p, e) for p, e in zip(plans, payloads)])
+            pairs = self._run_all([Command("step", p, e) for p, e in zip(plans, payloads)], on_tokens)
             results = [r for r, _ in pairs]
-            self._endpoint_results.append([e for _, e in pairs])
+            with self._count_lock:
+                self._endpoint_results.append([e for _, e in pairs])
         t1 = time.perf_counter()
-        self._num_steps += 1
-        if self.eplb_interval_steps and self._num_steps % self.eplb_interval_steps == 0:
-            self.rebalance_experts()
+        self._num_steps += 1  # NOTE: every `eplb_interval_steps` steps, `_execute` re-places the experts after it
         if verify_at is not None:  # rank 0 merges and decides the verify schedule for the whole batch
             return self.state.spec.finish(step.verify, merge_spec_results(results, verify_at))
         if step.sampling_batch is None:
@@ -286,6 +390,23 @@ class MultiRankExecutor(Executor):
             for row, token_id, lp in zip(rows, *part) if rows else ():
                 token_ids[row], logprobs[row] = token_id, lp
         return StepResult(token_ids, logprobs, t1 - t0, time.perf_counter() - t1)
+
+    @staticmethod
+    def _tokens_setter(verify_at, tokens_fut: Future, drafts: Future):
+        """The tokens round's handler of a speculative step under async scheduling: completes `tokens_fut`
+        with the merged tokens (drafts pending on `drafts`), or fails it with the ranks' errors."""
+        from deepinfer.engine.spec_decode.executor import PendingSpecStepResult
+
+        def on_tokens(parts: list) -> None:
+            errors = [p for p in parts if isinstance(p, RankError)]
+            if errors:
+                tokens_fut.set_exception(RuntimeError(_failed(errors)))
+                return
+            merged = merge_spec_results(parts, verify_at)
+            tokens_fut.set_result(PendingSpecStepResult(merged.token_ids, merged.logprobs, merged.model_s,
+                                                        merged.sample_s, drafts))
+
+        return on_tokens
 
     def rebalance_experts(self) -> list[list[tuple[int, ...]]]:
         """Blocks while every rank re-places its experts (EPLB) from the loads measured since the last
@@ -314,27 +435,31 @@ class MultiRankExecutor(Executor):
         if self.state.endpoint is not None:
             raise RuntimeError("the ranks already have endpoints")
         self.state.endpoint = local
-        infos = self._run_all([Command("attach", None)] + [Command("attach", (factory, kwargs))
-                                                           for _ in range(1, self.world_size)])
+        infos = self._call(self._run_all, [Command("attach", None)] + [Command("attach", (factory, kwargs))
+                                                                       for _ in range(1, self.world_size)])
         self._step_payloads = step_payloads
         return infos
 
     def take_endpoint_results(self) -> list[list]:
         """The endpoints' answers carried by the steps since the last call (per step, a list by rank); clears them."""
-        out, self._endpoint_results = self._endpoint_results, []
+        with self._count_lock:  # NOTE: steps append from the thread of the command rounds
+            out, self._endpoint_results = self._endpoint_results, []
         return out
 
     def call_endpoints(self, payloads: list) -> list:
         """Blocks while each rank's endpoint handles its payload (`payloads[rank]`); their answers, by rank."""
         if len(payloads) != self.world_size:
             raise ValueError(f"need one payload per rank ({self.world_size}), got {len(payloads)}")
-        return self._run_all([Command("endpoint", p) for p in payloads])
+        return self._call(self._run_all, [Command("endpoint", p) for p in payloads])
 
     def close(self) -> None:
-        """Blocks until the rank processes have stopped; leaves the group. Idempotent."""
+        """Blocks until the step running (if any) has ended (steps queued behind it are cancelled) and the rank
+        processes have stopped; leaves the group. Idempotent."""
         if self._is_closed:
             return
         self._is_closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
         if self._failure is None:
             try:
                 dist.scatter_object_list([None], [Command("stop") for _ in range(self.world_size)], src=0,
@@ -351,3 +476,7 @@ class MultiRankExecutor(Executor):
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=10)
+
+
+def _failed(errors: list[RankError]) -> str:
+    return "rank " + "; rank ".join(f"{e.rank} failed: {e.message}" for e in errors)

@@ -19,6 +19,14 @@ the `1 + L`-token verify chunks, one sampling row per verified position), and th
    over the whole batch. The decision travels as the drafts handed to the scheduler, so the next step's plan
    carries it to every rank: no rank decides anything on its own.
 
+Async scheduling (`async_scheduling`, the default on CUDA) follows the one-process path
+(`SpecExecutor(overlap_drafting=True)`): the plans are `tokens_first`, so each rank hands rank 0 its tokens in a
+round of their own right after step 2's acceptance and rollback (`tokens_only`), and drafts after it; rank 0's
+executor completes the step's future with the merged tokens (a `PendingSpecStepResult`) and the engine
+postprocesses them while every rank drafts; the drafts (and rank 0's verify schedule) arrive with the step's
+final round. Reading them is the step's one sync point: the next step is scheduled from them, so speculative
+steps do not overlap each other (`MultiRankExecutor.max_inflight` is 1 with speculation).
+
 NOTE: the MTP layer's routed experts are loaded whole on every rank (`expert_parallel.rank_load_kwargs(...,
 load_mtp=True)`) and its MoE runs locally, without collectives: a rank drafts only its own requests, and a rank
 without requests drafts nothing (no dummy drafter pass is needed). The cost is one MoE layer's experts per rank
@@ -31,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deepinfer.engine.distributed.plan import RankPlan, rank_of_slot, split_step
-from deepinfer.engine.spec_decode.executor import LocalSpecResult, SpecPreparedStep, _Verify
+from deepinfer.engine.spec_decode.executor import LocalSpecResult, SpecPreparedStep, _Verified, _Verify
 
 
 @dataclass
@@ -44,6 +52,9 @@ class SpecRankPlan(RankPlan):
     """Per request of the rank (its `seqs` order): the known token after its chunk, None for sampling ones."""
     mtp_state_starts: list[int] = field(default_factory=list)
     wants_drafts: list[bool] = field(default_factory=list)
+    tokens_first: bool = False
+    """Async scheduling: the rank hands rank 0 its tokens right after the verification, in a round of their own,
+    and drafts after it (`worker.RankState.tokens_round`); False: one result with tokens and drafts."""
 
     def build_step(self, model, cache, device) -> SpecPreparedStep:
         """The rank's `SpecPreparedStep` over its own cache (local slots and block ids)."""
@@ -99,6 +110,13 @@ def merge_spec_results(results: list[LocalSpecResult | None], verify_at: list[tu
         out.draft_probs.append(part.draft_probs[n])
         out.draft_features.append(part.draft_features[n])
     return out
+
+
+def tokens_only(verified: _Verified, num_verify: int) -> LocalSpecResult:
+    """What a rank hands rank 0 after its verification under async scheduling: its tokens and logprobs, with
+    empty drafts (`num_verify` entries: its `verify` list's length), mergeable by `merge_spec_results`."""
+    return LocalSpecResult(verified.token_ids, verified.logprobs, [[] for _ in range(num_verify)],
+                           [[] for _ in range(num_verify)], [None] * num_verify, verified.model_s, verified.sample_s)
 
 
 def to_host(result: LocalSpecResult) -> LocalSpecResult:

@@ -7,7 +7,9 @@ from rank 0 on the control group until `stop`. Commands (`Command.kind`):
   * `step`: run this rank's `RankPlan` (an empty plan: the MoE collectives with zero rows) and sample its
     rows (`engine.distributed.sampling`): returns `(token_ids, logprobs)` of its sampling rows, or None; a
     `SpecRankPlan` (speculative decoding, `engine.distributed.spec`) runs the rank's `SpecDecoding.run_local`
-    instead and returns its `LocalSpecResult` (None for an empty plan);
+    instead and returns its `LocalSpecResult` (None for an empty plan); one with `tokens_first` (async
+    scheduling) hands rank 0 its tokens in a round of their own after the verification (`RankState.tokens_round`,
+    a gather on the control group inside the step, every rank, an empty plan's included) and then drafts;
   * `rebalance`: EPLB over the loads measured since the last one (a collective; experts a rank gains are
     sent to it by a rank holding them, `engine.distributed.expert_parallel.move_experts`);
   * `loads`: this rank's per-layer `LayerLoad`s (`payload=True` also resets them);
@@ -151,6 +153,10 @@ class RankState:
         self.spec = None
         """The rank's `engine.spec_decode.SpecDecoding` (drafter, rollback over its own cache) with speculative
         decoding on (rank 0's is the engine's), or None."""
+        self.tokens_round = None
+        """`tokens_round(obj)`: hands rank 0 this rank's tokens of a `tokens_first` speculative step (its
+        `LocalSpecResult` without drafts, None for an empty plan, or a `RankError`) and blocks until every rank has
+        (a gather on the control group; rank 0's executor sets its own per step), or None: not set."""
 
     def make_spec(self, config: SpecRankConfig) -> None:
         """Give this rank its speculative-decoding state (ranks 1..N-1; rank 0 shares the engine's)."""
@@ -191,6 +197,8 @@ class RankState:
         raise ValueError(f"unknown rank command {cmd.kind!r}")
 
     def _step(self, plan):
+        if getattr(plan, "tokens_first", False):
+            return self._spec_step_tokens_first(plan)
         if plan.is_empty:
             idle_step(self.model)
             return None
@@ -205,6 +213,36 @@ class RankState:
             return None
         sampled = self.sampler.sample(logits, to_device(plan.sampling, logits.device))
         return sampled.sampled_token_ids.tolist(), sampled.request_logprobs()
+
+    def _spec_step_tokens_first(self, plan):
+        """A speculative step under async scheduling: verify (or, without requests, join the MoE collectives),
+        hand rank 0 the tokens (`tokens_round`), then draft; returns the rank's full `LocalSpecResult` (None for an
+        empty plan). Rank 0 postprocesses the tokens while the ranks draft, as `SpecExecutor(overlap_drafting)`
+        does in one process.
+
+        NOTE: every rank joins the tokens round whatever happened before it (a failure is sent as a `RankError`,
+        then raised, so the step's final round carries it too): the rounds of the group must line up."""
+        from deepinfer.engine.distributed.spec import to_host, tokens_only
+
+        step = verified = None
+        try:
+            if plan.is_empty:
+                idle_step(self.model)
+                early = None
+            else:
+                if self.spec is None:
+                    raise RuntimeError(f"rank {self.rank} got a speculative step but has no speculative decoding "
+                                       "state")
+                step = plan.build_step(self.model, self.cache, self.device)
+                verified = self.spec.verify_local(step)
+                early = tokens_only(verified, len(plan.verify))
+        except Exception:
+            self.tokens_round(RankError(self.rank, traceback.format_exc()))
+            raise
+        self.tokens_round(early)
+        if verified is None:
+            return None
+        return to_host(self.spec.draft_local(step, verified))
 
 
 def _load_rank(spec: RankSpec, rank: int) -> RankState:
@@ -261,6 +299,7 @@ def rank_main(rank: int, spec: RankSpec, ready=None) -> None:
         state = RankState(rank, model, cache, spec.num_redundant_experts)
         if spec.speculative is not None:
             state.make_spec(spec.speculative)
+            state.tokens_round = lambda obj: dist.gather_object(obj, None, dst=0, group=ctrl)
         while True:
             box = [None]
             dist.scatter_object_list(box, None, src=0, group=ctrl)

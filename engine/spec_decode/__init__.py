@@ -77,7 +77,8 @@ layer's experts are whole on every rank (its MoE runs locally).
 **Async scheduling** (`async_scheduling=True`, the default on CUDA; one process): `SpecExecutor(overlap_drafting)`
 verifies inline and drafts on a worker thread while the engine postprocesses the step's tokens; the next step is
 scheduled once its drafts are known, one sync point per step (`SpecExecutor`'s docstring says why steps do not
-overlap each other). Not with `expert_parallel_size > 1` (the multi-rank executor does not overlap).
+overlap each other). With `expert_parallel_size > 1` the same over the ranks: each rank hands rank 0 its tokens
+right after its verification and drafts after it (`engine.distributed.spec`).
 
 **CUDA graphs** (`SpecDecoding.graphs`, `engine.cuda_graph.VerifyGraphRunner`): a pure verify step (every request
 samples its `1 + L` positions) is padded to `(B_pad, N_pad = 1 + max L, blocks_pad)` and replayed from a graph captured once per

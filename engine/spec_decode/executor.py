@@ -242,7 +242,8 @@ class SpecDecoding:
 
         Async scheduling (`async_scheduling`, on by default on CUDA): `SpecExecutor` with `overlap_drafting`, one
         sync point per step (the next step is scheduled once this step's accepted lengths and drafts are known).
-        Not with expert_parallel_size > 1 (the multi-rank executor does not overlap, `engine.distributed`)."""
+        With expert_parallel_size > 1 the multi-rank executor does the same over the ranks (the tokens come back
+        before the drafts, `engine.distributed.spec`)."""
         self.verify_graph_blockers = self._verify_graph_blockers(config)
         if not self.verify_graph_blockers:
             sizes = graph_batch_sizes(config.max_num_seqs, config.cuda_graph_batch_sizes)
