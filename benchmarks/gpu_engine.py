@@ -144,8 +144,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip-offline", action="store_true")
     ap.add_argument("--preset", default=None, help="use a named preset instead of the medium config (smoke runs)")
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--attention-backend", default="torch")
-    ap.add_argument("--moe-backend", default="torch")
+    ap.add_argument("--attention-backend", default="auto", help="auto: the engine's default for the device")
+    ap.add_argument("--moe-backend", default="auto")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="the engine in batch-invariant mode (issue 23: its cost is this run against one without)")

@@ -195,12 +195,15 @@ class EngineConfig(BaseModel):
         from deepinfer.engine.attention import get_attention_backend
         from deepinfer.engine.moe import get_moe_backend
 
-        get_attention_backend(self.attention_backend)  # raises ValueError listing the known names
-        get_moe_backend(self.moe_backend)
+        if self.attention_backend != AUTO:
+            get_attention_backend(self.attention_backend)  # raises ValueError listing the known names
+        if self.moe_backend != AUTO:
+            get_moe_backend(self.moe_backend)
         if self.batch_invariant:
             from deepinfer.engine.batch_invariant import check_config
 
-            check_config(self.attention_backend, self.moe_backend, self.device)  # names the op it cannot make invariant
+            # "auto" resolves to the torch backends in the mode (`resolve_backends`)
+            check_config(_or_torch(self.attention_backend), _or_torch(self.moe_backend), self.device)
         return self
 
 
@@ -297,6 +300,34 @@ class _InflightStep:
     result: Future[StepResult]
 
 
+AUTO = "auto"
+"""`EngineConfig.attention_backend` / `moe_backend`: pick for the device and the model (`resolve_backends`)."""
+
+
+def _or_torch(name: str) -> str:
+    return "torch" if name == AUTO else name
+
+
+def resolve_backends(config: EngineConfig, model_config) -> EngineConfig:
+    """`config` with "auto" backends replaced by names (a copy; `config` itself when nothing is "auto").
+
+    On a CUDA device (with triton installed) outside batch-invariant mode: the "triton" attention backend (V4 only:
+    DeepSeek-V4.1 runs its own paged attention, which takes "torch") and the "triton" MoE backend — the fused
+    kernels, CUDA-graph safe, that the GPU benchmarks measure (BENCHMARKS.md). Elsewhere the "torch" references: on
+    the CPU they are the faster choice and the oracle; the batch-invariant mode refuses backends that do not
+    declare `batch_invariant_safe`."""
+    from deepinfer.engine.config import V41Config
+    from deepinfer.kernels import mhc  # noqa: F401 - any kernels module: tells whether triton imports
+
+    fast = str(config.device).startswith("cuda") and not config.batch_invariant and mhc.triton is not None
+    update = {}
+    if config.attention_backend == AUTO:
+        update["attention_backend"] = "triton" if fast and not isinstance(model_config, V41Config) else "torch"
+    if config.moe_backend == AUTO:
+        update["moe_backend"] = "triton" if fast else "torch"
+    return config.model_copy(update=update) if update else config
+
+
 def default_model_path() -> Path:
     """The built-in default checkpoint (the demo model)."""
     from deepinfer.engine.builtin_model import builtin_model_path
@@ -321,6 +352,8 @@ class Engine(ExternalKVMixin):
         """The checkpoint directory this engine serves (the built-in demo model's when none was given; a
         repo id's snapshot in the Hugging Face cache)."""
         mc, _ = read_checkpoint_config(path)
+        config = resolve_backends(config, mc)  # "auto" backends -> names, for the device and the model
+        self.config = config
         from deepinfer.engine.spec_decode.config import check_drafter_for_model
 
         check_drafter_for_model(config.speculative, mc)  # "dspark" is V4.1's, "mtp" V4's

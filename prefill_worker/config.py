@@ -60,10 +60,11 @@ class PrefillWorkerConfig(BaseModel):
     """Requests waiting for their prefill at once; more are refused with RESOURCE_EXHAUSTED and a retry hint
     (`serving.admission`; the entrypoint tries another instance). None = unbounded."""
 
-    attention_backend: str = Field("torch", json_schema_extra={"cli_choices": attention_backend_names()})
-    """Attention backend of the engine (a name of `engine.attention`'s registry)."""
-    moe_backend: str = Field("torch", json_schema_extra={"cli_choices": moe_backend_names()})
-    """MoE backend of the engine (a name of `engine.moe`'s registry)."""
+    attention_backend: str = Field("auto", json_schema_extra={"cli_choices": ["auto", *attention_backend_names()]})
+    """Attention backend of the engine (a name of `engine.attention`'s registry), or "auto" (`EngineConfig`'s rule:
+    "triton" on a CUDA device, "torch" on the CPU, in batch-invariant mode and for DeepSeek-V4.1)."""
+    moe_backend: str = Field("auto", json_schema_extra={"cli_choices": ["auto", *moe_backend_names()]})
+    """MoE backend of the engine (a name of `engine.moe`'s registry), or "auto" ("triton" on a CUDA device)."""
     fp8_activations: Literal["bf16", "fp8"] = "bf16"
     """Activations of FP8 linears: bf16 (matches transformers) or FP8 per token per 128 (the official reference's)."""
     indexer_numerics: Literal["transformers", "reference"] = "transformers"

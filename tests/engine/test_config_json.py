@@ -51,3 +51,32 @@ def test_the_loader_alone_decides_about_quantization(tmp_path, tiny):
         read_checkpoint_config(path)
     config, quant = read_checkpoint_config(tiny)
     assert quant is None and config == ModelConfig.from_json_file(tiny)
+
+
+def test_auto_backends_resolve_for_the_device_the_mode_and_the_model():
+    """`attention_backend` / `moe_backend` "auto" (the default): the fused Triton backends on a CUDA device, the torch
+    references on the CPU and in batch-invariant mode; DeepSeek-V4.1 keeps its own (torch) attention."""
+    from deepinfer.engine.config import ModelConfig, V41Config
+    from deepinfer.engine.engine import EngineConfig, resolve_backends
+    from deepinfer.engine.testing.presets import get_preset
+    from deepinfer.kernels import mhc
+
+    v4 = ModelConfig.from_hf_dict(get_preset("tiny").hf_config())
+    v41 = V41Config.from_hf_dict({"model_type": "deepseek_v41", "text_config": dict(_tiny_v41_text())})
+    cpu = resolve_backends(EngineConfig(), v4)
+    assert (cpu.attention_backend, cpu.moe_backend) == ("torch", "torch")
+    explicit = EngineConfig(attention_backend="triton", moe_backend="torch_loop")
+    assert resolve_backends(explicit, v4) is explicit  # nothing "auto": untouched
+    triton = "triton" if mhc.triton is not None else "torch"
+    gpu = resolve_backends(EngineConfig(device="cuda"), v4)
+    assert (gpu.attention_backend, gpu.moe_backend) == (triton, triton)
+    gpu41 = resolve_backends(EngineConfig(device="cuda"), v41)
+    assert (gpu41.attention_backend, gpu41.moe_backend) == ("torch", triton)
+    bi = resolve_backends(EngineConfig(device="cuda", batch_invariant=True), v4)
+    assert (bi.attention_backend, bi.moe_backend) == ("torch", "torch")
+
+
+def _tiny_v41_text() -> dict:
+    from tests.engine.v41.configs import tiny_config
+
+    return tiny_config()["text_config"]
