@@ -345,7 +345,7 @@ def engine_phase(args: argparse.Namespace, sz: dict, ckpt: str, vocab: int, *, r
     kw = dict(model=ckpt, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32",
               max_num_seqs=max(sz["prompts"], max(sz["decode_batches"]) * ranks),
               max_num_batched_tokens=8192 * ranks,  # the same prefill tokens per rank per step as one GPU
-              max_model_len=sz["context"] + 64, async_scheduling=False, enforce_eager=True,
+              max_model_len=sz["context"] + 64, async_scheduling=args.async_scheduling == "on", enforce_eager=True,
               batch_invariant=args.batch_invariant, moe_backend=args.moe_backend,
               attention_backend=args.attention_backend)
     if ranks > 1:
@@ -546,6 +546,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="tiny sizes (the CPU smoke test)")
     parser.add_argument("--moe-backend", default="torch", help="the experts' backend (engine and step 2)")
     parser.add_argument("--attention-backend", default="torch", help="the engines' attention backend")
+    parser.add_argument("--async-scheduling", choices=("on", "off"), default="off",
+                        help="the engines' overlapped scheduling (EP instances overlap steps since 2026-12-05)")
     parser.add_argument("--zipf", type=float, default=0.0, help="step 2's routing skew (0: uniform)")
     parser.add_argument("--batch-invariant", choices=("auto", "on", "off"), default="auto",
                         help="engines' batch-invariant numerics (auto: on for the CPU, off for CUDA)")
