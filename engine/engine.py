@@ -94,7 +94,8 @@ class EngineConfig(BaseModel):
     is read (`resolve_backends`), so `Engine.config` holds the name that runs."""
     moe_backend: str = "auto"
     """MoE backend by registry name (`engine.moe.moe_backend_names()`), or "auto": "triton" (grouped GEMMs over the
-    routed experts, float / FP8 / FP4) on a CUDA device, "torch" on the CPU and in batch-invariant mode."""
+    routed experts, float / FP8 / FP4) on a CUDA device for DeepSeek-V4, "torch" on the CPU, in batch-invariant mode
+    and for DeepSeek-V4.1 (`resolve_backends` says why)."""
     fp8_activations: Literal["bf16", "fp8"] = "bf16"
     """Activations of the FP8 linears: "bf16" as they come (matches transformers), or "fp8" per token per 128
     channels with power-of-two scales as the official DeepSeek reference (`engine.quant.act_quant`)."""
@@ -311,18 +312,21 @@ def _or_torch(name: str) -> str:
 def resolve_backends(config: EngineConfig, model_config) -> EngineConfig:
     """`config` with "auto" backends replaced by names (a copy; `config` itself when nothing is "auto").
 
-    On a CUDA device (with triton installed) outside batch-invariant mode: the "triton" attention backend (V4 only:
-    DeepSeek-V4.1 runs its own paged attention, which takes "torch") and the "triton" MoE backend — the fused
-    kernels, CUDA-graph safe, that the GPU benchmarks measure (BENCHMARKS.md). Elsewhere the "torch" references: on
-    the CPU they are the faster choice and the oracle; the batch-invariant mode refuses backends that do not
-    declare `batch_invariant_safe`."""
+    On a CUDA device (with triton installed) outside batch-invariant mode, for DeepSeek-V4: the "triton" attention
+    and MoE backends — the fused kernels, CUDA-graph safe, that the GPU benchmarks measure (BENCHMARKS.md).
+    Elsewhere the "torch" references: on the CPU they are the faster choice and the oracle; the batch-invariant mode
+    refuses backends that do not declare `batch_invariant_safe`; DeepSeek-V4.1 runs its own paged attention (which
+    takes "torch") and keeps the "torch" MoE backend too, because "triton" there turns on its static-decode CUDA
+    graphs (docs/V4_1.md §16), which score every `max_model_len / ratio` index key a row and have not run on a GPU:
+    an explicit `moe_backend="triton"` opts in."""
     from deepinfer.engine.config import V41Config
     from deepinfer.kernels import mhc  # noqa: F401 - any kernels module: tells whether triton imports
 
-    fast = str(config.device).startswith("cuda") and not config.batch_invariant and mhc.triton is not None
+    fast = (str(config.device).startswith("cuda") and not config.batch_invariant and mhc.triton is not None
+            and not isinstance(model_config, V41Config))
     update = {}
     if config.attention_backend == AUTO:
-        update["attention_backend"] = "triton" if fast and not isinstance(model_config, V41Config) else "torch"
+        update["attention_backend"] = "triton" if fast else "torch"
     if config.moe_backend == AUTO:
         update["moe_backend"] = "triton" if fast else "torch"
     return config.model_copy(update=update) if update else config
@@ -707,6 +711,21 @@ class Engine(ExternalKVMixin):
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._parents)
+
+    def wait_steps_in_flight(self) -> None:
+        """Blocks until every step submitted so far has run on the device (its outputs still wait for `step()`).
+
+        For a writer outside this engine's stream order: blocks and a state slot just reserved for a KV load may
+        have been freed by a request that a step still in flight writes (async scheduling: the scheduler's NOTE
+        on reuse), which only later steps of this engine are ordered after. A prefill's NIXL WRITE into them
+        (`decode_worker.DecodeCore.reserve`) must not start before that step ended. On a CUDA device the device
+        is synchronised too: a step without sampling rows queues its work without a host sync. Costs at most
+        one step's wait, once per reservation; nothing when no step is in flight on the CPU."""
+        from concurrent.futures import wait
+
+        wait([inflight.result for inflight in self._inflight])
+        if torch.device(self.config.device).type == "cuda":
+            torch.cuda.synchronize(self.config.device)
 
     def speculative_stats(self) -> dict | None:
         """Speculative decoding's counters and rates since start (acceptance rate overall and per draft position,

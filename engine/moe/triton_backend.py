@@ -31,7 +31,9 @@ experts whose device and dtype have a fused `_grouped_mm` (`torch_backend.groupe
 sm90/sm100, any float on the CPU); FP8/FP4 experts keep their kernels. R is a host int from the batch's
 shape, so the choice never syncs; decode sizes stay below any sensible threshold, and a forward inside a
 CUDA-graph capture never takes the route, so captured decode steps are the four kernels whatever the
-threshold. The batch-invariant mode never reaches it: `engine.batch_invariant` refuses this backend (it
+threshold. NOTE: set the threshold above the rows of the largest graph (decode: the largest bucket x k;
+speculative verify: bucket x (1 + num_draft_tokens) x k): a graph's eager warm-up or an eager fallback of the
+same shape would otherwise take the route and compute other bits than its replays. The batch-invariant mode never reaches it: `engine.batch_invariant` refuses this backend (it
 does not declare `batch_invariant_safe`) and runs the torch backends' fixed-order variant instead.
 """
 
@@ -50,6 +52,9 @@ from deepinfer.engine.quant.act_quant import fp8_round_activations
 from deepinfer.engine.quant.linear import Fp4Linear, Fp8Linear, register_gemm_ops
 from deepinfer.kernels import moe_gemm
 from deepinfer.kernels.registry import get_op
+
+_AUTO_HINT = ("; pass moe_backend='torch' for these experts (the default moe_backend='auto' picks 'triton' on a CUDA "
+              "device)")
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -73,11 +78,11 @@ def pack_fp8_experts(experts: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.
                                                    mod.scale.dtype) != (ref.in_features, ref.out_features,
                                                                         ref.block, ref.scale.dtype):
                 raise ValueError(f"the 'triton' MoE backend needs FP8 experts of one shape and block; expert "
-                                 f"{e}.{name} differs")
+                                 f"{e}.{name} differs{_AUTO_HINT}")
     inter, bn = first.w1.out_features, first.w1.block[0]
     if inter % bn:
         raise ValueError(f"the 'triton' MoE backend needs the expert width ({inter}) to be a multiple of the FP8 "
-                         f"block ({bn})")
+                         f"block ({bn}){_AUTO_HINT}")
     w13 = torch.stack([torch.cat([ex.w1.weight.detach(), ex.w3.weight.detach()]) for ex in experts])
     s13 = torch.stack([torch.cat([ex.w1.scale.detach(), ex.w3.scale.detach()]) for ex in experts])
     w2 = torch.stack([ex.w2.weight.detach() for ex in experts])
@@ -200,7 +205,7 @@ class TritonMoEBackend(MoEBackend):
         else:
             kinds = sorted({type(getattr(first, n)).__name__ for n in ("w1", "w2", "w3")})
             raise ValueError(f"the 'triton' MoE backend runs float, FP4 or FP8 experts of one kind, not "
-                             f"{', '.join(kinds)} (use moe_backend='torch')")
+                             f"{', '.join(kinds)}{_AUTO_HINT}")
         register_gemm_ops()
         self.prepare_input = (fp8_round_activations if self.wfmt == moe_gemm.WFMT_FP8 and first.w1.act_quant
                               else _identity)
