@@ -154,7 +154,8 @@ def _cmd_demo(args) -> int:
                 message = recipe.UserMessage(text, image_sources=[recipe.BytesImageSource(b) for b in images])
                 prompt = encoding.encode(recipe.Conversation([message], thinking_mode=False))
                 out = client.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-                                      images=images or None)
+                                      images=images or None,
+                                      image_placeholder_id=getattr(encoding, "image_placeholder_id", None))
                 answer = tokenizer.decode(out["token_ids"], skip_special_tokens=True)
                 print(json.dumps({"question": shown, "answer": answer, "token_ids": out["token_ids"],
                                   "finish_reason": out["finish_reason"], "usage": out["usage"]}, ensure_ascii=False),

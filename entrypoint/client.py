@@ -110,23 +110,33 @@ class Client:
         self._stub = entrypoint_pb2_grpc.EntrypointStub(self._channel)
 
     def stream(self, prompt_token_ids: list[int], *, request_id: str = "", deadline_ms: int = 0,
-               images: list[bytes | str] | None = None, **sampling: Any) -> Iterator[dict]:
+               images: list[bytes | str] | None = None, image_placeholder_id: int | None = None,
+               **sampling: Any) -> Iterator[dict]:
         """Blocks per delta: yields `{request_id, token_ids, text, finish_reason, stop_reason, usage, error}`
         dicts (token_ids/text are deltas; finish_reason and usage are set on the last one).
 
-        `images`: one per image placeholder (`<｜image｜>`, 129279) of the prompt, in order: encoded
-        image bytes or a URL (data: or an allowed http(s) host); the vision stage encodes them.
+        `images`: one per image placeholder of the prompt, in order: encoded image bytes or a URL (data: or an
+        allowed http(s) host); the vision stage encodes them. The placeholder is `<｜image｜>` (129279), or
+        `image_placeholder_id` when the prompt was rendered with another spelling (V4.1's tokenizer:
+        `<｜deepseek_image｜>`, `engine.tokenizer.RecipeChatEncoding.image_placeholder_id`), which is sent as 129279.
+        A count of placeholders other than `len(images)` raises ValueError before anything is sent.
 
         Closing the iterator early (break, `close()`) cancels the call, which aborts the request on
         every stage. Raises `GenerateError` on a failed or refused request.
         """
+        if images:
+            from deepinfer.engine.images import IMAGE_PLACEHOLDER_ID
+
+            placeholder = IMAGE_PLACEHOLDER_ID if image_placeholder_id is None else image_placeholder_id
+            offsets = [i for i, t in enumerate(prompt_token_ids) if t == placeholder]
+            if len(offsets) != len(images):
+                raise ValueError(f"the prompt holds {len(offsets)} image placeholders ({placeholder}) for "
+                                 f"{len(images)} images; give one image per placeholder")
+            prompt_token_ids = [IMAGE_PLACEHOLDER_ID if t == placeholder else t for t in prompt_token_ids]
         request = entrypoint_pb2.GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params_proto(**sampling),
             deadline_ms=deadline_ms)
         if images:
-            from deepinfer.engine.images import IMAGE_PLACEHOLDER_ID
-
-            offsets = [i for i, t in enumerate(prompt_token_ids) if t == IMAGE_PLACEHOLDER_ID]
             for offset, image in zip(offsets, images):
                 descriptor = image.encode() if isinstance(image, str) else bytes(image)
                 request.images.add(descriptor=descriptor, offset=offset, num_tokens=1)
