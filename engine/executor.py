@@ -29,17 +29,21 @@ A new executor (the multi-rank one for expert parallelism: an instance as a grou
 attention data-parallel, experts expert-parallel, torch.distributed with gloo on CPUs and NCCL on
 GPUs) subclasses `Executor`, is registered in `EXECUTORS`, and implements:
 
-- `max_inflight` (class attribute): how many submitted steps may be uncollected at once (>= 1).
-  With more than 1, the engine prepares step N+1 with the tokens step N sampled (it waits for them
-  with `future.result()`), so ranks must return step N's tokens before running step N+1.
+- `max_inflight`: how many submitted steps may be uncollected at once (>= 1); the engine reads it
+  on the instance. A class attribute, or an instance attribute set in `__init__` where it depends on
+  the configuration (`MultiRankExecutor`: 2 with async scheduling, 1 with speculation or without);
+  `executor_name` reads a registered executor's class attribute. With more than 1, the engine
+  prepares step N+1 with the tokens step N sampled (it waits for them with `future.result()`), so
+  ranks must return step N's tokens before running step N+1.
 - `submit(step) -> concurrent.futures.Future[StepResult]`: start running `step`; must not block on
   the model when `max_inflight > 1`. Steps run in submission order (one device stream: the
   scheduler's block reuse relies on it). A failure in the run is set on the future
   (`set_exception`), so that it is raised out of `Engine.step`. A multi-rank executor ships the
   `PreparedStep` to every rank, runs the forward there, and samples once (rank 0 or every rank with
   the same generator state) so that all ranks agree on the tokens.
-- `close()`: idempotent; blocks until the steps already submitted have finished, then frees
-  threads / process groups. `submit` after `close` raises RuntimeError.
+- `close()`: idempotent; blocks until the step running (if any) has finished, then frees threads /
+  process groups. Steps queued behind it are cancelled (their futures' `result()` raises
+  `CancelledError`). `submit` after `close` raises RuntimeError.
 
 NOTE: an executor never touches the scheduler, requests or outputs; everything it needs arrives
 in the `PreparedStep`, and everything it produces leaves in the `StepResult`.
@@ -51,7 +55,7 @@ import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from deepinfer.engine.engine import EngineConfig
@@ -104,8 +108,9 @@ def run_step(runner: ModelRunner, sampler: Sampler, step: PreparedStep) -> StepR
 class Executor(ABC):
     """Runs prepared steps (model forward + sampling) for an `Engine`; see the module docstring for the contract."""
 
-    max_inflight: ClassVar[int] = 1
-    """Most submitted steps whose results the engine has not collected yet (>= 1)."""
+    max_inflight: int = 1
+    """Most submitted steps whose results the engine has not collected yet (>= 1). A subclass may set it per
+    instance (the module docstring)."""
 
     def __init__(self, runner: ModelRunner, sampler: Sampler) -> None:
         self.runner = runner
@@ -121,7 +126,8 @@ class Executor(ABC):
 
     @abstractmethod
     def close(self) -> None:
-        """Blocks until the submitted steps have finished, then frees the executor's resources; idempotent."""
+        """Blocks until the step running (if any) has finished, cancelling the steps queued behind it, then frees
+        the executor's resources; idempotent."""
 
 
 class InProcessExecutor(Executor):

@@ -60,6 +60,7 @@ NOTE: only token ids and per-row logprobs travel back to rank 0 (over the gloo c
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -83,6 +84,8 @@ if TYPE_CHECKING:
     from deepinfer.engine.model_runner import ModelRunner
     from deepinfer.engine.sampling import Sampler
     from deepinfer.engine.spec_decode import SpecDecoding
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -170,6 +173,8 @@ class MultiRankExecutor(Executor):
         self.max_steps_in_flight = 0
         """The most steps submitted and not yet finished at once (2: a step was queued behind a running one)."""
         self._count_lock = threading.Lock()
+        self._queued: set[Future] = set()
+        """Futures `submit` handed out whose run has not started (under `_count_lock`): `close` cancels them."""
         self._num_steps = 0
         self._is_closed = False
         self._failure: BaseException | None = None
@@ -309,6 +314,7 @@ class MultiRankExecutor(Executor):
         with self._count_lock:
             self.num_submitted += 1
             self.max_steps_in_flight = max(self.max_steps_in_flight, self.num_inflight)
+            self._queued.add(fut)
         if self._pool is None:
             self._execute(step, payloads, fut)
         else:
@@ -318,6 +324,10 @@ class MultiRankExecutor(Executor):
     def _execute(self, step: PreparedStep, payloads, fut: Future) -> None:
         """Runs `step` over the ranks and sets `fut` (its result or exception). On the thread of the command
         rounds."""
+        with self._count_lock:  # NOTE: claims the step against `close`, which cancels the steps not yet started
+            if fut not in self._queued:
+                return  # cancelled (and counted finished) by `close`
+            self._queued.discard(fut)
         drafts: Future | None = None
         try:
             if not fut.set_running_or_notify_cancel():
@@ -325,7 +335,11 @@ class MultiRankExecutor(Executor):
             if hasattr(step, "verify") and self._pool is not None:  # speculative: tokens first, drafts after
                 drafts = Future()
                 drafts.set_running_or_notify_cancel()
-                drafts.set_result(self._run_step(step, payloads, fut, drafts))
+                result = self._run_step(step, payloads, fut, drafts)
+                if not fut.done():  # NOTE: never leave the engine waiting on tokens that no round handed over
+                    raise RuntimeError("a speculative step ended without its tokens round (no rank handed over "
+                                       "its tokens before drafting)")
+                drafts.set_result(result)
             else:
                 fut.set_result(self._run_step(step, payloads))
         except Exception as e:
@@ -340,11 +354,14 @@ class MultiRankExecutor(Executor):
         if self.eplb_interval_steps and self._num_steps % self.eplb_interval_steps == 0:
             # NOTE: after the step's result is handed over (the engine prepares the next step meanwhile) and before
             # the next step's round (on this thread): no step is in flight on any rank. A failure fails the
-            # executor (`_run_all`), so the next step raises it.
+            # executor, so the next step raises it (no future is left to carry it: this step's is already set).
             try:
                 self.rebalance_experts()
-            except Exception:
-                pass
+            except Exception as e:
+                logger.exception("automatic EPLB after step %d failed; the instance fails (the next step raises)",
+                                 self._num_steps)
+                if self._failure is None:
+                    self._failure = e
 
     def _run_step(self, step: PreparedStep, payloads, tokens_fut: Future | None = None,
                   drafts: Future | None = None) -> StepResult:
@@ -453,13 +470,23 @@ class MultiRankExecutor(Executor):
         return self._call(self._run_all, [Command("endpoint", p) for p in payloads])
 
     def close(self) -> None:
-        """Blocks until the step running (if any) has ended (steps queued behind it are cancelled) and the rank
-        processes have stopped; leaves the group. Idempotent."""
+        """Blocks until the step running (if any) has ended and the rank processes have stopped; leaves the group.
+        Idempotent. Steps queued behind the running one are cancelled at once, before the wait, as
+        `ThreadedExecutor.close` does: their futures' `result()` raises `CancelledError` (and they count as
+        finished); command rounds queued from other threads raise it too."""
         if self._is_closed:
             return
         self._is_closed = True
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            # NOTE: the pool cancels its own work items only, not the futures `submit` handed out: cancel those
+            # here, or a caller waiting on one would hang (the lock decides each step against `_execute`)
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            with self._count_lock:
+                queued, self._queued = list(self._queued), set()
+                self.num_finished += len(queued)
+            for fut in queued:
+                fut.cancel()
+            self._pool.shutdown(wait=True)
         if self._failure is None:
             try:
                 dist.scatter_object_list([None], [Command("stop") for _ in range(self.world_size)], src=0,

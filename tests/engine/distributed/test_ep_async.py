@@ -10,15 +10,20 @@ called meanwhile (EPLB re-placement) runs after it, before the next step.
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from deepinfer.engine import SamplingParams
 from deepinfer.engine.config import ModelConfig
+from deepinfer.engine.distributed.executor import MultiRankExecutor
 from deepinfer.engine.engine import Engine, _InflightStep
+from deepinfer.engine.executor import PreparedStep, StepResult
 from deepinfer.engine.testing.make_checkpoint import _write_ours, random_weights
 from deepinfer.engine.testing.presets import PRESETS
 
@@ -230,6 +235,97 @@ def test_ep2_async_speculative_hands_tokens_before_drafts_and_equals_one_process
     finally:
         release.set()
         ep.shutdown()
+
+
+def test_ep2_async_close_cancels_the_queued_step_at_once(tiny8):
+    """`close` while a step is held in flight and another is queued behind it: the queued step's future is
+    cancelled before `close` waits for the running one (a caller waiting on it does not hang), the running one
+    still completes, and every submitted step counts as finished."""
+    from concurrent.futures import CancelledError
+
+    kw = dict(model=tiny8, max_num_seqs=4, max_model_len=48, batch_invariant=True, block_size=8,
+              enable_prefix_caching=False, max_num_batched_tokens=16)
+    ep = Engine(expert_parallel_size=2, async_scheduling=True, **kw)
+    ex = ep.executor
+    hold = _Hold(ex)
+    closer = threading.Thread(target=ex.close)
+    try:
+        ep.add_request("0", (_prompts(1, seed=4, lo=12, hi=13)[0] * 2)[:22], _greedy(4))  # two prefill chunks
+        hold.arm()
+        out1, _ = ep._schedule()
+        f1 = ex.submit(ep._prepare(out1, {}))
+        assert hold.entered.wait(60)
+        out2, _ = ep._schedule()
+        f2 = ex.submit(ep._prepare(out2, {}))
+        assert ex.num_inflight == 2 and not f1.done() and not f2.done()
+        closer.start()
+        with pytest.raises(CancelledError):
+            f2.result(timeout=30)  # NOTE: while step 1 is still held: close cancelled it before waiting
+        assert not f1.done() and closer.is_alive()
+        with pytest.raises(RuntimeError, match="closed"):
+            ex.submit(ep._prepare(out2, {}))
+        hold.release.set()
+        closer.join(60)
+        assert not closer.is_alive()
+        assert f1.result(timeout=0).token_ids == []  # chunk 1 of 2 samples nothing
+        assert ex.num_finished == ex.num_submitted == 2 and ex.num_inflight == 0
+        assert hold.log == ["step"]  # the cancelled step never ran on rank 0
+    finally:
+        hold.release.set()
+        if closer.is_alive():
+            closer.join(60)
+        ep.shutdown()
+
+
+def _bare_executor(**attrs) -> MultiRankExecutor:
+    """A `MultiRankExecutor` without ranks (no process, no group): `_run_step` and the command rounds are
+    replaced by the test, for the executor's own bookkeeping around them."""
+    ex = object.__new__(MultiRankExecutor)
+    ex.__dict__.update(_pool=None, eplb_interval_steps=0, _count_lock=threading.Lock(), _queued=set(),
+                       num_submitted=0, num_finished=0, max_steps_in_flight=0, _num_steps=0, _is_closed=False,
+                       _failure=None, _step_payloads=None, _procs=[])
+    ex.__dict__.update(attrs)
+    return ex
+
+
+def test_automatic_eplb_failure_is_logged_and_fails_the_next_step(caplog):
+    """An automatic EPLB re-placement that fails (after the step's result is handed over, so no future carries
+    it) is logged and fails the executor: the next step raises it, as a rank failure does."""
+    ex = _bare_executor(eplb_interval_steps=1)
+    boom = ValueError("boom: re-placement failed")
+
+    def run_step(step, payloads, *rest):
+        if ex._failure is not None:
+            return MultiRankExecutor._run_all(ex, [])  # the command round's check of an earlier failure
+        ex._num_steps += 1
+        return StepResult([7], [None], 0.0, 0.0)
+
+    def rebalance():
+        raise boom
+
+    ex._run_step, ex.rebalance_experts = run_step, rebalance
+    with caplog.at_level(logging.ERROR, logger="deepinfer.engine.distributed.executor"):
+        assert ex.submit(PreparedStep(None, None)).result(timeout=0).token_ids == [7]
+    assert ex._failure is boom
+    assert any("EPLB" in r.getMessage() and r.exc_info and r.exc_info[1] is boom for r in caplog.records)
+    with pytest.raises(RuntimeError, match="failed earlier") as info:
+        ex.submit(PreparedStep(None, None)).result(timeout=0)
+    assert info.value.__cause__ is boom
+    assert ex.num_finished == ex.num_submitted == 2
+
+
+def test_speculative_step_without_its_tokens_round_fails_its_future():
+    """Async scheduling, a speculative step whose run ends without the tokens round (`on_tokens` never ran):
+    its future fails instead of leaving the engine waiting on it."""
+    ex = _bare_executor(_pool=ThreadPoolExecutor(max_workers=1))
+    try:
+        ex._run_step = lambda step, payloads, tokens_fut, drafts: "merged result"  # hands no tokens over
+        fut = ex.submit(SimpleNamespace(verify=None, batch=None, sampling_batch=None))
+        assert isinstance(fut.exception(timeout=30), RuntimeError) and "tokens round" in str(fut.exception())
+        ex._pool.shutdown(wait=True)
+        assert ex.num_finished == ex.num_submitted == 1
+    finally:
+        ex._pool.shutdown(wait=True)
 
 
 @pytest.mark.gpu
