@@ -1,6 +1,6 @@
 """DeepSeek-V4.1 decode steps as CUDA graphs: static decode rows (`DecodeRows.is_static`) read by
 `deepseek_v41.PagedAttention._decode_static` and the Engram history read on the device
-(`DeepseekV41ForCausalLM._engram_grams_static`), replayed by `engine.cuda_graph.CudaGraphRunner`.
+(`deepseek_v41_static.engram_grams_static`), replayed by `engine.cuda_graph.CudaGraphRunner`.
 
 CPU: the static rows against the host-decided ones (the default without graphs, unchanged) on the tiny random V4.1 (window 4,
 so rings wrap; ratio-2 and ratio-1 KV sources, so compressed entries are emitted and reused; the candidate filter
