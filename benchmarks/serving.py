@@ -290,7 +290,11 @@ class LocalCluster:
     """Balancers, one prefill and one decode worker and the entrypoint, each `python -m ...` on loopback."""
 
     def __init__(self, checkpoint: str, engine_threads: int, worker_args: list[str], logdir: Path,
-                 ucx_tls: str | None = None, bounded_state: str | None = None) -> None:
+                 ucx_tls: str | None = None, bounded_state: str | None = None,
+                 startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """`startup_timeout_s`: how long each start-up wave may take (GPU workers compile kernels and capture
+        CUDA graphs before they serve)."""
+        self.startup_timeout_s = startup_timeout_s
         env = {**os.environ, "OMP_NUM_THREADS": str(engine_threads), "PYTHONUNBUFFERED": "1"}
         if ucx_tls:
             # NOTE: the workers then read UCX's settings from the environment instead of `--loopback-ucx`
@@ -320,7 +324,7 @@ class LocalCluster:
         self.processes.spawn(name, args)
 
     def _wait_ready(self) -> None:
-        self.processes.wait_ready(STARTUP_TIMEOUT_S, poll_s=0.05)
+        self.processes.wait_ready(self.startup_timeout_s, poll_s=0.05)
 
     def stats(self, name: str) -> dict:
         """A worker's Health stats (its trailing-metadata JSON)."""

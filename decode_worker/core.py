@@ -120,6 +120,9 @@ class DecodeCore:
             self._conversations[request_id] = (list(prompt_token_ids), traffic_class or None)
             while len(self._conversations) > _MAX_CONVERSATIONS:
                 self._conversations.popitem(last=False)
+        # the blocks and slot may have been freed by a request a step still in flight writes (async scheduling):
+        # the prefill's WRITE, outside this engine's stream order, may start once the destination is out
+        self.engine.wait_steps_in_flight()
         peer, block_ids, slot = self.connector.destination(request_id)
         return Reservation(request_id, transfer_id, peer, block_ids, lease_s, slot)
 

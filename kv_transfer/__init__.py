@@ -97,7 +97,11 @@ happens in `poll()`. UCX reads its settings from the environment when the agent 
 as `ucx_env`. `LOOPBACK_UCX_ENV` (`UCX_TLS=cma,tcp,self`, `UCX_NET_DEVICES=lo`) keeps processes
 on one host on loopback: tcp carries wire-up and notifications (NIXL needs a transport with peer
 failure handling, which UCX's shared-memory transports lack), cma carries the data. Clusters
-leave UCX_TLS unset so UCX picks RDMA (and GPU memory) where present.
+leave UCX_TLS unset so UCX picks RDMA (and GPU memory) where present. Caches on a GPU (pools registered
+as VRAM) need CUDA transports instead: `LOOPBACK_CUDA_UCX_ENV` (`UCX_TLS=cuda_copy,cuda_ipc,tcp,self`);
+`loopback_ucx_env(device)` picks one of the two by the engine's device (what `--loopback-ucx` workers use).
+With cuda_ipc the receiver must keep calling `poll()` until the notification arrives (UCX needs its
+progress for the wire-up): a decode instance's loop polls every millisecond while it expects a transfer.
 
 Image embeddings
 ----------------
@@ -111,11 +115,14 @@ Metrics
 `stats()` returns Prometheus-style names: `kv_transfer_{sent,received}_{bytes,blocks}_total`,
 `kv_transfer_sends_{done,failed}_total`, `kv_transfer_recvs_{done,expired}_total`,
 `kv_transfer_notifs_unmatched_total`, `kv_transfer_send_seconds_{sum,count}` (post to DONE on the
-sender), gauges `kv_transfer_inflight_sends` and `kv_transfer_pending_recvs`, and
+sender), `kv_transfer_sent_bytes_{dram,vram}_to_{dram,vram}_total` (completed sends by source and
+destination memory type: a GPU pair moves VRAM -> VRAM), gauges `kv_transfer_inflight_sends`,
+`kv_transfer_pending_recvs` and `kv_transfer_registered_{dram,vram}_bytes`, and
 `kv_transfer_send_seconds_recent` (the last 256 durations).
 """
 
 from deepinfer.kv_transfer.agent import (
+    LOOPBACK_CUDA_UCX_ENV,
     LOOPBACK_UCX_ENV,
     KVTransferAgent,
     KVTransferEvents,
@@ -124,10 +131,12 @@ from deepinfer.kv_transfer.agent import (
     decode_notif,
     encode_notif,
     layout_from_wire,
+    loopback_ucx_env,
 )
 from deepinfer.kv_transfer.pd_connector import KVDestination, PDConnector, decode_notice, encode_notice
 
 __all__ = [
+    "LOOPBACK_CUDA_UCX_ENV",
     "LOOPBACK_UCX_ENV",
     "KVDestination",
     "KVTransferAgent",
@@ -140,4 +149,5 @@ __all__ = [
     "encode_notice",
     "encode_notif",
     "layout_from_wire",
+    "loopback_ucx_env",
 ]

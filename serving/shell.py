@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 
 import grpc
 
-from deepinfer.kv_transfer import LOOPBACK_UCX_ENV
+from deepinfer.kv_transfer import loopback_ucx_env
 from deepinfer.kv_transfer.embeddings import EmbeddingAgent
 from deepinfer.kv_transfer.ranked import open_instance_agent
 from deepinfer.protos import common_pb2, loadbalancer_pb2
@@ -97,8 +97,9 @@ class WorkerShell:
 
     @property
     def ucx_env(self) -> dict | None:
-        """The UCX environment of this instance's NIXL agents (loopback-only in tests), None = UCX defaults."""
-        return LOOPBACK_UCX_ENV if self.config.loopback_ucx else None
+        """The UCX environment of this instance's NIXL agents (loopback-only in tests: with CUDA transports when the
+        engine runs on a GPU, its pools being VRAM, `kv_transfer.loopback_ucx_env`), None = UCX defaults."""
+        return loopback_ucx_env(self.config.device) if self.config.loopback_ucx else None
 
     def _image_embedding_agent(self, engine: Any) -> EmbeddingAgent | None:
         """An LM stage's buffer that image embeddings are READ into from vision instances (NIXL), sized
