@@ -233,14 +233,22 @@ class CudaGraphRunner:
         step = self.graphs.get(batch.num_tokens)
         if step is None:
             return self._logits(self.capture(batch), batch)
+        if not self._replay(step, structure, tensors):
+            return None
+        return self._logits(step.hidden, batch)
+
+    def _replay(self, step: CapturedStep | CapturedVerifyStep, structure: tuple, tensors: list[torch.Tensor]) -> bool:
+        """Copies a step's input tensors (`flatten(graph_inputs(...))` of it: `structure`, `tensors`) into `step`'s
+        static ones and replays its graph (its outputs land in `step`'s buffers); False, nothing copied and
+        `stats["eager_fallbacks"]` counted, when `structure` differs from the capture's (run the step eagerly)."""
         if structure != step.structure:
             self.stats["eager_fallbacks"] += 1
-            return None
+            return False
         for dst, src in zip(step.static_tensors, tensors):
             dst.copy_(src, non_blocking=True)
         step.graph.replay()
         self.stats["replays"] += 1
-        return self._logits(step.hidden, batch)
+        return True
 
     def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Logits of the wanted rows (`logits_indices`, else every real row), gathered out of `hidden`
@@ -396,13 +404,8 @@ class VerifyGraphRunner(CudaGraphRunner):
         if step is None:
             hidden, streams = self.capture_verify(padded, key, structure, tensors)
         else:
-            if structure != step.structure:
-                self.stats["eager_fallbacks"] += 1
+            if not self._replay(step, structure, tensors):
                 return None
-            for dst, src in zip(step.static_tensors, tensors):
-                dst.copy_(src, non_blocking=True)
-            step.graph.replay()
-            self.stats["replays"] += 1
             hidden, streams = step.hidden, step.streams
         return hidden.index_select(0, real_rows), streams.index_select(0, real_rows)
 

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from deepinfer.kernels.decode_attention import ring_write_torch
 from deepinfer.kernels.registry import register_default_impl, register_op
+from deepinfer.kernels.rope import apply_rope_torch
 
 try:
     import triton
@@ -47,21 +48,10 @@ except ImportError:  # pragma: no cover - triton is optional on CPU-only install
 # --------------------------------------------------------------------------- torch references
 
 
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The model's `apply_rope` (engine/models/deepseek_v4.py), op for op."""
-    rd = cos.shape[-1] * 2
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    c, s = cos.view(shape), sin.view(shape)
-    rope = x[..., -rd:].float()
-    x1, x2 = rope[..., 0::2], rope[..., 1::2]
-    out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2).to(x.dtype)
-    return torch.cat([x[..., :-rd], out], dim=-1)
-
-
 @register_op("attn_norm_rope", "torch")
 def attn_norm_rope_torch(x, weight, eps: float, cos, sin, ring=None, slots=None, pos=None) -> torch.Tensor:
     """Reference RMSNorm + RoPE (+ the ring write), see the module docstring."""
-    y = _apply_rope(F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype), cos, sin)
+    y = apply_rope_torch(F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype), cos, sin)
     if ring is not None:
         ring_write_torch(ring, slots, pos, y)
     return y
@@ -71,7 +61,7 @@ def attn_norm_rope_torch(x, weight, eps: float, cos, sin, ring=None, slots=None,
 def attn_out_proj_torch(o, cos, sin, weight, groups: int) -> torch.Tensor:
     """Reference inverse RoPE + grouped `wo_a` projection, see the module docstring."""
     T = o.shape[0]
-    out = _apply_rope(o, cos, -sin)
+    out = apply_rope_torch(o, cos, -sin)
     grouped = out.reshape(T, groups, -1).transpose(0, 1)  # [G, T, NH*D/G]
     w = weight.view(groups, -1, grouped.shape[-1])  # [G, R, NH*D/G]
     return torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(T, -1)  # [T, G*R]
@@ -82,8 +72,9 @@ if triton is not None:
 
     @register_op("attn_out_proj", "rope_bmm")
     def attn_out_proj_rope_bmm(o, cos, sin, weight, groups: int) -> torch.Tensor:
-        """The reference with its inverse RoPE as one Triton launch (`kernels.rope`, bit-identical to `_apply_rope`),
-        then the same `bmm`: equal to `attn_out_proj_torch` bit for bit, ~10 launches fewer. The CUDA default."""
+        """The reference with its inverse RoPE as one Triton launch (`kernels.rope`, bit-identical to
+        `apply_rope_torch`), then the same `bmm`: equal to `attn_out_proj_torch` bit for bit, ~10 launches fewer. The
+        CUDA default."""
         T = o.shape[0]
         out = rope_triton(o, cos, sin, inverse=True)
         grouped = out.reshape(T, groups, -1).transpose(0, 1)  # [G, T, NH*D/G]

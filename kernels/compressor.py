@@ -41,21 +41,13 @@ import torch.nn.functional as F
 
 from deepinfer.kernels.decode_attention import masked_row_write
 from deepinfer.kernels.registry import register_default_impl, register_op
+from deepinfer.kernels.rope import apply_rope_torch
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - triton is optional on CPU-only installs
     triton = None
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Interleaved RoPE of the trailing `2 * cos.shape[-1]` channels of x [B, d] (the model's `apply_rope`)."""
-    rd = cos.shape[-1] * 2
-    rope = x[:, -rd:].float()
-    x1, x2 = rope[:, 0::2], rope[:, 1::2]
-    out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(x.dtype)
-    return torch.cat([x[:, :-rd], out], dim=-1)
 
 
 def _done_rows(pos, frozen, slots, block_tables, num_slots, num_blocks, rate, epb):
@@ -84,7 +76,7 @@ def compress_rows_torch(buf_kv, buf_gate, ape, norm_weight, eps, cos, sin, slots
         kv_all, g_all = ck, cg
     e = (kv_all * g_all.softmax(dim=1)).sum(dim=1).to(buf_kv.dtype)
     e = F.rms_norm(e.float(), (dim,), norm_weight, eps).to(buf_kv.dtype)
-    return _apply_rope(e, cos, sin)
+    return apply_rope_torch(e, cos, sin)
 
 
 def write_entries_torch(pool, entries, done, rows) -> None:

@@ -284,19 +284,15 @@ if triton is not None:
         return tl.sum(tl.where(cols == c, mix, 0.0), axis=1)
 
     @triton.jit
-    def _mhc_mix_kernel(x_ptr, part_ptr, ss_ptr, base_ptr, scale_ptr, coll_ptr, post_ptr, comb_ptr, T, H, SPLIT,
-                        eps, norm_eps, ITERS: tl.constexpr, HC: tl.constexpr, HC_PAD: tl.constexpr,
-                        NM_PAD: tl.constexpr, HEAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-        DT = x_ptr.dtype.element_ty
-        rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_ok = rt < T
-        cols = tl.arange(0, NM_PAD)[None, :]
-        mix = tl.zeros((BLOCK_T, NM_PAD), dtype=tl.float32)
-        ss = tl.zeros((BLOCK_T,), dtype=tl.float32)
-        for s in range(0, SPLIT):  # in split order: deterministic
-            base = (s * T + rt).to(tl.int64)
-            mix += tl.load(part_ptr + base[:, None] * NM_PAD + cols, mask=t_ok[:, None], other=0.0)
-            ss += tl.load(ss_ptr + base, mask=t_ok, other=0.0)
+    def _mix_weights(mix, ss, cols, rt, st, base_ptr, scale_ptr, post_ptr, comb_ptr, H, eps, norm_eps,
+                     ITERS: tl.constexpr, HC: tl.constexpr, HC_PAD: tl.constexpr, HEAD: tl.constexpr,
+                     BLOCK_T: tl.constexpr):
+        """The mix kernels' weights from the summed partials of a token block (`mix` [BLOCK_T, NM_PAD] logits,
+        `ss` [BLOCK_T] sums of squares; `cols` = arange(NM_PAD)[None, :], `rt` the block's tokens): the RMS
+        scale, pre (returned, [BLOCK_T, HC_PAD], padded entries 0) and, unless HEAD, post [T, HC] and the
+        Sinkhorn-normalised comb [T, HC, HC] stored where `st` [BLOCK_T]. Shared by `_mhc_mix_kernel` and
+        `_mhc_mix_split_kernel` (which stores from one hidden block only); Triton inlines it, so both keep the
+        arithmetic and bits they had with it written out in each."""
         rms = tl.math.rsqrt(ss / (HC * H) + norm_eps)
         mix = mix * rms[:, None]
         jj = tl.arange(0, HC_PAD)[None, :]  # [1, HC_PAD]
@@ -313,7 +309,7 @@ if triton is not None:
             for j in tl.static_range(HC):
                 v = _col(mix, cols, HC + j) * sc1 + tl.load(base_ptr + HC + j)
                 tl.store(post_ptr + rt * HC + j, 2.0 * tl.math.div_rn(tl.full(v.shape, 1.0, tl.float32),
-                                                                        1.0 + tl.exp(-v)), mask=t_ok)
+                                                                        1.0 + tl.exp(-v)), mask=st)
             # comb [BLOCK_T, HC_PAD, HC_PAD]: row i, column j; the softmax runs along j
             i3 = tl.arange(0, HC_PAD)[None, :, None]
             j3 = tl.arange(0, HC_PAD)[None, None, :]
@@ -334,7 +330,26 @@ if triton is not None:
                 a = tl.math.div_rn(a, _ordered_sum(a, j3, 2, HC) + eps)
                 a = tl.math.div_rn(a, _ordered_sum(a, i3, 1, HC) + eps)
             tl.store(comb_ptr + rt[:, None, None] * (HC * HC) + i3 * HC + j3, a,
-                     mask=t_ok[:, None, None] & real)
+                     mask=st[:, None, None] & real)
+        return pre
+
+    @triton.jit
+    def _mhc_mix_kernel(x_ptr, part_ptr, ss_ptr, base_ptr, scale_ptr, coll_ptr, post_ptr, comb_ptr, T, H, SPLIT,
+                        eps, norm_eps, ITERS: tl.constexpr, HC: tl.constexpr, HC_PAD: tl.constexpr,
+                        NM_PAD: tl.constexpr, HEAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+        DT = x_ptr.dtype.element_ty
+        rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = rt < T
+        cols = tl.arange(0, NM_PAD)[None, :]
+        mix = tl.zeros((BLOCK_T, NM_PAD), dtype=tl.float32)
+        ss = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        for s in range(0, SPLIT):  # in split order: deterministic
+            base = (s * T + rt).to(tl.int64)
+            mix += tl.load(part_ptr + base[:, None] * NM_PAD + cols, mask=t_ok[:, None], other=0.0)
+            ss += tl.load(ss_ptr + base, mask=t_ok, other=0.0)
+        pre = _mix_weights(mix, ss, cols, rt, t_ok, base_ptr, scale_ptr, post_ptr, comb_ptr, H, eps, norm_eps, ITERS,
+                           HC, HC_PAD, HEAD, BLOCK_T)  # [BLOCK_T, HC_PAD]
+        jj = tl.arange(0, HC_PAD)[None, :]  # [1, HC_PAD]
         # collapse: sum_j pre_j * stream_j, added in j order
         for h0 in range(0, H, BLOCK_H):
             rh = h0 + tl.arange(0, BLOCK_H)
@@ -416,8 +431,9 @@ if triton is not None:
         # program (token block, hidden block): `_mhc_mix_kernel` with the collapse of hidden columns
         # [pid_h*BLOCK_H, (pid_h+1)*BLOCK_H) only. Every program re-adds the partials and recomputes pre (and
         # post, comb: program 0 of each token block stores them). The arithmetic is `_mhc_mix_kernel`'s, line for
-        # line and with the same tile shapes; the partials' loop is unrolled (SPLIT constexpr), the adds kept
-        # in split order, so their loads are in flight together instead of one L2 round trip per split.
+        # line (the weights: the same `_mix_weights`) and with the same tile shapes; the partials' loop is
+        # unrolled (SPLIT constexpr), the adds kept in split order, so their loads are in flight together instead
+        # of one L2 round trip per split.
         DT = x_ptr.dtype.element_ty
         rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = rt < T
@@ -429,42 +445,9 @@ if triton is not None:
             base = (s * T + rt).to(tl.int64)
             mix += tl.load(part_ptr + base[:, None] * NM_PAD + cols, mask=t_ok[:, None], other=0.0)
             ss += tl.load(ss_ptr + base, mask=t_ok, other=0.0)
-        rms = tl.math.rsqrt(ss / (HC * H) + norm_eps)
-        mix = mix * rms[:, None]
+        pre = _mix_weights(mix, ss, cols, rt, t_st, base_ptr, scale_ptr, post_ptr, comb_ptr, H, eps, norm_eps, ITERS,
+                           HC, HC_PAD, HEAD, BLOCK_T)  # [BLOCK_T, HC_PAD]
         jj = tl.arange(0, HC_PAD)[None, :]  # [1, HC_PAD]
-        pre = tl.zeros((BLOCK_T, HC_PAD), dtype=tl.float32)
-        sc0 = tl.load(scale_ptr)
-        for j in tl.static_range(HC):
-            v = _col(mix, cols, j) * sc0 + tl.load(base_ptr + j)
-            pre = tl.where(jj == j, (tl.math.div_rn(tl.full(v.shape, 1.0, tl.float32), 1.0 + tl.exp(-v)) + eps)[:, None],
-                           pre)
-        if not HEAD:
-            sc1 = tl.load(scale_ptr + 1)
-            sc2 = tl.load(scale_ptr + 2)
-            for j in tl.static_range(HC):
-                v = _col(mix, cols, HC + j) * sc1 + tl.load(base_ptr + HC + j)
-                tl.store(post_ptr + rt * HC + j, 2.0 * tl.math.div_rn(tl.full(v.shape, 1.0, tl.float32),
-                                                                        1.0 + tl.exp(-v)), mask=t_st)
-            i3 = tl.arange(0, HC_PAD)[None, :, None]
-            j3 = tl.arange(0, HC_PAD)[None, None, :]
-            c3 = tl.full((BLOCK_T, HC_PAD, HC_PAD), float("-inf"), tl.float32)
-            for i in tl.static_range(HC):
-                for j in tl.static_range(HC):
-                    v = _col(mix, cols, 2 * HC + i * HC + j) * sc2 + tl.load(base_ptr + 2 * HC + i * HC + j)
-                    c3 = tl.where((i3 == i) & (j3 == j), v[:, None, None], c3)
-            m = tl.max(c3, axis=2)
-            m = tl.where(tl.arange(0, HC_PAD)[None, :] < HC, m, 0.0)
-            ex = tl.exp(c3 - m[:, :, None])
-            real = (i3 < HC) & (j3 < HC)
-            ex = tl.where(real, ex, 0.0)
-            den = tl.where(i3 < HC, tl.sum(ex, axis=2)[:, :, None], 1.0)
-            a = tl.where(real, tl.math.div_rn(ex, den) + eps, 0.0)
-            a = tl.math.div_rn(a, _ordered_sum(a, i3, 1, HC) + eps)
-            for _ in range(ITERS - 1):
-                a = tl.math.div_rn(a, _ordered_sum(a, j3, 2, HC) + eps)
-                a = tl.math.div_rn(a, _ordered_sum(a, i3, 1, HC) + eps)
-            tl.store(comb_ptr + rt[:, None, None] * (HC * HC) + i3 * HC + j3, a,
-                     mask=t_st[:, None, None] & real)
         rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         msk = t_ok[:, None] & (rh < H)[None, :]
         acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)

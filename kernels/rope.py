@@ -1,9 +1,10 @@
 """Interleaved partial RoPE: op `"rope"`, `(x [n, ..., D], cos [n, rd/2], sin [n, rd/2], inverse=False) -> y`.
 
-The model's `apply_rope` (engine/models/deepseek_v4.py): the trailing `rd = 2 * cos.shape[-1]` channels of each
-row of x, taken in float32 as consecutive pairs (x1, x2) = (even, odd), become (x1 c - x2 s, x2 c + x1 s) at the
-row's token (cos/sin broadcast over the middle dims), rounded to x's dtype; the leading `D - rd` channels pass
-unchanged. `inverse=True` rotates back (`apply_rope(x, cos, -sin)`: the attention output's de-rotation).
+The model's `apply_rope` (`apply_rope_torch` below, engine/models/deepseek_v4.py's `apply_rope`): the trailing
+`rd = 2 * cos.shape[-1]` channels of each row of x, taken in float32 as consecutive pairs (x1, x2) = (even, odd),
+become (x1 c - x2 s, x2 c + x1 s) at the row's token (cos/sin broadcast over the middle dims), rounded to x's dtype;
+the leading `D - rd` channels pass unchanged. `inverse=True` rotates back (`apply_rope(x, cos, -sin)`: the attention
+output's de-rotation).
 
 Implementations:
   * `"torch"`: the reference, the model's code op for op (on a GPU about ten launches: a cast, four products, a
@@ -37,7 +38,9 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The model's `apply_rope` (engine/models/deepseek_v4.py), op for op: x [n, ..., D], cos/sin [n, rd/2]."""
+    """The interleaved partial RoPE, x [n, ..., D], cos/sin [n, rd/2] (module docstring). The one torch copy: the
+    model's `apply_rope` (engine/models/deepseek_v4.py), the references of `kernels.attn_proj` and
+    `kernels.compressor` call it."""
     rd = cos.shape[-1] * 2
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
     c, s = cos.view(shape), sin.view(shape)

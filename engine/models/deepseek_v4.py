@@ -65,6 +65,7 @@ from deepinfer.engine.forward_batch import ForwardBatch
 from deepinfer.engine.moe import Gate, MoEBackend, get_moe_backend
 from deepinfer.kernels import OpTable
 from deepinfer.kernels.mhc import hc_collapse_torch, hc_weights_torch
+from deepinfer.kernels.rope import apply_rope_torch
 from deepinfer.kernels.swiglu import swiglu_torch
 
 # --------------------------------------------------------------------------- small pieces
@@ -125,18 +126,10 @@ class Rotary(nn.Module):
         return freqs.cos() * self.scale, freqs.sin() * self.scale
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive channel pairs of the trailing `2 * cos.shape[-1]` channels of `x`.
-
-    x: [n, ..., d]; cos/sin: [n, rope_dim/2] (broadcast over the middle dims).
-    """
-    rd = cos.shape[-1] * 2
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    c, s = cos.view(shape), sin.view(shape)
-    rope = x[..., -rd:].float()
-    x1, x2 = rope[..., 0::2], rope[..., 1::2]
-    out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2).to(x.dtype)
-    return torch.cat([x[..., :-rd], out], dim=-1)
+apply_rope = apply_rope_torch
+"""Rotate consecutive channel pairs of the trailing `2 * cos.shape[-1]` channels of `x` [n, ..., d] by cos/sin
+[n, rope_dim/2] (broadcast over the middle dims): `kernels.rope.apply_rope_torch`, the "rope" op's reference, kept
+under the model's name (V4.1, DSpark and the batch-invariant mode import it from here)."""
 
 
 # --------------------------------------------------------------------------- compressor

@@ -5,19 +5,14 @@ program a row) agrees with it to float32 rounding and gives a row the same bits 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from deepinfer.kernels import OpTable, default_impl
 from deepinfer.kernels.rmsnorm import rms_norm_torch
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels._interp import run_interpreted
 
 
 def norm_case(rows, D, dtype=torch.float32, seed=0, device="cpu", weight=True):
@@ -87,11 +82,7 @@ _INTERPRETED = textwrap.dedent("""
 
 def test_triton_kernel_under_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT.parent), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+    assert run_interpreted(_INTERPRETED).strip() == "ok"
 
 
 @pytest.mark.parametrize("D,warps", [(4096, 8), (7168, 16), (1024, 2), (512, 1)])

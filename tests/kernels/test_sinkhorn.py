@@ -9,19 +9,15 @@ rounding.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from deepinfer.kernels import OpTable, default_impl, get_op, op_impl_names
 from deepinfer.kernels.sinkhorn import sinkhorn_numpy_cpu, sinkhorn_torch
+from tests.kernels._interp import run_interpreted
 
-ROOT = Path(__file__).resolve().parents[2]
 ITERS, EPS = 20, 1e-6
 
 
@@ -99,10 +95,7 @@ _INTERPRETED = textwrap.dedent("""
 
 def test_triton_kernel_under_interpreter_is_bit_identical():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+    assert run_interpreted(_INTERPRETED).strip() == "ok"
 
 
 @pytest.mark.gpu

@@ -6,11 +6,7 @@ numpy transcription of its steps, and the torch reference within an ulp (numpy's
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,8 +15,7 @@ import torch.nn.functional as F
 
 from deepinfer.kernels import OpTable, default_impl
 from deepinfer.kernels.swiglu import swiglu_torch
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels._interp import run_interpreted
 
 
 def act_case(shape, dtype=torch.float32, seed=0, device="cpu", scale=6.0):
@@ -105,11 +100,7 @@ _INTERPRETED = textwrap.dedent("""
 
 def test_triton_kernel_under_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT.parent), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+    assert run_interpreted(_INTERPRETED).strip() == "ok"
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])

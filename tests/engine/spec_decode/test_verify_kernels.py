@@ -6,9 +6,10 @@ against the `torch` backend's batched verify path (the oracle).
   ragged and static (`static_verify_metadata`, CUDA-graph padded) steps: hidden states, streams and every cache
   tensor, steps in which windows wrap, compressor windows end inside chunks and the indexer selects fewer entries
   than are visible; the op's reference against a per-row brute force;
-* the Triton kernels under `TRITON_INTERPRET=1` in a subprocess: the same forward comparison (float32), and
-  speculative greedy decoding of the built-in model (MTP drafts, full and confidence schedules) with the triton
-  backend's kernels == plain decoding;
+* the Triton kernels under `TRITON_INTERPRET=1` in a subprocess: the op against its reference (one split and
+  several), the same forward comparison (float32; the verify steps through `verify_attention` and `indexer_topk`,
+  the prefill through the references), and speculative greedy decoding of the built-in model (MTP drafts, the
+  confidence schedule) with `verify_attention` interpreted == plain decoding;
 * `gpu`: the verify forward on CUDA against the torch backend (float32), and speculative greedy decoding with
   verify CUDA graphs and the triton backend == plain decoding over 64 steps.
 """
@@ -16,10 +17,7 @@ against the `torch` backend's batched verify path (the oracle).
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -34,8 +32,8 @@ from deepinfer.engine.spec_decode.verify_rows import batch_verify_chunks
 from deepinfer.engine.testing.make_checkpoint import _write_ours, random_weights
 from deepinfer.engine.testing.presets import PRESETS
 from deepinfer.kernels.decode_attention import decode_attention_torch, verify_attention_torch
+from tests.kernels._interp import run_interpreted
 
-ROOT = Path(__file__).resolve().parents[3]
 SPLIT = 16
 """Keys per flash-decoding split: tiny rows (window 8 + up to 12 selected or ~20 HCA entries) span several."""
 
@@ -75,18 +73,19 @@ def _state(cache) -> dict[str, torch.Tensor]:
             **{k: v.clone() for k, v in cache.compressed_pools().items()}}
 
 
-def verify_forward_diff(path: str, impl: str | None, static: bool, num_steps: int, lens=(61, 9, 30, 3, 2),
-                        device: str = "cpu", dtype: str = "float32") -> float:
+def verify_forward_diff(path: str, impl: str | None, static: bool | tuple[bool, ...], num_steps: int,
+                        lens=(61, 9, 30, 3, 2), device: str = "cpu", dtype: str = "float32") -> float:
     """Prefill `lens`, then `num_steps` verify steps of random `1 + L_r` (one request a plain decode row) through
-    the torch and the triton backend (`impl`: the triton backend's op choice), ragged or padded to the static form
-    (`VerifyGraphRunner.key`: 5 requests -> 8; the last one's state starts at position 16); asserts the cache tensors agree and returns the worst difference of the real
-    rows' hidden states and streams."""
+    the torch and the triton backend (`impl`: the triton backend's op choice for the verify steps; the prefill runs
+    the device's defaults: under the interpreter the indexer kernel's prefill rows would cost seconds), ragged or
+    padded to the static form (`VerifyGraphRunner.key`: 5 requests -> 8; the last one's state starts at position
+    16); `static` is every step's form or a tuple cycled over the steps (an engine mixes graph and eager steps).
+    Asserts the cache tensors agree and returns the worst difference of the real rows' hidden states and streams."""
     from deepinfer.engine.cache.kv_cache import V4KVCache
 
     models = [load_checkpoint(path, dtype=dtype, device=device, attention_backend=ab)[0] for ab in ("torch", "triton")]
     backend = models[1].model.attention_backend
     backend.split_size = SPLIT
-    use_impl(backend, impl, device)
     cfg = models[0].config
     caches = [V4KVCache(cfg, 100, 8, 8, getattr(torch, dtype), device, max_model_len=160) for _ in models]
     per = caches[0].max_blocks_per_seq
@@ -100,6 +99,7 @@ def verify_forward_diff(path: str, impl: str | None, static: bool, num_steps: in
     with torch.inference_mode():
         for m, c in zip(models, caches):
             m(ForwardBatch.build(prompts, chunks, device=device), c)
+    use_impl(backend, impl, device)  # the verify steps' ops (the prefill: the device's defaults)
     rng, worst = random.Random(0), 0.0
     lens = [n for n in lens[:-1]] + [16 + lens[-1]]
     for step in range(num_steps):
@@ -111,7 +111,7 @@ def verify_forward_diff(path: str, impl: str | None, static: bool, num_steps: in
             seqs[-1] = SeqChunk(len(lens) - 1, tables[-1], lens[-1], widths[-1], state_start=16, num_frozen_tokens=16)
             batch = ForwardBatch.build(ids, seqs, device=device)
             with torch.inference_mode():
-                if static:
+                if (static if isinstance(static, bool) else static[step % len(static)]):
                     padded, rows = r.pad_verify(batch, r.key(batch))
                     h, s = m(padded, c, padded.attn_metadata, return_streams=True)
                     h, s = h[rows], s[rows]
@@ -208,8 +208,10 @@ _INTERPRETED = textwrap.dedent("""
     from pathlib import Path
     kernel_matches_reference()
     path = write_tiny(Path(sys.argv[1]))
-    worst = max(verify_forward_diff(path, "verify", static, num_steps=2, lens=(61, 30, 2)) for static in (False, True))
-    spec_greedy_equals_plain("attention", max_tokens=6, lens=(6, 21))
+    # one ragged step, then one padded (graph form) step over the same prefill (the CPU test: six of each); greedy
+    # with one schedule (the CPU test has both)
+    worst = verify_forward_diff(path, "verify", (False, True), num_steps=2, lens=(61, 30, 2))
+    spec_greedy_equals_plain("attention", schedules=("confidence",), max_tokens=6, lens=(6, 21))
     print("ok", worst)
 """)
 
@@ -257,12 +259,8 @@ def test_speculative_greedy_with_the_triton_backend_equals_plain_decoding():
 
 def test_triton_verify_kernels_under_interpreter(tmp_path):
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT.parent), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", _INTERPRETED, str(tmp_path / "tiny")], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr
-    assert float(run.stdout.split()[1]) < 1e-4
+    out = run_interpreted(_INTERPRETED, str(tmp_path / "tiny"), timeout=900)
+    assert out.startswith("ok") and float(out.split()[1]) < 1e-4, out
 
 
 # --------------------------------------------------------------------------- CUDA
