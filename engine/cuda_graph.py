@@ -338,12 +338,23 @@ class VerifyGraphRunner(CudaGraphRunner):
     steps, the LM head stays outside the graph (the caller computes the logits of the verified rows).
     """
 
-    def __init__(self, model: nn.Module, cache, batch_sizes: Sequence[int], max_queries: int) -> None:
+    MAX_GRAPHS = 32
+    """Default cap on captured keys (`max_graphs`)."""
+
+    def __init__(self, model: nn.Module, cache, batch_sizes: Sequence[int], max_queries: int,
+                 max_graphs: int | None = None) -> None:
         super().__init__(model, cache, batch_sizes)
         self.max_queries = max_queries
         """`1 + num_draft_tokens`: the widest verify chunk."""
+        self.max_graphs = self.MAX_GRAPHS if max_graphs is None else max_graphs
+        """At most this many keys are captured; a step of another key then runs eagerly (`stats["over_cap"]`).
+        NOTE: each captured key keeps its static inputs (the dense `visible` [B_pad, N_pad, C] and `entry_rows`
+        [B_pad, C] of the static metadata, C = `blocks_pad * entries_per_block`) and outputs outside the shared
+        pool, which the start-up memory plan (`engine.fit`) does not count; keys are captured during serving,
+        so the cap bounds that memory (and the first-step capture stalls) whatever the workload meets."""
         self.graphs: dict[tuple[int, int, int], CapturedVerifyStep] = {}  # type: ignore[assignment]
         self.stats["eager_steps"] = 0
+        self.stats["over_cap"] = 0
 
     def key(self, batch: ForwardBatch) -> tuple[int, int, int] | None:
         """`(B_pad, N_pad, blocks_pad)` of a pure verify `batch`, or None (too many requests, tokens or blocks: eager).
@@ -393,6 +404,10 @@ class VerifyGraphRunner(CudaGraphRunner):
         key = self.key(batch)
         if key is None:
             self.stats["eager_steps"] += 1
+            return None
+        if key not in self.graphs and len(self.graphs) >= self.max_graphs:
+            self.stats["eager_steps"] += 1
+            self.stats["over_cap"] += 1
             return None
         padded, real_rows = self.pad_verify(batch, key)
         try:

@@ -196,6 +196,14 @@ def test_engine_with_verify_graphs_gives_the_plain_greedy_tokens(tiny, attention
     assert len({n for _, n, _ in graphs.graphs}) >= 2, list(graphs.graphs)  # several N_pad keys were met
     m = eng.spec.metrics
     assert 0 < m.num_accepted_drafts < m.num_verified_drafts
+    if attention_backend == "torch":  # the cap on captured keys: the rest runs eagerly, the tokens unchanged
+        eng = Engine(EngineConfig(model=tiny, max_num_seqs=8, speculative_tokens=3))
+        eng.spec.graphs = capped = VerifyReplayByRerun(eng.model, eng.cache, (1, 2, 4, 8), max_queries=4,
+                                                       max_graphs=1)
+        eng.runner.defer_verify_metadata = True
+        rng.seed(4)
+        assert _run(eng, prompts, params, drafts) == ref
+        assert len(capped.graphs) == capped.stats["captures"] == 1 and capped.stats["over_cap"] >= 1, capped.stats
 
 
 def test_builtin_model_mtp_with_verify_graphs_gives_the_plain_greedy_tokens():
