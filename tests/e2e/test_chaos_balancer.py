@@ -98,7 +98,7 @@ def test_a_killed_balancer_restarted_on_its_port_loses_no_request(tmp_path_facto
                 downs.append((name, killed, time.monotonic()))
 
         chaos_thread = threading.Thread(target=chaos, name="chaos")
-        results: list[tuple[int, float, list[dict] | GenerateError]] = []
+        results: list[tuple[int, float, float, list[dict] | GenerateError]] = []  # (prompt, started, ended, fate)
         counter = iter(range(1 << 30))
         lock = threading.Lock()
 
@@ -115,7 +115,7 @@ def test_a_killed_balancer_restarted_on_its_port_loses_no_request(tmp_path_facto
                 except GenerateError as e:
                     fate = e
                 with lock:
-                    results.append((i, started, fate))
+                    results.append((i, started, time.monotonic(), fate))
 
         chaos_thread.start()
         with ThreadPoolExecutor(NUM_CLIENTS) as pool:
@@ -124,13 +124,16 @@ def test_a_killed_balancer_restarted_on_its_port_loses_no_request(tmp_path_facto
         chaos_thread.join()
         assert len(downs) == 2, "the chaos schedule did not finish"
 
-        failed = [(i, r) for i, _, r in results if isinstance(r, GenerateError)]
+        failed = [(i, r) for i, _, _, r in results if isinstance(r, GenerateError)]
         assert not failed, f"requests failed while a balancer restarted: {failed}"
-        for i, _, deltas in results:
+        for i, _, _, deltas in results:
             assert [t for d in deltas for t in d["token_ids"]] == ref[i], f"request {i}"
         for name, killed, back in downs:
-            during = [i for i, started, _ in results if killed <= started < back]
-            assert during, f"no request arrived while {name} was down: the test did not test it"
+            # NOTE: a request in flight at the kill that had not yet picked that stage waits the whole outage as
+            # one arriving during it does; when every client holds such a request, none arrives
+            # (2026-12-05: the decode reservation before the prefill pick took ~0.1-0.2 s of a request's ~0.3 s)
+            during = [i for i, started, ended, _ in results if killed <= started < back or started < killed <= back <= ended]
+            assert during, f"no request arrived or waited while {name} was down: the test did not test it"
         # both workers re-registered with their restarted balancers on their own
         assert _listed(info["decode_lb"]["address"]) == {"decode-0"}
         assert _listed(info["prefill_lb"]["address"]) == {"prefill-0"}
