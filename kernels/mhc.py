@@ -334,10 +334,23 @@ if triton is not None:
         return pre
 
     @triton.jit
+    def _collapse_block(x_ptr, coll_ptr, pre, jj, rt, t_ok, rh, H, HC: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_H: tl.constexpr):
+        """collapsed[rt, rh] = sum_j pre[:, j] * stream_j[rt, rh], added in j order (one hidden block of the
+        collapse; the legacy mix loops over the blocks, the split mix is one block a program)."""
+        DT = x_ptr.dtype.element_ty
+        msk = t_ok[:, None] & (rh < H)[None, :]
+        acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+        for j in tl.static_range(HC):
+            pj = tl.sum(tl.where(jj == j, pre, 0.0), axis=1)
+            sj = tl.load(x_ptr + (rt[:, None].to(tl.int64) * HC + j) * H + rh[None, :], mask=msk, other=0.0)
+            acc += pj[:, None] * sj.to(tl.float32)
+        tl.store(coll_ptr + rt[:, None].to(tl.int64) * H + rh[None, :], acc.to(DT), mask=msk)
+
+    @triton.jit
     def _mhc_mix_kernel(x_ptr, part_ptr, ss_ptr, base_ptr, scale_ptr, coll_ptr, post_ptr, comb_ptr, T, H, SPLIT,
                         eps, norm_eps, ITERS: tl.constexpr, HC: tl.constexpr, HC_PAD: tl.constexpr,
                         NM_PAD: tl.constexpr, HEAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-        DT = x_ptr.dtype.element_ty
         rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = rt < T
         cols = tl.arange(0, NM_PAD)[None, :]
@@ -352,14 +365,7 @@ if triton is not None:
         jj = tl.arange(0, HC_PAD)[None, :]  # [1, HC_PAD]
         # collapse: sum_j pre_j * stream_j, added in j order
         for h0 in range(0, H, BLOCK_H):
-            rh = h0 + tl.arange(0, BLOCK_H)
-            msk = t_ok[:, None] & (rh < H)[None, :]
-            acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
-            for j in tl.static_range(HC):
-                pj = tl.sum(tl.where(jj == j, pre, 0.0), axis=1)
-                sj = tl.load(x_ptr + (rt[:, None].to(tl.int64) * HC + j) * H + rh[None, :], mask=msk, other=0.0)
-                acc += pj[:, None] * sj.to(tl.float32)
-            tl.store(coll_ptr + rt[:, None].to(tl.int64) * H + rh[None, :], acc.to(DT), mask=msk)
+            _collapse_block(x_ptr, coll_ptr, pre, jj, rt, t_ok, h0 + tl.arange(0, BLOCK_H), H, HC, BLOCK_T, BLOCK_H)
 
     # ------------------------------------------------------------ the "split" variant (see `_pre_launch_split`)
 
@@ -434,7 +440,6 @@ if triton is not None:
         # line (the weights: the same `_mix_weights`) and with the same tile shapes; the partials' loop is
         # unrolled (SPLIT constexpr), the adds kept in split order, so their loads are in flight together instead
         # of one L2 round trip per split.
-        DT = x_ptr.dtype.element_ty
         rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = rt < T
         t_st = rt < tl.where(tl.program_id(1) == 0, T, 0)  # post and comb: stored by hidden block 0 only
@@ -448,14 +453,8 @@ if triton is not None:
         pre = _mix_weights(mix, ss, cols, rt, t_st, base_ptr, scale_ptr, post_ptr, comb_ptr, H, eps, norm_eps, ITERS,
                            HC, HC_PAD, HEAD, BLOCK_T)  # [BLOCK_T, HC_PAD]
         jj = tl.arange(0, HC_PAD)[None, :]  # [1, HC_PAD]
-        rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        msk = t_ok[:, None] & (rh < H)[None, :]
-        acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
-        for j in tl.static_range(HC):
-            pj = tl.sum(tl.where(jj == j, pre, 0.0), axis=1)
-            sj = tl.load(x_ptr + (rt[:, None].to(tl.int64) * HC + j) * H + rh[None, :], mask=msk, other=0.0)
-            acc += pj[:, None] * sj.to(tl.float32)
-        tl.store(coll_ptr + rt[:, None].to(tl.int64) * H + rh[None, :], acc.to(DT), mask=msk)
+        _collapse_block(x_ptr, coll_ptr, pre, jj, rt, t_ok, tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H), H, HC,
+                        BLOCK_T, BLOCK_H)
 
     @triton.jit
     def _mhc_post_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, H, HC: tl.constexpr, HC_PAD: tl.constexpr,

@@ -76,7 +76,15 @@ from deepinfer.engine.distributed.group import GroupAddress, backend_for, free_p
 from deepinfer.engine.distributed.plan import split_step
 from deepinfer.engine.distributed.sampling import resolve_seeds, select_rows
 from deepinfer.engine.distributed.spec import merge_spec_results, split_spec_step
-from deepinfer.engine.distributed.worker import Command, RankError, RankSpec, RankState, SpecRankConfig, rank_main
+from deepinfer.engine.distributed.worker import (
+    Command,
+    RankError,
+    RankSpec,
+    RankState,
+    SpecRankConfig,
+    rank_main,
+    wait_ranks_loaded,
+)
 from deepinfer.engine.executor import Executor, PreparedStep, StepResult, resolve_async_scheduling
 
 if TYPE_CHECKING:
@@ -225,20 +233,7 @@ class MultiRankExecutor(Executor):
     def _wait_ready(self, ready) -> None:
         """Blocks until every rank process has loaded; raises RuntimeError with a rank's traceback if it failed
         or died first."""
-        import queue
-
-        pending = set(self.spec.spawned_ranks)
-        while pending:
-            try:
-                rank, error = ready.get(timeout=1.0)
-            except queue.Empty:
-                dead = [p.name for p in self._procs if not p.is_alive()]
-                if dead:
-                    raise RuntimeError(f"rank process(es) {', '.join(dead)} exited while loading") from None
-                continue
-            if error is not None:
-                raise RuntimeError(f"rank {rank} failed to load:\n{error}")
-            pending.discard(rank)
+        wait_ranks_loaded(ready, self.spec.spawned_ranks, self._procs)
 
     # ------------------------------------------------------------------ SPMD commands
 

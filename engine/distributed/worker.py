@@ -322,6 +322,29 @@ def rank_main(rank: int, spec: RankSpec, ready=None) -> None:
         leave_group()
 
 
+def wait_ranks_loaded(ready, ranks, procs, timeout_s: float | None = None) -> None:
+    """Blocks until every rank of `ranks` has reported on `ready` (what `rank_main` puts there once loaded:
+    `(rank, None)`, or `(rank, traceback)`); raises RuntimeError with the traceback when a rank failed, when one of
+    `procs` died first, or (`timeout_s`, None: no limit) when the ranks took longer."""
+    import queue
+
+    pending = set(ranks)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while pending:
+        if deadline is not None and time.monotonic() > deadline:
+            raise RuntimeError(f"ranks {sorted(pending)} did not load within {timeout_s:.0f} s")
+        try:
+            rank, error = ready.get(timeout=1.0)
+        except queue.Empty:
+            dead = [p.name for p in procs if not p.is_alive()]
+            if dead:
+                raise RuntimeError(f"rank process(es) {', '.join(dead)} exited while loading") from None
+            continue
+        if error is not None:
+            raise RuntimeError(f"rank {rank} failed to load:\n{error}")
+        pending.discard(rank)
+
+
 class RankSlice:
     """The rank processes of one node slice of a group spanning nodes (not rank 0's: the engine starts those):
     spawned here, each running `rank_main`, joining the group at `spec.address` (rank 0's node).
@@ -353,23 +376,7 @@ class RankSlice:
     def wait_loaded(self, timeout_s: float = 600.0) -> None:
         """Blocks until every rank of the slice has loaded (they then wait in the group's rendezvous); raises
         RuntimeError with a rank's traceback if one failed or died first."""
-        import queue
-
-        pending = set(self.ranks)
-        deadline = time.monotonic() + timeout_s
-        while pending:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"ranks {sorted(pending)} did not load within {timeout_s:.0f} s")
-            try:
-                rank, error = self._ready.get(timeout=1.0)
-            except queue.Empty:
-                dead = [p.name for p in self.procs if not p.is_alive()]
-                if dead:
-                    raise RuntimeError(f"rank process(es) {', '.join(dead)} exited while loading") from None
-                continue
-            if error is not None:
-                raise RuntimeError(f"rank {rank} failed to load:\n{error}")
-            pending.discard(rank)
+        wait_ranks_loaded(self._ready, self.ranks, self.procs, timeout_s)
 
     def alive(self) -> list[bool]:
         return [p.is_alive() for p in self.procs]
