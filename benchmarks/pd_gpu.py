@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -44,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from deepinfer.benchmarks.serving import EngineProcess, LocalCluster, direct_latencies, wait_until_serving
+from deepinfer.benchmarks.serving import EngineProcess, LocalCluster, _save, direct_latencies, wait_until_serving
 
 CONFIGS = ("flash-kv-4l", "small", "tiny")
 STARTUP_TIMEOUT_S = 300.0
@@ -148,14 +147,6 @@ def machine_info(device: str) -> dict:
         except PackageNotFoundError:
             continue
     return info
-
-
-def _save(results: dict, path: str | None) -> None:
-    if path:
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(results, f, indent=1)
-        os.replace(tmp, path)
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -363,10 +363,12 @@ def _graph_engine(attention_backend: str, moe: str, sizes=(1, 2, 4, 8, 16), **kw
 
 
 def _generate(eng, prompts, num_tokens):
+    """Greedy tokens of each prompt (`num_tokens`: one count for all, or one each), then the engine shut down."""
     from deepinfer.engine.sampling import SamplingParams
 
-    for i, p in enumerate(prompts):
-        eng.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True))
+    counts = num_tokens if isinstance(num_tokens, list | tuple) else [num_tokens] * len(prompts)
+    for i, (p, n) in enumerate(zip(prompts, counts)):
+        eng.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     outs: dict[str, list[int]] = {}
     while eng.has_unfinished_requests():
         for o in eng.step():

@@ -25,6 +25,7 @@ from deepinfer.engine.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.engine.spec_decode.verify_rows import batch_verify_chunks
 from deepinfer.engine.testing.make_checkpoint import _write_ours, random_weights
 from deepinfer.engine.testing.presets import PRESETS
+from tests.engine.spec_decode.test_spec_ep import _run as run_requests
 
 
 @pytest.fixture(scope="module")
@@ -152,18 +153,8 @@ def test_static_verify_metadata_has_one_structure_per_key(tiny):
 
 
 def _run(engine: Engine, prompts, params, drafts_fn=None) -> list[list[int]]:
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params[i] if isinstance(params, list) else params)
-    outs = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = o.outputs[0].token_ids
-        if drafts_fn is not None:
-            for req in engine.scheduler.running.values():
-                if req.spec_token_ids:
-                    req.spec_token_ids = drafts_fn(req)
-    return [outs[str(i)] for i in range(len(prompts))]
+    """Each request's tokens (`test_spec_ep._run`) with `params` one `SamplingParams` for all or one each."""
+    return run_requests(engine, prompts, params if isinstance(params, list) else [params] * len(prompts), drafts_fn)
 
 
 @pytest.mark.parametrize("attention_backend", ["torch", "triton"])

@@ -25,7 +25,7 @@ from deepinfer.engine.config import V41Config
 from deepinfer.engine.cuda_graph import CudaGraphRunner, flatten, graph_blockers, graph_inputs
 from deepinfer.engine.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.engine.testing.make_checkpoint import make_checkpoint, random_v41_model
-from tests.engine.test_cuda_graph import ReplayByRerun
+from tests.engine.test_cuda_graph import ReplayByRerun, _generate
 from tests.engine.v41.configs import tiny_config
 
 BLOCK, MAX_LEN = 4, 64
@@ -184,19 +184,6 @@ def _engine(ckpt: str, graphs: bool, monkeypatch=None, **kw):
                               **kw))
     assert (eng.runner.cuda_graphs is not None) == graphs == eng.model.static_decode
     return eng
-
-
-def _generate(eng, prompts, max_tokens):
-    from deepinfer.engine.sampling import SamplingParams
-
-    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
-        eng.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-    outs: dict[str, list[int]] = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            outs[o.request_id] = o.outputs[0].token_ids
-    eng.shutdown()
-    return [outs[str(i)] for i in range(len(prompts))]
 
 
 def test_engine_with_stand_in_graphs_gives_the_eager_greedy_tokens(ckpt, monkeypatch):
