@@ -8,6 +8,8 @@
 #   bash deploy/device/gpu_check.sh opt     # the opt-in variants of 2026-12-05 (mHC 'split', the MoE grouped_mm
 #                                           # prefill route): their benchmarks and the roofline with both on, to
 #                                           # decide whether they become the defaults
+#   bash deploy/device/gpu_check.sh quick   # the roofline (Triton backends, the CUDA defaults) with the default and
+#                                           # the opt-in variants, before the tests in a first call
 #   bash deploy/device/gpu_check.sh all     # tests + bench (extra and mhc need calls of their own)
 # Logs and JSON go to $OUT (a tarball of the JSON, since only 8 files come back from a device call).
 # Each step has its own `timeout` so that one hung step leaves time (and output) for the rest.
@@ -56,6 +58,16 @@ if [[ "$what" == bench || "$what" == all ]]; then
     step fp8_swap_ab 40 $B.fp8_swap_ab
     } 2>&1 | tee "$OUT/bench.log"
 fi
+if [[ "$what" == quick ]]; then
+    B="python3 -m deepinfer.benchmarks"
+    {
+    step roofline_triton "${T_ROOF:-150}" $B.gpu_roofline --config v4-flash-4l --device cuda --batches 1,32,128 \
+        --attention-backend triton --moe-backend triton --json "$RES/gpu_roofline.json"
+    step roofline_opt "${T_ROOF:-150}" env DEEPINFER_MHC_VARIANT=split DEEPINFER_MOE_GROUPED_MM_MIN_ROWS=4096 $B.gpu_roofline \
+        --config v4-flash-4l --device cuda --batches 1,32,128 --attention-backend triton --moe-backend triton \
+        --json "$RES/gpu_roofline_opt.json"
+    } 2>&1 | tee "$OUT/quick.log"
+fi
 if [[ "$what" == opt ]]; then
     B="python3 -m deepinfer.benchmarks"
     {
@@ -73,12 +85,12 @@ if [[ "$what" == extra ]]; then
     {
     for bi in off on; do
         flag=(); [[ $bi == on ]] && flag=(--batch-invariant)
-        step "gpu_engine_bi_$bi" 150 $B.gpu_engine --skip-hf --batches 1,32,128 --attention-backend triton \
+        step "gpu_engine_bi_$bi" "${T_BI:-150}" $B.gpu_engine --skip-hf --batches 1,32,128 --attention-backend triton \
             --moe-backend triton "${flag[@]}" --json "$RES/gpu_engine_bi_$bi.json"
     done
-    step speculative 120 $B.speculative --device cuda --dtype bfloat16 --batch-sizes 1,16,32 --ks 0,3,3e,3c,3ce \
+    step speculative "${T_SPEC:-120}" $B.speculative --device cuda --dtype bfloat16 --batch-sizes 1,16,32 --ks 0,3,3e,3c,3ce \
         --repeats 3 --max-tokens 64 --json "$RES/speculative_cuda.json"
-    step v41_replay 200 $B.v41_decoder_replay --shape flash --device cuda --dtype bfloat16 --prompt-len 8192,32768 \
+    step v41_replay "${T_V41:-200}" $B.v41_decoder_replay --shape flash --device cuda --dtype bfloat16 --prompt-len 8192,32768 \
         --chunk 4096 --layers 10 --experts 8 --reps 2 --json "$RES/v41_replay_flash.json"
     } 2>&1 | tee "$OUT/extra.log"
 fi
