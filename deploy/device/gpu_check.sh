@@ -82,16 +82,20 @@ fi
 
 if [[ "$what" == extra ]]; then
     B="python3 -m deepinfer.benchmarks"
+    parts=" ${EXTRA:-bi spec v41} "  # EXTRA picks the steps (a call with little time left runs some of them)
     {
-    for bi in off on; do
-        flag=(); [[ $bi == on ]] && flag=(--batch-invariant)
-        step "gpu_engine_bi_$bi" "${T_BI:-150}" $B.gpu_engine --skip-hf --batches 1,32,128 --attention-backend triton \
-            --moe-backend triton "${flag[@]}" --json "$RES/gpu_engine_bi_$bi.json"
-    done
-    step speculative "${T_SPEC:-120}" $B.speculative --device cuda --dtype bfloat16 --batch-sizes 1,16,32 --ks 0,3,3e,3c,3ce \
-        --repeats 3 --max-tokens 64 --json "$RES/speculative_cuda.json"
-    step v41_replay "${T_V41:-200}" $B.v41_decoder_replay --shape flash --device cuda --dtype bfloat16 --prompt-len 8192,32768 \
-        --chunk 4096 --layers 10 --experts 8 --reps 2 --json "$RES/v41_replay_flash.json"
+    if [[ $parts == *" bi "* ]]; then
+        for bi in off on; do
+            flag=(); [[ $bi == on ]] && flag=(--batch-invariant)
+            step "gpu_engine_bi_$bi" "${T_BI:-150}" $B.gpu_engine --skip-hf --batches 1,32,128 --attention-backend triton \
+                --moe-backend triton "${flag[@]}" --json "$RES/gpu_engine_bi_$bi.json"
+        done
+    fi
+    [[ $parts == *" spec "* ]] && step speculative "${T_SPEC:-120}" $B.speculative --device cuda --dtype bfloat16 \
+        --batch-sizes 1,16,32 --ks 0,3,3e,3c,3ce --repeats 3 --max-tokens 64 --json "$RES/speculative_cuda.json"
+    [[ $parts == *" v41 "* ]] && step v41_replay "${T_V41:-200}" $B.v41_decoder_replay --shape flash --device cuda \
+        --dtype bfloat16 --prompt-len 8192,32768 --chunk 4096 --layers 10 --experts 8 --reps 2 \
+        --json "$RES/v41_replay_flash.json"
     } 2>&1 | tee "$OUT/extra.log"
 fi
 tar -C "$OUT" -czf "$OUT/res.tgz" res && rm -rf "$RES"
