@@ -14,6 +14,8 @@ process shell. The shell's generic part lives here, so the stages need not impor
   subclass for the LM stages (an `Engine`, its KV transfer agent, the image-embedding buffer);
   `run_worker_process`, the `python -m <stage>_worker` entry.
 * `serving.config_cli` — command lines generated from a frozen pydantic config model.
+* `serving.worker_config` — the fields every stage's worker config shares: `WorkerConfig` (every
+  stage) and `EngineWorkerConfig` (prefill, decode: the engine's settings, the drafter, the KV store).
 * `serving.auth` — the cluster secret: server interceptors that refuse internal calls without it,
   channels that attach it.
 * `serving.logs` — `configure_logging(level, text | json)` and the request id on every log line.
