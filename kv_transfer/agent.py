@@ -21,8 +21,9 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -85,6 +86,50 @@ def decode_notif(msg: bytes) -> tuple[str, bytes] | None:
     if len(msg) < head + 2 + n:
         return None
     return msg[head + 2:head + 2 + n].decode(), msg[head + 2 + n:]
+
+
+def start_nixl_agent(name: str, backend: str, ucx_env: Mapping[str, str] | None, progress_thread: bool = False):
+    """Blocks until a NIXL agent `name` has started `backend`; returns it. `ucx_env` is set in `os.environ` first
+    (UCX reads it when the backend starts; process-wide). RuntimeError when the backend did not start."""
+    for key, value in (ucx_env or {}).items():
+        os.environ[key] = value
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[backend]))
+    if backend not in agent.backends:
+        raise RuntimeError(
+            f"NIXL backend {backend!r} did not start (available plugins: {agent.get_plugin_list()}); "
+            "see the NIXL log lines above."
+        )
+    return agent
+
+
+def ended_transfers(transfers: dict, now: float, state_of: Callable) -> Iterator[tuple[str, Any, str]]:
+    """`(transfer_id, entry, state)` of every transfer in `transfers` (id -> an entry with `failed` and `deadline`)
+    that has ended, each removed from `transfers` as it is yielded: "DONE", "ERR" (NIXL's state, `state_of(entry)`,
+    or `entry.failed`), or "PROC" past its deadline (the lease ran out first). The caller counts it and releases its
+    handle; one still in progress within its deadline stays."""
+    for transfer_id, entry in list(transfers.items()):
+        state = "ERR" if entry.failed else state_of(entry)
+        if state == "PROC" and now < entry.deadline:
+            continue
+        del transfers[transfer_id]
+        yield transfer_id, entry, state
+
+
+def new_notifications(nixl, log: logging.Logger) -> Iterator[tuple[str, bytes]]:
+    """`(transfer_id, payload)` of every notification from `encode_notif` NIXL received since the last call (other
+    messages are skipped); a failed read of them is logged to `log` and yields none."""
+    try:
+        notifs = nixl.get_new_notifs()
+    except Exception as e:
+        log.warning("reading NIXL notifications failed: %s", e)
+        return
+    for msgs in notifs.values():
+        for msg in msgs:
+            decoded = decode_notif(msg)
+            if decoded is not None:
+                yield decoded
 
 
 @dataclass(frozen=True)
@@ -266,10 +311,6 @@ class KVTransferAgent:
         thread; off by default because the Python wrapper starts it with zero delay, so it
         busy-polls one CPU core. `clock`: seconds, monotonic (tests may pass a fake one).
         """
-        for key, value in (ucx_env or {}).items():
-            os.environ[key] = value
-        from nixl._api import nixl_agent, nixl_agent_config
-
         self.name = name
         self.cache = cache
         self.backend = backend
@@ -277,12 +318,7 @@ class KVTransferAgent:
         self.send_lease_s = send_lease_s
         self.unmatched_notif_ttl_s = unmatched_notif_ttl_s
         self._clock = clock
-        self._nixl = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[backend]))
-        if backend not in self._nixl.backends:
-            raise RuntimeError(
-                f"NIXL backend {backend!r} did not start (available plugins: {self._nixl.get_plugin_list()}); "
-                "see the NIXL log lines above."
-            )
+        self._nixl = start_nixl_agent(name, backend, ucx_env, progress_thread)
         self._regions: dict[str, RegionLayout] = {}
         self._reg_descs = []
         for region_name, pool in cache.pool_layouts.items():  # the cache layout's descriptors, in order
@@ -522,10 +558,7 @@ class KVTransferAgent:
         ev = KVTransferEvents()
         now = self._clock()
         c = self._counters
-        for tid, send in list(self._sends.items()):
-            state = "ERR" if send.failed else self._state(send)
-            if state == "PROC" and now < send.deadline:
-                continue
+        for tid, send, state in ended_transfers(self._sends, now, self._state):
             if state == "DONE":
                 dt = now - send.t_start
                 self._durations.append(dt)
@@ -542,20 +575,11 @@ class KVTransferAgent:
                 c["kv_transfer_sends_failed_total"] += 1
                 ev.send_failed_ids.append(tid)
             self._release(send.handle)
-            del self._sends[tid]
         for h in self._stuck_handles[:]:
             self._stuck_handles.remove(h)
             self._release(h)
-        try:
-            notifs = self._nixl.get_new_notifs()
-        except Exception as e:
-            logger.warning("reading NIXL notifications failed: %s", e)
-            notifs = {}
-        for msgs in notifs.values():
-            for msg in msgs:
-                decoded = decode_notif(msg)
-                if decoded is not None:
-                    self._arrived[decoded[0]] = (decoded[1], now)
+        for tid, payload in new_notifications(self._nixl, logger):
+            self._arrived[tid] = (payload, now)
         for tid, (payload, t_seen) in list(self._arrived.items()):
             exp = self._expects.pop(tid, None)
             if exp is not None:

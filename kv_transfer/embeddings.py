@@ -40,14 +40,13 @@ from __future__ import annotations
 import bisect
 import hashlib
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.kv_transfer.agent import decode_notif, encode_notif
+from deepinfer.kv_transfer.agent import encode_notif, ended_transfers, new_notifications, start_nixl_agent
 
 logger = logging.getLogger("kv_transfer.embeddings")
 
@@ -181,10 +180,6 @@ class EmbeddingAgent:
     ) -> None:
         """Creates the NIXL agent and registers the buffer. `ucx_env`: as for `KVTransferAgent`
         (process-wide UCX variables set before the backend starts, e.g. `LOOPBACK_UCX_ENV`)."""
-        for key, value in (ucx_env or {}).items():
-            os.environ[key] = value
-        from nixl._api import nixl_agent, nixl_agent_config
-
         self.name = name
         self.backend = backend
         self.hidden_size = hidden_size
@@ -195,10 +190,7 @@ class EmbeddingAgent:
         self.mem_type = "VRAM" if self.buffer.device.type == "cuda" else "DRAM"
         self.dev_id = (self.buffer.device.index or 0) if self.buffer.device.type == "cuda" else 0
         self._row_nbytes = hidden_size * self.buffer.element_size()
-        self._nixl = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[backend]))
-        if backend not in self._nixl.backends:
-            raise RuntimeError(f"NIXL backend {backend!r} did not start (available plugins: "
-                               f"{self._nixl.get_plugin_list()}); see the NIXL log lines above.")
+        self._nixl = start_nixl_agent(name, backend, ucx_env)
         self._reg = self._nixl.get_reg_descs(
             [(self.buffer.data_ptr(), self.buffer.numel() * self.buffer.element_size(), self.dev_id, "")],
             self.mem_type)
@@ -342,10 +334,7 @@ class EmbeddingAgent:
         ev = EmbeddingEvents()
         now = self._clock()
         c = self._counters
-        for tid, entry in list(self._reads.items()):
-            state = "ERR" if entry.failed else self._state(entry)
-            if state == "PROC" and now < entry.deadline:
-                continue
+        for tid, entry, state in ended_transfers(self._reads, now, self._state):
             if state == "DONE":
                 c["embeddings_read_bytes_total"] += entry.num_bytes
                 c["embeddings_read_rows_total"] += entry.num_rows
@@ -355,20 +344,12 @@ class EmbeddingAgent:
                 c["embeddings_reads_failed_total"] += 1
                 ev.failed_ids.append(tid)
             self._release(entry.handle)
-            del self._reads[tid]
-        try:
-            notifs = self._nixl.get_new_notifs()
-        except Exception as e:
-            logger.warning("reading NIXL notifications failed: %s", e)
-            notifs = {}
-        for msgs in notifs.values():
-            for msg in msgs:
-                decoded = decode_notif(msg)
-                if decoded is not None and decoded[1] == READ_NOTIF_PAYLOAD:
-                    c["embeddings_served_reads_total"] += 1
-                    # NOTE: not popped: a request's rows may be read by several stages (prefill and decode)
-                    c["embeddings_served_bytes_total"] += self._served_bytes.get(decoded[0], 0)
-                    ev.read_by_peer_ids.append(decoded[0])
+        for tid, payload in new_notifications(self._nixl, logger):
+            if payload == READ_NOTIF_PAYLOAD:
+                c["embeddings_served_reads_total"] += 1
+                # NOTE: not popped: a request's rows may be read by several stages (prefill and decode)
+                c["embeddings_served_bytes_total"] += self._served_bytes.get(tid, 0)
+                ev.read_by_peer_ids.append(tid)
         return ev
 
     def forget_expected_read(self, transfer_id: str) -> None:
