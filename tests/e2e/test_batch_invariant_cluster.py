@@ -7,7 +7,6 @@ continue on the other decode instance from prompt + the tokens received, `entryp
 from __future__ import annotations
 
 import json
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,8 +15,8 @@ import pytest
 import torch
 
 from deepinfer.deploy.processes import ServiceProcesses
-from deepinfer.entrypoint.client import Client
 from deepinfer.protos import common_pb2, decode_pb2_grpc
+from tests.e2e._cluster import running_cluster
 
 pytest.importorskip("nixl")
 
@@ -30,33 +29,13 @@ DECODES = ("decode-0", "decode-1")
 def cluster(tmp_path_factory):
     from deepinfer.engine.testing.make_checkpoint import make_checkpoint
 
-    logdir = tmp_path_factory.mktemp("logs")
     ckpt = str(make_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny", seed=7))
-    processes = ServiceProcesses(logdir, {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    client = None
-    try:
-        processes.spawn("prefill_lb", ["loadbalancer", "--stage", "prefill", "--policy", "prefix_aware"])
-        # a short heartbeat timeout: the killed decode instance leaves the balancer before the retries pick
-        processes.spawn("decode_lb", ["loadbalancer", "--stage", "decode", "--policy", "kv_load",
-                                      "--heartbeat-timeout-s", "1.5"])
-        info = processes.wait_ready(STARTUP_TIMEOUT_S)
-        worker_args = ["--model", ckpt, "--loopback-ucx", "--max-num-seqs", "8", "--num-blocks", "256",
-                       "--max-num-batched-tokens", "48", "--batch-invariant"]
-        processes.spawn("prefill", ["prefill_worker", "--lb-address", info["prefill_lb"]["address"],
-                                    "--instance-id", "prefill-0", *worker_args])
-        for name in DECODES:
-            processes.spawn(name, ["decode_worker", "--lb-address", info["decode_lb"]["address"],
-                                   "--instance-id", name, *worker_args])
-        processes.spawn("entrypoint", [
-            "entrypoint", "--model", ckpt, "--prefill-lb-address", info["prefill_lb"]["address"],
-            "--decode-lb-address", info["decode_lb"]["address"]])
-        info = processes.wait_ready(STARTUP_TIMEOUT_S)
-        client = Client(info["entrypoint"]["address"], timeout_s=120.0)
+    worker_args = ["--max-num-seqs", "8", "--num-blocks", "256", "--max-num-batched-tokens", "48", "--batch-invariant"]
+    # a short heartbeat timeout: the killed decode instance leaves the balancer before the retries pick
+    with running_cluster(tmp_path_factory, ckpt, worker_args, STARTUP_TIMEOUT_S, 120.0, STOP_TIMEOUT_S,
+                         lb_args={"decode": ["--heartbeat-timeout-s", "1.5"]},
+                         decodes={name: () for name in DECODES}) as (processes, client):
         yield ckpt, client, processes
-    finally:
-        if client is not None:
-            client.close()
-        processes.stop(STOP_TIMEOUT_S)
 
 
 def test_cluster_equals_offline_alone(cluster):

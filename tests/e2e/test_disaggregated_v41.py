@@ -12,15 +12,13 @@ seeded sampling; the same prompt again hits the prefill's prefix cache and gives
 from __future__ import annotations
 
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from deepinfer.deploy.processes import ServiceProcesses
 from deepinfer.engine.testing.make_checkpoint import TINY_V41_SPECIAL_TOKENS, TINY_V41_WORDS
-from deepinfer.entrypoint.client import Client
+from tests.e2e._cluster import running_cluster
 from tests.e2e.test_disaggregated import STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, Cluster, _blocks_freed, _wait_for
 
 pytest.importorskip("nixl")
@@ -29,37 +27,26 @@ TOKENS = TINY_V41_SPECIAL_TOKENS + TINY_V41_WORDS
 """The tiny V4.1 checkpoint's tokenizer, by id."""
 
 
+def v41_cluster(tmp_path_factory, ckpt: str, worker_args: list[str]):
+    """Yields a `Cluster` of one prefill and one decode instance on `ckpt` with `worker_args` (balancers' heartbeat
+    timeout 30 s); stops it all after."""
+    lb_args = {stage: ["--heartbeat-timeout-s", "30"] for stage in ("prefill", "decode")}
+    with running_cluster(tmp_path_factory, ckpt, ["--max-num-seqs", "8", *worker_args], STARTUP_TIMEOUT_S, 60.0,
+                         STOP_TIMEOUT_S, lb_args=lb_args) as (processes, client):
+        cluster = Cluster(ckpt, processes.procs, processes.info, client)
+        try:
+            yield cluster
+        finally:
+            for channel in cluster.channels.values():
+                channel.close()
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     from deepinfer.engine.testing.make_checkpoint import make_checkpoint
 
-    logdir = tmp_path_factory.mktemp("logs")
     ckpt = str(make_checkpoint(tmp_path_factory.mktemp("tiny_v41"), preset="tiny", seed=5, format="published-v41"))
-    processes = ServiceProcesses(logdir, {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    client = None
-    cluster = None
-    try:
-        for stage, policy in (("prefill", "prefix_aware"), ("decode", "kv_load")):
-            processes.spawn(f"{stage}_lb", ["loadbalancer", "--stage", stage, "--policy", policy,
-                                            "--heartbeat-timeout-s", "30"])
-        info = processes.wait_ready(STARTUP_TIMEOUT_S)
-        worker_args = ["--model", ckpt, "--loopback-ucx", "--max-num-seqs", "8", "--num-blocks", "128"]
-        for stage in ("prefill", "decode"):
-            processes.spawn(stage, [f"{stage}_worker", "--lb-address", info[f"{stage}_lb"]["address"],
-                                    "--instance-id", f"{stage}-0", *worker_args])
-        processes.spawn("entrypoint", [
-            "entrypoint", "--model", ckpt, "--prefill-lb-address", info["prefill_lb"]["address"],
-            "--decode-lb-address", info["decode_lb"]["address"]])
-        processes.wait_ready(STARTUP_TIMEOUT_S)
-        client = Client(info["entrypoint"]["address"], timeout_s=60.0)
-        cluster = Cluster(ckpt, processes.procs, info, client)
-        yield cluster
-    finally:
-        if client is not None:
-            client.close()
-        for channel in cluster.channels.values() if cluster is not None else ():
-            channel.close()
-        processes.stop(STOP_TIMEOUT_S)
+    yield from v41_cluster(tmp_path_factory, ckpt, ["--num-blocks", "128"])
 
 
 def test_v41_outputs_equal_offline_engine_and_state_moved_by_nixl(cluster):

@@ -11,7 +11,6 @@ the streams it served migrate (the entrypoint's migration on decode loss) and ev
 from __future__ import annotations
 
 import json
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,10 +19,10 @@ import psutil
 import pytest
 import torch
 
-from deepinfer.deploy.processes import ServiceProcesses
 from deepinfer.entrypoint.client import Client
 from deepinfer.protos import common_pb2, decode_pb2_grpc, entrypoint_pb2_grpc, loadbalancer_pb2, loadbalancer_pb2_grpc
 from deepinfer.protos.metadata import STATS_METADATA_KEY
+from tests.e2e._cluster import running_cluster
 
 pytest.importorskip("nixl")
 pytestmark = pytest.mark.slow
@@ -99,35 +98,16 @@ class _Streams:
 def cluster(tmp_path_factory):
     from deepinfer.engine.testing.make_checkpoint import make_checkpoint
 
-    logdir = tmp_path_factory.mktemp("logs")
     ckpt = str(make_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny", seed=7))
-    processes = ServiceProcesses(logdir, {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    client = None
-    try:
-        processes.spawn("prefill_lb", ["loadbalancer", "--stage", "prefill", "--policy", "prefix_aware"])
-        processes.spawn("decode_lb", ["loadbalancer", "--stage", "decode", "--policy", "kv_load",
-                                      "--heartbeat-timeout-s", "2"])
-        info = processes.wait_ready(STARTUP_TIMEOUT_S)
-        worker_args = ["--model", ckpt, "--loopback-ucx", "--max-num-seqs", "8", "--num-blocks", "128",
-                       "--max-num-batched-tokens", "64", "--batch-invariant"]
-        processes.spawn("prefill", ["prefill_worker", "--lb-address", info["prefill_lb"]["address"],
-                                    "--instance-id", "prefill-0", *worker_args])
-        for name, ranks in zip(DECODES, ("2", "1")):
-            processes.spawn(name, ["decode_worker", "--lb-address", info["decode_lb"]["address"],
-                                   "--instance-id", name, *worker_args, "--expert-parallel-size", ranks])
-        processes.spawn("entrypoint", [
-            "entrypoint", "--model", ckpt, "--prefill-lb-address", info["prefill_lb"]["address"],
-            "--decode-lb-address", info["decode_lb"]["address"], "--migration-limit", "3",
-            "--liveness-interval-s", "0.25", "--liveness-probe-timeout-s", "0.5"])
-        info = processes.wait_ready(STARTUP_TIMEOUT_S)
-        client = Client(info["entrypoint"]["address"], timeout_s=180.0)
+    worker_args = ["--max-num-seqs", "8", "--num-blocks", "128", "--max-num-batched-tokens", "64", "--batch-invariant"]
+    with running_cluster(tmp_path_factory, ckpt, worker_args, STARTUP_TIMEOUT_S, 180.0,
+                         lb_args={"decode": ["--heartbeat-timeout-s", "2"]},
+                         decodes={name: ["--expert-parallel-size", ranks] for name, ranks in zip(DECODES, ("2", "1"))},
+                         entrypoint_args=["--migration-limit", "3", "--liveness-interval-s", "0.25",
+                                          "--liveness-probe-timeout-s", "0.5"]) as (processes, client):
         _wait_for("both decode instances registered",
-                  lambda: _pickable_decodes(info["decode_lb"]["address"]) == set(DECODES))
+                  lambda: _pickable_decodes(processes.info["decode_lb"]["address"]) == set(DECODES))
         yield ckpt, processes, client
-    finally:
-        if client is not None:
-            client.close()
-        processes.stop(10.0)
 
 
 def test_killed_rank_fails_its_instance_and_its_streams_migrate(cluster):

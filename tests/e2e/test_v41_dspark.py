@@ -13,15 +13,13 @@ tests/engine/v41/test_dspark_cluster.py's (in process, where the drafts can be r
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from deepinfer.deploy.processes import ServiceProcesses
-from deepinfer.entrypoint.client import Client
-from tests.e2e.test_disaggregated import STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, Cluster, _blocks_freed, _wait_for
+from tests.e2e.test_disaggregated import _blocks_freed, _wait_for
+from tests.e2e.test_disaggregated_v41 import v41_cluster
 
 pytest.importorskip("nixl")
 
@@ -32,36 +30,11 @@ NUM_DRAFT_TOKENS = 3
 def cluster(tmp_path_factory):
     from deepinfer.engine.testing.make_checkpoint import main as make_checkpoint_main
 
-    logdir = tmp_path_factory.mktemp("logs")
     ckpt = str(make_checkpoint_main([str(tmp_path_factory.mktemp("tiny_v41_dspark")), "--format", "published-v41",
                                      "--dspark", "--seed", "3", "--overwrite"]))
-    processes = ServiceProcesses(logdir, {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    client = None
-    cluster = None
-    try:
-        for stage, policy in (("prefill", "prefix_aware"), ("decode", "kv_load")):
-            processes.spawn(f"{stage}_lb", ["loadbalancer", "--stage", stage, "--policy", policy,
-                                            "--heartbeat-timeout-s", "30"])
-        info = processes.wait_ready(STARTUP_TIMEOUT_S)
-        worker_args = ["--model", ckpt, "--loopback-ucx", "--max-num-seqs", "8", "--num-blocks", "64",
-                       "--speculative", "dspark", "--num-draft-tokens", str(NUM_DRAFT_TOKENS),
-                       "--engram-placement", "device"]
-        for stage in ("prefill", "decode"):
-            processes.spawn(stage, [f"{stage}_worker", "--lb-address", info[f"{stage}_lb"]["address"],
-                                    "--instance-id", f"{stage}-0", *worker_args])
-        processes.spawn("entrypoint", [
-            "entrypoint", "--model", ckpt, "--prefill-lb-address", info["prefill_lb"]["address"],
-            "--decode-lb-address", info["decode_lb"]["address"]])
-        processes.wait_ready(STARTUP_TIMEOUT_S)
-        client = Client(info["entrypoint"]["address"], timeout_s=60.0)
-        cluster = Cluster(ckpt, processes.procs, info, client)
-        yield cluster
-    finally:
-        if client is not None:
-            client.close()
-        for channel in cluster.channels.values() if cluster is not None else ():
-            channel.close()
-        processes.stop(STOP_TIMEOUT_S)
+    yield from v41_cluster(tmp_path_factory, ckpt, ["--num-blocks", "64", "--speculative", "dspark",
+                                                    "--num-draft-tokens", str(NUM_DRAFT_TOKENS),
+                                                    "--engram-placement", "device"])
 
 
 def test_v41_dspark_cluster_equals_offline_engine_without_speculation(cluster):

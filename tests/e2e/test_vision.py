@@ -22,6 +22,7 @@ import pytest
 from deepinfer.deploy.processes import ServiceProcesses
 from deepinfer.entrypoint.client import Client, GenerateError
 from deepinfer.protos import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, vision_pb2_grpc
+from tests.e2e._cluster import POLICIES, service_processes, spawn_cluster
 
 pytest.importorskip("nixl")
 pytest.importorskip("PIL")
@@ -82,28 +83,16 @@ class VisionCluster:
             channel.close()
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    from deepinfer.engine.testing.make_checkpoint import make_checkpoint
-
-    ckpt = str(make_checkpoint(tmp_path_factory.mktemp("tiny-vision"), preset="tiny", seed=11, vision=True))
-    processes = ServiceProcesses(tmp_path_factory.mktemp("logs"),
-                                 {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+def vision_cluster(tmp_path_factory, ckpt: str, heartbeat_timeout_s: str, num_blocks: str,
+                   entrypoint_args: tuple[str, ...] = ()):
+    """Yields a `VisionCluster` on `ckpt` (its balancers with `heartbeat_timeout_s`, workers of `num_blocks` blocks)
+    with one vision instance, `vision-0`; stops it all after."""
+    processes = service_processes(tmp_path_factory)
     cluster = None
     try:
-        for stage, policy in (("vision", "image_affinity"), ("prefill", "prefix_aware"), ("decode", "kv_load")):
-            processes.spawn(f"{stage}_lb", ["loadbalancer", "--stage", stage, "--policy", policy,
-                                            "--heartbeat-timeout-s", "2"])
-        info = processes.wait_ready(STARTUP_TIMEOUT_S)
-        worker_args = ["--model", ckpt, "--loopback-ucx", "--max-num-seqs", "8", "--num-blocks", "256"]
-        for stage in ("prefill", "decode"):
-            processes.spawn(stage, [f"{stage}_worker", "--lb-address", info[f"{stage}_lb"]["address"],
-                                    "--instance-id", f"{stage}-0", *worker_args])
-        processes.spawn("entrypoint", [
-            "entrypoint", "--model", ckpt, "--prefill-lb-address", info["prefill_lb"]["address"],
-            "--decode-lb-address", info["decode_lb"]["address"], "--vision-lb-address", info["vision_lb"]["address"],
-            "--outage-wait-s", "1"])  # a killed vision stage is waited for 1 s only (then image requests fail)
-        processes.wait_ready(STARTUP_TIMEOUT_S)
+        spawn_cluster(processes, ckpt, ["--max-num-seqs", "8", "--num-blocks", num_blocks], STARTUP_TIMEOUT_S,
+                      stages=("vision", "prefill", "decode"), entrypoint_args=entrypoint_args,
+                      lb_args={stage: ["--heartbeat-timeout-s", heartbeat_timeout_s] for stage in POLICIES})
         cluster = VisionCluster(ckpt, processes)
         cluster.start_vision("vision-0")
         yield cluster
@@ -113,29 +102,52 @@ def cluster(tmp_path_factory):
         processes.stop(10.0)
 
 
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from deepinfer.engine.testing.make_checkpoint import make_checkpoint
+
+    ckpt = str(make_checkpoint(tmp_path_factory.mktemp("tiny-vision"), preset="tiny", seed=11, vision=True))
+    # a killed vision stage is waited for 1 s only (then image requests fail)
+    yield from vision_cluster(tmp_path_factory, ckpt, "2", "256", ("--outage-wait-s", "1"))
+
+
 RED, BLUE = png((255, 0, 0)), png((0, 0, 255), "triangle")
 
 
-def test_image_outputs_equal_offline_engine_and_embeddings_moved_by_nixl(cluster):
-    from deepinfer.engine import LLM, SamplingParams
-
-    cases = [
-        ([5, 6, PLACEHOLDER, 7, 8], [RED]),
-        ([9, PLACEHOLDER, 10, 11, PLACEHOLDER, 12], [BLUE, RED]),
-        ([9, PLACEHOLDER, 10, 11, PLACEHOLDER, 12], [RED, BLUE]),
+def image_cases(red: bytes, blue: bytes) -> list[tuple[list[int], list[bytes]]]:
+    """Prompt ids and their images: one image, two (both orders: the embeddings must matter), none."""
+    return [
+        ([5, 6, PLACEHOLDER, 7, 8], [red]),
+        ([9, PLACEHOLDER, 10, 11, PLACEHOLDER, 12], [blue, red]),
+        ([9, PLACEHOLDER, 10, 11, PLACEHOLDER, 12], [red, blue]),
         ([13, 14, 15], []),
     ]
-    v0, p0, d0 = cluster.stats("vision-0"), cluster.stats("prefill"), cluster.stats("decode")
+
+
+def generate_as_offline(cluster: VisionCluster, cases, max_tokens: int, num_blocks: int) -> tuple[list, list]:
+    """Each case greedily through the cluster and through the offline engine (`num_blocks` blocks); asserts the same
+    tokens; returns the cluster's outputs and the engine's."""
+    from deepinfer.engine import LLM, SamplingParams
+
     outs = [cluster.client.generate(ids, images=[data_url(i) for i in imgs] or None, temperature=0.0,
-                                    max_tokens=8, ignore_eos=True) for ids, imgs in cases]
-    llm = LLM(model=cluster.checkpoint, num_blocks=256, max_num_seqs=8)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+                                    max_tokens=max_tokens, ignore_eos=True) for ids, imgs in cases]
+    llm = LLM(model=cluster.checkpoint, num_blocks=num_blocks, max_num_seqs=8)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    offline = []
     for (ids, imgs), out in zip(cases, outs):
         prompt = {"prompt_token_ids": ids, **({"multi_modal_data": {"image": imgs}} if imgs else {})}
-        expected = llm.generate([prompt], params, use_tqdm=False)[0]
-        assert out["token_ids"] == expected.outputs[0].token_ids, (ids, len(imgs))
-        assert out["usage"]["prompt_tokens"] == len(ids) + 183 * len(imgs)  # each placeholder -> 184 image tokens
+        offline.append(llm.generate([prompt], params, use_tqdm=False)[0])
+        assert out["token_ids"] == offline[-1].outputs[0].token_ids, (ids, len(imgs))
     assert outs[1]["token_ids"] != outs[2]["token_ids"]  # same ids, images swapped: the embeddings matter
+    return outs, offline
+
+
+def test_image_outputs_equal_offline_engine_and_embeddings_moved_by_nixl(cluster):
+    cases = image_cases(RED, BLUE)
+    v0, p0, d0 = cluster.stats("vision-0"), cluster.stats("prefill"), cluster.stats("decode")
+    outs, _ = generate_as_offline(cluster, cases, 8, 256)
+    for (ids, imgs), out in zip(cases, outs):
+        assert out["usage"]["prompt_tokens"] == len(ids) + 183 * len(imgs)  # each placeholder -> 184 image tokens
     # two distinct images, five image uses: encoded twice, the rest were cache hits
     v1, p1, d1 = cluster.stats("vision-0"), cluster.stats("prefill"), cluster.stats("decode")
     assert v1["vision_images_encoded_total"] - v0["vision_images_encoded_total"] == 2

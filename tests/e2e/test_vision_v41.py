@@ -16,8 +16,7 @@ import os
 
 import pytest
 
-from deepinfer.deploy.processes import ServiceProcesses
-from tests.e2e.test_vision import PLACEHOLDER, STARTUP_TIMEOUT_S, VisionCluster, _wait_for, data_url, png
+from tests.e2e.test_vision import _wait_for, generate_as_offline, image_cases, png, vision_cluster
 
 pytest.importorskip("nixl")
 pytest.importorskip("PIL")
@@ -29,54 +28,17 @@ def cluster(tmp_path_factory):
 
     ckpt = str(make_checkpoint(tmp_path_factory.mktemp("tiny-v41-vision"), format="published-v41", seed=13,
                                vision=True))
-    processes = ServiceProcesses(tmp_path_factory.mktemp("logs"),
-                                 {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    cluster = None
-    try:
-        for stage, policy in (("vision", "image_affinity"), ("prefill", "prefix_aware"), ("decode", "kv_load")):
-            processes.spawn(f"{stage}_lb", ["loadbalancer", "--stage", stage, "--policy", policy,
-                                            "--heartbeat-timeout-s", "30"])
-        info = processes.wait_ready(STARTUP_TIMEOUT_S)
-        worker_args = ["--model", ckpt, "--loopback-ucx", "--max-num-seqs", "8", "--num-blocks", "64"]
-        for stage in ("prefill", "decode"):
-            processes.spawn(stage, [f"{stage}_worker", "--lb-address", info[f"{stage}_lb"]["address"],
-                                    "--instance-id", f"{stage}-0", *worker_args])
-        processes.spawn("entrypoint", [
-            "entrypoint", "--model", ckpt, "--prefill-lb-address", info["prefill_lb"]["address"],
-            "--decode-lb-address", info["decode_lb"]["address"], "--vision-lb-address", info["vision_lb"]["address"]])
-        processes.wait_ready(STARTUP_TIMEOUT_S)
-        cluster = VisionCluster(ckpt, processes)
-        cluster.start_vision("vision-0")
-        yield cluster
-    finally:
-        if cluster is not None:
-            cluster.close()
-        processes.stop(10.0)
+    yield from vision_cluster(tmp_path_factory, ckpt, "30", "64")
 
 
 RED, BLUE = png((255, 0, 0)), png((0, 0, 255), "triangle", size=(90, 120))
 
 
 def test_v41_image_outputs_equal_offline_engine(cluster):
-    from deepinfer.engine import LLM, SamplingParams
-
-    cases = [
-        ([5, 6, PLACEHOLDER, 7, 8], [RED]),
-        ([9, PLACEHOLDER, 10, 11, PLACEHOLDER, 12], [BLUE, RED]),
-        ([9, PLACEHOLDER, 10, 11, PLACEHOLDER, 12], [RED, BLUE]),
-        ([13, 14, 15], []),
-    ]
     v0, p0, d0 = cluster.stats("vision-0"), cluster.stats("prefill"), cluster.stats("decode")
-    outs = [cluster.client.generate(ids, images=[data_url(i) for i in imgs] or None, temperature=0.0,
-                                    max_tokens=6, ignore_eos=True) for ids, imgs in cases]
-    llm = LLM(model=cluster.checkpoint, num_blocks=64, max_num_seqs=8)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    for (ids, imgs), out in zip(cases, outs):
-        prompt = {"prompt_token_ids": ids, **({"multi_modal_data": {"image": imgs}} if imgs else {})}
-        expected = llm.generate([prompt], params, use_tqdm=False)[0]
-        assert out["token_ids"] == expected.outputs[0].token_ids, (ids, len(imgs))
+    outs, offline = generate_as_offline(cluster, image_cases(RED, BLUE), 6, 64)
+    for out, expected in zip(outs, offline):
         assert out["usage"]["prompt_tokens"] == len(expected.prompt_token_ids)
-    assert outs[1]["token_ids"] != outs[2]["token_ids"]  # same ids, images swapped: the embeddings matter
     v1, p1, d1 = cluster.stats("vision-0"), cluster.stats("prefill"), cluster.stats("decode")
     assert v1["vision_images_encoded_total"] - v0["vision_images_encoded_total"] == 2  # two distinct images
     hidden = json.loads(open(os.path.join(cluster.checkpoint, "config.json")).read())["text_config"]["hidden_size"]

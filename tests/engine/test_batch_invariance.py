@@ -2,14 +2,11 @@
 logprobs are bit-identical (`torch.equal`) alone, beside random companions, under chunked prefill, with a
 prefix-cache hit, after preemption, after a decode restart (prompt + tokens so far re-prefilled elsewhere, as a
 migration does) and with speculative decoding; with the mode off the same comparisons differ somewhere (so these
-tests can fail); seeded sampling repeats across companions. Plus the refusals and the op-level pieces."""
+tests can fail); seeded sampling repeats across companions. Plus the refusals and the op-level pieces.
+The scenario helpers (`_fingerprint`, `_companions`, `_beside_companions`, `_preempted`, the `_assert_*`) also
+serve DeepSeek-V4.1's file, tests/engine/v41/test_batch_invariant.py."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +15,7 @@ from deepinfer.engine import LLM, SamplingParams
 from deepinfer.engine.batch_invariant import BatchInvariantMode, attend_tiled, check_config, tree_sum
 from deepinfer.engine.engine import EngineConfig
 from deepinfer.engine.testing.make_checkpoint import make_checkpoint
+from tests.kernels._interp import run_interpreted
 
 VOCAB = 512
 TARGET_LEN = 52
@@ -42,17 +40,18 @@ def _fingerprint(out) -> tuple[list[int], torch.Tensor]:
     vals = []
     for lp in co.logprobs:
         vals += [lp.logprob, *lp.top_logprobs]
-    for lp in out.prompt_logprobs[1:]:
+    for lp in (out.prompt_logprobs or [None])[1:]:
         vals += [lp.logprob, *lp.top_logprobs]
-    return co.token_ids, torch.tensor(vals, dtype=torch.float64)
+    return list(co.token_ids), torch.tensor(vals, dtype=torch.float64)
 
 
-def _companions(num: int, seed: int) -> tuple[list[dict], list[SamplingParams]]:
+def _companions(num: int, seed: int, max_len: int = 70, ids=_ids) -> tuple[list[dict], list[SamplingParams]]:
+    """`num` greedy requests of random prompts (`ids(n, generator)`, 1 .. `max_len` - 1 tokens) and lengths."""
     g = torch.Generator().manual_seed(seed)
     prompts, params = [], []
     for _ in range(num):
-        n = int(torch.randint(1, 70, (1,), generator=g))
-        prompts.append({"prompt_token_ids": _ids(n, g)})
+        n = int(torch.randint(1, max_len, (1,), generator=g))
+        prompts.append({"prompt_token_ids": ids(n, g)})
         params.append(SamplingParams(temperature=0.0, max_tokens=int(torch.randint(1, 9, (1,), generator=g)),
                                      ignore_eos=True))
     return prompts, params
@@ -63,10 +62,7 @@ def _cases(ckpt: str, batch_invariant: bool) -> dict[str, tuple[list[int], torch
     got = {}
 
     def run(name, llm, num_companions=0, seed=0, position=0):
-        prompts, params = _companions(num_companions, seed)
-        prompts.insert(position, {"prompt_token_ids": TARGET})
-        params.insert(position, GREEDY)
-        got[name] = _fingerprint(llm.generate(prompts, params, use_tqdm=False)[position])
+        got[name] = _beside_companions(llm, TARGET, _companions, num_companions, seed, position)
 
     kw = dict(batch_invariant=batch_invariant, block_size=16, max_model_len=160)
     llm = LLM(ckpt, max_num_seqs=64, **kw)
@@ -84,7 +80,25 @@ def _cases(ckpt: str, batch_invariant: bool) -> dict[str, tuple[list[int], torch
     assert hit.num_cached_tokens > 0
     got["prefix hit"] = _fingerprint(hit)
     # preemption: a pool too small for every request at once; the target arrives last, so it is the victim
-    small = LLM(ckpt, max_num_seqs=10, num_blocks=10, **kw)
+    got["preempted and recomputed (first 6 tokens)"] = _preempted(LLM(ckpt, max_num_seqs=10, num_blocks=10, **kw),
+                                                                 TARGET, _companions, 7, 60, 30)
+    return got
+
+
+def _beside_companions(llm: LLM, target: list[int], companions, num: int = 0, seed: int = 0,
+                       position: int = 0) -> tuple[list[int], torch.Tensor]:
+    """`target`'s greedy fingerprint at `position` in one batch with `num` `companions(num, seed)`."""
+    prompts, params = companions(num, seed)
+    prompts.insert(position, {"prompt_token_ids": target})
+    params.insert(position, GREEDY)
+    return _fingerprint(llm.generate(prompts, params, use_tqdm=False)[position])
+
+
+def _preempted(small: LLM, target: list[int], companions, num: int, prompt_len: int,
+               max_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """`target`'s fingerprint (its first 6 tokens, their logprobs and its prompt's) when it arrives last after `num`
+    greedy `companions` (prompts repeated to `prompt_len` tokens; `max_tokens` each, as the target) on an engine
+    whose pool cannot hold them all: it is preempted (asserted) and recomputed."""
     victims = []
     preempt = small.engine.scheduler._preempt
 
@@ -93,49 +107,62 @@ def _cases(ckpt: str, batch_invariant: bool) -> dict[str, tuple[list[int], torch
         return preempt(victim, step)
 
     small.engine.scheduler._preempt = record
-    prompts, _ = _companions(7, seed=9)
-    prompts = [{"prompt_token_ids": (p["prompt_token_ids"] * 3)[:60]} for p in prompts]
-    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)] * 7
-    prompts.append({"prompt_token_ids": TARGET})
-    params.append(SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2, prompt_logprobs=2))
+    prompts, _ = companions(num, seed=9)
+    prompts = [{"prompt_token_ids": (p["prompt_token_ids"] * 3)[:prompt_len]} for p in prompts]
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)] * num
+    prompts.append({"prompt_token_ids": target})
+    params.append(SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2,
+                                 prompt_logprobs=2))
     outs = small.generate(prompts, params, use_tqdm=False)
     assert outs[-1].request_id in victims, f"the target was not preempted (victims: {victims})"
     ids, lps = _fingerprint(outs[-1])
-    got["preempted and recomputed (first 6 tokens)"] = (ids[:6], torch.cat([lps[:6 * 3], lps[30 * 3:]]))
-    return got
+    return ids[:6], torch.cat([lps[:6 * 3], lps[max_tokens * 3:]])
 
 
-def test_logprobs_bit_identical_in_every_scenario_with_the_mode_on(ckpt):
-    got = _cases(ckpt, batch_invariant=True)
+def _assert_all_equal(got: dict) -> None:
+    """Every scenario of `_cases` gave the ids and logprobs of the request alone, bit for bit."""
     ref_ids, ref = got.pop("alone")
     for name, (ids, lps) in got.items():
         assert ids == ref_ids, name
         assert torch.equal(lps, ref), f"{name}: logprobs differ from the request alone"
 
 
-def test_the_same_comparison_differs_with_the_mode_off(ckpt):
-    got = _cases(ckpt, batch_invariant=False)
+def _assert_some_differ(got: dict) -> None:
+    """With the mode off some scenario's logprobs differ from the request alone's (the comparison can fail)."""
     _, ref = got.pop("alone")
     differing = [name for name, (_, lps) in got.items() if not torch.equal(lps, ref)]
     assert differing, "with batch_invariant=False every scenario matched bit for bit: the test above cannot fail"
 
 
-def test_seeded_sampling_repeats_across_companions_and_seeds_differ(ckpt):
-    llm = LLM(ckpt, batch_invariant=True, max_num_seqs=16, max_num_batched_tokens=24)
+def test_logprobs_bit_identical_in_every_scenario_with_the_mode_on(ckpt):
+    _assert_all_equal(_cases(ckpt, batch_invariant=True))
+
+
+def test_the_same_comparison_differs_with_the_mode_off(ckpt):
+    _assert_some_differ(_cases(ckpt, batch_invariant=False))
+
+
+def _assert_seeded_sampling_repeats(llm: LLM, target: list[int], companions=_companions) -> None:
+    """A seeded temperature-1 request samples the same tokens and logprobs beside 0 .. 12 `companions` (at several
+    places in the batch), and another seed samples other tokens."""
     sp = SamplingParams(temperature=1.0, seed=1234, max_tokens=10, ignore_eos=True, logprobs=1)
     runs = []
     for k in range(5):
-        prompts, params = _companions(k * 3, seed=100 + k)
-        prompts.insert(k, {"prompt_token_ids": TARGET})
+        prompts, params = companions(k * 3, seed=100 + k)
+        prompts.insert(k, {"prompt_token_ids": target})
         params.insert(k, sp)
         out = llm.generate(prompts, params, use_tqdm=False)[k]
-        runs.append((out.outputs[0].token_ids, torch.tensor([lp.logprob for lp in out.outputs[0].logprobs])))
+        runs.append((list(out.outputs[0].token_ids), torch.tensor([lp.logprob for lp in out.outputs[0].logprobs])))
     for ids, lps in runs[1:]:
         assert ids == runs[0][0]
         assert torch.equal(lps, runs[0][1])
-    other = llm.generate([{"prompt_token_ids": TARGET}],
+    other = llm.generate([{"prompt_token_ids": target}],
                          SamplingParams(temperature=1.0, seed=99, max_tokens=10, ignore_eos=True), use_tqdm=False)
-    assert other[0].outputs[0].token_ids != runs[0][0]
+    assert list(other[0].outputs[0].token_ids) != runs[0][0]
+
+
+def test_seeded_sampling_repeats_across_companions_and_seeds_differ(ckpt):
+    _assert_seeded_sampling_repeats(LLM(ckpt, batch_invariant=True, max_num_seqs=16, max_num_batched_tokens=24), TARGET)
 
 
 def _restart_cases(ckpt: str, batch_invariant: bool, k: int = 4, max_tokens: int = 10):
@@ -281,17 +308,23 @@ def test_mode_rows_do_not_depend_on_the_number_of_rows():
             torch.einsum("ij->i", x)
 
 
+def _assert_alone_equals_beside_companions(ckpt: str, kw: dict, target: list[int], companions=_companions) -> None:
+    """`target`'s greedy ids and logprobs alone equal those beside 31 `companions` and beside 5 chunked at 7 tokens
+    (engines of `LLM(ckpt, **kw)`)."""
+    ref = _fingerprint(LLM(ckpt, **kw).generate([{"prompt_token_ids": target}], GREEDY, use_tqdm=False)[0])
+    for budget, num in ((2048, 31), (7, 5)):
+        llm = LLM(ckpt, max_num_seqs=64, max_num_batched_tokens=budget, **kw)
+        prompts, params = companions(num, seed=budget)
+        outs = llm.generate([{"prompt_token_ids": target}] + prompts, [GREEDY] + params, use_tqdm=False)
+        ids, lps = _fingerprint(outs[0])
+        assert ids == ref[0] and torch.equal(lps, ref[1]), f"budget {budget}, {num} companions"
+
+
 @pytest.mark.gpu
 def test_batch_invariant_on_gpu(ckpt):
     """The same guarantee on CUDA (bf16): a request's logprobs alone equal those beside companions and chunked."""
-    kw = dict(batch_invariant=True, device="cuda", dtype="bfloat16", block_size=16, max_model_len=160)
-    ref = _fingerprint(LLM(ckpt, **kw).generate([{"prompt_token_ids": TARGET}], GREEDY, use_tqdm=False)[0])
-    for budget, num in ((2048, 31), (7, 5)):
-        llm = LLM(ckpt, max_num_seqs=64, max_num_batched_tokens=budget, **kw)
-        prompts, params = _companions(num, seed=budget)
-        outs = llm.generate([{"prompt_token_ids": TARGET}] + prompts, [GREEDY] + params, use_tqdm=False)
-        ids, lps = _fingerprint(outs[0])
-        assert ids == ref[0] and torch.equal(lps, ref[1]), f"budget {budget}, {num} companions"
+    _assert_alone_equals_beside_companions(ckpt, dict(batch_invariant=True, device="cuda", dtype="bfloat16",
+                                                       block_size=16, max_model_len=160), TARGET)
 
 
 _INTERPRET_SCRIPT = """
@@ -315,11 +348,8 @@ print("OK")
 def test_bi_matmul_kernel_under_the_interpreter():
     """kernels/bi_matmul.py: close to torch, and a row's bits do not depend on M or the batch (interpreter)."""
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    res = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], env=env, capture_output=True, text=True,
-                         timeout=300, cwd=root)
-    assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr
+    out = run_interpreted(_INTERPRET_SCRIPT)
+    assert "OK" in out, out
 
 
 @pytest.mark.gpu

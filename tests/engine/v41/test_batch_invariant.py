@@ -28,10 +28,20 @@ from deepinfer.engine.testing.make_checkpoint import (
     random_v41_model,
     write_published_v41,
 )
+from tests.engine.test_batch_invariance import (  # GREEDY: the target's parameters (logprobs and prompt logprobs)
+    GREEDY,
+    _assert_all_equal,
+    _assert_alone_equals_beside_companions,
+    _assert_seeded_sampling_repeats,
+    _assert_some_differ,
+    _beside_companions,
+    _fingerprint,
+    _preempted,
+)
+from tests.engine.test_batch_invariance import _companions as companions
 
 VOCAB = 64
 TARGET_LEN = 48
-GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=2)
 VARIANT = {**TINY_V41_TEXT_CONFIG, "sliding_window": 8, "index_topk": 2, "candidate_topk_blocks": 2,
            "candidate_block_size": 3, "num_experts_per_tok": 3}
 """A second random V4.1 shape: a wider window, fewer index picks, two candidate blocks of 3 entries, top-3 experts."""
@@ -60,26 +70,9 @@ def dspark_ckpt(tmp_path_factory):
     return str(make_checkpoint(out, format="published-v41", seed=3, dspark=True))
 
 
-def _fingerprint(out) -> tuple[list[int], torch.Tensor]:
-    """Generated ids and every logprob the request reports (sampled, top, prompt) as one float tensor."""
-    co = out.outputs[0]
-    vals = []
-    for lp in co.logprobs:
-        vals += [lp.logprob, *lp.top_logprobs]
-    for lp in (out.prompt_logprobs or [None])[1:]:
-        vals += [lp.logprob, *lp.top_logprobs]
-    return list(co.token_ids), torch.tensor(vals, dtype=torch.float64)
-
-
-def _companions(num: int, seed: int, max_len: int = 60) -> tuple[list[dict], list[SamplingParams]]:
-    g = torch.Generator().manual_seed(seed)
-    prompts, params = [], []
-    for _ in range(num):
-        n = int(torch.randint(1, max_len, (1,), generator=g))
-        prompts.append({"prompt_token_ids": _ids(n, g)})
-        params.append(SamplingParams(temperature=0.0, max_tokens=int(torch.randint(1, 9, (1,), generator=g)),
-                                     ignore_eos=True))
-    return prompts, params
+def _companions(num: int, seed: int) -> tuple[list[dict], list[SamplingParams]]:
+    """`num` greedy requests of random prompts (1 .. 59 tokens of this vocabulary) and lengths."""
+    return companions(num, seed, 60, _ids)
 
 
 def _cases(ckpt: str, batch_invariant: bool, decoder_replay: bool = True, dtype: str = "float32",
@@ -89,10 +82,7 @@ def _cases(ckpt: str, batch_invariant: bool, decoder_replay: bool = True, dtype:
     got = {}
 
     def run(name, llm, num_companions=0, seed=0, position=0):
-        prompts, params = _companions(num_companions, seed)
-        prompts.insert(position, {"prompt_token_ids": TARGET})
-        params.insert(position, GREEDY)
-        got[name] = _fingerprint(llm.generate(prompts, params, use_tqdm=False)[position])
+        got[name] = _beside_companions(llm, TARGET, _companions, num_companions, seed, position)
 
     kw = dict(batch_invariant=batch_invariant, v41_decoder_replay=decoder_replay, block_size=4, max_model_len=128,
               dtype=dtype)
@@ -112,32 +102,9 @@ def _cases(ckpt: str, batch_invariant: bool, decoder_replay: bool = True, dtype:
     assert hit.num_cached_tokens > 0
     got["prefix hit"] = _fingerprint(hit)
     if full:  # preemption: a pool too small for every request at once; the target arrives last, so it is the victim
-        small = LLM(ckpt, max_num_seqs=10, num_blocks=40, **kw)
-        victims = []
-        preempt = small.engine.scheduler._preempt
-
-        def record(victim, step):
-            victims.append(victim.req_id)
-            return preempt(victim, step)
-
-        small.engine.scheduler._preempt = record
-        prompts, _ = _companions(5, seed=9)
-        prompts = [{"prompt_token_ids": (p["prompt_token_ids"] * 3)[:40]} for p in prompts]
-        params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 5
-        prompts.append({"prompt_token_ids": TARGET})
-        params.append(SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2, prompt_logprobs=2))
-        outs = small.generate(prompts, params, use_tqdm=False)
-        assert outs[-1].request_id in victims, f"the target was not preempted (victims: {victims})"
-        ids, lps = _fingerprint(outs[-1])
-        got["preempted and recomputed (first 6 tokens)"] = (ids[:6], torch.cat([lps[:6 * 3], lps[24 * 3:]]))
+        got["preempted and recomputed (first 6 tokens)"] = _preempted(LLM(ckpt, max_num_seqs=10, num_blocks=40, **kw),
+                                                                     TARGET, _companions, 5, 40, 24)
     return got
-
-
-def _assert_all_equal(got: dict) -> None:
-    ref_ids, ref = got.pop("alone")
-    for name, (ids, lps) in got.items():
-        assert ids == ref_ids, name
-        assert torch.equal(lps, ref), f"{name}: logprobs differ from the request alone"
 
 
 def test_logprobs_bit_identical_with_the_mode_on(ckpt):
@@ -157,28 +124,12 @@ def test_logprobs_bit_identical_in_bfloat16(ckpt):
 
 
 def test_the_same_comparison_differs_with_the_mode_off(ckpt):
-    got = _cases(ckpt, batch_invariant=False, full=False)
-    _, ref = got.pop("alone")
-    differing = [name for name, (_, lps) in got.items() if not torch.equal(lps, ref)]
-    assert differing, "with batch_invariant=False every scenario matched bit for bit: the test above cannot fail"
+    _assert_some_differ(_cases(ckpt, batch_invariant=False, full=False))
 
 
 def test_seeded_sampling_repeats_across_companions_and_seeds_differ(ckpt):
     llm = LLM(ckpt, batch_invariant=True, max_num_seqs=16, max_num_batched_tokens=24, block_size=4, max_model_len=128)
-    sp = SamplingParams(temperature=1.0, seed=1234, max_tokens=10, ignore_eos=True, logprobs=1)
-    runs = []
-    for k in range(5):
-        prompts, params = _companions(k * 3, seed=100 + k)
-        prompts.insert(k, {"prompt_token_ids": TARGET})
-        params.insert(k, sp)
-        out = llm.generate(prompts, params, use_tqdm=False)[k]
-        runs.append((list(out.outputs[0].token_ids), torch.tensor([lp.logprob for lp in out.outputs[0].logprobs])))
-    for ids, lps in runs[1:]:
-        assert ids == runs[0][0]
-        assert torch.equal(lps, runs[0][1])
-    other = llm.generate([{"prompt_token_ids": TARGET}],
-                         SamplingParams(temperature=1.0, seed=99, max_tokens=10, ignore_eos=True), use_tqdm=False)
-    assert list(other[0].outputs[0].token_ids) != runs[0][0]
+    _assert_seeded_sampling_repeats(llm, TARGET, _companions)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -324,13 +275,7 @@ def test_batch_invariant_v41_on_gpu(ckpt, dspark_ckpt):
     """The same guarantee on CUDA in bfloat16 (FP8 linears through their torch reference and the fixed-tile matmul):
     a request's logprobs alone equal those beside companions, chunked, and with DSpark speculation."""
     kw = dict(batch_invariant=True, device="cuda", dtype="bfloat16", block_size=4, max_model_len=128)
-    ref = _fingerprint(LLM(ckpt, **kw).generate([{"prompt_token_ids": TARGET}], GREEDY, use_tqdm=False)[0])
-    for budget, num in ((2048, 31), (7, 5)):
-        llm = LLM(ckpt, max_num_seqs=64, max_num_batched_tokens=budget, **kw)
-        prompts, params = _companions(num, seed=budget)
-        outs = llm.generate([{"prompt_token_ids": TARGET}] + prompts, [GREEDY] + params, use_tqdm=False)
-        ids, lps = _fingerprint(outs[0])
-        assert ids == ref[0] and torch.equal(lps, ref[1]), f"budget {budget}, {num} companions"
+    _assert_alone_equals_beside_companions(ckpt, kw, TARGET, _companions)
     ref = LLM(dspark_ckpt, **kw).generate([{"prompt_token_ids": TARGET}], GREEDY, use_tqdm=False)[0]
     llm = LLM(dspark_ckpt, speculative="dspark", num_draft_tokens=3, max_num_seqs=8, **kw)
     prompts, params = _companions(5, seed=77)
