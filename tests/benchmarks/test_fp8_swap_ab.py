@@ -1,12 +1,11 @@
 """The swap-AB FP8 GEMM experiment (benchmarks/fp8_swap_ab.py) against the exact reference, on the CPU
 under TRITON_INTERPRET=1 (float32 activations: the interpreter's bf16 dot is not a reference)."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.kernels._interp import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -30,6 +29,5 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_swap_ab_matches_reference_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+    out = run_interpreted(_SCRIPT)
+    assert "ok" in out, out

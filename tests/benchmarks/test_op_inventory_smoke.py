@@ -6,24 +6,16 @@ triton is imported, and this process may have imported it already."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels._kernel_checks import run_module_interpreted
 
 
 def test_inventory_counts_the_cuda_kernels_of_every_layer(tmp_path):
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     out = tmp_path / "inv.json"
-    run = subprocess.run([sys.executable, "-m", "deepinfer.benchmarks.op_inventory", "--batch", "2", "--context", "24",
-                          "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr
+    run_module_interpreted("deepinfer.benchmarks.op_inventory", "--batch", "2", "--context", "24", "--json", str(out))
     report = json.loads(out.read_text())
     layers = report["layers"]
     for label in ("layer0 (SWA)", "layer2 (CSA)", "layer3 (HCA)"):

@@ -10,11 +10,7 @@ token and many), and the wrappers' checks.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +18,13 @@ import torch
 from deepinfer.engine.models.deepseek_v4 import apply_rope, rms_norm
 from deepinfer.kernels import OpTable
 from deepinfer.kernels.attn_proj import attn_norm_rope_torch, attn_out_proj_torch
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels._interp import run_interpreted
+from tests.kernels._kernel_checks import (
+    assert_compiles_for_sm90_without_spills,
+    run_on_tiny_model,
+    tiny_model_logits,
+    worst_diff_same_tokens,
+)
 
 
 def rope_case(T=6, NH=3, D=32, half=4, S=4, W=8, seed=0, dtype=torch.float32, device="cpu"):
@@ -83,6 +84,7 @@ def test_in_the_model_op_table_defaults():
 
 _INTERPRETED = textwrap.dedent("""
     import torch
+    from tests.kernels._kernel_checks import assert_refused
     from tests.kernels.test_attn_proj import proj_case, rope_case
     from deepinfer.kernels.attn_proj import (attn_norm_rope_torch, attn_norm_rope_triton, attn_out_proj_torch,
                                              attn_out_proj_triton)
@@ -121,50 +123,30 @@ _INTERPRETED = textwrap.dedent("""
               (lambda: attn_out_proj_triton(**{**p, "groups": 3}), "do not split"),
               (lambda: attn_out_proj_triton(**{**p, "weight": p["weight"].half()}), "weight must be")]
     for call, msg in checks:
-        try:
-            call()
-        except ValueError as e:
-            assert msg in str(e), str(e)
-        else:
-            raise AssertionError(msg)
+        assert_refused(call, msg)
     print("ok", worst)
 """)
 
 
 def test_triton_kernels_under_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT.parent), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr
+    out = run_interpreted(_INTERPRETED, timeout=600)
+    assert out.startswith("ok"), out
+
+
+TRITON_OPS = {"attn_norm_rope": "triton", "attn_out_proj": "triton"}
+"""This file's ops at their Triton implementations."""
 
 
 def model_logits(ckpt, device="cpu", dtype="float32", attention_backend="torch", triton_ops=False) -> list:
     """Every token's logits of the tiny model over a chunked prefill, a mixed step and decode steps, with the
     torch ops or the Triton ones (picked through the model's `OpTable`)."""
-    from deepinfer.engine.loader import load_checkpoint
-    from deepinfer.engine.testing.model_runner import ModelRunnerForTests
-
-    model = load_checkpoint(ckpt, dtype=dtype, device=device, attention_backend=attention_backend)[0]
-    if triton_ops:
-        ops = model.model.ops
-        ops.overrides.update(attn_norm_rope="triton", attn_out_proj="triton")
-        ops.select(device)
-        assert all(layer.attn.ops is ops for layer in model.model.layers)
-    runner = ModelRunnerForTests(model, max_seqs=3, max_len=96)
-    ids = torch.randint(2, 500, (60,), generator=torch.Generator().manual_seed(5)).tolist()
-    plan = [[(0, ids[:23]), (1, ids[:9])], [(0, ids[23:40]), (1, [7])], [(0, [3]), (1, [4]), (2, ids[:12])]]
-    plan += [[(0, [5 + k]), (1, [6 + k]), (2, [7 + k])] for k in range(4)]
-    return [runner.run(work, logits="all") for work in plan]
+    return tiny_model_logits(ckpt, device, dtype, TRITON_OPS if triton_ops else None, attention_backend)
 
 
 def model_parity(ckpt, device="cpu", attention_backend="torch") -> float:
     """Worst |logit difference| (float32) between the torch ops and the Triton ones; equal greedy tokens."""
-    la, lb = (model_logits(ckpt, device, "float32", attention_backend, t) for t in (False, True))
-    for a, b in zip(la, lb):
-        assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
-    return max((a - b).abs().max().item() for a, b in zip(la, lb))
+    return worst_diff_same_tokens(*(model_logits(ckpt, device, "float32", attention_backend, t) for t in (False, True)))
 
 
 _MODEL_INTERPRETED = textwrap.dedent("""
@@ -175,31 +157,14 @@ _MODEL_INTERPRETED = textwrap.dedent("""
 
 
 def test_triton_ops_in_the_model_under_interpreter(tmp_path):
-    pytest.importorskip("triton")
-    from deepinfer.engine.testing.make_checkpoint import make_checkpoint
-
-    ckpt = make_checkpoint(tmp_path / "tiny", preset="tiny", seed=6)
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT.parent), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", _MODEL_INTERPRETED, str(ckpt)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr
-    assert float(run.stdout.split()[1]) < 1e-4
-
+    assert run_on_tiny_model(tmp_path, _MODEL_INTERPRETED) < 1e-4
 
 
 def test_kernels_compile_for_sm90_without_spills():
-    """The default launch configurations at V4-Flash widths (the norm + RoPE + ring write and both projection tilings), compiled ahead of time for sm_90a
-    on the CPU (`benchmarks.kernel_registers`): the interpreter never lowers a kernel."""
-    pytest.importorskip("triton")
-    from deepinfer.benchmarks.kernel_registers import _ptxas, compile_report, configurations
+    """The default launch configurations at V4-Flash widths (the norm + RoPE + ring write and both projection
+    tilings), compiled ahead of time for sm_90a on the CPU: the interpreter never lowers a kernel."""
+    assert_compiles_for_sm90_without_spills("attn_")
 
-    if _ptxas() is None:
-        pytest.skip("no ptxas bundled with triton")
-    for name, fn, sig, consts, warps in configurations():
-        if name.startswith("attn_"):
-            r = compile_report(fn, sig, consts, warps)
-            assert r["spill_stores"] == 0 and 0 < r["registers"] <= 255, (name, r)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("attention_backend", ["torch", "triton"])

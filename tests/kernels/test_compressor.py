@@ -6,11 +6,7 @@ and bf16).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +14,7 @@ import torch
 from deepinfer.engine.config import RopeConfig
 from deepinfer.engine.models.deepseek_v4 import Compressor, Rotary
 from deepinfer.kernels.compressor import compress_rows_torch, compressor_decode_torch
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels._interp import run_interpreted
 
 
 def make_case(overlap=True, rate=4, dim=32, half_rd=4, S=6, N=10, epb=4, MB=3, seed=0, dtype=torch.float32,
@@ -86,6 +81,7 @@ def test_which_rows_emit(overlap):
 
 _INTERPRETED = textwrap.dedent("""
     import torch
+    from tests.kernels._kernel_checks import assert_refused
     from tests.kernels.test_compressor import make_case
     from deepinfer.kernels.compressor import (compressor_decode_torch, compressor_decode_triton, write_entries_op_torch,
                                               write_entries_triton)
@@ -115,23 +111,15 @@ _INTERPRETED = textwrap.dedent("""
     c = make_case()
     for bad, msg in [(dict(ape=c["ape"][:2]), "ape"), (dict(pool=c["pool"][..., :8].contiguous()), "pool must be"),
                      (dict(pos=c["pos"].int()), "int64"), (dict(kv=c["kv"].t().contiguous().t()), "contiguous")]:
-        try:
-            compressor_decode_triton(**{**c, **bad})
-        except ValueError as e:
-            assert msg in str(e), str(e)
-        else:
-            raise AssertionError(msg)
+        assert_refused(lambda: compressor_decode_triton(**{**c, **bad}), msg)
     print("ok")
 """)
 
 
 def test_triton_kernel_under_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT.parent), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+    out = run_interpreted(_INTERPRETED, timeout=600)
+    assert out.strip() == "ok", out
 
 
 @pytest.mark.gpu

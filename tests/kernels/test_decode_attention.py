@@ -11,19 +11,15 @@ wrapper's checks.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from deepinfer.kernels.decode_attention import decode_attention_torch, ring_write_torch
 from deepinfer.kernels.registry import default_impl
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels._interp import run_interpreted
+from tests.kernels._kernel_checks import attended_entries, sink_softmax_attention
 
 
 def make_case(B=4, NH=4, D=32, S=5, W=8, N=12, epb=4, MB=4, rate=4, K=6, seed=0, dtype=torch.float32,
@@ -71,15 +67,11 @@ def _naive(c):
                     keys.append(ring[s, j])
         if pool is not None:
             epb = pool.shape[1]
-            ents = [int(e) for e in c["entries"][b] if e >= 0] if c["entries"] is not None \
-                else list(range((p + 1) // c["rate"]))
-            for e in ents:
+            for e in attended_entries(None if c["entries"] is None else c["entries"][b], p, c["rate"]):
                 blk = int(c["block_tables"][b, e // epb])
                 if blk < pool.shape[0]:
                     keys.append(pool[blk, e % epb].double())
-        k = torch.stack(keys) if keys else torch.zeros(0, D, dtype=torch.float64)
-        logits = torch.cat([q[b] @ k.T * D**-0.5, c["sink"].double()[:, None]], dim=1)
-        out[b] = logits.softmax(-1)[:, :-1] @ k
+        out[b] = sink_softmax_attention(q[b], keys, c["sink"])
     return out
 
 
@@ -107,6 +99,7 @@ def test_cpu_default_is_the_reference():
 
 _INTERPRETED = textwrap.dedent("""
     import torch
+    from tests.kernels._kernel_checks import assert_refused
     from tests.kernels.test_decode_attention import make_case
     from deepinfer.kernels.decode_attention import (decode_attention_torch, decode_attention_triton, ring_write_torch,
                                                     ring_write_triton)
@@ -147,23 +140,15 @@ _INTERPRETED = textwrap.dedent("""
     for bad, msg in [(dict(q=c["q"].transpose(1, 2)), "q [B, NH, D]"), (dict(sink=c["sink"].double()), "sink"),
                      (dict(pos=c["pos"].int()), "pos must be"), (dict(ring=c["ring"].half()), "one dtype"),
                      (dict(q=c["q"][:, :, :16].contiguous(), ring=c["ring"][..., :16].contiguous()), "pool must be")]:
-        try:
-            decode_attention_triton(**{**c, **bad})
-        except ValueError as e:
-            assert msg in str(e), str(e)
-        else:
-            raise AssertionError(msg)
+        assert_refused(lambda: decode_attention_triton(**{**c, **bad}), msg)
     print("ok", worst)
 """)
 
 
 def test_triton_kernel_under_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT.parent), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr
+    out = run_interpreted(_INTERPRETED, timeout=600)
+    assert out.startswith("ok"), out
 
 
 @pytest.mark.gpu

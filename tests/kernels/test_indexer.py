@@ -6,11 +6,7 @@ bit for bit, ties included).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +15,7 @@ from deepinfer.engine.config import ModelConfig
 from deepinfer.engine.models.deepseek_v4 import Indexer, topk_mask
 from deepinfer.engine.testing.presets import PRESETS
 from deepinfer.kernels.indexer import indexer_scores_torch, indexer_topk_torch, select_topk
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels._interp import run_interpreted
 
 
 def make_case(B=5, IH=8, ID=16, N=12, epb=4, MB=4, rate=4, seed=0, integer=False, dtype=torch.float32,
@@ -94,6 +89,7 @@ def test_select_topk_breaks_ties_by_index():
 
 _INTERPRETED = textwrap.dedent("""
     import torch
+    from tests.kernels._kernel_checks import assert_refused
     from tests.kernels.test_indexer import make_case
     from deepinfer.kernels.indexer import indexer_scores_torch, indexer_topk_torch, indexer_topk_triton
     for seed, kw in [(0, {}), (1, dict(integer=True)), (2, dict(IH=5, ID=32, epb=2, rate=8, MB=6)),
@@ -107,23 +103,15 @@ _INTERPRETED = textwrap.dedent("""
     c = make_case()
     for bad, msg in [(dict(weights=c["weights"].double()), "weights must be"), (dict(q=c["q"].half()), "one dtype"),
                      (dict(pos=c["pos"].int()), "int64")]:
-        try:
-            indexer_topk_triton(**{**c, **bad}, topk=4)
-        except ValueError as e:
-            assert msg in str(e), str(e)
-        else:
-            raise AssertionError(msg)
+        assert_refused(lambda: indexer_topk_triton(**{**c, **bad}, topk=4), msg)
     print("ok")
 """)
 
 
 def test_triton_kernel_under_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT.parent), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+    out = run_interpreted(_INTERPRETED, timeout=600)
+    assert out.strip() == "ok", out
 
 
 @pytest.mark.gpu

@@ -4,11 +4,7 @@ Triton kernels against the references (CPU interpreter, tiny shapes; CUDA, `gpu`
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +12,8 @@ import torch
 from deepinfer.kernels import OpTable, default_impl
 from deepinfer.kernels.mhc import hc_weights_torch, mhc_head_torch, mhc_post_torch, mhc_pre_torch
 from deepinfer.kernels.sinkhorn import sinkhorn_numpy_cpu, sinkhorn_torch
+from tests.kernels._interp import run_interpreted
 
-ROOT = Path(__file__).resolve().parents[2]
 ITERS, EPS = 20, 1e-6
 
 
@@ -58,12 +54,9 @@ _INTERPRETED = textwrap.dedent("""
     from deepinfer.kernels.mhc import (mhc_head_torch, mhc_head_triton, mhc_post_torch, mhc_post_triton,
                                        mhc_pre_torch, mhc_pre_triton, check_mhc_pre_args)
     g = torch.Generator().manual_seed(0)
-    worst = 0.0
-    def check(a, b, tol):
-        global worst
-        err = ((a.float() - b.float()).abs() / (1 + b.float().abs())).max().item()
-        assert err < tol, err
-        worst = max(worst, err)
+    from tests.kernels._kernel_checks import RelativeErrors
+    errors = RelativeErrors()
+    check = errors.check
     # (T, hc, H): one token block and several, hc*H over one split (1024 columns), odd sizes
     for T, hc, H, dtype in ((1, 4, 64, torch.float32), (20, 4, 320, torch.float32), (3, 2, 48, torch.float32),
                             (5, 3, 40, torch.float16)):
@@ -93,16 +86,14 @@ _INTERPRETED = textwrap.dedent("""
     out = mhc_pre_triton(s, fn, torch.zeros(8), torch.ones(3), 2, 5, 1e-6, 1e-6)[0]
     out.sum().backward()
     assert fn.grad is not None
-    print("OK", worst)
+    print("OK", errors.worst)
 """)
 
 
 def test_triton_kernels_under_the_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300,
-                         cwd=ROOT)
-    assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr
+    out = run_interpreted(_INTERPRETED)
+    assert "OK" in out, out
 
 
 # ---------------------------------------------------------------------------- CUDA

@@ -9,28 +9,25 @@ BLAS matmul, whose rounding follows the tile shape).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels._interp import run_interpreted
+from tests.kernels._kernel_checks import run_module_interpreted
+
 TOKENS = (1, 3, 16, 17, 40)
 
 
 def _interpret(script: str, timeout: int = 300) -> str:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("DEEPINFER_MHC_VARIANT", None)
-    env.pop("DEEPINFER_MHC_MATMUL_MIN_T", None)
-    env.pop("DEEPINFER_MHC_NSPLIT_MAX_T", None)
-    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout,
-                         cwd=ROOT)
-    assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr
-    return res.stdout
+    with pytest.MonkeyPatch.context() as mp:  # the script picks its variants itself
+        for name in ("DEEPINFER_MHC_VARIANT", "DEEPINFER_MHC_MATMUL_MIN_T", "DEEPINFER_MHC_NSPLIT_MAX_T"):
+            mp.delenv(name, raising=False)
+        out = run_interpreted(script, timeout=timeout)
+    assert "OK" in out, out
+    return out
 
 
 def test_switch_and_routes(monkeypatch):
@@ -172,11 +169,8 @@ def test_split_variant_routes_under_the_interpreter():
 
 def test_benchmark_smoke():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-m", "deepinfer.benchmarks.gpu_mhc", "--smoke"], env=env,
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert res.returncode == 0, res.stdout + res.stderr
-    rows = [line.split("|") for line in res.stdout.splitlines() if line.startswith("| pre |")]
+    out = run_module_interpreted("deepinfer.benchmarks.gpu_mhc", "--smoke")
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| pre |")]
     got = {(r[2].strip(), r[3].strip()): r[6].strip() for r in rows}
     assert set(got) == {(t, c) for t in ("1", "17") for c in ("legacy", "mix_split", "split", "matmul")}
     assert got["1", "mix_split"] == got["17", "mix_split"] == "True"

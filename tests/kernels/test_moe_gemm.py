@@ -8,19 +8,14 @@ CUDA in bf16 (`gpu` tests).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from deepinfer.kernels import moe_gemm as mg
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels._interp import run_interpreted
 
 
 def _problem(T=7, E=5, H=64, inter=32, k=3, seed=0, dtype=torch.float32, device="cpu"):
@@ -86,12 +81,9 @@ _INTERPRETED = textwrap.dedent("""
     from deepinfer.kernels import moe_gemm as mg
     from deepinfer.engine.quant.formats import quantize_fp4
     g = torch.Generator().manual_seed(0)
-    worst = 0.0
-    def check(a, b, tol):
-        global worst
-        err = ((a.float() - b.float()).abs() / (1 + b.float().abs())).max().item()
-        assert err < tol, err
-        worst = max(worst, err)
+    from tests.kernels._kernel_checks import RelativeErrors
+    errors = RelativeErrors()
+    check = errors.check
     # align: identical to the reference, one block and several (E not a power of two, R > BLOCK)
     for T, E, k in ((1, 4, 2), (7, 5, 3), (300, 6, 2), (40, 130, 6)):
         ids = torch.randint(0, E, (T, k), generator=g)
@@ -146,16 +138,14 @@ _INTERPRETED = textwrap.dedent("""
         check(mg.moe_up_triton(x, f13, sp, cnt, k, 10.0, mg.WFMT_FP8, (128, 128)), ref, 2e-5)
         yref = mg.moe_down_torch(ref, f2, sp, cnt, tw, mg.WFMT_FP8, (128, 128))
         check(mg.moe_down_triton(ref, f2, sp, cnt, tw, mg.WFMT_FP8, (128, 128)), yref, 2e-5)
-    print("OK", worst)
+    print("OK", errors.worst)
 """)
 
 
 def test_triton_kernels_under_the_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600,
-                         cwd=ROOT)
-    assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr
+    out = run_interpreted(_INTERPRETED, timeout=600)
+    assert "OK" in out, out
 
 
 # ---------------------------------------------------------------------------- CUDA

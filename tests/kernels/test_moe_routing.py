@@ -8,19 +8,14 @@ CUDA in bf16 against the torch router on the same GPU (`gpu` tests).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from deepinfer.kernels.moe_routing import check_routing_args, moe_routing_torch
 from deepinfer.kernels.registry import default_impl
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels._interp import run_interpreted
 
 
 def test_reference_normalises_and_scales():
@@ -89,10 +84,8 @@ _INTERPRETED = textwrap.dedent("""
 
 def test_triton_kernel_under_the_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300,
-                         cwd=ROOT)
-    assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr
+    out = run_interpreted(_INTERPRETED)
+    assert "OK" in out, out
 
 
 # ---------------------------------------------------------------------------- CUDA

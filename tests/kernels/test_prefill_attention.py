@@ -10,19 +10,19 @@ counts and widths that are not powers of two, and the wrapper's checks.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from deepinfer.kernels.prefill_attention import PrefillSpans, prefill_attention_torch
 from deepinfer.kernels.registry import default_impl
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels._interp import run_interpreted
+from tests.kernels._kernel_checks import (
+    assert_compiles_for_sm90_without_spills,
+    attended_entries,
+    sink_softmax_attention,
+)
 
 
 def make_case(chunks=((11, 13, 0),), NH=4, D=32, S=3, W=8, rate=4, K=3, gap=0, seed=0, dtype=torch.float32,
@@ -76,12 +76,9 @@ def _naive(c):
             keys = [kv[a + kp - p0] if kp >= p0 else ring[slot, kp % W]
                     for kp in range(p - W + 1, p + 1) if kp >= max(ss, 0)]
             if c["comp"] is not None:
-                ents = [int(e) for e in c["entries"][k] if e >= 0] if c["entries"] is not None \
-                    else list(range((p + 1) // sp.rate))
+                ents = attended_entries(None if c["entries"] is None else c["entries"][k], p, sp.rate)
                 keys += [c["comp"][c0 + e].double() for e in ents]
-            kk = torch.stack(keys) if keys else torch.zeros(0, D, dtype=torch.float64)
-            logits = torch.cat([q[a + i] @ kk.T * D**-0.5, c["sink"].double()[:, None]], dim=1)
-            out[a + i] = logits.softmax(-1)[:, :-1] @ kk
+            out[a + i] = sink_softmax_attention(q[a + i], keys, c["sink"])
             k += 1
         c0 += C
     return out
@@ -113,6 +110,7 @@ def test_cpu_default_is_the_reference():
 
 _INTERPRETED = textwrap.dedent("""
     import torch
+    from tests.kernels._kernel_checks import assert_refused
     from tests.kernels.test_prefill_attention import make_case, _variant
     from deepinfer.kernels.prefill_attention import prefill_attention_torch, prefill_attention_triton
     worst = 0.0
@@ -142,38 +140,22 @@ _INTERPRETED = textwrap.dedent("""
                      (dict(comp=c["comp"][:-1].contiguous()), "comp must be"),
                      (dict(kv=c["kv"].t().contiguous().t()), "kv must be contiguous"),
                      (dict(q=c["q"][:5].contiguous(), kv=c["kv"][:5].contiguous()), "run past")]:
-        try:
-            prefill_attention_triton(**{**c, **bad})
-        except ValueError as e:
-            assert msg in str(e), str(e)
-        else:
-            raise AssertionError(msg)
+        assert_refused(lambda: prefill_attention_triton(**{**c, **bad}), msg)
     print("ok", worst)
 """)
 
 
 def test_triton_kernel_under_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT.parent), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr
-
+    out = run_interpreted(_INTERPRETED, timeout=600)
+    assert out.startswith("ok"), out
 
 
 def test_kernels_compile_for_sm90_without_spills():
     """The default launch configurations at V4-Flash widths (the three layer kinds), compiled ahead of time for sm_90a
-    on the CPU (`benchmarks.kernel_registers`): the interpreter never lowers a kernel."""
-    pytest.importorskip("triton")
-    from deepinfer.benchmarks.kernel_registers import _ptxas, compile_report, configurations
+    on the CPU: the interpreter never lowers a kernel."""
+    assert_compiles_for_sm90_without_spills("prefill_attention")
 
-    if _ptxas() is None:
-        pytest.skip("no ptxas bundled with triton")
-    for name, fn, sig, consts, warps in configurations():
-        if name.startswith("prefill_attention"):
-            r = compile_report(fn, sig, consts, warps)
-            assert r["spill_stores"] == 0 and 0 < r["registers"] <= 255, (name, r)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

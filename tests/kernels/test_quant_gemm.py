@@ -11,11 +11,7 @@ Imports only torch, triton, `deepinfer.kernels` and `deepinfer.engine.quant` (ru
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,8 +20,7 @@ from deepinfer.engine.quant.formats import dequant_fp4, dequant_fp8_block, quant
 from deepinfer.kernels.fp4_gemm import fp4_gemm_torch, fp4_grouped_gemm_torch, grouped_tile_map
 from deepinfer.kernels.fp8_gemm import fp8_gemm_torch
 from deepinfer.kernels.registry import default_impl, get_op
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels._interp import run_interpreted
 
 # (M, N, K): decode-sized and prefill-sized rows, N and K off the 128 / 32 blocks
 SHAPES = [(1, 130, 200), (5, 64, 256), (17, 257, 96), (70, 100, 320)]
@@ -76,12 +71,9 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
     from deepinfer.kernels.fp8_gemm import fp8_gemm_torch, fp8_gemm_triton
 
     g = torch.Generator().manual_seed(0)
-    worst = 0.0
-    def check(a, b, tol):
-        global worst
-        err = ((a.float() - b.float()).abs() / (1 + b.float().abs())).max().item()
-        assert err < tol, err
-        worst = max(worst, err)
+    from tests.kernels._kernel_checks import RelativeErrors
+    errors = RelativeErrors()
+    check = errors.check
     for m, n, k in [(1, 130, 200), (17, 257, 96), (33, 64, 256)]:
         for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
             x = torch.randn(m, k, generator=g).to(dtype)
@@ -118,16 +110,14 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
     for cfg in fp4_gemm_candidates(1) + fp4_gemm_candidates(100):
         check(fp4_grouped_gemm_triton(x, packed, scale, counts, config=cfg),
               fp4_grouped_gemm_torch(x, packed, scale, counts), 5e-5)
-    print("OK", worst)
+    print("OK", errors.worst)
 """)
 
 
 def test_triton_kernels_under_the_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], env=env, capture_output=True, text=True,
-                         timeout=300, cwd=ROOT)
-    assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr
+    out = run_interpreted(_INTERPRET_SCRIPT)
+    assert "OK" in out, out
 
 
 # ---------------------------------------------------------------------------- CUDA

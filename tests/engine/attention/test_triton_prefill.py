@@ -13,11 +13,7 @@ Triton kernels; on CUDA (`gpu`) both, float32 and bf16.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,8 +23,7 @@ from deepinfer.engine.loader import load_checkpoint
 from deepinfer.engine.testing.make_checkpoint import make_checkpoint
 from deepinfer.engine.testing.model_runner import ModelRunnerForTests
 from deepinfer.engine.testing.presets import get_preset
-
-ROOT = Path(__file__).resolve().parents[3]
+from tests.kernels._kernel_checks import interpreted_figure
 
 PLAN = [
     [(0, 37), (1, 5)],  # two first chunks in one step (one shorter than the window)
@@ -100,12 +95,7 @@ _INTERPRETED = textwrap.dedent("""
 
 def test_prefill_kernels_in_the_model_under_interpreter(ckpt):
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT.parent), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", _INTERPRETED, str(ckpt)], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=900)
-    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr
-    assert float(run.stdout.split()[1]) < 1e-4
+    assert interpreted_figure(_INTERPRETED, str(ckpt), timeout=900) < 1e-4
 
 
 @pytest.mark.gpu

@@ -9,9 +9,6 @@ CPU tests are in-process (the backend's torch references) plus one interpreter s
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -25,7 +22,8 @@ from deepinfer.engine.moe.triton_backend import (
     grouped_mm_min_rows_from_env,
 )
 from deepinfer.engine.quant.linear import Fp4Linear, Fp8Linear
-from tests.engine.moe.test_triton_moe import ROOT, _inputs, _moe
+from tests.engine.moe.test_triton_moe import _inputs, _moe
+from tests.kernels._interp import run_interpreted
 
 _WIDE = {"n_routed_experts": 8, "num_experts_per_tok": 3}  # more groups than the tiny preset's 4, some empty
 
@@ -182,10 +180,8 @@ _INTERPRETED = textwrap.dedent("""
 def test_route_under_the_interpreter():
     """The route around the Triton align / swiglu / combine kernels equals the Triton path and the reference."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300,
-                         cwd=ROOT)
-    assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr
+    out = run_interpreted(_INTERPRETED)
+    assert "OK" in out, out
 
 
 # ---------------------------------------------------------------------------- CUDA

@@ -8,11 +8,7 @@ kernels (tiny shapes, float32); `gpu` tests run on CUDA in bf16.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +19,7 @@ from deepinfer.engine.moe import MoEBackend, get_moe_backend
 from deepinfer.engine.moe.triton_backend import TritonMoEBackend
 from deepinfer.engine.quant.linear import Fp4Linear, Fp8Linear
 from deepinfer.engine.testing.presets import PRESETS
-
-ROOT = Path(__file__).resolve().parents[3]
+from tests.kernels._interp import run_interpreted
 
 
 def _config(**over) -> ModelConfig:
@@ -132,10 +127,8 @@ _INTERPRETED = textwrap.dedent("""
 
 def test_triton_kernels_under_the_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300,
-                         cwd=ROOT)
-    assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr
+    out = run_interpreted(_INTERPRETED)
+    assert "OK" in out, out
 
 
 # ---------------------------------------------------------------------------- CUDA

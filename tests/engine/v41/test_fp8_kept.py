@@ -10,11 +10,7 @@ on the bytes; the Triton kernel with 32x32 blocks under the interpreter; on CUDA
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,8 +26,7 @@ from deepinfer.engine.models.deepseek_v41 import (
 )
 from deepinfer.engine.quant.linear import Fp8Linear
 from deepinfer.engine.testing.make_checkpoint import make_checkpoint
-
-ROOT = Path(__file__).resolve().parents[3]
+from tests.kernels._interp import run_interpreted
 
 
 @pytest.fixture(scope="module")
@@ -129,10 +124,8 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
 def test_fp8_gemm_triton_with_32x32_blocks_under_the_interpreter():
     """The Triton FP8 GEMM with V4.1's 32x32 scale blocks (BLOCK_K capped at 32, one scale row per 32 outputs)."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], env=env, capture_output=True, text=True,
-                         timeout=300, cwd=ROOT)
-    assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr
+    out = run_interpreted(_INTERPRET_SCRIPT)
+    assert "OK" in out, out
 
 
 @pytest.mark.gpu

@@ -12,9 +12,6 @@ zero-copy on a pinned host table, and the kept model on CUDA with each placement
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -31,8 +28,8 @@ from deepinfer.engine.quant.formats import quantize_fp8_block
 from deepinfer.engine.quant.linear import Fp4Linear
 from deepinfer.engine.testing.make_checkpoint import make_checkpoint
 from deepinfer.kernels.engram_gather import engram_gather_host, engram_gather_torch, table_gather_impl
+from tests.kernels._interp import run_interpreted
 
-ROOT = Path(__file__).resolve().parents[3]
 IDS = torch.randint(3, 64, (40,), generator=torch.Generator().manual_seed(1))
 
 
@@ -200,10 +197,8 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
 def test_gather_triton_under_the_interpreter():
     """The Triton gather-dequant kernel is bit-identical to the torch reference (dims not a power of two too)."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], env=env, capture_output=True, text=True,
-                         timeout=300, cwd=ROOT)
-    assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr
+    out = run_interpreted(_INTERPRET_SCRIPT)
+    assert "OK" in out, out
 
 
 def test_table_ignores_model_moves_and_casts():
