@@ -63,7 +63,7 @@ if [[ "$what" == quick ]]; then
     {
     step roofline_triton "${T_ROOF:-150}" $B.gpu_roofline --config v4-flash-4l --device cuda --batches 1,32,128 \
         --attention-backend triton --moe-backend triton --json "$RES/gpu_roofline.json"
-    step roofline_opt "${T_ROOF:-150}" env DEEPINFER_MHC_VARIANT=split DEEPINFER_MOE_GROUPED_MM_MIN_ROWS=4096 $B.gpu_roofline \
+    [[ ${QUICK_OPT:-1} == 1 ]] && step roofline_opt "${T_ROOF:-150}" env DEEPINFER_MHC_VARIANT=split DEEPINFER_MOE_GROUPED_MM_MIN_ROWS=4096 $B.gpu_roofline \
         --config v4-flash-4l --device cuda --batches 1,32,128 --attention-backend triton --moe-backend triton \
         --json "$RES/gpu_roofline_opt.json"
     } 2>&1 | tee "$OUT/quick.log"
