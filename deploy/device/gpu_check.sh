@@ -41,13 +41,20 @@ GPU_TESTS=(
     tests/engine/spec_decode/test_verify_graph.py tests/engine/moe/test_grouped_mm_route.py
 )
 
+B="python3 -m deepinfer.benchmarks"
+ROOF_TRITON=($B.gpu_roofline --config v4-flash-4l --device cuda --batches 1,32,128 --attention-backend triton
+             --moe-backend triton)
+roofline_opt() {  # roofline_opt SECONDS: the Triton roofline with both opt-in variants on
+    step roofline_opt "$1" env DEEPINFER_MHC_VARIANT=split DEEPINFER_MOE_GROUPED_MM_MIN_ROWS=4096 "${ROOF_TRITON[@]}" \
+        --json "$RES/gpu_roofline_opt.json"
+}
+
 if [[ "$what" == tests || "$what" == all ]]; then
     step gpu-tests "$T_TESTS" python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider --timeout 240 \
         --junitxml "$RES/gpu_tests.xml" "${GPU_TESTS[@]}" "$@" 2>&1 | tee "$OUT/tests.log"
 fi
 
 if [[ "$what" == bench || "$what" == all ]]; then
-    B="python3 -m deepinfer.benchmarks"
     {
     step roofline 200 $B.gpu_roofline --config v4-flash-4l --device cuda --batches 1,128 \
         --attention-backend torch,triton --moe-backend torch,triton --json "$RES/gpu_roofline.json"
@@ -59,29 +66,21 @@ if [[ "$what" == bench || "$what" == all ]]; then
     } 2>&1 | tee "$OUT/bench.log"
 fi
 if [[ "$what" == quick ]]; then
-    B="python3 -m deepinfer.benchmarks"
     {
-    step roofline_triton "${T_ROOF:-150}" $B.gpu_roofline --config v4-flash-4l --device cuda --batches 1,32,128 \
-        --attention-backend triton --moe-backend triton --json "$RES/gpu_roofline.json"
-    [[ ${QUICK_OPT:-1} == 1 ]] && step roofline_opt "${T_ROOF:-150}" env DEEPINFER_MHC_VARIANT=split DEEPINFER_MOE_GROUPED_MM_MIN_ROWS=4096 $B.gpu_roofline \
-        --config v4-flash-4l --device cuda --batches 1,32,128 --attention-backend triton --moe-backend triton \
-        --json "$RES/gpu_roofline_opt.json"
+    step roofline_triton "${T_ROOF:-150}" "${ROOF_TRITON[@]}" --json "$RES/gpu_roofline.json"
+    [[ ${QUICK_OPT:-1} == 1 ]] && roofline_opt "${T_ROOF:-150}"
     } 2>&1 | tee "$OUT/quick.log"
 fi
 if [[ "$what" == opt ]]; then
-    B="python3 -m deepinfer.benchmarks"
     {
     step gpu_mhc 120 $B.gpu_mhc --json "$RES/gpu_mhc.json"
     step moe_prefill_route 120 $B.moe_kernels --parts prefill,routed --formats bf16 --experts 64 \
         --tokens 256,1024,4096 --json "$RES/moe_grouped_route.json"
-    step roofline_opt 240 env DEEPINFER_MHC_VARIANT=split DEEPINFER_MOE_GROUPED_MM_MIN_ROWS=4096 $B.gpu_roofline \
-        --config v4-flash-4l --device cuda --batches 1,32,128 --attention-backend triton --moe-backend triton \
-        --json "$RES/gpu_roofline_opt.json"
+    roofline_opt 240
     } 2>&1 | tee "$OUT/opt.log"
 fi
 
 if [[ "$what" == extra ]]; then
-    B="python3 -m deepinfer.benchmarks"
     parts=" ${EXTRA:-bi spec v41} "  # EXTRA picks the steps (a call with little time left runs some of them)
     {
     if [[ $parts == *" bi "* ]]; then

@@ -1,8 +1,8 @@
 """Checks several kernel test files share: a wrapper's refusal of bad input and a kernel's worst relative error
-against its reference (both importable from the scripts `tests.kernels._interp.run_interpreted` runs), the plain float64 attention of one query that the attention kernels'
-references are checked against, the sm_90a compile check of a kernel family's launch configurations, and the tiny
-model's logits over a fixed serving plan with chosen op implementations (its Triton ops run under
-`TRITON_INTERPRET=1` through `run_on_tiny_model`).
+against its reference (both importable from the scripts `tests.kernels._interp.run_interpreted` runs), the plain
+float64 attention of one query that the attention kernels' references are checked against, the sm_90a compile check
+of a kernel family's launch configurations, and the tiny model's logits over a fixed serving plan with chosen op
+implementations (its Triton ops run under `TRITON_INTERPRET=1` through `run_on_tiny_model`).
 """
 
 from __future__ import annotations
