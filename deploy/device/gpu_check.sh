@@ -84,10 +84,14 @@ if [[ "$what" == extra ]]; then
     parts=" ${EXTRA:-bi spec v41} "  # EXTRA picks the steps (a call with little time left runs some of them)
     {
     if [[ $parts == *" bi "* ]]; then
-        for bi in off on; do
+        # The mode refuses the Triton attention / MoE backends (engine/batch_invariant.py) and swaps the torch ones
+        # for its fixed-order variants: on = torch backends + the mode; off = the default fast path (Triton) and,
+        # for the mode's own cost, the torch backends without it.
+        for run in off:triton off:torch on:torch; do
+            bi=${run%%:*} be=${run#*:}
             flag=(); [[ $bi == on ]] && flag=(--batch-invariant)
-            step "gpu_engine_bi_$bi" "${T_BI:-150}" $B.gpu_engine --skip-hf --batches 1,32,128 --attention-backend triton \
-                --moe-backend triton "${flag[@]}" --json "$RES/gpu_engine_bi_$bi.json"
+            step "gpu_engine_bi_${bi}_$be" "${T_BI:-150}" $B.gpu_engine --skip-hf --batches 1,32,128 \
+                --attention-backend "$be" --moe-backend "$be" "${flag[@]}" --json "$RES/gpu_engine_bi_${bi}_$be.json"
         done
     fi
     [[ $parts == *" spec "* ]] && step speculative "${T_SPEC:-120}" $B.speculative --device cuda --dtype bfloat16 \

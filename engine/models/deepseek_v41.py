@@ -121,7 +121,8 @@ class NgramHasher(nn.Module):
         self.compressed_vocab_size = config.engram_compressed_vocab_size
         self.register_buffer("primes", primes, persistent=False)
         self.register_buffer("offsets", flat.cumsum(-1) - flat, persistent=False)  # [L, cols]
-        mult = engram_multipliers(config.engram_layer_ids, self.max_ngram, self.compressed_vocab_size)
+        # NOTE: `torch.from_numpy` ignores a `with torch.device(...)` construction context; the buffers share a device.
+        mult = engram_multipliers(config.engram_layer_ids, self.max_ngram, self.compressed_vocab_size).to(primes.device)
         self.register_buffer("multipliers", mult, persistent=False)  # [L, max]
         self.register_buffer("token_map", torch.zeros(0, dtype=torch.int64), persistent=False)
         if token_map is not None:

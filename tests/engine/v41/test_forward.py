@@ -36,6 +36,15 @@ def test_registered_beside_v4():
     assert model_class("deepseek_v4").__name__ == "DeepseekV4ForCausalLM"
 
 
+def test_built_under_a_device_context_every_tensor_is_there():
+    """`random_v41_model(device="cuda")` builds under `with torch.device(...)`: a buffer made from numpy (the Engram
+    multipliers) stayed on the host and the first CUDA prefill failed on a device mismatch."""
+    with torch.device("meta"):
+        model = DeepseekV41ForCausalLM(V41Config.from_hf_dict(tiny_config()))
+    elsewhere = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != "meta"]
+    assert not elsewhere
+
+
 def test_state_dict_uses_published_names(setup):
     cfg, model, _, _ = setup
     names = set(model.state_dict())
