@@ -196,6 +196,14 @@ class CudaGraphRunner:
         self.stats = {"captures": 0, "replays": 0, "eager_fallbacks": 0}
         """Captures made; steps replayed; eligible steps that ran eagerly because their structure
         differed from the capture (a non-zero count means a backend's metadata is not graph-stable)."""
+        self._keep_shapes_off_eager_routes(self.batch_sizes[-1] if self.batch_sizes else 0)
+
+    def _keep_shapes_off_eager_routes(self, max_tokens: int) -> None:
+        """A graph's eager warm-up and fallbacks must compute its replays' bits: no size-chosen eager-only route
+        (the MoE `_grouped_mm` route) for a step of at most `max_tokens` tokens."""
+        from deepinfer.engine.moe.triton_backend import keep_graph_shapes_off_grouped_mm
+
+        keep_graph_shapes_off_grouped_mm(self.model, max_tokens)
 
     def bucket(self, num_rows: int) -> int | None:
         """The smallest bucket holding `num_rows` decode rows, or None (too many: run eagerly)."""
@@ -345,6 +353,7 @@ class VerifyGraphRunner(CudaGraphRunner):
                  max_graphs: int | None = None) -> None:
         super().__init__(model, cache, batch_sizes)
         self.max_queries = max_queries
+        self._keep_shapes_off_eager_routes(self.batch_sizes[-1] * max_queries if self.batch_sizes else 0)
         """`1 + num_draft_tokens`: the widest verify chunk."""
         self.max_graphs = self.MAX_GRAPHS if max_graphs is None else max_graphs
         """At most this many keys are captured; a step of another key then runs eagerly (`stats["over_cap"]`).

@@ -20,8 +20,8 @@ Implementations:
     the Sinkhorn iterations in registers (`kernels.sinkhorn._ordered_sum`, the order of the "triton"
     Sinkhorn) and collapses the streams. `mhc_post` is one launch. CUDA, or the CPU under
     `TRITON_INTERPRET=1`; a call that needs a gradient takes the torch reference.
-  * the "split" variant of those two launches (`VARIANT`, env DEEPINFER_MHC_VARIANT=split; "legacy" stays the
-    default until it is measured on the H200): for decode latency the projection's programs are cut further
+  * the "split" variant of those two launches (`VARIANT`, env DEEPINFER_MHC_VARIANT; the default since its
+    measurement on an H100 on 2026-12-05, "legacy" on request): for decode latency the projection's programs are cut further
     by logit groups and the mix / collapse runs over (token block, hidden block) programs, both giving the
     legacy kernels' bits (`_pre_launch_split` says why); for long chunks (T >= MATMUL_MIN_T) outside
     batch-invariant mode the projection is one cuBLAS float32 matmul (TF32 off), within float32 rounding.
@@ -159,12 +159,14 @@ NOTE: 1024 (16 programs at decode) took 38 us a call at batch 1 on the H200 (202
 VARIANT_ENV = "DEEPINFER_MHC_VARIANT"
 """Environment knob picking the pre-mix kernels (`VARIANT`, read once at import)."""
 VARIANTS = ("legacy", "split")
-VARIANT = os.environ.get(VARIANT_ENV, "legacy")
+VARIANT = os.environ.get(VARIANT_ENV, "split")
 """Which kernels `mhc_pre` / `mhc_head` ("triton") launch; a module-level switch (assign it, or set
-DEEPINFER_MHC_VARIANT before import). "legacy": `_mhc_proj_kernel` + `_mhc_mix_kernel`, as measured on the
-H200. "split" (opt-in until measured there): `_mhc_proj_nsplit_kernel` + `_mhc_mix_split_kernel`, the same
-bits as "legacy" with more programs for decode (see `_pre_launch_split`), and for T >= `MATMUL_MIN_T`
-outside batch-invariant mode the projection as one cuBLAS float32 matmul (`_proj_route`)."""
+DEEPINFER_MHC_VARIANT before import). "split" (the default): `_mhc_proj_nsplit_kernel` + `_mhc_mix_split_kernel`,
+the same bits as "legacy" with more programs for decode (see `_pre_launch_split`), and for T >= `MATMUL_MIN_T`
+outside batch-invariant mode the projection as one cuBLAS float32 matmul (`_proj_route`). "legacy":
+`_mhc_proj_kernel` + `_mhc_mix_kernel`. Measured on an H100 (2026-12-05, V4-Flash-shaped 4-layer stack, with the
+MoE `_grouped_mm` route): decode graph replay 1.96 -> 1.89 ms at batch 1, 5.80 -> 5.68 ms at batch 32, 6.68 ->
+6.75 ms at batch 128; the mHC projection of an 8,192-token prefill 20.3 ms -> ~2.6 ms (the matmul route)."""
 MATMUL_MIN_T_ENV = "DEEPINFER_MHC_MATMUL_MIN_T"
 """Environment knob for `MATMUL_MIN_T` (0 turns the matmul route off)."""
 

@@ -5,11 +5,11 @@
 #   bash deploy/device/gpu_check.sh bench   # roofline + kernel benchmarks, each under its own time limit
 #   bash deploy/device/gpu_check.sh extra   # the other issues' H200 figures: batch-invariant cost (23), speculative
 #                                           # decoding (24), V4.1 prefill with decoder replay on/off (28)
-#   bash deploy/device/gpu_check.sh opt     # the opt-in variants of 2026-12-05 (mHC 'split', the MoE grouped_mm
-#                                           # prefill route): their benchmarks and the roofline with both on, to
-#                                           # decide whether they become the defaults
+#   bash deploy/device/gpu_check.sh opt     # the kernel choices made default on 2026-12-05 (mHC 'split', the MoE
+#                                           # grouped_mm prefill route): their benchmarks and the roofline with both
+#                                           # off (the 'legacy' comparison)
 #   bash deploy/device/gpu_check.sh quick   # the roofline (Triton backends, the CUDA defaults) with the default and
-#                                           # the opt-in variants, before the tests in a first call
+#                                           # the legacy kernel choices, before the tests in a first call
 #   bash deploy/device/gpu_check.sh all     # tests + bench (extra and mhc need calls of their own)
 # Logs and JSON go to $OUT (a tarball of the JSON, since only 8 files come back from a device call).
 # Each step has its own `timeout` so that one hung step leaves time (and output) for the rest.
@@ -44,9 +44,9 @@ GPU_TESTS=(
 B="python3 -m deepinfer.benchmarks"
 ROOF_TRITON=($B.gpu_roofline --config v4-flash-4l --device cuda --batches 1,32,128 --attention-backend triton
              --moe-backend triton)
-roofline_opt() {  # roofline_opt SECONDS: the Triton roofline with both opt-in variants on
-    step roofline_opt "$1" env DEEPINFER_MHC_VARIANT=split DEEPINFER_MOE_GROUPED_MM_MIN_ROWS=4096 "${ROOF_TRITON[@]}" \
-        --json "$RES/gpu_roofline_opt.json"
+roofline_legacy() {  # roofline_legacy SECONDS: the Triton roofline with the mHC 'legacy' kernels, no grouped_mm route
+    step roofline_legacy "$1" env DEEPINFER_MHC_VARIANT=legacy DEEPINFER_MOE_GROUPED_MM_MIN_ROWS=0 "${ROOF_TRITON[@]}" \
+        --json "$RES/gpu_roofline_legacy.json"
 }
 
 if [[ "$what" == tests || "$what" == all ]]; then
@@ -68,7 +68,7 @@ fi
 if [[ "$what" == quick ]]; then
     {
     step roofline_triton "${T_ROOF:-150}" "${ROOF_TRITON[@]}" --json "$RES/gpu_roofline.json"
-    [[ ${QUICK_OPT:-1} == 1 ]] && roofline_opt "${T_ROOF:-150}"
+    [[ ${QUICK_OPT:-1} == 1 ]] && roofline_legacy "${T_ROOF:-150}"
     } 2>&1 | tee "$OUT/quick.log"
 fi
 if [[ "$what" == opt ]]; then
@@ -76,7 +76,7 @@ if [[ "$what" == opt ]]; then
     step gpu_mhc 120 $B.gpu_mhc --json "$RES/gpu_mhc.json"
     step moe_prefill_route 120 $B.moe_kernels --parts prefill,routed --formats bf16 --experts 64 \
         --tokens 256,1024,4096 --json "$RES/moe_grouped_route.json"
-    roofline_opt 240
+    roofline_legacy 240
     } 2>&1 | tee "$OUT/opt.log"
 fi
 

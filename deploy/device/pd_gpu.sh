@@ -39,7 +39,11 @@ step() {  # step NAME SECONDS CMD...
 
 {
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
-step install "$T_INSTALL" python3 -m pip install -q --no-deps --no-index --target "$SITE" .whl-min/*.whl .whl-nixl/*.whl
+# The entrypoint renders chat with deepseek-recipe (carry .whl/deepseek_recipe-*.whl), and the generated gRPC stubs
+# need grpcio >= 1.85.1 where the device image has 1.84 (carry a grpcio 1.85 cp312 wheel in .whl-nixl:
+# `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 grpcio==1.85.3`).
+step install "$T_INSTALL" python3 -m pip install -q --no-deps --no-index --target "$SITE" .whl-min/*.whl .whl-nixl/*.whl \
+    $(ls .whl/deepseek_recipe-*.whl 2>/dev/null)
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import torch, triton, nixl; from importlib.metadata import version; \
 print('torch', torch.__version__, 'triton', triton.__version__, 'nixl-cu13', version('nixl-cu13'), torch.cuda.get_device_name())"

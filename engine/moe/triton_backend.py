@@ -24,16 +24,18 @@ ops' torch references (the same arithmetic, host loops), so the backend works on
 Large batches (prefill): the fixed-tile grouped kernels reach ~114 TFLOP/s on the H200 at 8,192 tokens, where
 torch's CUTLASS grouped GEMM is far faster at that size. So a forward with R = T * k rows at or above
 `grouped_mm_min_rows` (env `DEEPINFER_MOE_GROUPED_MM_MIN_ROWS`, read when the backend is constructed; an
-attribute you may assign; default 0 = off, opt-in until measured on the H200) runs the two projections
+attribute you may assign; default `DEFAULT_GROUPED_MM_MIN_ROWS`, 0 = off) runs the two projections
 through `torch._grouped_mm` instead (`grouped_mm_experts`): the same align and combine ops around them,
 the `"swiglu"` op between, the weights the same packed stacks viewed transposed (no copy). Only plain float
 experts whose device and dtype have a fused `_grouped_mm` (`torch_backend.grouped_mm_fast`: bf16 on
 sm90/sm100, any float on the CPU); FP8/FP4 experts keep their kernels. R is a host int from the batch's
 shape, so the choice never syncs; decode sizes stay below any sensible threshold, and a forward inside a
 CUDA-graph capture never takes the route, so captured decode steps are the four kernels whatever the
-threshold. NOTE: set the threshold above the rows of the largest graph (decode: the largest bucket x k;
-speculative verify: bucket x (1 + num_draft_tokens) x k): a graph's eager warm-up or an eager fallback of the
-same shape would otherwise take the route and compute other bits than its replays. The batch-invariant mode never reaches it: `engine.batch_invariant` refuses this backend (it
+threshold; nor does a forward of at most `graph_tokens` tokens (the largest graph's tokens, which the graph runners
+record with `keep_graph_shapes_off_grouped_mm`), so that a graph's eager warm-up or an eager fallback of its shape
+computes the bits its replays do. Measured on an H100 (2026-12-05, V4-Flash-shaped 4-layer stack, 8,192-token
+prefill, with the mHC "split" variant): 89.3 -> 70.1 ms a prefill step with the route at 4,096 rows; decode
+unchanged (graphs). The batch-invariant mode never reaches it: `engine.batch_invariant` refuses this backend (it
 does not declare `batch_invariant_safe`) and runs the torch backends' fixed-order variant instead.
 """
 
@@ -103,14 +105,20 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 GROUPED_MM_MIN_ROWS_ENV = "DEEPINFER_MOE_GROUPED_MM_MIN_ROWS"
 """Environment knob: the (token, expert) rows from which a `"triton"` backend runs its projections through
-`torch._grouped_mm` (`TritonMoEBackend.grouped_mm_min_rows`; read at construction; 0 or unset = never)."""
+`torch._grouped_mm` (`TritonMoEBackend.grouped_mm_min_rows`; read at construction; unset =
+`DEFAULT_GROUPED_MM_MIN_ROWS`, 0 = never)."""
+DEFAULT_GROUPED_MM_MIN_ROWS = 4096
+"""The route from 4,096 (token, expert) rows (683 tokens at V4's top-6). NOTE: the H100 run of 2026-12-05 measured
+the route at this threshold against none on an 8,192-token prefill (49,152 rows), not the crossover itself;
+`benchmarks/moe_kernels.py --parts prefill,routed --tokens 256,1024,4096` measures it."""
 
 
 def grouped_mm_min_rows_from_env() -> int:
-    """`DEEPINFER_MOE_GROUPED_MM_MIN_ROWS` as a non-negative int (0 when unset); a ValueError otherwise."""
+    """`DEEPINFER_MOE_GROUPED_MM_MIN_ROWS` as a non-negative int (`DEFAULT_GROUPED_MM_MIN_ROWS` when unset); a
+    ValueError otherwise."""
     raw = os.environ.get(GROUPED_MM_MIN_ROWS_ENV, "")
     try:
-        rows = int(raw) if raw.strip() else 0
+        rows = int(raw) if raw.strip() else DEFAULT_GROUPED_MM_MIN_ROWS
     except ValueError:
         raise ValueError(f"{GROUPED_MM_MIN_ROWS_ENV} must be a non-negative integer, got {raw!r}") from None
     if rows < 0:
@@ -184,6 +192,9 @@ class TritonMoEBackend(MoEBackend):
         self.grouped_mm_min_rows = grouped_mm_min_rows_from_env()
         """Rows (tokens x top-k) from which `forward` runs `grouped_mm_experts` where `grouped_mm_usable`;
         0 = never. From `DEEPINFER_MOE_GROUPED_MM_MIN_ROWS` at construction; assignable."""
+        self.graph_tokens = 0
+        """The most tokens a CUDA graph of this model computes (`keep_graph_shapes_off_grouped_mm`): a forward of at
+        most that many tokens never takes the route, whatever the threshold."""
         self.grouped_mm_usable = False
         """Whether the experts can take the `_grouped_mm` route: plain float stacks whose device and dtype have
         a fused `_grouped_mm` with aligned strides (decided in `prepare`; never for FP8 / FP4)."""
@@ -223,14 +234,16 @@ class TritonMoEBackend(MoEBackend):
         self.grouped_mm_usable = (self.wfmt == moe_gemm.WFMT_FLOAT and grouped_mm_fast(w.device, w.dtype)
                                   and grouped_mm_aligned(w.shape[2], w.shape[1] // 2, w.dtype))
 
-    def uses_grouped_mm(self, num_rows: int) -> bool:
-        """Whether a forward of `num_rows` (token, expert) rows takes the `_grouped_mm` route (host ints only;
-        also False inside a CUDA-graph capture, so captured steps keep the four kernels)."""
+    def uses_grouped_mm(self, num_rows: int, num_tokens: int | None = None) -> bool:
+        """Whether a forward of `num_rows` (token, expert) rows of `num_tokens` tokens takes the `_grouped_mm` route
+        (host ints only; False inside a CUDA-graph capture and for at most `graph_tokens` tokens, so captured
+        steps and their eager warm-ups / fallbacks keep the four kernels)."""
         return (self.grouped_mm_usable and 0 < self.grouped_mm_min_rows <= num_rows
+                and (num_tokens is None or num_tokens > self.graph_tokens)
                 and not (self.w13[0].is_cuda and torch.cuda.is_current_stream_capturing()))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        if self.uses_grouped_mm(topk_ids.numel()):  # large batches (prefill): see the module docstring
+        if self.uses_grouped_mm(topk_ids.numel(), topk_ids.shape[0]):  # large batches (prefill): see the module docstring
             return grouped_mm_experts(x.contiguous(), topk_weights.contiguous(), topk_ids.contiguous(), self.w13[0],
                                       self.w2[0], self.limit, self._align, self._swiglu, self._combine)
         dtype, topk_ids = x.dtype, topk_ids.contiguous()
@@ -240,3 +253,14 @@ class TritonMoEBackend(MoEBackend):
         act = self.prepare_input(act.to(dtype)).contiguous()
         y = self._down(act, self.w2, sorted_pairs, counts, topk_weights.contiguous(), self.wfmt, self.block).to(dtype)
         return self._combine(y, topk_ids)  # [T, H]
+
+
+def keep_graph_shapes_off_grouped_mm(model: nn.Module, max_tokens: int) -> None:
+    """Record on every `"triton"` MoE backend of `model` that CUDA graphs compute up to `max_tokens` tokens a step
+    (the graph runners call this with their largest bucket x queries per request), so that no forward of a graph's
+    shape, captured or eager, takes the `_grouped_mm` route."""
+    for module in model.modules():
+        backend = module.__dict__.get("backend")
+        backend = getattr(backend, "inner", backend)  # expert parallelism wraps the local experts' backend
+        if isinstance(backend, TritonMoEBackend):
+            backend.graph_tokens = max(backend.graph_tokens, int(max_tokens))

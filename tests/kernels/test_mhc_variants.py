@@ -35,7 +35,7 @@ def test_switch_and_routes(monkeypatch):
     from deepinfer.kernels import mhc
 
     if "DEEPINFER_MHC_VARIANT" not in os.environ:
-        assert mhc.VARIANT == "legacy"  # opt-in until measured on the H200
+        assert mhc.VARIANT == "split"  # the default since the H100 run of 2026-12-05
     assert mhc._proj_route(1, "legacy", 1) == mhc._proj_route(10_000, "legacy", 1) == "legacy"
     assert mhc._proj_route(15, "split", 16) == "nsplit" and mhc._proj_route(16, "split", 16) == "matmul"
     assert mhc._proj_route(10_000, "split", 0) == "nsplit"  # 0: no matmul route

@@ -16,6 +16,7 @@ import torch
 
 from deepinfer.engine.moe.torch_backend import grouped_mm_aligned, grouped_mm_fast
 from deepinfer.engine.moe.triton_backend import (
+    DEFAULT_GROUPED_MM_MIN_ROWS,
     GROUPED_MM_MIN_ROWS_ENV,
     TritonMoEBackend,
     grouped_mm_experts,
@@ -71,7 +72,9 @@ def test_grouped_mm_runs_on_the_cpu_with_16_byte_strides():
 
 def test_env_knob(monkeypatch):
     monkeypatch.delenv(GROUPED_MM_MIN_ROWS_ENV, raising=False)
-    assert grouped_mm_min_rows_from_env() == 0 and TritonMoEBackend().grouped_mm_min_rows == 0  # off by default
+    assert grouped_mm_min_rows_from_env() == DEFAULT_GROUPED_MM_MIN_ROWS == TritonMoEBackend().grouped_mm_min_rows
+    monkeypatch.setenv(GROUPED_MM_MIN_ROWS_ENV, "0")  # off
+    assert TritonMoEBackend().grouped_mm_min_rows == 0
     monkeypatch.setenv(GROUPED_MM_MIN_ROWS_ENV, "4096")
     backend = TritonMoEBackend()
     assert backend.grouped_mm_min_rows == 4096
@@ -107,6 +110,24 @@ def test_threshold_counts_rows_not_tokens(grouped_mm_calls):
     assert moe.backend.uses_grouped_mm(30) and not moe.backend.uses_grouped_mm(29)
     moe.backend.grouped_mm_min_rows = 0
     assert not moe.backend.uses_grouped_mm(10**9)
+
+
+def test_graph_shapes_never_take_the_route(grouped_mm_calls):
+    """A CUDA graph's eager warm-up and fallbacks must compute its replays' bits (captures never take the route):
+    the graph runners record their largest step's tokens, and no forward of at most that many tokens takes it,
+    whatever the threshold; larger (prefill) forwards still do."""
+    from deepinfer.engine.cuda_graph import CudaGraphRunner, VerifyGraphRunner
+
+    moe = _routed(min_rows=1, **_WIDE)
+    holder = torch.nn.ModuleList([moe])
+    CudaGraphRunner(holder, cache=None, batch_sizes=(1, 4, 8))
+    assert moe.backend.graph_tokens == 8
+    VerifyGraphRunner(holder, cache=None, batch_sizes=(1, 4), max_queries=4)
+    assert moe.backend.graph_tokens == 16  # 4 requests x (1 + 3 drafts) verified tokens
+    for tokens, calls in ((16, 0), (1, 0), (17, 3)):
+        x, ids = _inputs(tokens)
+        moe(x, ids)
+        assert len(grouped_mm_calls) == calls, tokens
 
 
 @pytest.mark.parametrize("quant", [Fp4Linear, Fp8Linear])
