@@ -166,7 +166,9 @@ the same bits as "legacy" with more programs for decode (see `_pre_launch_split`
 outside batch-invariant mode the projection as one cuBLAS float32 matmul (`_proj_route`). "legacy":
 `_mhc_proj_kernel` + `_mhc_mix_kernel`. Measured on an H100 (2026-12-05, V4-Flash-shaped 4-layer stack, with the
 MoE `_grouped_mm` route): decode graph replay 1.96 -> 1.89 ms at batch 1, 5.80 -> 5.68 ms at batch 32, 6.68 ->
-6.75 ms at batch 128; the mHC projection of an 8,192-token prefill 20.3 ms -> ~2.6 ms (the matmul route)."""
+6.75 ms at batch 128 (those runs projected decode batches with the nsplit kernel; the default now keeps
+`_mhc_proj_kernel` for them: `NSPLIT_MAX_T`); the mHC projection of an 8,192-token prefill 20.3 ms -> ~2.6 ms (the
+matmul route)."""
 MATMUL_MIN_T_ENV = "DEEPINFER_MHC_MATMUL_MIN_T"
 """Environment knob for `MATMUL_MIN_T` (0 turns the matmul route off)."""
 
@@ -187,8 +189,11 @@ NSPLIT_MAX_T_ENV = "DEEPINFER_MHC_NSPLIT_MAX_T"
 """Environment knob for `NSPLIT_MAX_T`."""
 NSPLIT_MAX_T = _env_int(NSPLIT_MAX_T_ENV, 0)
 """In the "split" variant below MATMUL_MIN_T, the largest T projected by `_mhc_proj_nsplit_kernel`; above it
-`_mhc_proj_kernel` (the same bits on the GPU, fewer programs re-reading x). 0: no limit. Set from the
-`split` / `mix_split` rows of `benchmarks/gpu_mhc.py`."""
+`_mhc_proj_kernel` (the same bits on the GPU, fewer programs re-reading x). 0 (the default): never. NOTE: the H100
+roofline of 2026-12-05 measured the nsplit projection slower than `_mhc_proj_kernel` at every decode batch (9 calls
+a step: 102 vs 98 us at batch 1, 140 vs 97 at 32, 557 vs 336 at 128) while the split mix was faster (70 vs 123,
+74 vs 203, 82 vs 210 us), so the default pairs the legacy projection with the split mix (`benchmarks/gpu_mhc.py`'s
+`mix_split` case)."""
 PROJ_BLOCK_N = 8
 """Logits per `_mhc_proj_nsplit_kernel` program (V4-Flash: 32 padded logits -> 4 programs per split)."""
 PROJ_DOT_T = 16
@@ -236,7 +241,7 @@ def _cublas_tf32() -> bool:
 def _proj_route(T: int, variant: str | None = None, matmul_min_t: int | None = None,
                 nsplit_max_t: int | None = None) -> str:
     """How the pre-mix runs for T tokens: "legacy" (the legacy launches), or the "split" variant's mix after
-    "nsplit" (`_mhc_proj_nsplit_kernel`), "legacy_proj" (`_mhc_proj_kernel`, for T > NSPLIT_MAX_T) or "matmul"
+    "nsplit" (`_mhc_proj_nsplit_kernel`, for T <= NSPLIT_MAX_T), "legacy_proj" (`_mhc_proj_kernel`) or "matmul"
     (cuBLAS float32: for T >= MATMUL_MIN_T, outside batch-invariant mode and with TF32 off, since its reduction
     order follows T). `matmul_min_t` / `nsplit_max_t` override the module's knobs."""
     variant = _variant() if variant is None else variant
@@ -246,7 +251,7 @@ def _proj_route(T: int, variant: str | None = None, matmul_min_t: int | None = N
     if 0 < min_t <= T and not _batch_invariant_active() and not _cublas_tf32():
         return "matmul"
     max_t = NSPLIT_MAX_T if nsplit_max_t is None else nsplit_max_t
-    return "legacy_proj" if 0 < max_t < T else "nsplit"
+    return "nsplit" if T <= max_t else "legacy_proj"
 
 
 if triton is not None:

@@ -37,11 +37,15 @@ def test_switch_and_routes(monkeypatch):
     if "DEEPINFER_MHC_VARIANT" not in os.environ:
         assert mhc.VARIANT == "split"  # the default since the H100 run of 2026-12-05
     assert mhc._proj_route(1, "legacy", 1) == mhc._proj_route(10_000, "legacy", 1) == "legacy"
-    assert mhc._proj_route(15, "split", 16) == "nsplit" and mhc._proj_route(16, "split", 16) == "matmul"
-    assert mhc._proj_route(10_000, "split", 0) == "nsplit"  # 0: no matmul route
+    assert mhc._proj_route(15, "split", 16, 64) == "nsplit" and mhc._proj_route(16, "split", 16, 64) == "matmul"
+    assert mhc._proj_route(10_000, "split", 0, 10_000) == "nsplit"  # 0: no matmul route
     assert mhc._proj_route(16, "split", 0, 16) == "nsplit" and mhc._proj_route(17, "split", 0, 16) == "legacy_proj"
+    assert mhc._proj_route(1, "split", 16, 0) == "legacy_proj"  # nsplit_max_t 0: never the nsplit projection
+    if "DEEPINFER_MHC_NSPLIT_MAX_T" not in os.environ:
+        assert mhc._proj_route(1, "split", 16) == "legacy_proj"  # the default since the H100 run of 2026-12-05
     monkeypatch.setattr(mhc, "VARIANT", "split")
     monkeypatch.setattr(mhc, "MATMUL_MIN_T", 8)
+    monkeypatch.setattr(mhc, "NSPLIT_MAX_T", 64)
     assert mhc._proj_route(7) == "nsplit" and mhc._proj_route(8) == "matmul"
     monkeypatch.setattr(mhc, "_cublas_tf32", lambda: True)  # TF32 on: never the cuBLAS route
     assert mhc._proj_route(8) == "nsplit"
@@ -58,10 +62,11 @@ def test_batch_invariant_mode_keeps_the_fixed_split():
     from deepinfer.engine.batch_invariant import BatchInvariantMode
     from deepinfer.kernels import mhc
 
-    assert mhc._proj_route(4096, "split", 16) == "matmul"
+    assert mhc._proj_route(4096, "split", 16, 1 << 20) == "matmul"
     with BatchInvariantMode():
         assert mhc._batch_invariant_active()
-        assert mhc._proj_route(4096, "split", 16) == "nsplit"
+        assert mhc._proj_route(4096, "split", 16, 1 << 20) == "nsplit"
+        assert mhc._proj_route(4096, "split", 16, 0) == "legacy_proj"
     assert not mhc._batch_invariant_active()
 
 
@@ -125,7 +130,7 @@ _ROUTES = textwrap.dedent("""
     def close(a, b, tol):
         err = ((a.float() - b.float()).abs() / (1 + b.float().abs())).max().item()
         assert err < tol, err
-    mhc.VARIANT, mhc.MATMUL_MIN_T = "split", 16
+    mhc.VARIANT, mhc.MATMUL_MIN_T, mhc.NSPLIT_MAX_T = "split", 16, 64
     # through the registered ops: T < 16 the logit-split kernel, T >= 16 cuBLAS float32 (+ `_mhc_sumsq_kernel`,
     # writing float32 x for half streams, reading float32 streams as they are); the reference's tolerances
     for hc, H, dtype in ((4, 64, torch.float32), (4, 48, torch.bfloat16), (3, 40, torch.float16)):
