@@ -6,7 +6,12 @@
 Model: a V4-Flash-shaped stack (`v4_flash_4l`: hidden 4096, 64 heads x head_dim 512, q_lora 1024,
 o_groups 8 x 1024, indexer 64 heads x 128 with top-512, window 128, CSA rate 4, HCA rate 128, hc_mult 4,
 vocab 129280, 64 experts of width 2048 with top-6, 4 layers SWA, SWA, CSA, HCA; the first two route by
-token hash), random bf16 weights built directly on the device (no checkpoint file).
+token hash), random bf16 weights built directly on the device (no checkpoint file). `--weights published` stores
+them as DeepSeek's published checkpoints do (`published_storage`: the attention projections, the shared experts
+and the MTP projections FP8 e4m3 with UE8M0 scales per 128 x 128 block, the routed experts MXFP4 — E2M1 with a
+UE8M0 scale per 32; `published-base`: FP8 routed experts with float32 scales, as the `*-Base` checkpoints), kept
+quantized in the engine's `Fp8Linear` / `Fp4Linear` and run through their GEMMs (issue 22's ">= 40% of the roofline
+from the quantized bytes").
 
 Decode at batch B: B requests at `--context` tokens each (the cache holds zeros: values do not change
 the work), one new token per request per step. A step is what the engine's executor does for a
@@ -79,11 +84,45 @@ def sync(device: torch.device) -> None:
 # --------------------------------------------------------------------------- the model
 
 
+WEIGHTS = {"bf16": None, "published": "fp4", "published-base": "fp8"}
+"""`--weights` -> the routed experts' storage of the published layout (None: every linear in `--dtype`)."""
+
+
+@torch.no_grad()
+def quantize_published(model, expert_dtype: str) -> dict[str, int]:
+    """Replace every `nn.Linear` that DeepSeek's published checkpoints store quantized (`published_storage`) by the
+    engine's `Fp8Linear` (128 x 128 blocks; UE8M0 scales, float32 for FP8 experts as in `*-Base`) / `Fp4Linear`
+    (MXFP4) quantized from its weight, in place. Returns how many of each kind."""
+    from torch import nn
+
+    from deepinfer.engine.models.deepseek_v4_weights import published_storage
+    from deepinfer.engine.quant.linear import Fp4Linear, Fp8Linear
+
+    counts = {"fp8": 0, "fp4": 0}
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, nn.Linear):
+            continue
+        kind = published_storage(name + ".weight", expert_dtype)
+        if kind not in counts:
+            continue
+        w = mod.weight.detach().float()
+        if kind == "fp4":
+            new = Fp4Linear.from_float(w, 32)
+        else:
+            expert = published_storage(name + ".weight", "fp4") == "fp4"  # a routed expert (the Base layout)
+            new = Fp8Linear.from_float(w, (128, 128), torch.float32 if expert else torch.float8_e8m0fnu)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, new)
+        counts[kind] += 1
+    return counts
+
+
 @torch.no_grad()
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, attention_backend: str = "torch",
-                moe_backend: str = "torch", seed: int = 0):
+                moe_backend: str = "torch", seed: int = 0, weights: str = "bf16"):
     """`DeepseekV4ForCausalLM` with random weights made on `device` (floats in `dtype` except the
-    loader's float32-kept set), hash tables of distinct random experts, ready for inference."""
+    loader's float32-kept set; `weights` a `WEIGHTS` key: the published layout's linears quantized), hash
+    tables of distinct random experts, ready for inference."""
     from deepinfer.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
     from deepinfer.engine.models.deepseek_v4_weights import is_fp32_kept
     from deepinfer.engine.moe.router import Gate
@@ -106,6 +145,8 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, atte
             m.weight.normal_(0, cfg.hidden_size**-0.5)
             if m.is_hash:  # k distinct experts per token id
                 m.tid2eid.copy_(torch.rand(cfg.vocab_size, cfg.n_routed_experts, device=device).argsort(dim=1)[:, :m.topk])
+    if WEIGHTS[weights] is not None:
+        quantize_published(model, WEIGHTS[weights])
     model.eval().requires_grad_(False)
     model.prepare_for_inference()
     return model
@@ -151,6 +192,16 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _module_nbytes(mod) -> int:
+    """Bytes of a module's parameters as stored (a quantized linear: its codes and scales)."""
+    return sum(_nbytes(p) for p in mod.parameters())
+
+
+def _macs(linear) -> int:
+    """Multiply-adds per token of a linear, float or quantized (`in_features x out_features`)."""
+    return linear.in_features * linear.out_features
+
+
 def decode_bytes(model, batch: int, context: int, experts_hit: list[int]) -> dict:
     """Bytes a decode step of `batch` requests at `context` tokens must read (see the module docstring).
 
@@ -169,7 +220,7 @@ def decode_bytes(model, batch: int, context: int, experts_hit: list[int]) -> dic
         dense += _nbytes(p)
     for layer, hit in zip(model.model.layers, experts_hit):
         ex = layer.ffn.experts[0]
-        routed += hit * sum(_nbytes(getattr(ex, w).weight) for w in ("w1", "w2", "w3"))
+        routed += hit * sum(_module_nbytes(getattr(ex, w)) for w in ("w1", "w2", "w3"))
     elt = model.model.embed_tokens.weight.element_size()
     D, W, ID = cfg.head_dim, cfg.sliding_window, cfg.index_head_dim
     kv = 0
@@ -190,14 +241,21 @@ def decode_bytes(model, batch: int, context: int, experts_hit: list[int]) -> dic
 
 def prefill_flops(model, tokens: int) -> dict:
     """FLOPs a prefill of one `tokens`-token prompt must do (logits of its last token only)."""
+    from deepinfer.engine.quant.linear import _QuantLinear
+
     cfg = model.config
+    quantized = {name: m for name, m in model.named_modules() if isinstance(m, _QuantLinear)}
     per_token = 0
     for name, p in model.named_parameters():
         if p.dim() != 2 or name in ("model.embed_tokens.weight", "head.weight") or ".ffn.experts." in name:
             continue
+        module, _, attr = name.rpartition(".")
+        if module in quantized:  # its codes and scales: count the linear once, at its logical shape
+            per_token += _macs(quantized[module]) if attr == "weight" else 0
+            continue
         per_token += p.numel()
     ex = model.model.layers[0].ffn.experts[0]
-    per_token += cfg.num_experts_per_tok * sum(getattr(ex, w).weight.numel() for w in ("w1", "w2", "w3"))
+    per_token += cfg.num_experts_per_tok * sum(_macs(getattr(ex, w)) for w in ("w1", "w2", "w3"))
     linear = 2 * tokens * per_token + 2 * cfg.hidden_size * cfg.vocab_size
     NH, D, W = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
     t = torch.arange(1, tokens + 1, dtype=torch.float64)  # keys a query at position t-1 may see
@@ -399,7 +457,7 @@ def prefill_case(model, tokens: int, device: torch.device, matmul_fps: float, it
 def print_table(report: dict) -> None:
     bw = report["copy_tb_s"]
     print(f"\n{report['device']}, torch {report['torch']}, copy {bw:.2f} TB/s, bf16 matmul "
-          f"{report['matmul_tflops']:.0f} TFLOP/s, config {report['config']}")
+          f"{report['matmul_tflops']:.0f} TFLOP/s, config {report['config']}, weights {report.get('weights', 'bf16')}")
     print(f"| backends (attn/moe) | decode batch | ms per step | tokens/s | GPU busy per step | kernel launches "
           f"per step | bytes a step must read | roofline time at {bw:.1f} TB/s | fraction of roofline | "
           "ms per step (graphs) | fraction (graphs) | graph replay alone | fraction (replay) | host prepare |")
@@ -433,6 +491,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--prefill-tokens", type=int, default=8192, help="0 skips the prefill case")
     ap.add_argument("--attention-backend", default="torch", help="comma-separated attention backend names")
     ap.add_argument("--moe-backend", default="torch", help="comma-separated MoE backend names")
+    ap.add_argument("--weights", default="bf16", choices=sorted(WEIGHTS),
+                    help="bf16: every linear in --dtype; published / published-base: DeepSeek's FP8 + FP4 / FP8 layout")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     from deepinfer.engine.models.deepseek_v4_weights import parse_dtype
@@ -440,13 +500,13 @@ def main(argv=None) -> dict:
     device, dtype = torch.device(args.device), parse_dtype(args.dtype)
     cfg = ModelConfig.from_hf_dict(CONFIGS[args.config]())
     t0 = time.perf_counter()
-    model = build_model(cfg, device, dtype)
+    model = build_model(cfg, device, dtype, weights=args.weights)
     print(f"model built in {time.perf_counter() - t0:.1f}s "
           f"({sum(_nbytes(p) for p in model.parameters()) / 1e9:.2f} GB)", flush=True)
     copy_bps, matmul_fps = copy_rate(device), matmul_rate(device, dtype)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "config": args.config, "dtype": args.dtype, "copy_tb_s": copy_bps / 1e12,
+              "config": args.config, "dtype": args.dtype, "weights": args.weights, "copy_tb_s": copy_bps / 1e12,
               "matmul_tflops": matmul_fps / 1e12, "decode": [], "prefill": []}
     for attn in args.attention_backend.split(","):
         for moe in args.moe_backend.split(","):

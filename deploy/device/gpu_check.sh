@@ -8,8 +8,8 @@
 #   bash deploy/device/gpu_check.sh opt     # the kernel choices made default on 2026-12-05 (mHC 'split', the MoE
 #                                           # grouped_mm prefill route): their benchmarks and the roofline with both
 #                                           # off (the 'legacy' comparison)
-#   bash deploy/device/gpu_check.sh quick   # the roofline (Triton backends, the CUDA defaults) with the default and
-#                                           # the legacy kernel choices, before the tests in a first call
+#   bash deploy/device/gpu_check.sh quick   # the roofline (Triton backends, the CUDA defaults) with bf16 and with the
+#                                           # published FP8 / FP4 weights (QUICK_PUB=0 skips those), before the tests
 #   bash deploy/device/gpu_check.sh all     # tests + bench (extra and mhc need calls of their own)
 # Logs and JSON go to $OUT (a tarball of the JSON, since only 8 files come back from a device call).
 # Each step has its own `timeout` so that one hung step leaves time (and output) for the rest.
@@ -68,7 +68,8 @@ fi
 if [[ "$what" == quick ]]; then
     {
     step roofline_triton "${T_ROOF:-150}" "${ROOF_TRITON[@]}" --json "$RES/gpu_roofline.json"
-    [[ ${QUICK_OPT:-1} == 1 ]] && roofline_legacy "${T_ROOF:-150}"
+    [[ ${QUICK_PUB:-1} == 1 ]] && step roofline_published "${T_ROOF:-150}" "${ROOF_TRITON[@]}" --weights published \
+        --json "$RES/gpu_roofline_published.json"
     } 2>&1 | tee "$OUT/quick.log"
 fi
 if [[ "$what" == opt ]]; then

@@ -37,3 +37,29 @@ def test_decode_bytes_count_only_the_experts_hit():
     assert two["total"] - one["total"] == sum(getattr(ex, w).weight.numel() * 4 for w in ("w1", "w2", "w3"))
     longer = gpu_roofline.decode_bytes(model, 1, 64, [1, 1, 1, 1])
     assert longer["kv_and_state"] > one["kv_and_state"] and longer["weights_dense"] == one["weights_dense"]
+
+
+def test_published_weights_count_the_quantized_bytes_and_the_same_flops():
+    """`--weights published`: the published layout's linears become `Fp8Linear` / `Fp4Linear` (their codes and
+    scales are the bytes a step reads); the FLOPs stay those of the logical shapes."""
+    import torch
+
+    from deepinfer.engine.config import ModelConfig
+    from deepinfer.engine.quant.linear import Fp4Linear, Fp8Linear
+
+    cfg = ModelConfig.from_hf_dict(gpu_roofline.CONFIGS["tiny"]())
+    plain = gpu_roofline.build_model(cfg, torch.device("cpu"), torch.bfloat16)
+    pub = gpu_roofline.build_model(cfg, torch.device("cpu"), torch.bfloat16, weights="published")
+    base = gpu_roofline.build_model(cfg, torch.device("cpu"), torch.bfloat16, weights="published-base")
+    ex = pub.model.layers[0].ffn.experts[0]
+    assert isinstance(ex.w1, Fp4Linear) and isinstance(pub.model.layers[0].attn.wq_a, Fp8Linear)
+    assert isinstance(base.model.layers[0].ffn.experts[0].w1, Fp8Linear)
+    assert base.model.layers[0].ffn.experts[0].w1.scale.dtype == torch.float32  # the *-Base scales
+    assert pub.model.layers[0].attn.wq_a.scale.dtype == torch.float8_e8m0fnu
+    hits = [2, 2, 2, 2]
+    b_plain, b_pub = (gpu_roofline.decode_bytes(m, 1, 16, hits) for m in (plain, pub))
+    w1 = ex.w1
+    assert b_pub["weights_routed"] == 4 * 2 * 3 * (w1.out_features * w1.in_features // 2 + w1.scale.numel())
+    assert b_pub["weights_routed"] < b_plain["weights_routed"] and b_pub["weights_dense"] < b_plain["weights_dense"]
+    assert gpu_roofline.prefill_flops(pub, 32) == gpu_roofline.prefill_flops(plain, 32)
+    assert gpu_roofline.prefill_flops(base, 32) == gpu_roofline.prefill_flops(plain, 32)
