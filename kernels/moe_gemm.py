@@ -11,8 +11,12 @@ so the whole sequence can be captured in a CUDA graph:
      applies the clamped SwiGLU: act = silu(min(g, limit)) * clamp(u, -limit, limit).
   3. `moe_down(act, w2, ..., sorted_pairs, counts, topk_weights) -> y [R, H]`: act times the expert's
      down projection, times the pair's routing weight, stored at the *pair's* row (p = t * k + slot).
-  4. `moe_combine(y, topk_ids) -> out [T, H]`: per token, its k rows added in ascending expert id
-     (ties: ascending slot). No atomics: the sum order is fixed, the result deterministic.
+  4. `moe_combine(y, topk_ids, rows=None, weights=None) -> out [T, H]`: per token, its k rows added in
+     ascending expert id (ties: ascending slot). No atomics: the sum order is fixed, the result deterministic.
+     `rows` [R] (pair p's row of y; None: row p) and `weights` [T, k] (each row times its pair's weight rounded
+     to y's dtype, the product rounded, before the adds) let a caller whose rows come out in expert order
+     (the `_grouped_mm` route of `engine.moe.triton_backend`) skip putting them back and weighting them: one
+     read of y instead of two reads and two writes of it.
 
 The expert weights come in three formats (constexpr `WFMT`): float (bf16 / fp16 / fp32 like x:
 w13 [E, 2I, H], w2 [E, H, I], as `engine.moe.torch_backend.pack_experts` stacks them), FP4 (E2M1 packed
@@ -130,8 +134,14 @@ def moe_down_torch(act: torch.Tensor, w2: tuple[torch.Tensor, ...], sorted_pairs
 
 
 @register_op("moe_combine", "torch", in_op_table=False)
-def moe_combine_torch(y: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """Reference of step 4: out [T, H], each token's k rows of y added in ascending expert id (stable)."""
+def moe_combine_torch(y: torch.Tensor, topk_ids: torch.Tensor, rows: torch.Tensor | None = None,
+                      weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference of step 4: out [T, H], each token's k rows of y added in ascending expert id (stable); pair p's
+    row is `rows[p]` (None: p), times `weights` (rounded to y's dtype) first when given."""
+    if rows is not None:
+        y = y.index_select(0, rows.long())
+    if weights is not None:
+        y = y * weights.reshape(-1, 1).to(y.dtype)
     num_tokens, k = topk_ids.shape
     order = torch.argsort(topk_ids, dim=1, stable=True)  # [T, k] slots in ascending expert id
     rows = (torch.arange(num_tokens, device=y.device)[:, None] * k + order).reshape(num_tokens, k)
@@ -295,8 +305,8 @@ if triton is not None:
                  mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
-    def _moe_combine_kernel(y_ptr, ids_ptr, out_ptr, N, TOPK: tl.constexpr, K_POW2: tl.constexpr,
-                            BLOCK_N: tl.constexpr):
+    def _moe_combine_kernel(y_ptr, ids_ptr, out_ptr, rows_ptr, w_ptr, N, TOPK: tl.constexpr, K_POW2: tl.constexpr,
+                            BLOCK_N: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_W: tl.constexpr):
         DT = out_ptr.dtype.element_ty
         t = tl.program_id(0)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -310,7 +320,11 @@ if triton is not None:
         acc = tl.zeros([BLOCK_N], tl.float32)
         for r in tl.static_range(TOPK):
             slot = tl.sum(tl.where((rank == r) & (j < TOPK), j, 0), 0)
-            v = tl.load(y_ptr + (t * TOPK + slot).to(tl.int64) * N + rn, mask=n_ok, other=0.0).to(tl.float32)
+            pair = t * TOPK + slot
+            row = tl.load(rows_ptr + pair) if HAS_ROWS else pair
+            v = tl.load(y_ptr + row.to(tl.int64) * N + rn, mask=n_ok, other=0.0).to(tl.float32)
+            if HAS_W:  # y * weights.to(y.dtype), the product rounded to y's dtype (as torch's mul in that dtype)
+                v = _rnd(v * _rnd(tl.load(w_ptr + pair).to(tl.float32), out_ptr), out_ptr)
             if r == 0:
                 acc = v
             else:
@@ -446,20 +460,29 @@ if triton is not None:
         return y
 
     @register_op("moe_combine", "triton", in_op_table=False)
-    def moe_combine_triton(y: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Step 4 in one launch: out [T, H], each token's k rows of y (`y` [T*k, H] contiguous, pair rows)
+    def moe_combine_triton(y: torch.Tensor, topk_ids: torch.Tensor, rows: torch.Tensor | None = None,
+                           weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Step 4 in one launch: out [T, H], each token's k rows of y (`y` [T*k, H] contiguous; pair p's row is
+        `rows[p]`, p itself when None) times `weights` [T, k] when given (the product rounded to y's dtype),
         added in ascending expert id, rounding to y's dtype after each add; deterministic, no atomics."""
         if topk_ids.dim() != 2 or y.dim() != 2 or y.shape[0] != topk_ids.numel():
             raise ValueError(f"moe_combine_triton: y must be [T*k, H] for topk_ids [T, k], got {list(y.shape)} and "
                              f"{list(topk_ids.shape)}")
         if not (y.is_contiguous() and topk_ids.is_contiguous()):
             raise ValueError("moe_combine_triton: y and topk_ids must be contiguous (call .contiguous())")
+        for name, t in (("rows", rows), ("weights", weights)):
+            if t is not None and (t.numel() != y.shape[0] or not t.is_contiguous() or t.device != y.device):
+                raise ValueError(f"moe_combine_triton: {name} must be contiguous with one entry per pair "
+                                 f"({y.shape[0]}) on {y.device}, got {list(t.shape)} on {t.device}")
+        if rows is not None and rows.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"moe_combine_triton: rows must be int32 or int64, got {rows.dtype}")
         check_triton_launch("moe_combine_triton", y, "y", block=2)
         num_tokens, k = topk_ids.shape
         out = torch.empty(num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
         if num_tokens and y.shape[1]:
             block_n = min(1024, triton.next_power_of_2(y.shape[1]))
             _moe_combine_kernel[(num_tokens, triton.cdiv(y.shape[1], block_n))](
-                y, topk_ids, out, y.shape[1], TOPK=k, K_POW2=triton.next_power_of_2(k), BLOCK_N=block_n,
-                num_warps=4)
+                y, topk_ids, out, topk_ids if rows is None else rows, y if weights is None else weights, y.shape[1],
+                TOPK=k, K_POW2=triton.next_power_of_2(k), BLOCK_N=block_n, HAS_ROWS=rows is not None,
+                HAS_W=weights is not None, num_warps=4)
         return out

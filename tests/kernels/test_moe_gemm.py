@@ -194,3 +194,62 @@ def test_every_tuning_candidate_on_cuda():
         for cfg in mg.moe_gemm_candidates(rows, "down"):
             torch.testing.assert_close(mg.moe_down_triton(ref, (w2,), sp, cnt, tw, config=cfg).float(), yref.float(),
                                        atol=2e-2, rtol=2e-2)
+
+
+def _sorted_rows(ids: torch.Tensor, E: int, dtype: torch.dtype, H: int = 48, seed: int = 0):
+    """The down projection's rows in expert order (as the `_grouped_mm` route has them), their inverse map, the
+    routing weights, and what putting them back, weighting and combining them gives (the route's old steps)."""
+    g = torch.Generator().manual_seed(seed)
+    sp, _ = mg.moe_align_torch(ids, E)
+    y_sorted = (torch.randn(sp.numel(), H, generator=g) * 3).to(dtype)
+    tw = torch.rand(ids.shape, generator=g)
+    rows = torch.empty_like(sp).scatter_(0, sp.long(), torch.arange(sp.numel(), dtype=sp.dtype))
+    y = torch.empty_like(y_sorted).index_copy_(0, sp.long(), y_sorted)
+    y.mul_(tw.reshape(-1, 1).to(dtype))
+    return y_sorted, rows, tw, mg.moe_combine_torch(y, ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_reference_reads_sorted_rows_and_weights(dtype):
+    """`rows` / `weights` give the bits of putting expert-ordered rows back at their pairs, weighting and combining."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(6, generator=g)[:3] for _ in range(9)])
+    ids[1, 2] = ids[1, 0]  # a token routed twice to one expert
+    y_sorted, rows, tw, want = _sorted_rows(ids, 6, dtype)
+    assert torch.equal(mg.moe_combine_torch(y_sorted, ids, rows=rows, weights=tw), want)
+
+
+def test_combine_with_rows_and_weights_under_the_interpreter():
+    out = run_interpreted(textwrap.dedent("""
+        import torch
+        from deepinfer.kernels import moe_gemm as mg
+        from tests.kernels.test_moe_gemm import _sorted_rows
+        g = torch.Generator().manual_seed(4)
+        for dtype in (torch.float32, torch.float16):  # NOTE: the interpreter truncates float32 -> bf16 (CUDA: below)
+            for T, E, k in ((1, 4, 2), (7, 6, 3), (5, 3, 3)):
+                ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+                y_sorted, rows, tw, want = _sorted_rows(ids, E, dtype, seed=T)
+                for r in (rows, rows.long()):
+                    got = mg.moe_combine_triton(y_sorted, ids, rows=r, weights=tw)
+                    assert torch.equal(got, want), (dtype, T)
+                y = y_sorted.index_select(0, rows.long())  # rows only / weights only
+                assert torch.equal(mg.moe_combine_triton(y_sorted, ids, rows=rows), mg.moe_combine_torch(y, ids))
+                assert torch.equal(mg.moe_combine_triton(y, ids, weights=tw), mg.moe_combine_torch(y, ids, weights=tw))
+        try:
+            mg.moe_combine_triton(y_sorted, ids, rows=rows[:-1])
+        except ValueError as e:
+            assert "one entry per pair" in str(e)
+        else:
+            raise AssertionError("a short rows map was accepted")
+        print("OK")
+    """))
+    assert "OK" in out, out
+
+
+@pytest.mark.gpu
+def test_combine_with_rows_and_weights_on_cuda():
+    g = torch.Generator().manual_seed(5)
+    ids = torch.stack([torch.randperm(64, generator=g)[:6] for _ in range(300)])
+    y_sorted, rows, tw, want = _sorted_rows(ids, 64, torch.bfloat16, H=4096)
+    got = mg.moe_combine_triton(y_sorted.cuda(), ids.cuda(), rows=rows.cuda(), weights=tw.cuda())
+    assert torch.equal(got.cpu(), want)

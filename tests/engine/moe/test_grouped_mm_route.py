@@ -148,17 +148,24 @@ def test_unaligned_widths_keep_the_kernels(grouped_mm_calls):
 
 
 def test_batch_invariant_mode_never_reaches_the_route(monkeypatch):
-    """The mode keeps its fixed-order path: it refuses the `"triton"` backend before loading and when swapping
-    a model's backends (so the route, on or off, is never run there), and swaps "torch" for its own backend."""
-    from deepinfer.engine.batch_invariant import BatchInvariantMoEBackend, _swap_moe, check_config
+    """The mode keeps a fixed-order path: it refuses the `"triton"` backend where its kernels do not run (the CPU
+    without the interpreter), swaps it for `BatchInvariantTritonMoEBackend` (one tile config, never the route, even
+    with the knob set), and swaps "torch" for its own backend."""
+    from deepinfer.engine.batch_invariant import (
+        BatchInvariantMoEBackend,
+        BatchInvariantTritonMoEBackend,
+        _swap_moe,
+        check_config,
+    )
     from deepinfer.engine.moe.torch_backend import TorchMoEBackend
 
     monkeypatch.setenv(GROUPED_MM_MIN_ROWS_ENV, "1")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert not getattr(TritonMoEBackend, "batch_invariant_safe", False)  # NOTE: if that changes, turn the route off
-    with pytest.raises(ValueError, match="not batch invariant"):
+    with pytest.raises(ValueError, match="CUDA only"):
         check_config("torch", "triton", "cpu")
-    with pytest.raises(ValueError, match="not batch invariant"):
-        _swap_moe(TritonMoEBackend())
+    swapped = _swap_moe(TritonMoEBackend())
+    assert isinstance(swapped, BatchInvariantTritonMoEBackend) and not swapped.uses_grouped_mm(1 << 20)
     assert isinstance(_swap_moe(TorchMoEBackend()), BatchInvariantMoEBackend)
 
 
@@ -265,3 +272,30 @@ def test_builtin_model_greedy_with_the_route_equals_torch_backend(monkeypatch):
     monkeypatch.setenv("DEEPINFER_QGEMM_TUNE", "0")
     monkeypatch.setenv(GROUPED_MM_MIN_ROWS_ENV, "64")
     assert _builtin_greedy("triton") == _builtin_greedy("torch")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_combines_expert_ordered_rows_like_putting_them_back(dtype):
+    """The route hands the combine the down projection's expert-ordered rows, their inverse map and the weights;
+    the result is bit for bit that of putting the rows back at their pairs, weighting them and combining them."""
+    from deepinfer.kernels.registry import get_op
+
+    align, swiglu, combine = (get_op(name, "torch") for name in ("moe_align", "swiglu", "moe_combine"))
+    g = torch.Generator().manual_seed(2)
+    E, H, inter, T, k = 4, 32, 16, 11, 2
+    w13 = (torch.randn(E, 2 * inter, H, generator=g) * 0.2).to(dtype)
+    w2 = (torch.randn(E, H, inter, generator=g) * 0.2).to(dtype)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    tw = torch.rand(T, k, generator=g)
+    got = grouped_mm_experts(x, tw, ids, w13, w2, 10.0, align, swiglu, combine)
+    sp, counts = align(ids, E)
+    offs = counts.cumsum(0, dtype=torch.int32)
+    xs = x.index_select(0, sp // k)
+    w13t = w13.transpose(1, 2)
+    act = swiglu(torch._grouped_mm(xs, w13t[:, :, :inter], offs=offs), torch._grouped_mm(xs, w13t[:, :, inter:],
+                                                                                         offs=offs), 10.0)
+    y_sorted = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
+    y = torch.empty_like(y_sorted).index_copy_(0, sp.long(), y_sorted)
+    y.mul_(tw.reshape(-1, 1).to(dtype))
+    assert torch.equal(got, combine(y, ids))
