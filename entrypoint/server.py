@@ -477,6 +477,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
         excluded: list[str] = self._still_lost(req.lost_instance_ids)
         quarantine_wait_until = None
         full_poll_s = DECODE_FULL_POLL_S[0]
+        last_refusal = ""  # why the last decode instance (or balancer) tried had no room: the wait's log line
         # the decode work the request brings (the `decode_work` balancer policy): the output tokens it may still make
         num_output_tokens = (sampling.max_tokens if sampling.HasField("max_tokens")
                              else max(0, self.max_model_len - len(prompt)))
@@ -493,6 +494,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                         request_id=rid, stage=common_pb2.STAGE_DECODE, num_prompt_tokens=len(prompt),
                         num_output_tokens=num_output_tokens, exclude_instance_ids=excluded), deadline)
                 except _Failed as e:
+                    last_refusal = f"decode balancer: {e}"
                     # the instances left were excluded for being full of quarantined reservations: wait for them
                     if quarantine_full and self._may_wait_for_quarantine(req, deadline):
                         quarantine_wait = True
@@ -564,6 +566,7 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                     continue
                 with req.lock:
                     req.decode = None
+                last_refusal = f"decode instance {d_inst.instance_id}: {reserve.error.message}"
                 if (reserve.error.code == common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED
                         and reserve.error.field == QUARANTINE_FIELD):
                     quarantine_full = True
@@ -589,8 +592,8 @@ class EntrypointServicer(entrypoint_pb2_grpc.EntrypointServicer):
                 quarantine_wait_until = time.monotonic() + self.config.outage_wait_s
                 if full_wait and deadline is not None:
                     quarantine_wait_until = deadline
-                logger.info("%s: every decode instance is full%s; waiting", rid,
-                            "" if full_wait else " of quarantined reservations")
+                logger.info("%s: every decode instance is full%s; waiting (%s)", rid,
+                            "" if full_wait else " of quarantined reservations", last_refusal)
             poll_s = full_poll_s if full_wait else QUARANTINE_POLL_S
             if full_wait:
                 full_poll_s = min(2 * full_poll_s, DECODE_FULL_POLL_S[1])

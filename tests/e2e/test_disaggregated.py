@@ -30,6 +30,9 @@ STOP_TIMEOUT_S = 10.0
 RPC_TIMEOUT_S = 10.0
 STATS_KEY = "deepinfer-stats-json"
 PREFILL_HEARTBEAT_S = 30
+DECODE_HEARTBEAT_S = 2.5
+"""The decode instance's heartbeat interval here (its balancer expires it after 3 s of silence): long, so that what
+the balancer learns sooner comes from the reports the instance sends when a request ends."""
 
 
 @dataclass
@@ -75,7 +78,7 @@ def cluster(tmp_path_factory):
         info = processes.wait_ready(STARTUP_TIMEOUT_S)
         worker_args = ["--model", ckpt, "--loopback-ucx", "--max-num-seqs", "8", "--num-blocks", "256"]
         for stage in ("prefill", "decode"):
-            extra = ["--heartbeat-interval-s", str(PREFILL_HEARTBEAT_S)] if stage == "prefill" else []
+            extra = ["--heartbeat-interval-s", str(PREFILL_HEARTBEAT_S if stage == "prefill" else DECODE_HEARTBEAT_S)]
             processes.spawn(stage, [f"{stage}_worker", "--lb-address", info[f"{stage}_lb"]["address"],
                                     "--instance-id", f"{stage}-0", *worker_args, *extra])
         processes.spawn("entrypoint", [
@@ -170,6 +173,24 @@ def test_prefill_reports_its_drained_queue_at_once(cluster):
     _wait_for("the drained queue at the balancer", lambda: (
         (i := load()).load.num_queued_prefill_tokens == 0 and i.load.num_waiting_requests == 0
         and i.num_cached_block_hashes > before), timeout_s=5.0)
+
+
+def test_decode_reports_an_ended_request_at_once(cluster):
+    """A pick counts a state slot and the request's blocks at the decode balancer until a report replaces them; the
+    decode instance reports when a request ends, not only every DECODE_HEARTBEAT_S, so requests that end quickly one
+    after the other never find the instance full at the balancer (sequential requests on a 4-slot instance used to
+    wait ~0.4 s each for room: `benchmarks/pd_gpu.py`, H100, 2026-12-05)."""
+    lb = cluster.stub("decode_lb")
+
+    def idle() -> bool:
+        [instance] = lb.ListInstances(loadbalancer_pb2.ListInstancesRequest(), timeout=RPC_TIMEOUT_S).instances
+        load = instance.load
+        return load.num_running_requests == load.num_waiting_requests == load.num_kv_blocks_used == 0
+
+    _wait_for("an idle decode instance", idle, timeout_s=10.0)
+    for i in range(3):
+        cluster.client.generate(list(range(400 + i, 440 + i)), temperature=0.0, max_tokens=2, ignore_eos=True)
+        _wait_for("the ended request at the decode balancer", idle, timeout_s=0.5)
 
 
 def test_bad_requests_are_refused_and_the_system_keeps_serving(cluster):
