@@ -49,17 +49,42 @@ On CUDA the row padding is not enough (cuBLAS picks split-K and kernels by shape
 `kernels.bi_matmul`, a Triton GEMM with one fixed tiling and no split-K. The quantized linears take
 their `torch` reference (dequantize a block, matmul through the mode), since the Triton FP8/FP4
 GEMMs choose split-K by M; softmax, log_softmax, sums and RMSNorm reduce by `tree_sum` (CUDA's reduction
-kernels pick their thread split by the number of outputs). NOTE: the CUDA path is written but was not run
-on a GPU yet (tests/engine/test_batch_invariance.py has the `gpu` tests that check it).
+kernels pick their thread split by the number of outputs). That is the mode on the torch backends (what "auto"
+resolves to in the mode, the path checked on a GPU); on CUDA an explicit "triton" runs the Triton path (next
+paragraph; opt-in until its `gpu` tests have run on a GPU).
 
-Cost: the mode is slower (every torch call of the forward passes through the mode; matmuls of fewer than
-16 rows compute 16; attention copies each query's keys). The `MoE` backend reads the experts' token counts
-on the host, so it is not CUDA-graph safe: decode steps run eagerly in the mode.
+The Triton fast path (CUDA: `attention_backend` / `moe_backend` "triton", explicit, swapped by the mode):
+
+* attention: `BatchInvariantTritonAttentionBackend` runs every position, decode row or query of a prefill chunk,
+  through one kernel (`kernels.bi_attention.bi_rows_attention`: the decode kernel, keys in a fixed order, split by
+  a fixed count, the splits combined in order, the window's newest keys read from the step's own K=V rows), with
+  every block table padded to one width so each launch compiles the same kernel; the indexer's top-k per row by
+  `indexer_topk` (a chunk's queries as rows at their positions); every compressor entry by the `compressor_decode`
+  kernel (a chunk's windows over a ring of their own). The prefill kernel is not used.
+* MoE: `BatchInvariantTritonMoEBackend`, the grouped kernels with one tile config for every batch
+  (`BI_MOE_UP_CONFIG`, `BI_MOE_DOWN_CONFIG`; no split-K anywhere, a token's experts combined in ascending id),
+  never the `_grouped_mm` route; the Triton router (one program per 4 tokens, a token's reductions alone).
+* small ops: those of `TRITON_INVARIANT_OPS` keep their Triton kernels (per-row tiling); the rest take the torch
+  references through the mode.
+* matmuls and the remaining torch reductions: `kernels.bi_matmul` and `tree_sum`, as above.
+
+Nothing on that path reads a device value on the host, so decode steps run as CUDA graphs in the mode too. The
+premise (NOTE): a tensor-core MMA computes every output element with one reduction over K in a fixed order wherever
+its row sits in the tile, so a token's row in an expert's tile or a matmul's M tile gives the same bits beside any
+companions (tests/engine/test_batch_invariance_triton.py checks the structure under the interpreter with a dot of
+that property, and the bits on CUDA in its `gpu` tests).
+
+Cost: the torch path is slower (every torch call of the forward passes through the mode; matmuls of fewer than
+16 rows compute 16; attention copies each query's keys). Its `MoE` backend reads the experts' token counts
+on the host, so it is not CUDA-graph safe: decode steps run eagerly there.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -68,11 +93,13 @@ from torch.overrides import TorchFunctionMode
 
 from deepinfer.engine.attention.base import (
     AttentionInputs,
+    AttentionMetadata,
     DecodeRows,
     LayerSpec,
     PrefillChunk,
 )
-from deepinfer.engine.attention.torch_backend import TorchAttentionBackend
+from deepinfer.engine.attention.torch_backend import TorchAttentionBackend, _pools
+from deepinfer.engine.attention.triton_backend import TritonAttentionBackend
 from deepinfer.engine.cache.kv_cache import V4KVCache
 from deepinfer.engine.models.deepseek_v4 import apply_rope
 from deepinfer.engine.models.deepseek_v41 import PagedAttention
@@ -84,7 +111,9 @@ from deepinfer.engine.moe.torch_backend import (
     call_expert,
     expert_fn_for,
 )
-from deepinfer.kernels.registry import op_impl_names
+from deepinfer.engine.moe.triton_backend import TritonMoEBackend
+from deepinfer.kernels import bi_attention as _bi_attention  # noqa: F401  (registers the op)
+from deepinfer.kernels.registry import default_impl, get_op, op_impl_names
 
 ROW_TILE = 16
 """Rows of a matmul are padded to a multiple of this (the measured large-M BLAS kernel from 12 rows on)."""
@@ -470,6 +499,272 @@ class BatchInvariantMoEBackend(MoEBackend):
         return out
 
 
+# --------------------------------------------------------------------------- the Triton fast path in the mode
+
+
+@dataclass
+class _ChunkRows:
+    """A step's prefill chunks as rows of `bi_rows_attention` (every query a row at its own position), shared by
+    the layers of one compressor geometry (built once per step)."""
+
+    idx: torch.Tensor  # [n] the queries' rows in the step's flat batch, chunk after chunk
+    pos: torch.Tensor  # [n] their positions
+    slots: torch.Tensor  # [n] their requests' slots
+    state_start: torch.Tensor  # [n] their requests' state starts
+    new_start: torch.Tensor  # [n] their chunk's first position (keys from there on are the step's own)
+    chunk: torch.Tensor  # [n] their chunk's index in the step
+    chunk_tables: torch.Tensor  # [num_chunks, max_blocks_per_seq] each request's entry blocks, dummy-padded
+
+    def tables(self, a: int, b: int) -> torch.Tensor:
+        """[b - a, max_blocks_per_seq] the block tables of rows a .. b - 1 (contiguous, as the kernels read them)."""
+        return self.chunk_tables[self.chunk[a:b]]
+
+
+@dataclass
+class _WindowRows:
+    """A prefill chunk's completed windows as the `compressor_decode` kernel's rows (what `_compress` reads of a
+    `DecodeRows`): window w's row ends it at position (w + 1) * rate - 1, in slot j of a per-window ring."""
+
+    slots: torch.Tensor  # [nw] 0 .. nw - 1
+    pos: torch.Tensor  # [nw]
+    frozen: torch.Tensor  # [nw] zeros: the chunk's windows exclude frozen ones already
+    block_tables: torch.Tensor  # [nw, max_blocks_per_seq] the request's
+    entry_rope: dict[int, tuple[torch.Tensor, torch.Tensor]]  # rate -> cos, sin at each window's first position
+
+
+ROWS_BUDGET_BYTES = 256 << 20
+"""Transient bytes one `bi_rows_attention` / `indexer_topk` launch over prefill rows may take (block tables, index
+scores, split partials): a step's prefill rows run in slices that fit. A row's result does not depend on its slice."""
+
+
+class BatchInvariantTritonAttentionBackend(TritonAttentionBackend):
+    """The `triton` backend's kernels with one attention path per position: decode rows and every query of every
+    prefill chunk are rows of `bi_rows_attention` (`kernels.bi_attention`: the decode kernel, keys split by a fixed
+    count, splits combined in order, the window's newest keys read from the step's own K=V rows), each row's block
+    table padded to `max_blocks_per_seq` so every launch compiles the same kernel; the indexer's top-k per row with
+    `indexer_topk` over the same padded tables (decode and prefill alike); every compressor entry from the
+    `compressor_decode` kernel, one program an entry (decode rows over the compressor rings, as the `triton` backend;
+    a prefill chunk's windows over a ring built per window, `_chunk_compress`). CUDA-graph safe (decode rows are the
+    `triton` backend's but for the attention launch: static metadata, no host sync).
+
+    Not used: the prefill kernel (`prefill_attention`: another reduction order) and the torch compressor path
+    (`compress_gathered`: its bf16 roundings differ from the kernel's float32 sums).
+    Verify chunks of speculative decoding run as prefill chunks (`supports_verify_rows = False`), so a verified
+    position gets the bits of a decode step; decode rows of host-built metadata (the MTP layer's builder) take the
+    torch per-query tiles of `BatchInvariantAttentionBackend` (only the drafts depend on them)."""
+
+    batch_invariant_safe = True
+    supports_verify_rows = False
+    name = "triton_batch_invariant"
+
+    def __init__(self, impl: str | None = None) -> None:
+        # NOTE: under TRITON_INTERPRET=1 the kernels (the CPU default is the torch references, whose einsums the mode
+        # refuses); on CUDA they are the default
+        super().__init__(impl or ("triton" if os.environ.get("TRITON_INTERPRET") == "1" else None))
+        self._rows_ops: dict[torch.device, object] = {}
+        self._rows_meta: AttentionMetadata | None = None
+        self._rows: dict[tuple[int, bool], _ChunkRows] = {}
+
+    def rows_op(self, device: torch.device):
+        """`bi_rows_attention`'s implementation for tensors on `device` (picked once per device)."""
+        op = self._rows_ops.get(device)
+        if op is None:
+            op = get_op("bi_rows_attention", self.impl or default_impl("bi_rows_attention", device))
+            self._rows_ops[device] = op
+        return op
+
+    _decode_index_scores = staticmethod(indexer_scores_tiled)  # host-built decode rows (the MTP layer's)
+
+    def _decode_batched(self, spec: LayerSpec, dm: DecodeRows, inputs: AttentionInputs, r,
+                        cache: V4KVCache) -> torch.Tensor:
+        if not dm.is_static:
+            return BatchInvariantAttentionBackend._decode_batched(self, spec, dm, inputs, r, cache)
+        ops = self.ops_for(inputs.q.device)
+        ring = cache.window_kv[spec.layer_idx]  # [slots, W, D]
+        q = inputs.q[r].to(ring.dtype).contiguous()  # [B, NH, D]
+        kv = inputs.kv[r].to(ring.dtype).contiguous()  # [B, D]
+        ops.ring_write(ring, dm.slots, dm.pos, kv)
+        pool = entries = None
+        if spec.is_compressed:
+            rate = spec.compress_rate
+            pool, buf_kv, buf_gate, ipool, ibuf_kv, ibuf_gate = _pools(spec, cache)
+            self._compress(ops, spec, dm, inputs.compressor, inputs.compressor_kv[r], inputs.compressor_gate[r],
+                           buf_kv, buf_gate, pool)
+            if spec.has_indexer:
+                indexer = inputs.indexer
+                self._compress(ops, spec, dm, indexer.compressor, inputs.index_kv[r], inputs.index_gate[r], ibuf_kv,
+                               ibuf_gate, ipool)
+                cos, sin = dm.rope[spec.rope]
+                entries = self._select(ops, indexer, inputs.q_res[r], inputs.x[r], cos, sin, ipool, dm.pos,
+                                       dm.block_tables, rate)
+        out = self.rows_op(q.device)(q, ring, pool, dm.slots, dm.pos, dm.state_start, dm.block_tables, entries,
+                                     spec.compress_rate if pool is not None else 0, inputs.sink.float(), kv, dm.pos,
+                                     self.split_size)
+        return out.to(inputs.q.dtype)
+
+    @staticmethod
+    def _select(ops, indexer, q_res, x, cos, sin, ipool, pos, tables, rate) -> torch.Tensor:
+        """The indexer's top-k entry indices [n, topk] of n rows (`indexer_topk`, each row at its own position)."""
+        qi = indexer._queries(q_res, cos, sin).to(ipool.dtype).contiguous()  # [n, IH, ID]
+        weights = (indexer.weights_proj(x).float() * indexer.num_heads**-0.5).contiguous()
+        return ops.indexer_topk(qi, weights, ipool, pos, tables, rate, indexer.topk)
+
+    def forward(self, spec: LayerSpec, inputs: AttentionInputs, cache: V4KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Decode rows as `_decode_batched`; then every prefill chunk's compressors (entries written first), and
+        over every chunk's queries (in slices of `ROWS_BUDGET_BYTES`, usually one) the indexer's selection and one
+        `bi_rows_attention` launch; then the chunks' last keys into their rings."""
+        if not meta.prefill:
+            return TorchAttentionBackend.forward(self, spec, inputs, cache, meta)
+        out = TorchAttentionBackend.forward(self, spec, inputs, cache, dataclasses.replace(meta, prefill=[]))
+        rows = self._chunk_rows(spec, meta, cache)
+        ring = cache.window_kv[spec.layer_idx]  # [slots, W, D]
+        dt = ring.dtype
+        ops, attend = self.ops_for(inputs.q.device), self.rows_op(inputs.q.device)
+        pool = ipool = None
+        rate = spec.compress_rate if spec.is_compressed else 0
+        if spec.is_compressed:
+            key = (rate, spec.is_overlap)
+            pool, buf_kv, buf_gate, ipool, ibuf_kv, ibuf_gate = _pools(spec, cache)
+            for k, c in enumerate(meta.prefill):  # every chunk's new entries into the pools first
+                geo, sl, table = c.compressors[key], c.rows, rows.chunk_tables[k]
+                self._chunk_compress(ops, spec, c.slot, geo, table, inputs.compressor, inputs.compressor_kv[sl],
+                                     inputs.compressor_gate[sl], buf_kv, buf_gate, pool)
+                if spec.has_indexer:
+                    self._chunk_compress(ops, spec, c.slot, geo, table, inputs.indexer.compressor,
+                                         inputs.index_kv[sl], inputs.index_gate[sl], ibuf_kv, ibuf_gate, ipool)
+        n, NH, D = rows.idx.shape[0], inputs.q.shape[1], inputs.q.shape[2]
+        MB = rows.chunk_tables.shape[1]
+        epb = pool.shape[1] if pool is not None else 1
+        max_comp = (inputs.indexer.topk if ipool is not None else MB * epb) if pool is not None else 0
+        splits = -(-(spec.window + max_comp) // self.split_size)
+        # a row's block table, index scores (CSA) and split partials (rows of several splits)
+        per_row = MB * 8 + (MB * epb * 4 if ipool is not None else 0) + (splits * NH * (D + 2) * 4 if splits > 1 else 0)
+        step = max(1, min(n, ROWS_BUDGET_BYTES // per_row))
+        kv = inputs.kv[rows.idx].to(dt).contiguous()  # [n, D] every prefill row's K=V (a slice reads earlier ones)
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            i, tables = rows.idx[a:b], rows.tables(a, b)
+            entries = None
+            if ipool is not None:
+                cos, sin = meta.rope[spec.rope]
+                entries = self._select(ops, inputs.indexer, inputs.q_res[i], inputs.x[i], cos[i], sin[i], ipool,
+                                       rows.pos[a:b], tables, rate)
+            o = attend(inputs.q[i].to(dt).contiguous(), ring, pool, rows.slots[a:b], rows.pos[a:b],
+                       rows.state_start[a:b], tables, entries, rate, inputs.sink.float(), kv, rows.new_start[a:b],
+                       self.split_size, new_off=a)
+            out[i] = o.to(out.dtype)
+        for c in meta.prefill:  # after the kernel has read the history
+            tail = c.windows[spec.window].tail_rows
+            ring[c.slot, tail] = inputs.kv[c.rows][-tail.shape[0]:].to(dt)
+        return out
+
+    def _chunk_compress(self, ops, spec: LayerSpec, slot: int, geo, table: torch.Tensor, comp, kv: torch.Tensor,
+                        gate: torch.Tensor, buf_kv: torch.Tensor, buf_gate: torch.Tensor, pool: torch.Tensor) -> None:
+        """A prefill chunk's compressor (`ChunkCompressor` `geo`): each window it completes is emitted by the
+        `compressor_decode` kernel as the decode row of the window's last token would emit it, over a ring of its own
+        (`[nw, ring_len, width]`: the window's tokens, and the previous window's with overlap, at their ring rows,
+        rounded to the ring's dtype as a decode row's are); then the chunk's last tokens into the slot's ring.
+        `table`: the request's block table (padded), so the kernel finds each window's pool row."""
+        kv, gate = kv.to(buf_kv.dtype), gate.to(buf_gate.dtype)
+        nw = geo.windows.numel()
+        if nw:
+            if geo.hist_rows is not None:  # the buffered tokens before the chunk, then the chunk's
+                span_kv = torch.cat([buf_kv[slot, geo.hist_rows], kv])
+                span_gate = torch.cat([buf_gate[slot, geo.hist_rows], gate])
+            else:
+                span_kv, span_gate = kv, gate
+            rate, ring_len, width = spec.compress_rate, buf_kv.shape[1], buf_kv.shape[2]
+            w = geo.windows  # [nw]
+            cur = w[:, None] * rate + torch.arange(rate, device=w.device)[None, :]  # [nw, rate] positions
+            j = torch.arange(nw, device=w.device)[:, None]
+            ring_kv = buf_kv.new_zeros((nw, ring_len, width))
+            ring_gate = buf_gate.new_zeros((nw, ring_len, width))
+            ring_kv[j, cur % ring_len], ring_gate[j, cur % ring_len] = span_kv[geo.cur_rows], span_gate[geo.cur_rows]
+            if comp.overlap:  # window w - 1's tokens (window -1's are masked by the kernel)
+                prev = (cur - rate) % ring_len
+                ring_kv[j, prev], ring_gate[j, prev] = span_kv[geo.prev_rows], span_gate[geo.prev_rows]
+            last = (w + 1) * rate - 1
+            rows = _WindowRows(slots=j[:, 0].contiguous(), pos=last.contiguous(), frozen=torch.zeros_like(last),
+                               block_tables=table[None].expand(nw, -1).contiguous(), entry_rope={rate: geo.entry_rope})
+            i = j[:, 0]
+            self._compress(ops, spec, rows, comp, ring_kv[i, last % ring_len], ring_gate[i, last % ring_len], ring_kv,
+                           ring_gate, pool)
+        keep = geo.tail_rows.shape[0]
+        buf_kv[slot, geo.tail_rows] = kv[-keep:]
+        buf_gate[slot, geo.tail_rows] = gate[-keep:]
+
+    def _chunk_rows(self, spec: LayerSpec, meta: AttentionMetadata, cache: V4KVCache) -> _ChunkRows:
+        """The step's `_ChunkRows` for the layer's compressor geometry (sliding layers: any; their tables are never
+        read), built once per step and geometry."""
+        if self._rows_meta is not meta:
+            self._rows_meta, self._rows = meta, {}
+        key = (spec.compress_rate, spec.is_overlap) if spec.is_compressed else (0, False)
+        rows = self._rows.get(key)
+        if rows is not None:
+            return rows
+        device, chunks = meta.positions.device, meta.prefill
+        MB, dummy = cache.max_blocks_per_seq, cache.dummy_block
+        idx = torch.cat([torch.arange(c.start, c.start + c.num_tokens, device=device) for c in chunks])
+        counts = torch.tensor([c.num_tokens for c in chunks], device=device)
+
+        def per_row(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device).repeat_interleave(counts)
+
+        tables = []
+        for c in chunks:
+            geo = c.compressors.get(key)
+            blocks = (geo.entry_rows[::cache.block_size // key[0]] // (cache.block_size // key[0])
+                      if geo is not None and geo.entry_rows is not None else idx.new_zeros(0))
+            tables.append(torch.cat([blocks, blocks.new_full((MB - blocks.shape[0],), dummy)]))  # [MB]
+        rows = _ChunkRows(idx=idx, pos=meta.positions[idx].contiguous(), slots=per_row([c.slot for c in chunks]),
+                          state_start=per_row([c.state_start for c in chunks]),
+                          new_start=per_row([c.num_computed_tokens for c in chunks]),
+                          chunk=per_row(list(range(len(chunks)))), chunk_tables=torch.stack(tables))
+        self._rows[key] = rows
+        return rows
+
+
+BI_MOE_UP_CONFIG = (32, 32, 128, 4, 4)
+"""The batch-invariant MoE's one tile config of `moe_up` (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): never chosen by
+the rows per expert (the `triton` backend's tuned pick is, and another tile is another reduction)."""
+BI_MOE_DOWN_CONFIG = (32, 64, 128, 4, 4)
+"""Likewise for `moe_down`."""
+
+
+class BatchInvariantTritonMoEBackend(TritonMoEBackend):
+    """The `triton` MoE backend with one tile config for every batch (`BI_MOE_UP_CONFIG`, `BI_MOE_DOWN_CONFIG`) and
+    never the `_grouped_mm` route: a (token, expert) row's projections are the same `tl.dot` steps over K whatever
+    rows share its expert's tile (no split-K; rows are independent in the MMA), and the combine adds a token's experts
+    in ascending expert id (`moe_combine`). No host sync: CUDA-graph safe. Needs the Triton kernels (CUDA, or the CPU
+    under `TRITON_INTERPRET=1`)."""
+
+    batch_invariant_safe = True
+    name = "triton_batch_invariant"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.grouped_mm_min_rows = 0
+
+    def prepare(self, experts: Sequence[nn.Module]) -> None:
+        super().prepare(experts)
+        if self.impl_name != "triton":
+            raise ValueError("batch_invariant=True: the 'triton' MoE backend's kernels do not run on "
+                             f"{self.w13[0].device} (CUDA, or the CPU under TRITON_INTERPRET=1); use moe_backend='torch'")
+        self.grouped_mm_usable = False
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        dtype, topk_ids = x.dtype, topk_ids.contiguous()
+        x = self.prepare_input(x).contiguous()
+        sorted_pairs, counts = self._align(topk_ids, self.w13[0].shape[0])  # [T*k], [E] on the device
+        act = self._up(x, self.w13, sorted_pairs, counts, topk_ids.shape[1], self.limit, self.wfmt, self.block,
+                       config=BI_MOE_UP_CONFIG)
+        act = self.prepare_input(act.to(dtype)).contiguous()
+        y = self._down(act, self.w2, sorted_pairs, counts, topk_weights.contiguous(), self.wfmt, self.block,
+                       config=BI_MOE_DOWN_CONFIG).to(dtype)
+        return self._combine(y, topk_ids)  # [T, H]
+
+
 # --------------------------------------------------------------------------- DeepSeek-V4.1's paged attention
 
 
@@ -582,18 +877,37 @@ def _enable_v41(model: nn.Module, device: torch.device) -> None:
 # --------------------------------------------------------------------------- enabling the mode
 
 
+TRITON_INVARIANT_OPS = frozenset({"rms_norm", "rope", "swiglu", "sinkhorn", "attn_norm_rope", "mhc_pre", "mhc_post",
+                                  "mhc_head"})
+"""`OpTable` ops whose `"triton"` kernel the mode keeps (where the device picked it): each computes a row (token,
+or token x head) with a tiling fixed by the row's width alone, never by the number of rows, so a row's bits do not
+depend on its batch. `rms_norm`: one program a row; `rope`, `swiglu`: elementwise; `sinkhorn`: `BLOCK_T` rows a
+program, each row's iterations in registers; `attn_norm_rope`: 4 rows a program, a row's sum of squares alone (its
+ring write is a plain store); `mhc_pre` / `mhc_head` / `mhc_post`: a fixed split of the hc*H columns (`K_SLICE`),
+the partials added in split order, float32 IEEE dots (FMA chains in k order on the GPU), a token's mix in registers;
+the cuBLAS projection route (T >= MATMUL_MIN_T) is never taken inside `BatchInvariantMode` (`kernels.mhc._proj_route`).
+Not here: `attn_out_proj`'s kernel (tiles chosen by T, a torch fallback past a size); see `KEPT_OP_IMPLS`."""
+
+KEPT_OP_IMPLS = {**{op: "triton" for op in TRITON_INVARIANT_OPS}, "attn_out_proj": "rope_bmm"}
+"""op -> the implementation the mode keeps where the device picked it (every other op, or another implementation,
+takes the torch reference through the mode): the Triton kernels above, and `attn_out_proj`'s "rope_bmm" (the inverse
+RoPE as an elementwise Triton launch, then a `torch.bmm` that the mode routes through its fixed-tile matmul)."""
+
+
 def _swap_attention(backend, cache: dict):
     if id(backend) in cache:
         return cache[id(backend)]
     if type(backend) is TorchAttentionBackend:
         new = BatchInvariantAttentionBackend()
+    elif type(backend) is TritonAttentionBackend:
+        new = BatchInvariantTritonAttentionBackend(backend.impl)
     elif getattr(backend, "batch_invariant_safe", False):
         new = backend
     else:
         raise ValueError(
             f"batch_invariant=True: the attention backend {type(backend).__name__} ({backend.name!r}) is not batch "
-            "invariant (it does not declare batch_invariant_safe = True); use attention_backend='torch' or turn "
-            "batch_invariant off")
+            "invariant (it does not declare batch_invariant_safe = True); use attention_backend='triton' (CUDA) or "
+            "'torch', or turn batch_invariant off")
     cache[id(backend)] = new
     return new
 
@@ -601,12 +915,14 @@ def _swap_attention(backend, cache: dict):
 def _swap_moe(backend: MoEBackend) -> MoEBackend:
     if type(backend) in (TorchMoEBackend, TorchLoopMoEBackend):
         return BatchInvariantMoEBackend()
+    if type(backend) is TritonMoEBackend:
+        return BatchInvariantTritonMoEBackend()
     if getattr(backend, "batch_invariant_safe", False):
         return backend
     raise ValueError(
         f"batch_invariant=True: the MoE backend {type(backend).__name__} ({backend.name!r}) is not batch invariant "
         "(a token's result depends on how many tokens its experts received, or its combine order is not fixed); "
-        "use moe_backend='torch' or turn batch_invariant off")
+        "use moe_backend='triton' (CUDA) or 'torch', or turn batch_invariant off")
 
 
 def check_device(device: torch.device) -> None:
@@ -652,9 +968,13 @@ def enable_batch_invariant(model: nn.Module) -> None:
             mod.select_impl("torch")
     inner = model.model
     inner.attention_backend = _swap_attention(inner.attention_backend, swapped)
-    # NOTE: every small op (mHC, Sinkhorn) takes its torch reference, which runs through the mode: the numpy
-    # Sinkhorn hands large batches to torch (two implementations by batch size), the Triton ones are unchecked.
-    for op in list(inner.ops.impl_names):
+    # NOTE: a small op keeps its Triton kernel where that kernel's tiling is fixed per row (`KEPT_OP_IMPLS`); every
+    # other one takes its torch reference, which runs through the mode (the numpy Sinkhorn hands large batches to
+    # torch: two implementations by batch size; `attn_out_proj`'s kernel picks its tiles by T).
+    for op, impl in list(inner.ops.impl_names.items()):
+        if KEPT_OP_IMPLS.get(op) == impl:
+            inner.ops.overrides[op] = impl
+            continue
         if "torch" not in op_impl_names(op):
             raise ValueError(f"batch_invariant=True: the op {op!r} has no torch implementation to make invariant")
         inner.ops.overrides[op] = "torch"
@@ -665,16 +985,27 @@ def enable_batch_invariant(model: nn.Module) -> None:
 
 def check_config(attention_backend: str, moe_backend: str, device: str) -> None:
     """Refuse, before anything loads, a configuration whose backends or device cannot be batch invariant
-    (a ValueError naming the op and saying how to fix it)."""
+    (a ValueError naming the op and saying how to fix it). The `triton` backends are accepted where their kernels
+    run (CUDA, or the CPU under TRITON_INTERPRET=1): the mode swaps them for their invariant variants."""
     from deepinfer.engine.attention import get_attention_backend
     from deepinfer.engine.moe import get_moe_backend
 
+    kernels_run = torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     attn = get_attention_backend(attention_backend)
-    if attn is not TorchAttentionBackend and not getattr(attn, "batch_invariant_safe", False):
+    if attn is TritonAttentionBackend and not kernels_run:
+        raise ValueError(f"batch_invariant=True: attention backend 'triton' runs its invariant kernels on CUDA only "
+                         f"(device {device!r}); use attention_backend='torch'")
+    if (attn not in (TorchAttentionBackend, TritonAttentionBackend)
+            and not getattr(attn, "batch_invariant_safe", False)):
         raise ValueError(f"batch_invariant=True: attention backend {attention_backend!r} is not batch invariant (it "
-                         "does not declare batch_invariant_safe = True); use attention_backend='torch'")
+                         "does not declare batch_invariant_safe = True); use attention_backend='triton' (CUDA) or "
+                         "'torch'")
     moe = get_moe_backend(moe_backend)
-    if moe not in (TorchMoEBackend, TorchLoopMoEBackend) and not getattr(moe, "batch_invariant_safe", False):
+    if moe is TritonMoEBackend and not kernels_run:
+        raise ValueError(f"batch_invariant=True: MoE backend 'triton' runs its invariant kernels on CUDA only (device "
+                         f"{device!r}); use moe_backend='torch'")
+    if (moe not in (TorchMoEBackend, TorchLoopMoEBackend, TritonMoEBackend)
+            and not getattr(moe, "batch_invariant_safe", False)):
         raise ValueError(f"batch_invariant=True: MoE backend {moe_backend!r} is not batch invariant (it does not "
-                         "declare batch_invariant_safe = True); use moe_backend='torch'")
+                         "declare batch_invariant_safe = True); use moe_backend='triton' (CUDA) or 'torch'")
     check_device(torch.device(device))

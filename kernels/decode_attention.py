@@ -8,6 +8,8 @@ Module ops (`register_op(..., in_op_table=False)`; the `triton` attention backen
   each row's slot gets `src[b]` (the window ring's one-token write).
 * `"verify_attention"`: `decode_attention`'s arguments plus `new_kv [B, D]` and `queries_per_request` (Q), before
   `split_size` -> [B, NH, D]: speculative verify rows (`verify_attention_torch` says how they differ).
+* the batch-invariant mode's rows (`kernels.bi_attention`, op `"bi_rows_attention"`) run the same kernel with each
+  row's first new position given per row (`ROW_START`): decode rows and prefill queries alike.
 
 What a row attends to, all decided on the device from its own tensors (no host value per step):
 
@@ -241,17 +243,21 @@ if triton is not None:
                 n += vis
         return n
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["new_off"])
     def _decode_attn_kernel(
         q_ptr, ring_ptr, pool_ptr, slots_ptr, pos_ptr, start_ptr, bt_ptr, idx_ptr, sink_ptr, new_ptr,
-        out_ptr, part_o_ptr, part_ml_ptr,
-        num_slots, num_blocks, max_blocks, K, NH, NQ, scale,
+        out_ptr, part_o_ptr, part_ml_ptr, nstart_ptr,
+        num_slots, num_blocks, max_blocks, K, NH, NQ, scale, new_off,
         D: tl.constexpr, W: tl.constexpr, RATE: tl.constexpr, EPB: tl.constexpr, HAS_POOL: tl.constexpr,
         SPARSE: tl.constexpr, SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, VERIFY: tl.constexpr,
+        ROW_START: tl.constexpr,
     ):
         # VERIFY: rows are verify queries, NQ per request (`verify_attention_torch`): window keys of the step's own
-        # positions (>= pos - b % NQ) are read from new_ptr [B, D] (row b - (pos - key_pos)), older ones from the ring
+        # positions (>= pos - b % NQ) are read from new_ptr [B, D] (row b - (pos - key_pos)), older ones from the ring.
+        # ROW_START (with VERIFY): the first such position is the row's own nstart_ptr[b] instead, and the key of
+        # position p is new_ptr row new_off + b - (pos - p) (rows of prefill chunks of any lengths, launched in
+        # slices: `kernels.bi_attention`)
         hg = tl.program_id(0)  # head groups of one (row, split) run side by side: the key tile is read from HBM
         s = tl.program_id(1)  # once and from L2 by the others
         b = tl.program_id(2)
@@ -280,8 +286,11 @@ if triton is not None:
                 win_ok = is_win & (key_pos >= start_pos) & (slot + 0 * i < num_slots)
                 win_ptrs = ring_ptr + (slot * W + i) * D
                 if VERIFY:
-                    is_new = key_pos >= pos - b % NQ
-                    win_ptrs = tl.where(is_new, new_ptr + (b - (pos - key_pos)) * D, win_ptrs)
+                    if ROW_START:
+                        is_new = key_pos >= tl.load(nstart_ptr + b)
+                    else:
+                        is_new = key_pos >= pos - b % NQ
+                    win_ptrs = tl.where(is_new, new_ptr + (new_off + b - (pos - key_pos)) * D, win_ptrs)
                 if HAS_POOL:
                     ci = i - W
                     comp = in_range & (i >= W)
@@ -408,8 +417,10 @@ if triton is not None:
                        split_size, block_h, block_n, num_warps)
 
     def _launch(q, ring, pool, slots, pos, state_start, block_tables, entries, rate, sink, new_kv, nq, split_size,
-                block_h, block_n, num_warps) -> torch.Tensor:
-        """The split kernel (+ the reduce kernel for rows of several splits) over checked arguments."""
+                block_h, block_n, num_warps, new_start=None, new_off=0) -> torch.Tensor:
+        """The split kernel (+ the reduce kernel for rows of several splits) over checked arguments.
+        `new_start` [B] int64 (with `new_kv`): each row's first position read from `new_kv` (`ROW_START`), whose row
+        `new_off + b` is row b's own key."""
         B, NH, D = q.shape
         S, W = ring.shape[0], ring.shape[1]
         MB = block_tables.shape[1]
@@ -437,10 +448,10 @@ if triton is not None:
         grid = (triton.cdiv(NH, BLOCK_H), num_splits, B)
         _decode_attn_kernel[grid](
             q, ring, pool_t, slots, pos, state_start, block_tables, idx, sink, ring if new_kv is None else new_kv, out,
-            part_o, part_ml, S, pool.shape[0] if has_pool else 0, MB, K, NH, nq, D**-0.5,
-            D=D, W=W, RATE=rate if has_pool else 1, EPB=epb, HAS_POOL=has_pool, SPARSE=sparse, SPLIT=split_size,
-            NUM_SPLITS=num_splits, BLOCK_N=block_n, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, IEEE=ieee,
-            VERIFY=new_kv is not None, num_warps=warps, num_stages=2,
+            part_o, part_ml, slots if new_start is None else new_start, S, pool.shape[0] if has_pool else 0, MB, K,
+            NH, nq, D**-0.5, new_off, D=D, W=W, RATE=rate if has_pool else 1, EPB=epb, HAS_POOL=has_pool, SPARSE=sparse,
+            SPLIT=split_size, NUM_SPLITS=num_splits, BLOCK_N=block_n, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, IEEE=ieee,
+            VERIFY=new_kv is not None, ROW_START=new_start is not None, num_warps=warps, num_stages=2,
         )
         if num_splits > 1:
             BLOCK_HR = min(BLOCK_H, 16)

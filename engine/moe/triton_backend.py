@@ -35,8 +35,8 @@ threshold; nor does a forward of at most `graph_tokens` tokens (the largest grap
 record with `keep_graph_shapes_off_grouped_mm`), so that a graph's eager warm-up or an eager fallback of its shape
 computes the bits its replays do. Measured on an H100 (2026-12-05, V4-Flash-shaped 4-layer stack, 8,192-token
 prefill, with the mHC "split" variant): 89.3 -> 70.1 ms a prefill step with the route at 4,096 rows; decode
-unchanged (graphs). The batch-invariant mode never reaches it: `engine.batch_invariant` refuses this backend (it
-does not declare `batch_invariant_safe`) and runs the torch backends' fixed-order variant instead.
+unchanged (graphs). The batch-invariant mode never reaches it: `engine.batch_invariant` swaps this backend for
+`BatchInvariantTritonMoEBackend` (one tile config for every batch, never the route).
 """
 
 from __future__ import annotations

@@ -55,8 +55,8 @@ def test_the_loader_alone_decides_about_quantization(tmp_path, tiny):
 
 def test_auto_backends_resolve_for_the_device_the_mode_and_the_model():
     """`attention_backend` / `moe_backend` "auto" (the default): the fused Triton backends on a CUDA device, the torch
-    references on the CPU and in batch-invariant mode; DeepSeek-V4.1 keeps the torch backends (its static-decode
-    graphs are opt-in)."""
+    references on the CPU and in batch-invariant mode (its Triton variants are opt-in until their GPU tests have run);
+    DeepSeek-V4.1 keeps the torch backends (its static-decode graphs are opt-in)."""
     from deepinfer.engine.config import ModelConfig, V41Config
     from deepinfer.engine.engine import EngineConfig, resolve_backends
     from deepinfer.engine.testing.presets import get_preset
