@@ -37,7 +37,8 @@ step() {  # step NAME SECONDS CMD...
 GPU_TESTS=(
     tests/kernels tests/engine/attention tests/engine/test_cuda_graph.py tests/engine/test_gpu.py
     tests/engine/moe/test_triton_moe.py tests/engine/v41 tests/engine/quant/test_act_quant.py
-    tests/engine/test_batch_invariance.py tests/engine/checkpoints/test_published_loader.py tests/engine/spec_decode/test_spec_async.py
+    tests/engine/test_batch_invariance.py tests/engine/test_batch_invariance_triton.py
+    tests/engine/checkpoints/test_published_loader.py tests/engine/spec_decode/test_spec_async.py
     tests/engine/spec_decode/test_verify_graph.py tests/engine/moe/test_grouped_mm_route.py
 )
 
@@ -85,10 +86,10 @@ if [[ "$what" == extra ]]; then
     parts=" ${EXTRA:-bi spec v41} "  # EXTRA picks the steps (a call with little time left runs some of them)
     {
     if [[ $parts == *" bi "* ]]; then
-        # The mode refuses the Triton attention / MoE backends (engine/batch_invariant.py) and swaps the torch ones
-        # for its fixed-order variants: on = torch backends + the mode; off = the default fast path (Triton) and,
-        # for the mode's own cost, the torch backends without it.
-        for run in off:triton off:torch on:torch; do
+        # The mode swaps the backends for its fixed-order variants (engine/batch_invariant.py): on:triton = the Triton
+        # path of the mode (explicit triton backends, opt-in), on:torch = its torch path ("auto" in the mode); off =
+        # the default fast path (Triton) and the torch backends without the mode.
+        for run in off:triton on:triton on:torch off:torch; do
             bi=${run%%:*} be=${run#*:}
             flag=(); [[ $bi == on ]] && flag=(--batch-invariant)
             step "gpu_engine_bi_${bi}_$be" "${T_BI:-150}" $B.gpu_engine --skip-hf --batches 1,32,128 \
