@@ -5,8 +5,10 @@
 `TRITON_INTERPRET=1` runs a kernel's Python on the CPU but never lowers it: a kernel can pass every
 interpreter test and still fail to compile, or spill registers at V4-Flash's widths. This compiles each
 listed configuration ahead of time (`triton.compile` of an `ASTSource` for `GPUTarget("cuda", arch, 64)`,
-no driver needed) and runs the ptxas bundled with Triton (`ptxas-blackwell`, new enough for the PTX
-Triton 3.9 emits) with `-v` on the PTX: registers per thread, spill stores / loads in bytes.
+no driver needed; pointers 16-byte aligned, as a launch with torch tensors specializes them) and runs the ptxas
+bundled with Triton (`ptxas-blackwell`, new enough for the PTX Triton 3.9 emits) with Triton's own flags and `-v` on
+the PTX: registers per thread, spill stores / loads in bytes; and from the PTX the warpgroup MMAs (`wgmma`, Hopper),
+Ampere-style `mma.sync`, `cp.async` copies (a pipelined load) and the shared memory the kernel takes.
 """
 
 from __future__ import annotations
@@ -38,24 +40,35 @@ def compile_report(fn, signature: dict, constexprs: dict, num_warps: int, num_st
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
+    # NOTE: a launch with torch-allocated tensors specializes every pointer as 16-byte aligned (`tt.divisibility`),
+    # and every integer argument whose value is a multiple of 16 (marked "i32%16" in `signature`); without those
+    # hints no load is vectorized or pipelined (cp.async) and the figures are not the launched kernel's
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in signature.items()
+             if v.startswith("*") or v.endswith("%16")}
+    signature = {k: v.removesuffix("%16") for k, v in signature.items()}
+    src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs,
+                    attrs=attrs)
     ck = triton.compile(src, target=GPUTarget("cuda", arch, 64),
                         options={"num_warps": num_warps, "num_stages": num_stages})
     ptxas = _ptxas()
     if ptxas is None:
         raise RuntimeError("no ptxas next to triton's nvidia backend")
+    ptx = ck.asm["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ck.asm["ptx"])
+        f.write(ptx)
     try:
-        run = subprocess.run([ptxas, "-v", "--gpu-name", f"sm_{arch}a", f.name, "-o", os.devnull],
-                             capture_output=True, text=True, check=True)
+        # the flags triton's own `make_cubin` passes (3.9): its register allocation, not ptxas' default
+        run = subprocess.run([ptxas, "-lineinfo", "-v", "--regAllocOptLevel=2", "--gpu-name", f"sm_{arch}a", f.name,
+                              "-o", os.devnull], capture_output=True, text=True, check=True)
     finally:
         os.unlink(f.name)
     text = run.stdout + run.stderr
     regs = re.search(r"Used (\d+) registers", text)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     return {"registers": int(regs.group(1)) if regs else -1,
-            "spill_stores": int(spills.group(1)) if spills else 0, "spill_loads": int(spills.group(2)) if spills else 0}
+            "spill_stores": int(spills.group(1)) if spills else 0, "spill_loads": int(spills.group(2)) if spills else 0,
+            "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)), "mma_sync": len(re.findall(r"mma\.sync", ptx)),
+            "cp_async": len(re.findall(r"cp\.async\.c[ag]", ptx)), "shared_bytes": ck.metadata.shared}
 
 
 def configurations():
@@ -65,11 +78,20 @@ def configurations():
 
     out = []
     psig = dict(q_ptr=BF16, kv_ptr=BF16, ring_ptr=BF16, comp_ptr=BF16, idx_ptr=I64, sink_ptr=F32, out_ptr=BF16,
-                tab_ptr=I64, NH="i32", K="i32", scale="fp32")
+                tab_ptr=I64, NH="i32%16", K="i32%16", scale="fp32")  # V4-Flash: 64 heads, top-512 (0 for SWA/HCA)
     for kind, has_comp, sparse, rate in (("swa", False, False, 1), ("hca", True, False, 128), ("csa", True, True, 4)):
         out.append((f"prefill_attention {kind}", prefill_attention._prefill_attn_kernel, psig,
                     dict(D=512, W=128, RATE=rate, HAS_COMP=has_comp, SPARSE=sparse, NCOL=6, NUM_HG=2, BLOCK_N=32,
-                         BLOCK_H=32, BLOCK_D=512, IEEE=False), 8))
+                         BLOCK_H=32, BLOCK_D=512, IEEE=False, ALIGNED=False), 8))
+    for kind, has_comp, sparse, rate in (("swa", False, False, 1), ("hca", True, False, 128), ("csa", True, True, 4)):
+        out.append((f"prefill_attention legacy_aligned {kind}", prefill_attention._prefill_attn_kernel, psig,
+                    dict(D=512, W=128, RATE=rate, HAS_COMP=has_comp, SPARSE=sparse, NCOL=6, NUM_HG=2, BLOCK_N=32,
+                         BLOCK_H=32, BLOCK_D=512, IEEE=False, ALIGNED=True), 8))
+    for kind, has_comp, sparse, rate in (("swa", False, False, 1), ("hca", True, False, 128), ("csa", True, True, 4)):
+        out.append((f"prefill_attn_m64 {kind}", prefill_attention._prefill_attn_m64_kernel, psig,
+                    dict(D=512, W=128, RATE=rate, HAS_COMP=has_comp, SPARSE=sparse, NCOL=6, NUM_HG=1,
+                         BLOCK_N=prefill_attention.M64_BLOCK_N, BLOCK_H=64, BLOCK_D=512, IEEE=False, ALIGNED=True,
+                         OFF64=False), 8))
     out.append(("attn_norm_rope kv + ring", attn_proj._norm_rope_kernel,
                 dict(x_ptr=BF16, w_ptr=F32, cos_ptr=F32, sin_ptr=F32, y_ptr=BF16, ring_ptr=BF16, slots_ptr=I64,
                      pos_ptr=I64, R="i32", NH="i32", eps="fp32", num_slots="i32", W="i32"),
@@ -88,13 +110,15 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated name prefixes")
     args = ap.parse_args()
     only = [p for p in args.only.split(",") if p]
-    print(f"| kernel (sm_{args.arch}a) | warps | registers | spill stores B | spill loads B |")
-    print("|---|---:|---:|---:|---:|")
+    print(f"| kernel (sm_{args.arch}a) | warps | registers | spill stores B | spill loads B | wgmma | mma.sync | "
+          f"cp.async | shared B |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, fn, sig, consts, warps in configurations():
         if only and not any(name.startswith(p) for p in only):
             continue
         r = compile_report(fn, sig, consts, warps, arch=args.arch)
-        print(f"| {name} | {warps} | {r['registers']} | {r['spill_stores']} | {r['spill_loads']} |")
+        print(f"| {name} | {warps} | {r['registers']} | {r['spill_stores']} | {r['spill_loads']} | {r['wgmma']} | "
+              f"{r['mma_sync']} | {r['cp_async']} | {r['shared_bytes']} |")
 
 
 if __name__ == "__main__":

@@ -37,11 +37,20 @@ programs fill the device. Every chunk of the step runs in the same launch (one p
 its token's row, position, chunk and slot from `spans.table`. A query's result depends on its own inputs
 only, not on the other chunks or tokens of the step.
 
-NOTE: compiled for sm_90a (triton 3.9, ptxas 13.4; `benchmarks.kernel_registers`) at 64 heads x 512 with
-the defaults (32 heads per program, 32-key tiles, 8 warps) the kernel uses 206 (sliding), 254 (HCA) and 255
-(CSA) registers a thread and spills nothing; 64 heads per program spill 0.3-2.5 KiB. Not yet measured on a
-GPU: `benchmarks/prefill_attention.py` times it (TFLOP/s and MFU against a bf16 matmul). The compressors and
-the indexer's selection (`kernels.indexer`) run per chunk before it.
+NOTE: compiled for sm_90a (triton 3.9, ptxas 13.4 with triton's flags, pointers 16-byte aligned as launches
+specialize them; `benchmarks.kernel_registers`) at 64 heads x 512 with the defaults (32 heads per program, 32-key
+tiles, 8 warps) the kernel uses 168 (sliding), 188 (HCA) and 196 (CSA) registers a thread and spills nothing. Its
+dots are Ampere-style `mma.sync` (M = 32 is below a warpgroup MMA's 64 rows), which keeps q in registers, and its
+window tiles are read 2 bytes a load, not pipelined: the select between the ring's and the chunk's row pointers loses
+their alignment in Triton's analysis (the entries' tiles are 16-byte cp.async copies). Measured on an H100
+(2026-12-05): ~84 TFLOP/s over an 8,192-token prefill's four layers.
+
+Opt-in variants (`VARIANT`, DEEPINFER_PREFILL_ATTN_VARIANT): "legacy_aligned", this kernel with the window's
+loads made 16-byte cp.async copies (an alignment hint), and "m64" (`_prefill_attn_m64_kernel`), the same result
+with all 64 heads of a token per program: both dots warpgroup MMAs, aligned loads, the accumulator rescaled in
+place; see its docstring for what it still leaves on the table. `benchmarks/prefill_attention.py --kernels ...`
+times them side by side. The compressors and the indexer's selection (`kernels.indexer`) run per chunk before
+any of them.
 """
 
 from __future__ import annotations
@@ -58,6 +67,29 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover - triton is optional on CPU-only installs
     triton = None
+
+
+M64_BLOCK_N = 32
+"""Keys per tile of the "m64" kernel by default (16-bit dtypes). NOTE: compiled for sm_90a (triton 3.9, ptxas 13.4
+with triton's flags; `benchmarks.kernel_registers`), 16 spills nothing; 32 spills 64-124 B a thread in the HCA and
+CSA kernels (none in the sliding one), stored before the loops and reloaded after them plus 1-4 reloads a window
+tile, none in the entries loop (SASS); 64 spills 100-600 B inside the loops. Larger tiles re-read q from shared
+memory fewer times per FLOP (see `_prefill_attn_m64_kernel`), hence 32 until `benchmarks/prefill_attention.py` has
+timed 16 / 32 / 64 on a GPU."""
+_OFF64_MIN_NUMEL = 2**31
+"""The "m64" kernel computes key offsets in int64 when kv, ring or comp has this many elements (a module constant
+so a test can force the int64 path on tiny shapes)."""
+VARIANT_ENV = "DEEPINFER_PREFILL_ATTN_VARIANT"
+"""Environment knob picking the Triton kernel (`VARIANT`, read once at import)."""
+VARIANTS = ("legacy", "legacy_aligned", "m64")
+VARIANT = os.environ.get(VARIANT_ENV, "legacy")
+"""Which kernel `prefill_attention_triton` launches when not told (`variant=`); a module-level switch (assign it,
+or set DEEPINFER_PREFILL_ATTN_VARIANT before import). "legacy" (the default until measured on a GPU):
+`_prefill_attn_kernel`, 32 heads of one token per program. "legacy_aligned": the same kernel with the window's
+row pointers marked 16-byte aligned (16-byte cp.async copies, pipelined, instead of 2-byte loads; fewer
+registers), where the wrapper finds them so. "m64": `_prefill_attn_m64_kernel`, all 64 heads of one token per
+program (M = 64 rows per `tl.dot`, the smallest a Hopper warpgroup MMA takes), aligned loads, the accumulator
+rescaled in place (see its docstring). All three compute the same result (to float32 rounding)."""
 
 
 # --------------------------------------------------------------------------- the chunks
@@ -208,7 +240,7 @@ if triton is not None:
         q_ptr, kv_ptr, ring_ptr, comp_ptr, idx_ptr, sink_ptr, out_ptr, tab_ptr, NH, K, scale,
         D: tl.constexpr, W: tl.constexpr, RATE: tl.constexpr, HAS_COMP: tl.constexpr, SPARSE: tl.constexpr,
         NCOL: tl.constexpr, NUM_HG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-        BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_D: tl.constexpr, IEEE: tl.constexpr, ALIGNED: tl.constexpr = False,
     ):
         # a 1-D grid (CUDA caps the 2nd and 3rd grid dims at 65535): a token's head groups are neighbours, so
         # its key tiles come from L2 for all but the first
@@ -238,6 +270,8 @@ if triton is not None:
             in_chunk = kp >= p0
             ring_row = tl.where(kp >= 0, kp, 0) % W
             ptrs = tl.where(in_chunk, kv_ptr + (kp + kv_off) * D, ring_ptr + (slot * W + ring_row) * D)
+            if ALIGNED:  # the "legacy_aligned" variant: 16-byte loads of the window (see `_prefill_attn_m64_kernel`)
+                ptrs = tl.multiple_of(ptrs, [16])
             k = tl.load(ptrs[:, None] + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
             m_i, l_i, acc = online_softmax_step(q, k, valid, m_i, l_i, acc, scale, IEEE)
         if HAS_COMP:
@@ -265,15 +299,158 @@ if triton is not None:
         tl.store(out_ptr + (row * NH + h[:, None]) * D + d[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=h_ok[:, None] & d_ok[None, :])
 
+    @triton.jit
+    def _m64_step(q, k, valid, m_i, l_i, acc, scale, IEEE: tl.constexpr):
+        """One key tile of the "m64" online softmax (k [BLOCK_N, BLOCK_D] is both K and V): the accumulator is
+        rescaled, then handed to the P @ V dot as its accumulator, so no second [BLOCK_H, BLOCK_D] float32 tile
+        (a fresh dot result) is live beside it."""
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(valid[None, :], qk * scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        if IEEE:
+            acc = tl.dot(p.to(k.dtype), k, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(k.dtype), k, acc)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _prefill_attn_m64_kernel(
+        q_ptr, kv_ptr, ring_ptr, comp_ptr, idx_ptr, sink_ptr, out_ptr, tab_ptr, NH, K, scale,
+        D: tl.constexpr, W: tl.constexpr, RATE: tl.constexpr, HAS_COMP: tl.constexpr, SPARSE: tl.constexpr,
+        NCOL: tl.constexpr, NUM_HG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr, IEEE: tl.constexpr, ALIGNED: tl.constexpr, OFF64: tl.constexpr,
+    ):
+        """The "m64" variant: the same queries per program (one token; all its heads when NH <= BLOCK_H) and the
+        same result as `_prefill_attn_kernel`, laid out for Hopper's warpgroup MMA (wgmma).
+
+        * `BLOCK_H` = 64 heads of one token are the M dim of both dots: a wgmma takes 64 rows per warpgroup (at 32
+          Triton emits Ampere's mma.sync). With 8 warps the P @ V dot is split over the two warpgroups by output
+          column, 256 of the 512 each (FlashMLA's sparse prefill splits its value dim between two warpgroups the
+          same way, with 64 heads of one token per block); q stays in shared memory as the A operand, so the 64 x
+          512 float32 accumulator (128 registers a thread) is the main register use. Each key tile (BLOCK_N x D,
+          K = V) is read from L2 once for all 64 heads: twice the legacy kernel's reuse.
+        * The accumulator is rescaled, then handed to the P @ V dot as its accumulator (`_m64_step`): no second 64 x
+          512 float32 tile (a fresh dot result) is live beside it.
+        * Row pointers: the window's rows come from the chunk (`kv`) or the ring, picked per row; Triton's
+          alignment analysis loses the 16 bytes of both bases through that select, and the tile is then read 2
+          bytes a load, outside the software pipeline (the legacy kernel's window loop). `ALIGNED` (the wrapper
+          checks the bases and that a row is a multiple of 16 bytes) restores it with `tl.multiple_of`: 16-byte
+          cp.async copies, `num_stages` deep. Key-side index math is int32 unless a tensor reaches 2**31 elements
+          (`OFF64`); the q / out addresses are a scalar row base plus small offsets, not a tensor of 64-bit
+          addresses that would stay live across the loops.
+        NOTE: what is left (sm_90a PTX/SASS, triton 3.9): Triton gives a dot whose result feeds another dot (Q K^T
+        here) all warps along M, so with M = 64 both warpgroups compute the same Q K^T tile, and it picks that dot's
+        instruction N as BLOCK_N / 2 (m64n16k16 at 32-key tiles), re-reading q's 64 x 16 slice from shared memory
+        for each one: by a count of bytes (~5 KiB of shared memory a warpgroup per 16-wide k step at 32-key tiles,
+        against 128 B a cycle), the Q K^T half of the work is bound by shared-memory bandwidth, not the tensor
+        cores; larger tiles help (`M64_BLOCK_N`) until the registers run out.
+        FlashMLA avoids both with explicit warpgroup roles; in Triton that takes Gluon (or M = 128 rows and the
+        value dim split over programs, which re-reads every key tile twice from L2).
+        """
+        pid = tl.program_id(0).to(tl.int64)
+        hg = pid % NUM_HG
+        i = pid // NUM_HG  # the i-th prefill token of the step
+        # NOTE: key-side index math in int32 (fewer registers a row); the element offsets into kv, ring and
+        # comp are int32 unless one of them has 2**31 elements or more (OFF64)
+        pos = tl.load(tab_ptr + i * NCOL + 0).to(tl.int32)
+        p0 = tl.load(tab_ptr + i * NCOL + 1).to(tl.int32)
+        kv_off = tl.load(tab_ptr + i * NCOL + 2).to(tl.int32)
+        slot = tl.load(tab_ptr + i * NCOL + 3).to(tl.int32)
+        lo = tl.maximum(tl.load(tab_ptr + i * NCOL + 4), 0).to(tl.int32)
+        row = (pos + kv_off).to(tl.int64)  # the token's flat row
+        h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        h_ok = h < NH
+        d_ok = d < D
+        # NOTE: q / out addresses: a scalar row base plus small int32 offsets, built apart for the load and the store
+        # (fewest spills of the forms tried); a [BLOCK_H, BLOCK_D] tensor of 64-bit addresses shared by the q load and
+        # the out store (the legacy kernel's) stays live across the loops and spills
+        hd = (h - hg * BLOCK_H)[:, None] * D + d[None, :]  # [BLOCK_H, BLOCK_D]
+        q = tl.load(q_ptr + (row * NH + hg * BLOCK_H) * D + hd, mask=h_ok[:, None] & d_ok[None, :],
+                    other=0.0)  # [BLOCK_H, BLOCK_D]
+        WT: tl.constexpr = (W + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # window keys, padded to whole tiles
+        n_ent = 0 * pos
+        comp_off = 0 * pos
+        if HAS_COMP:
+            comp_off += tl.load(tab_ptr + i * NCOL + 5).to(tl.int32)  # the request's entry 0
+            if SPARSE:
+                n_ent += K
+            else:
+                n_ent += (pos + 1) // RATE
+        m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite: an all-masked tile gives p = 0, not NaN
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for j0 in range(0, WT, BLOCK_N):
+            # the window: key positions pos - W + 1 + j, from the chunk's rows or the ring
+            j = j0 + tl.arange(0, BLOCK_N)
+            kp = pos - W + 1 + j
+            valid = (j < W) & (kp >= lo)
+            ring_row = slot * W + tl.where(kp >= 0, kp, 0) % W
+            if OFF64:
+                ptrs = tl.where(kp >= p0, kv_ptr + (kp + kv_off).to(tl.int64) * D, ring_ptr + ring_row.to(tl.int64) * D)
+            else:
+                ptrs = tl.where(kp >= p0, kv_ptr + (kp + kv_off) * D, ring_ptr + ring_row * D)
+            if ALIGNED:
+                # NOTE: a per-row select between two base pointers loses their alignment in Triton's analysis,
+                # and the tile is then read 2 bytes a load, not pipelined; every row start is 16-byte aligned
+                # here (the wrapper checks the bases and D's bytes % 16), which restores 16-byte loads and cp.async
+                ptrs = tl.multiple_of(ptrs, [16])
+            k = tl.load(ptrs[:, None] + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)  # K = V
+            m_i, l_i, acc = _m64_step(q, k, valid, m_i, l_i, acc, scale, IEEE)
+        if HAS_COMP:
+            for c0 in range(0, n_ent, BLOCK_N):
+                # the entries: the listed ones (CSA) or the visible prefix (HCA)
+                ci = c0 + tl.arange(0, BLOCK_N)
+                ok = ci < n_ent
+                if SPARSE:
+                    c = tl.load(idx_ptr + i * K + ci, mask=ok, other=-1).to(tl.int32)
+                    ok = ok & (c >= 0)
+                else:
+                    c = ci
+                row_c = comp_off + c
+                if OFF64:
+                    row_c = row_c.to(tl.int64)
+                k = tl.load(comp_ptr + row_c[:, None] * D + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+                m_i, l_i, acc = _m64_step(q, k, ok, m_i, l_i, acc, scale, IEEE)
+        sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32)
+        m = tl.maximum(m_i, sink)
+        a = tl.exp(m_i - m)
+        tot = l_i * a + tl.exp(sink - m)
+        o = acc * (a / tot)[:, None]
+        hs = tl.arange(0, BLOCK_H)
+        tl.store(out_ptr + (row * NH + hg * BLOCK_H) * D + hs[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=(hg * BLOCK_H + hs < NH)[:, None] & d_ok[None, :])
+
     @register_op("prefill_attention", "triton", in_op_table=False)
     def prefill_attention_triton(q, kv, ring, spans: PrefillSpans, comp, entries, sink, out=None,
-                                 block_h: int = 32, block_n: int = 32, num_warps: int | None = None) -> torch.Tensor:
+                                 block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+                                 num_stages: int | None = None, variant: str | None = None) -> torch.Tensor:
         """Triton prefill attention of the step's chunks, one launch (see the module docstring) -> out.
 
         q [T, NH, D], kv [T, D], ring [S, W, D] and comp [C, D] share q's dtype and are contiguous; entries
         [Tp, K] int64 (-1 padded; None: every visible entry); sink [NH] float32; out (if given) like q.
-        `block_h`: heads per program (the dot's M dim); `block_n`: keys per tile (powers of two >= 16).
+        `variant`: one of `VARIANTS` (None: the module's `VARIANT`); `block_h`: heads per program, the dot's M
+        dim (None: 32; 64 for "m64" in 16-bit dtypes); `block_n`: keys per tile, a power of two >= 16 (None: 32;
+        for "m64" `M64_BLOCK_N`, 16 in float32); `num_warps` /
+        `num_stages`: None for the variant's defaults (legacy: 8 warps at 32 x 512 and up, else 4, 2 stages;
+        m64: 8 warps, 2 stages).
         """
+        variant = VARIANT if variant is None else variant
+        if variant not in VARIANTS:
+            raise ValueError(f"prefill_attention: variant must be one of {VARIANTS} (${VARIANT_ENV}), got {variant!r}")
+        if variant == "m64" and q.element_size() <= 2:
+            block_h, block_n = block_h or 64, block_n or M64_BLOCK_N
+        elif variant == "m64":  # float32: FMA dots (no warpgroup MMA); smaller tiles fit in shared memory
+            block_h, block_n = block_h or 32, block_n or 16
+        else:
+            block_h, block_n = block_h or 32, block_n or 32
         if q.dim() != 3 or kv.dim() != 2 or ring.dim() != 3 or kv.shape != (q.shape[0], q.shape[2]) \
                 or ring.shape[2] != q.shape[2]:
             raise ValueError(f"prefill_attention: q [T, NH, D], kv [T, D] and ring [S, W, D] expected, got "
@@ -325,12 +502,20 @@ if triton is not None:
         BLOCK_D = max(16, triton.next_power_of_2(D))
         warps = num_warps or (8 if BLOCK_H * BLOCK_D >= 32 * 512 else 4)
         num_hg = triton.cdiv(NH, BLOCK_H)
-        _prefill_attn_kernel[(num_hg * Tp,)](
+        kernel, extra = _prefill_attn_kernel, {}
+        keys = [kv, ring] + ([comp] if has_comp else [])
+        aligned = (D * q.element_size()) % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in keys)
+        if variant == "m64":
+            kernel = _prefill_attn_m64_kernel
+            extra = dict(ALIGNED=aligned, OFF64=max(t.numel() for t in keys) >= _OFF64_MIN_NUMEL)
+        elif variant == "legacy_aligned":
+            extra = dict(ALIGNED=aligned)
+        kernel[(num_hg * Tp,)](
             q, kv, ring, comp if has_comp else ring, entries if sparse else spans.table, sink, out, spans.table,
             NH, K, D**-0.5,
             D=D, W=ring.shape[1], RATE=max(spans.rate, 1), HAS_COMP=has_comp, SPARSE=sparse, NCOL=len(TABLE_COLUMNS),
             NUM_HG=num_hg,
             BLOCK_N=block_n, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, IEEE=q.dtype == torch.float32, num_warps=warps,
-            num_stages=2,
+            num_stages=num_stages or 2, **extra,
         )
         return out
