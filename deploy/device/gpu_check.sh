@@ -5,7 +5,8 @@
 #   bash deploy/device/gpu_check.sh bench   # roofline + kernel benchmarks, each under its own time limit
 #   bash deploy/device/gpu_check.sh extra   # the other issues' H200 figures: batch-invariant cost (23), speculative
 #                                           # decoding (24), V4.1 prefill with decoder replay on/off (28)
-#   bash deploy/device/gpu_check.sh opt     # the kernel choices made default on 2026-12-05 (mHC 'split', the MoE
+#   bash deploy/device/gpu_check.sh opt     # the prefill attention variants (opt-in) and the roofline with 'm64';
+#                                           # the kernel choices made default on 2026-12-05 (mHC 'split', the MoE
 #                                           # grouped_mm prefill route): their benchmarks and the roofline with both
 #                                           # off (the 'legacy' comparison)
 #   bash deploy/device/gpu_check.sh quick   # the roofline (Triton backends, the CUDA defaults) with bf16 and with the
@@ -75,6 +76,10 @@ if [[ "$what" == quick ]]; then
 fi
 if [[ "$what" == opt ]]; then
     {
+    # the prefill attention variants (kernels/prefill_attention.py, opt-in): side by side, then the roofline with m64
+    step prefill_attention_variants 240 $B.prefill_attention --json "$RES/prefill_attention_variants.json"
+    step roofline_pattn_m64 150 env DEEPINFER_PREFILL_ATTN_VARIANT=m64 "${ROOF_TRITON[@]}" --batches 1 \
+        --json "$RES/gpu_roofline_pattn_m64.json"
     step gpu_mhc 120 $B.gpu_mhc --json "$RES/gpu_mhc.json"
     step moe_prefill_route 120 $B.moe_kernels --parts prefill,routed --formats bf16 --experts 64 \
         --tokens 256,1024,4096 --json "$RES/moe_grouped_route.json"
