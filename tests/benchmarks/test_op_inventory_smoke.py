@@ -21,7 +21,7 @@ def test_inventory_counts_the_cuda_kernels_of_every_layer(tmp_path):
     for label in ("layer0 (SWA)", "layer2 (CSA)", "layer3 (HCA)"):
         ops = layers[label]["ops"]
         # the CUDA defaults ran (not the torch references): fused decode attention, mHC, MoE kernels
-        for kernel, calls in (("triton._decode_attn_kernel", 1), ("triton._mhc_mix_kernel", 2),
+        for kernel, calls in (("triton._decode_attn_kernel", 1), ("triton._mhc_mix_split_kernel", 2),
                               ("triton._moe_up_kernel", 1)):
             assert ops.get(kernel) == calls, (label, kernel, ops)
         assert not any(n in ops for n in ("aten.view", "aten.empty", "aten.t")), ops  # no kernel: not counted
