@@ -25,7 +25,11 @@ verify path (`engine.spec_decode.verify_rows`; the default wherever the attentio
 `e` (e.g. `3e`, `3ce`, `0e`) runs with `enforce_eager=True`: no CUDA graphs, neither of decode steps nor of
 verify steps (`engine.cuda_graph.VerifyGraphRunner`), so `--device cuda --ks 0,0e,3,3e,3c,3ce` compares them.
 Each row says whether its verify steps ran as graphs (`verify_graphs`) and the graph runner's counters
-(cumulative: captures happen lazily, in the first repeat, which the best-of-repeats timing leaves out).
+(cumulative: captures happen lazily, in the first repeat, which the best-of-repeats timing leaves out), and with
+them the MTP drafter's graph counters (`draft_graph_stats`: the committed pass and chained drafts of a step as one
+replay, `engine.spec_decode.draft_graph`). In bfloat16 a row whose greedy outputs differ from k = 0's
+(`outputs_changed`) also gives, per changed output, the k = 0 run's gap between its top two logprobs at the first
+differing token (`changed_top2_logprob_gaps`): rounding flips only near-ties (gaps of a few hundredths).
 
 Workload (fixed by `--seed`): the built-in demo model's own tasks rendered in its chat format
 (two-digit additions, copy / reverse word lists, the weather tool call; thinking mode for half of
@@ -122,6 +126,30 @@ def verify_forward(sizes: list[int], context: int, repeats: int, num_drafts: int
     return rows
 
 
+def near_tie_gaps(llm, prompts: list[dict], ids: list[list[int]], ref: list[list[int]], max_tokens: int) -> list[float]:
+    """For each output of `ids` that differs from `ref` (the plain engine's, `llm`): the plain run's logprob gap
+    between its two most likely tokens at the first differing position.
+
+    NOTE: in bfloat16 a verify chunk's GEMMs and attention have other shapes than a one-token decode step's, so their
+    rounding differs; that flips a greedy token only at a near-tie (a gap of a few hundredths of a nat at the
+    built-in model's logit scale). A large gap would mean a real difference: a bug to chase, not rounding."""
+    from deepinfer.engine.sampling import SamplingParams
+
+    gaps = []
+    for prompt, got, want in zip(prompts, ids, ref):
+        if got == want:
+            continue
+        i = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        if i >= min(len(got), len(want)):
+            gaps.append(float("nan"))  # one is a prefix of the other: a stop landed differently
+            continue
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=min(i + 1, max_tokens), logprobs=2),
+                           use_tqdm=False)[0].outputs[0]
+        top = out.logprobs[i].top_logprobs
+        gaps.append(round(top[0] - top[1], 4) if len(top) > 1 else float("nan"))
+    return gaps
+
+
 def profile_cost(args) -> dict:
     """`--profile-cost`: measure and write the step-cost table (`engine.spec_decode.step_cost`)."""
     from deepinfer.engine.builtin_model import builtin_model_path
@@ -193,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
         best_cpu: dict[int, float] = {}
         stats: dict[int, dict] = {}
         changed: dict[str, int] = {}
+        gaps: dict[str, list[float]] = {}
         ref = None
         for _ in range(args.repeats):
             for k in ks:
@@ -217,6 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
                     if args.dtype == "float32":
                         raise AssertionError(f"k={k} changed a greedy output at batch {b}")
                     changed[k] = sum(a != r for a, r in zip(ids, ref))
+                    if k not in gaps:
+                        gaps[k] = near_tie_gaps(llms[ks[0]], prompts, ids, ref, args.max_tokens)
                 best[k] = min(best.get(k, float("inf")), dt)
                 if spec is not None:
                     stats[k] = spec.metrics.as_dict()
@@ -226,11 +257,16 @@ def main(argv: list[str] | None = None) -> dict:
                    "tokens_per_s": round(num_out / best[k], 1), "speedup": round(best[ks[0]] / best[k], 3),
                    "best_cpu_s": round(best_cpu[k], 4), "cpu_speedup": round(best_cpu[ks[0]] / best_cpu[k], 3),
                    "outputs_changed": changed.get(k, 0)}
+            if k in gaps:
+                row["changed_top2_logprob_gaps"] = gaps[k]
             spec = llms[k].engine.spec
             if spec is not None:
                 row["verify_graphs"] = spec.graphs is not None
                 if spec.graphs is not None:
                     row["verify_graph_stats"] = dict(spec.graphs.stats)
+                draft_graphs = getattr(spec.drafter, "graphs", None)
+                if draft_graphs is not None:
+                    row["draft_graph_stats"] = dict(draft_graphs.stats)
             if k in stats:
                 s = stats[k]
                 row.update(mean_accepted_length=round(s["mean_accepted_length"], 3),

@@ -82,8 +82,11 @@ right after its verification and drafts after it (`engine.distributed.spec`).
 
 **CUDA graphs** (`SpecDecoding.graphs`, `engine.cuda_graph.VerifyGraphRunner`): a pure verify step (every request
 samples its `1 + L` positions) is padded to `(B_pad, N_pad = 1 + max L, blocks_pad)` and replayed from a graph captured once per
-key over the static verify metadata (`verify_rows.static_verify_metadata`); other steps run eagerly. Off with
-`enforce_eager`, expert parallelism, DSpark, or a backend that is not graph-safe (docs/DESIGN.md section 8).
+key over the static verify metadata (`verify_rows.static_verify_metadata`); other steps run eagerly. With them, the
+MTP drafter's whole drafting (committed pass, draft 1, the `k - 1` chained steps and their ring rollback) replays
+as one graph per `(B_pad, N_pad)` (`draft_graph.DraftGraphRunner`, `MTPDrafter.graphs`): eager, those `k` MTP
+forwards were most of a speculative step's host time. Off with `enforce_eager`, expert parallelism, DSpark, or a
+backend that is not graph-safe (docs/DESIGN.md section 8).
 """
 
 from deepinfer.engine.spec_decode.acceptance import expand_bitmask, expand_verify_rows, num_accepted, rejection_sample

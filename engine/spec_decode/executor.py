@@ -35,6 +35,7 @@ from deepinfer.engine.scheduler import SchedulerOutput
 from deepinfer.engine.spec_decode.acceptance import num_accepted
 from deepinfer.engine.spec_decode.confidence import load_confidence_head
 from deepinfer.engine.spec_decode.config import check_verify_floor
+from deepinfer.engine.spec_decode.draft_graph import DraftGraphRunner
 from deepinfer.engine.spec_decode.mtp_drafter import DraftSeq, MTPDrafter
 from deepinfer.engine.spec_decode.rollback import RingRollback
 from deepinfer.engine.spec_decode.step_cost import StepCostTable
@@ -249,6 +250,8 @@ class SpecDecoding:
             sizes = graph_batch_sizes(config.max_num_seqs, config.cuda_graph_batch_sizes)
             self.graphs = VerifyGraphRunner(self.model, self.cache, sizes, 1 + self.num_draft_tokens)
             runner.defer_verify_metadata = True  # the ragged metadata of a pure verify step would go unused
+            # the drafting too: k eager MTP forwards were most of a graphed verify step's host time
+            self.drafter.graphs = DraftGraphRunner(self.drafter, sizes, 1 + self.num_draft_tokens)
         if config.expert_parallel_size > 1:
             from deepinfer.engine.distributed.executor import MultiRankExecutor
 
@@ -415,9 +418,10 @@ class SpecDecoding:
         batch = step.batch
         emitted_of = {v.seq_idx: (len(v.drafts), toks) for v, toks in zip(step.verify, emitted)}
         seq_ids, out = [], []
+        input_ids = batch.input_ids.tolist()  # NOTE: one device read for the batch (a read per seq syncs per seq)
         for i, s in enumerate(batch.seqs[:len(step.next_token_ids)]):
             a = batch.starts[i]
-            chunk = batch.input_ids[a:a + s.num_new_tokens].tolist()
+            chunk = input_ids[a:a + s.num_new_tokens]
             if i in emitted_of:
                 num_drafts, toks = emitted_of[i]
                 c = s.num_new_tokens - num_drafts + len(toks) - 1  # up to the last accepted draft

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.engine.forward_batch import ForwardBatch, SeqChunk
+from deepinfer.engine.forward_batch import ForwardBatch, SeqChunk, host_to_device
 from deepinfer.engine.spec_decode.confidence import confidence_features
 from deepinfer.engine.spec_decode.rollback import RingRollback
 
@@ -84,6 +84,9 @@ class MTPDrafter:
         self.rollback = RingRollback(self.cache)
         self.keep_features = False
         """Also return each draft's confidence features from `propose` (costs a top-2 and an entropy per draft)."""
+        self.graphs = None
+        """CUDA graphs of whole draftings (`draft_graph.DraftGraphRunner`), set by `SpecDecoding.make_executor` with
+        the verify graphs; None: every drafting runs eagerly."""
         if num_draft_tokens - 1 > self.rollback.max_positions_per_slot:
             raise ValueError(f"num_draft_tokens={num_draft_tokens} exceeds the MTP window "
                              f"({self.rollback.max_positions_per_slot + 1})")
@@ -99,30 +102,50 @@ class MTPDrafter:
                 ) -> tuple[list[list[int]], list[list[float]], list[torch.Tensor | None]]:
         """Blocks while drafting: per seq, its `num_draft_tokens` drafts, their MTP probabilities (empty
         lists for seqs that want none) and, with `keep_features`, their confidence features
-        [num_draft_tokens, num_features] (else None). `streams` [T, hc, H]: the target's streams of the step."""
+        [num_draft_tokens, num_features] (else None). `streams` [T, hc, H]: the target's streams of the step.
+
+        NOTE: the drafts stay on the device until all `k` are drafted (each chained step reads the previous
+        one's argmax there): one device-to-host read per step, at the end. A step whose committed pass is
+        one short chunk per request, all of them drafting, replays a CUDA graph of the whole drafting when
+        `graphs` is set (`draft_graph.DraftGraphRunner`); others run eagerly."""
         if not seqs:
             return [], [], []
+        drafting = [i for i, s in enumerate(seqs) if s.wants_drafts]
+        out = self.graphs.run(streams, seqs) if self.graphs is not None and len(drafting) == len(seqs) else None
+        if out is None:
+            out = self._draft_eager(streams, seqs, drafting)
+        drafts: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[float]] = [[] for _ in seqs]
+        feats: list[torch.Tensor | None] = [None] * len(seqs)
+        if out is None:
+            return drafts, probs, feats
+        tok, prob, feat = out  # [D, k], [D, k], [D, k, F] or None
+        for b, (t, p) in enumerate(zip(tok.tolist(), prob.tolist())):
+            drafts[drafting[b]], probs[drafting[b]] = t, p
+            if feat is not None:
+                feats[drafting[b]] = feat[b]
+        return drafts, probs, feats
+
+    def _draft_eager(self, streams: torch.Tensor, seqs: list[DraftSeq], drafting: list[int]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """The committed pass and chained drafts, eagerly: device tensors `(tokens [D, k], probabilities [D, k],
+        features [D, k, F] or None)` of the `drafting` seqs (D of them, in that order), or None when none drafts."""
         device = streams.device
         chunks = [SeqChunk(s.slot, [], s.first_pos, len(s.stream_rows), s.state_start) for s in seqs]
-        ends = torch.tensor([len(s.stream_rows) for s in seqs]).cumsum(0).tolist()
-        drafting = [i for i, s in enumerate(seqs) if s.wants_drafts]
-        rows = torch.tensor([r for s in seqs for r in s.stream_rows], dtype=torch.long, device=device)
+        ends, n = [], 0
+        for s in seqs:
+            n += len(s.stream_rows)
+            ends.append(n)
+        rows = host_to_device(torch.tensor([r for s in seqs for r in s.stream_rows], dtype=torch.long), device)
         batch = ForwardBatch.build([s.next_token_ids for s in seqs], chunks, device=device,
                                    logits=[ends[i] - 1 for i in drafting])
         hidden, x = self._run(streams[rows], batch)  # [T', H], [T', hc, H]
-        drafts: list[list[int]] = [[] for _ in seqs]
-        probs: list[list[float]] = [[] for _ in seqs]
-        feats: list[list[torch.Tensor]] = [[] for _ in seqs]
         if not drafting:
-            return drafts, probs, [None] * len(seqs)
+            return None
         last = batch.logits_indices
         tok, prob, feat = self._greedy(hidden[last], 0)
-        cur_streams = x[last]  # [B, hc, H]
-        for b, i in enumerate(drafting):
-            drafts[i].append(tok[b])
-            probs[i].append(prob[b])
-            if feat is not None:
-                feats[i].append(feat[b])
+        toks, probs, feats = [tok], [prob], [feat]
+        cur_streams = x[last]  # [D, hc, H]
         k = self.num_draft_tokens
         if k > 1:
             last_pos = [seqs[i].first_pos + len(seqs[i].stream_rows) - 1 for i in drafting]
@@ -130,22 +153,20 @@ class MTPDrafter:
                                           [p + j for p in last_pos for j in range(1, k)])
             for j in range(1, k):
                 step = [SeqChunk(seqs[i].slot, [], p + j, 1, seqs[i].state_start) for i, p in zip(drafting, last_pos)]
-                ids = torch.tensor([drafts[i][-1] for i in drafting], dtype=torch.long, device=device)
-                hidden, cur_streams = self._run(cur_streams, ForwardBatch(input_ids=ids, seqs=step))
+                hidden, cur_streams = self._run(cur_streams, ForwardBatch(input_ids=toks[-1], seqs=step))
                 tok, prob, feat = self._greedy(hidden, j)
-                for b, i in enumerate(drafting):
-                    drafts[i].append(tok[b])
-                    probs[i].append(prob[b])
-                    if feat is not None:
-                        feats[i].append(feat[b])
+                toks.append(tok)
+                probs.append(prob)
+                feats.append(feat)
             self.rollback.restore(snap, [True] * len(snap.slots))
-        return drafts, probs, [torch.stack(f) if f else None for f in feats]
+        return (torch.stack(toks, dim=1), torch.stack(probs, dim=1),
+                torch.stack(feats, dim=1) if self.keep_features else None)
 
-    def _greedy(self, hidden: torch.Tensor, position: int) -> tuple[list[int], list[float], torch.Tensor | None]:
-        """Argmax tokens of the shared head's logits, their softmax probabilities and (with `keep_features`)
-        their confidence features [B, num_features] at draft `position`."""
+    def _greedy(self, hidden: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Argmax tokens [B] of the shared head's logits, their softmax probabilities [B] and (with `keep_features`)
+        their confidence features [B, num_features] at draft `position`, all on the device (no host read)."""
         logits = self.model.compute_logits(hidden)  # [B, vocab] float32
         softmax = logits.softmax(dim=-1)
         prob, tok = softmax.max(dim=-1)
         feat = confidence_features(hidden, logits, softmax, position) if self.keep_features else None
-        return tok.tolist(), prob.tolist(), feat
+        return tok, prob, feat

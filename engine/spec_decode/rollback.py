@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.engine.cache.kv_cache import V4KVCache
+from deepinfer.engine.forward_batch import host_to_device
 
 
 def max_draft_tokens(cache: V4KVCache) -> int:
@@ -56,8 +57,8 @@ class RingRollback:
         del batch
         if len(slots) != len(positions):
             raise ValueError(f"got {len(slots)} slots for {len(positions)} positions; pass one slot per position")
-        s = torch.tensor(slots, dtype=torch.long, device=self.device)
-        p = torch.tensor(positions, dtype=torch.long, device=self.device)
+        # NOTE: one non-blocking copy (a plain `torch.tensor(..., device=cuda)` waits for the queued kernels)
+        s, p = host_to_device(torch.tensor([slots, positions], dtype=torch.long).view(2, -1), self.device)
         saved = [t[:, s, p % t.shape[2]].clone() for t in self.tensors] if slots else []
         return RingSnapshot(s, p, saved)
 
@@ -67,7 +68,7 @@ class RingRollback:
             raise ValueError(f"got {len(is_rejected)} flags for a snapshot of {snap.slots.numel()} rows")
         if not any(is_rejected):
             return
-        idx = torch.tensor([i for i, r in enumerate(is_rejected) if r], dtype=torch.long, device=self.device)
+        idx = host_to_device(torch.tensor([i for i, r in enumerate(is_rejected) if r], dtype=torch.long), self.device)
         s, p = snap.slots[idx], snap.positions[idx]
         for t, saved in zip(self.tensors, snap.saved):
             t[:, s, p % t.shape[2]] = saved[:, idx]

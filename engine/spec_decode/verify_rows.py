@@ -188,7 +188,8 @@ def static_verify_metadata(seqs: list[SeqChunk], num_reqs: int, num_queries: int
     `seqs`: the step's requests (each `1 + L_r <= num_queries` tokens at `num_computed_tokens`); `positions`:
     the padded batch's positions `[num_reqs * num_queries]` (request b's query i is flat row `b * N + i`);
     `max_blocks`: blocks of compressed entries each request may see (its entries are gathered densely, padded
-    to `max_blocks * entries_per_block`), at most and by default `cache.max_blocks_per_seq`.
+    to `max_blocks * entries_per_block`), at most and by default `cache.max_blocks_per_seq` (unused without a
+    compressed layer in `specs`).
 
     NOTE: padding never touches memory a request owns, and never the cache's `dummy_slot` / `dummy_block`
     either (they own no memory, and this path is plain torch indexing: an index past a pool would fault).
@@ -207,7 +208,9 @@ def static_verify_metadata(seqs: list[SeqChunk], num_reqs: int, num_queries: int
         raise ValueError(f"a verify chunk is longer than num_queries={N}")
     device, T, pad = positions.device, Bp * N, Bp - B
     max_blocks = cache.max_blocks_per_seq if max_blocks is None else max_blocks
-    if any(s.num_computed_tokens + s.num_new_tokens > max_blocks * cache.block_size for s in seqs):
+    is_compressed = any(s.is_compressed for s in specs)
+    # NOTE: without a compressed layer (the MTP drafter's window cache) no block is read: no bound, no table
+    if is_compressed and any(s.num_computed_tokens + s.num_new_tokens > max_blocks * cache.block_size for s in seqs):
         raise ValueError(f"a verify chunk runs past max_blocks_per_seq ({max_blocks}) blocks")
 
     def t(values, dtype=torch.long) -> torch.Tensor:
@@ -218,8 +221,8 @@ def static_verify_metadata(seqs: list[SeqChunk], num_reqs: int, num_queries: int
     slot = t([s.slot for s in seqs] + [seqs[0].slot] * pad)  # padding requests read request 0's slot (masked)
     state_start = t([s.state_start for s in seqs] + [0] * pad)
     frozen = t([s.num_frozen_tokens for s in seqs] + [0] * pad)
-    tables = t([s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks])) for s in seqs]
-               + [[0] * max_blocks] * pad)  # [Bp, max_blocks]
+    tables = (t([s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks])) for s in seqs]
+                + [[0] * max_blocks] * pad) if is_compressed else None)  # [Bp, max_blocks]
     b, i = torch.arange(Bp), torch.arange(N)
     is_real = b < B
     valid = i[None, :] < n[:, None]  # [Bp, N]
@@ -284,7 +287,7 @@ def static_verify_metadata(seqs: list[SeqChunk], num_reqs: int, num_queries: int
             put(wrows), rate, put(wpos % ring_len), put(entry_rows), put(visible), put(wsrc), put(keep))
 
     base = [put(x) for x in (torch.arange(T).view(Bp, N), valid, torch.arange(T), slot, wslot, src)]
-    moved = [host_to_device(x, device) for x in dev]  # NOTE: non-blocking copies (pinned) on CUDA
+    moved = packed_to_device(dev, device)  # NOTE: one non-blocking copy (pinned) on CUDA
     get = moved.__getitem__
     token_index, is_valid, flat_rows, slots, write_slots, write_src = map(get, base)
     vr_windows = {W: VerifyWindow(get(a), get(a2), get(a3), get(a4)) for W, (a, a2, a3, a4) in windows.items()}
@@ -300,6 +303,59 @@ def static_verify_metadata(seqs: list[SeqChunk], num_reqs: int, num_queries: int
                         write_src=write_src, is_static=True)
     return AttentionMetadata(num_tokens=T, positions=positions, rope={k: fn(positions) for k, fn in rope_fns.items()},
                              block_size=cache.block_size, decode=None, prefill=[], is_pure_decode=False, verify=verify)
+
+
+def static_window_step_metadata(positions: torch.Tensor, slots: torch.Tensor, state_starts: torch.Tensor,
+                                is_real: torch.Tensor, specs: tuple[LayerSpec, ...], rope_fns: dict[str, RopeFn],
+                                block_size: int) -> AttentionMetadata:
+    """`static_verify_metadata(seqs, B_pad, 1, ...)` for sliding-window layers only, computed from device tensors with
+    device ops alone (no host value read), so that a CUDA graph can build it for positions it computes itself.
+
+    `positions`, `slots`, `state_starts`, `is_real`: `[B_pad]` per padded request (a padding request: position 0,
+    request 0's slot, state start 0, `is_real` False). The MTP drafter's graph builds its chained steps' metadata
+    this way from the last committed positions (`draft_graph`), instead of the host building one per step.
+    Equal, tensor for tensor, to the host builder's (tests/engine/spec_decode/test_draft_graph.py)."""
+    if any(s.is_compressed for s in specs):
+        raise ValueError("static_window_step_metadata covers sliding-window layers only")
+    Bp, device = positions.shape[0], positions.device
+    b = torch.arange(Bp, device=device)
+    valid = is_real[:, None]  # [Bp, 1]: one query per request
+    src = torch.where(is_real, b, 0)  # padding queries mirror request 0's
+    wpos, wslot = positions[src], slots[src]
+    windows = {}
+    for W in sorted({s.window for s in specs}):
+        j = torch.arange(W - 1, device=device)
+        h0 = torch.maximum(state_starts, positions - W + 1)
+        dead = (h0 - (positions - W + 1)).clamp(min=0)
+        key_pos = positions[:, None, None] - (W - 1) + torch.arange(W, device=device)  # [Bp, 1, W]
+        windows[W] = VerifyWindow((positions[:, None] - W + 1 + j[None, :]) % W, (j[None, :] >= dead[:, None]) & valid,
+                                  (key_pos >= h0[:, None, None]) & valid[..., None], wpos % W)
+    verify = VerifyRows(chunks=[], num_queries=1, token_index=b.view(Bp, 1), is_valid=valid, flat_rows=b.clone(),
+                        slots=slots, write_slots=wslot, windows=windows, compressors={}, write_src=src, is_static=True)
+    return AttentionMetadata(num_tokens=Bp, positions=positions, rope={k: fn(positions) for k, fn in rope_fns.items()},
+                             block_size=block_size, decode=None, prefill=[], is_pure_decode=False, verify=verify)
+
+
+def packed_to_device(tensors: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+    """`tensors` (host tensors) on `device` with one transfer: packed into one pinned byte buffer (each tensor at a
+    16-byte aligned offset, as Triton specialises on), copied without blocking the host, and viewed back as the
+    original dtypes and shapes.
+
+    NOTE: a static step's metadata is a few dozen small tensors; a pinned staging copy and a transfer for each
+    (`host_to_device`) cost more host time than the graph replay that reads them (~30 per verify or drafting step)."""
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // 16) * 16
+    device = torch.device(device)
+    buf = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    for t, off in zip(tensors, offsets):
+        n = t.numel() * t.element_size()
+        if n:
+            buf[off:off + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+    moved = host_to_device(buf, device) if device.type == "cuda" else buf
+    return [moved[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            for t, off in zip(tensors, offsets)]
 
 
 def _static_span(rows: torch.Tensor, num_hist: torch.Tensor, Hb: int, N: int) -> torch.Tensor:
