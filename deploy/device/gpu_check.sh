@@ -40,7 +40,8 @@ GPU_TESTS=(
     tests/engine/moe/test_triton_moe.py tests/engine/v41 tests/engine/quant/test_act_quant.py
     tests/engine/test_batch_invariance.py tests/engine/test_batch_invariance_triton.py
     tests/engine/checkpoints/test_published_loader.py tests/engine/spec_decode/test_spec_async.py
-    tests/engine/spec_decode/test_verify_graph.py tests/engine/moe/test_grouped_mm_route.py
+    tests/engine/spec_decode/test_verify_graph.py tests/engine/spec_decode/test_draft_graph.py
+    tests/engine/moe/test_grouped_mm_route.py
 )
 
 B="python3 -m deepinfer.benchmarks"
