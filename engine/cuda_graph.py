@@ -198,6 +198,16 @@ class CudaGraphRunner:
         differed from the capture (a non-zero count means a backend's metadata is not graph-stable)."""
         self._keep_shapes_off_eager_routes(self.batch_sizes[-1] if self.batch_sizes else 0)
 
+    def _runs_eagerly(self, key) -> bool:
+        """Whether a step of `key` runs eagerly, counted in `stats`: None (not eligible: `eager_steps`) or a new key
+        past `max_graphs` (also `over_cap`); the lazily capturing runners' check."""
+        if key is not None and (key in self.graphs or len(self.graphs) < self.max_graphs):
+            return False
+        self.stats["eager_steps"] += 1
+        if key is not None:
+            self.stats["over_cap"] += 1
+        return True
+
     def _keep_shapes_off_eager_routes(self, max_tokens: int) -> None:
         """A graph's eager warm-up and fallbacks must compute its replays' bits: no size-chosen eager-only route
         (the MoE `_grouped_mm` route) for a step of at most `max_tokens` tokens."""
@@ -411,12 +421,7 @@ class VerifyGraphRunner(CudaGraphRunner):
             self.stats["eager_steps"] += 1
             return None
         key = self.key(batch)
-        if key is None:
-            self.stats["eager_steps"] += 1
-            return None
-        if key not in self.graphs and len(self.graphs) >= self.max_graphs:
-            self.stats["eager_steps"] += 1
-            self.stats["over_cap"] += 1
+        if self._runs_eagerly(key):
             return None
         padded, real_rows = self.pad_verify(batch, key)
         try:

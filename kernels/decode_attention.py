@@ -213,8 +213,10 @@ def _check_decode_args(op, q, ring, pool, slots, pos, state_start, block_tables,
 if triton is not None:
 
     @triton.jit
-    def online_softmax_step(q, k, valid, m_i, l_i, acc, scale, IEEE: tl.constexpr):
-        """One key tile of the online softmax: k [BLOCK_N, BLOCK_D] is both K and V (shared with the prefill kernel)."""
+    def online_softmax_step(q, k, valid, m_i, l_i, acc, scale, IEEE: tl.constexpr, ACC_IN_DOT: tl.constexpr = False):
+        """One key tile of the online softmax: k [BLOCK_N, BLOCK_D] is both K and V (shared with the prefill kernels).
+        ACC_IN_DOT (the prefill "m64" kernel): the accumulator is rescaled, then handed to the P @ V dot as its
+        accumulator, so no second [BLOCK_H, BLOCK_D] float32 tile (a fresh dot result) is live beside it."""
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -224,6 +226,13 @@ if triton is not None:
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if ACC_IN_DOT:
+            acc = acc * alpha[:, None]
+            if IEEE:
+                acc = tl.dot(p.to(k.dtype), k, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(p.to(k.dtype), k, acc)
+            return m_new, l_i, acc
         if IEEE:
             pv = tl.dot(p.to(k.dtype), k, input_precision="ieee")
         else:

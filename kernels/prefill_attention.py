@@ -300,27 +300,6 @@ if triton is not None:
                  mask=h_ok[:, None] & d_ok[None, :])
 
     @triton.jit
-    def _m64_step(q, k, valid, m_i, l_i, acc, scale, IEEE: tl.constexpr):
-        """One key tile of the "m64" online softmax (k [BLOCK_N, BLOCK_D] is both K and V): the accumulator is
-        rescaled, then handed to the P @ V dot as its accumulator, so no second [BLOCK_H, BLOCK_D] float32 tile
-        (a fresh dot result) is live beside it."""
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(valid[None, :], qk * scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        if IEEE:
-            acc = tl.dot(p.to(k.dtype), k, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(k.dtype), k, acc)
-        return m_new, l_i, acc
-
-    @triton.jit
     def _prefill_attn_m64_kernel(
         q_ptr, kv_ptr, ring_ptr, comp_ptr, idx_ptr, sink_ptr, out_ptr, tab_ptr, NH, K, scale,
         D: tl.constexpr, W: tl.constexpr, RATE: tl.constexpr, HAS_COMP: tl.constexpr, SPARSE: tl.constexpr,
@@ -336,7 +315,7 @@ if triton is not None:
           same way, with 64 heads of one token per block); q stays in shared memory as the A operand, so the 64 x
           512 float32 accumulator (128 registers a thread) is the main register use. Each key tile (BLOCK_N x D,
           K = V) is read from L2 once for all 64 heads: twice the legacy kernel's reuse.
-        * The accumulator is rescaled, then handed to the P @ V dot as its accumulator (`_m64_step`): no second 64 x
+        * The accumulator is rescaled, then handed to the P @ V dot as its accumulator (`online_softmax_step`'s ACC_IN_DOT): no second 64 x
           512 float32 tile (a fresh dot result) is live beside it.
         * Row pointers: the window's rows come from the chunk (`kv`) or the ring, picked per row; Triton's
           alignment analysis loses the 16 bytes of both bases through that select, and the tile is then read 2
@@ -403,7 +382,7 @@ if triton is not None:
                 # here (the wrapper checks the bases and D's bytes % 16), which restores 16-byte loads and cp.async
                 ptrs = tl.multiple_of(ptrs, [16])
             k = tl.load(ptrs[:, None] + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)  # K = V
-            m_i, l_i, acc = _m64_step(q, k, valid, m_i, l_i, acc, scale, IEEE)
+            m_i, l_i, acc = online_softmax_step(q, k, valid, m_i, l_i, acc, scale, IEEE, True)
         if HAS_COMP:
             for c0 in range(0, n_ent, BLOCK_N):
                 # the entries: the listed ones (CSA) or the visible prefix (HCA)
@@ -418,7 +397,7 @@ if triton is not None:
                 if OFF64:
                     row_c = row_c.to(tl.int64)
                 k = tl.load(comp_ptr + row_c[:, None] * D + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-                m_i, l_i, acc = _m64_step(q, k, ok, m_i, l_i, acc, scale, IEEE)
+                m_i, l_i, acc = online_softmax_step(q, k, ok, m_i, l_i, acc, scale, IEEE, True)
         sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32)
         m = tl.maximum(m_i, sink)
         a = tl.exp(m_i - m)

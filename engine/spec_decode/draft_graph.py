@@ -165,12 +165,7 @@ class DraftGraphRunner(CudaGraphRunner):
         """Blocks while the drafting replays (or is captured); `(tokens [B, k], probabilities [B, k], features
         [B, k, F] or None)` of `seqs` on the device, or None when it must run eagerly."""
         key = self.key(seqs) if seqs and self.disabled is None else None
-        if key is None:
-            self.stats["eager_steps"] += 1
-            return None
-        if key not in self.graphs and len(self.graphs) >= self.max_graphs:
-            self.stats["eager_steps"] += 1
-            self.stats["over_cap"] += 1
+        if self._runs_eagerly(key):
             return None
         inputs = self.inputs(streams, seqs, key)
         try:

@@ -28,6 +28,7 @@ from deepinfer.engine.cuda_graph import (
 from deepinfer.engine.executor import executor_name, resolve_async_scheduling
 from deepinfer.engine.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.engine.moe import MoEBackend
+from tests.engine.graph_standin import rerun_record
 
 # --------------------------------------------------------------------------- CPU
 
@@ -281,17 +282,7 @@ class ReplayByRerun(CudaGraphRunner):
     result handed out without copying shows as a wrong answer.
     """
 
-    def record(self, fn):
-        saved = {k: v.clone() for k, v in vars(self.cache).items() if isinstance(v, torch.Tensor)}
-        out = fn()
-        for k, v in saved.items():
-            getattr(self.cache, k).copy_(v)
-
-        class _Graph:
-            def replay(self):
-                out.copy_(fn())
-
-        return _Graph(), out
+    record = rerun_record
 
 
 def test_replay_logic_on_the_cpu_toy_model():

@@ -19,24 +19,14 @@ from deepinfer.engine import SamplingParams
 from deepinfer.engine.engine import Engine, EngineConfig
 from deepinfer.engine.spec_decode.draft_graph import DraftGraphRunner
 from deepinfer.engine.spec_decode.mtp_drafter import DraftSeq, MTPDrafter
+from tests.engine.graph_standin import rerun_record
 from tests.engine.spec_decode.test_verify_graph import VerifyReplayByRerun, _run, tiny  # noqa: F401 (fixture)
 
 
 class DraftReplayByRerun(DraftGraphRunner):
     """The drafting graph runner with a stand-in for CUDA graphs (see test_verify_graph.VerifyReplayByRerun)."""
 
-    def record(self, fn):
-        saved = {k: v.clone() for k, v in vars(self.cache).items() if isinstance(v, torch.Tensor)}
-        out = fn()
-        for k, v in saved.items():
-            getattr(self.cache, k).copy_(v)
-
-        class _Graph:
-            def replay(self):
-                for dst, src in zip(out, fn(), strict=True):
-                    dst.copy_(src)
-
-        return _Graph(), out
+    record = rerun_record
 
 
 def test_packed_to_device_gives_back_every_tensor():

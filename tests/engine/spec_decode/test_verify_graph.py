@@ -25,6 +25,7 @@ from deepinfer.engine.forward_batch import ForwardBatch, SeqChunk
 from deepinfer.engine.spec_decode.verify_rows import batch_verify_chunks
 from deepinfer.engine.testing.make_checkpoint import _write_ours, random_weights
 from deepinfer.engine.testing.presets import PRESETS
+from tests.engine.graph_standin import rerun_record
 from tests.engine.spec_decode.test_spec_ep import _run as run_requests
 
 
@@ -44,18 +45,7 @@ class VerifyReplayByRerun(VerifyGraphRunner):
     static buffers and copies the results into those buffers. A missed input copy, a stale buffer or a result
     handed out without copying shows as a wrong answer."""
 
-    def record(self, fn):
-        saved = {k: v.clone() for k, v in vars(self.cache).items() if isinstance(v, torch.Tensor)}
-        out = fn()
-        for k, v in saved.items():
-            getattr(self.cache, k).copy_(v)
-
-        class _Graph:
-            def replay(self):
-                for dst, src in zip(out, fn(), strict=True):
-                    dst.copy_(src)
-
-        return _Graph(), out
+    record = rerun_record
 
 
 def _cache(eng: Engine, max_model_len: int = 96):
