@@ -146,6 +146,7 @@ def run_length(model, text: dict, prompt_len: int, chunk: int, reps: int, device
 
 def main(argv: list[str] | None = None) -> dict:
     from deepinfer.engine.config import V41Config
+    from deepinfer.engine.models.deepseek_v41 import cast_for_engine
     from deepinfer.engine.testing.make_checkpoint import random_v41_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
         text = medium_config(args.layers, args.hidden, args.window)
     cfg = V41Config.from_hf_dict({"model_type": "deepseek_v41", "text_config": text})
     model = random_v41_model(cfg, seed=0, device=args.device)
-    model = model.to(getattr(torch, args.dtype)).eval()
+    model = cast_for_engine(model, getattr(torch, args.dtype)).eval()  # compressors etc. stay float32, as loaded
     params = sum(p.numel() for p in model.parameters())
     head = {"config": {k: text[k] for k in ("num_hidden_layers", "hidden_size", "sliding_window", "n_routed_experts",
                                             "kv_source_layer_ids", "compress_ratios")},

@@ -49,11 +49,11 @@ On CUDA the row padding is not enough (cuBLAS picks split-K and kernels by shape
 `kernels.bi_matmul`, a Triton GEMM with one fixed tiling and no split-K. The quantized linears take
 their `torch` reference (dequantize a block, matmul through the mode), since the Triton FP8/FP4
 GEMMs choose split-K by M; softmax, log_softmax, sums and RMSNorm reduce by `tree_sum` (CUDA's reduction
-kernels pick their thread split by the number of outputs). That is the mode on the torch backends (what "auto"
-resolves to in the mode, the path checked on a GPU); on CUDA an explicit "triton" runs the Triton path (next
-paragraph; opt-in until its `gpu` tests have run on a GPU).
+kernels pick their thread split by the number of outputs). That is the mode on the torch backends (explicit
+"torch" on CUDA; what "auto" resolves to on the CPU and for V4.1). On CUDA "auto" (or "triton") runs the Triton path
+(next paragraph), the default since its `gpu` tests passed on an H100 (2026-12-05).
 
-The Triton fast path (CUDA: `attention_backend` / `moe_backend` "triton", explicit, swapped by the mode):
+The Triton fast path (CUDA: `attention_backend` / `moe_backend` "triton" or "auto", swapped by the mode):
 
 * attention: `BatchInvariantTritonAttentionBackend` runs every position, decode row or query of a prefill chunk,
   through one kernel (`kernels.bi_attention.bi_rows_attention`: the decode kernel, keys in a fixed order, split by

@@ -89,14 +89,13 @@ class EngineConfig(BaseModel):
     (`exact_replay_tokens`). Smaller values are refused: they would change outputs."""
     attention_backend: str = "auto"
     """Attention backend by registry name (`engine.attention.attention_backend_names()`), or "auto": the fused
-    "triton" backend on a CUDA device (its decode kernels over static metadata, CUDA-graph safe), "torch" on the CPU,
-    in batch-invariant mode (an explicit "triton" there runs its invariant variant: opt-in until its GPU tests have
-    run) and for DeepSeek-V4.1 (its own paged attention); resolved by `Engine` once the checkpoint is read
-    (`resolve_backends`), so `Engine.config` holds the name that runs."""
+    "triton" backend on a CUDA device (its decode kernels over static metadata, CUDA-graph safe; in batch-invariant
+    mode its invariant variant), "torch" on the CPU and for DeepSeek-V4.1 (its own paged attention); resolved by
+    `Engine` once the checkpoint is read (`resolve_backends`), so `Engine.config` holds the name that runs."""
     moe_backend: str = "auto"
     """MoE backend by registry name (`engine.moe.moe_backend_names()`), or "auto": "triton" (grouped GEMMs over the
-    routed experts, float / FP8 / FP4) on a CUDA device for DeepSeek-V4, "torch" on the CPU, in batch-invariant mode
-    (an explicit "triton" there: one tile config, opt-in) and for DeepSeek-V4.1 (`resolve_backends` says why)."""
+    routed experts, float / FP8 / FP4; in batch-invariant mode one tile config) on a CUDA device for DeepSeek-V4,
+    "torch" on the CPU and for DeepSeek-V4.1 (`resolve_backends` says why)."""
     fp8_activations: Literal["bf16", "fp8"] = "bf16"
     """Activations of the FP8 linears: "bf16" as they come (matches transformers), or "fp8" per token per 128
     channels with power-of-two scales as the official DeepSeek reference (`engine.quant.act_quant`)."""
@@ -204,7 +203,8 @@ class EngineConfig(BaseModel):
         if self.batch_invariant:
             from deepinfer.engine.batch_invariant import check_config
 
-            # "auto" resolves to the torch backends in the mode (`resolve_backends`); an explicit "triton" is accepted
+            # "auto" may resolve to torch (the CPU, V4.1: `resolve_backends`), always accepted; on CUDA to "triton",
+            # accepted there too
             check_config(_or_torch(self.attention_backend), _or_torch(self.moe_backend), self.device)
         return self
 
@@ -313,20 +313,17 @@ def _or_torch(name: str) -> str:
 def resolve_backends(config: EngineConfig, model_config) -> EngineConfig:
     """`config` with "auto" backends replaced by names (a copy; `config` itself when nothing is "auto").
 
-    On a CUDA device (with triton installed) outside batch-invariant mode, for DeepSeek-V4: the "triton" attention
-    and MoE backends — the fused kernels, CUDA-graph safe, that the GPU benchmarks measure (BENCHMARKS.md).
-    Elsewhere the "torch" references: on the CPU they are the faster choice and the oracle; in batch-invariant mode
-    the torch path is the one checked on a GPU (an explicit "triton" runs the mode's fixed-tiling Triton variants,
-    `engine.batch_invariant`, not yet run on a GPU: the default once its GPU tests pass); DeepSeek-V4.1 runs its
-    own paged attention (which
-    takes "torch") and keeps the "torch" MoE backend too, because "triton" there turns on its static-decode CUDA
+    On a CUDA device (with triton installed), for DeepSeek-V4: the "triton" attention and MoE backends — the fused
+    kernels, CUDA-graph safe, that the GPU benchmarks measure (BENCHMARKS.md); in batch-invariant mode the mode swaps
+    them for its fixed-tiling variants (`engine.batch_invariant`; its GPU tests passed on an H100 on 2026-12-05, and
+    it costs 18-33% of the throughput where the torch path cost 97%). Elsewhere the "torch" references: on the CPU
+    they are the faster choice and the oracle; DeepSeek-V4.1 runs its own paged attention (which takes "torch") and keeps the "torch" MoE backend too, because "triton" there turns on its static-decode CUDA
     graphs (docs/V4_1.md §16), which score every `max_model_len / ratio` index key a row and have not run on a GPU:
     an explicit `moe_backend="triton"` opts in."""
     from deepinfer.engine.config import V41Config
     from deepinfer.kernels import mhc  # noqa: F401 - any kernels module: tells whether triton imports
 
-    fast = (str(config.device).startswith("cuda") and not config.batch_invariant and mhc.triton is not None
-            and not isinstance(model_config, V41Config))
+    fast = str(config.device).startswith("cuda") and mhc.triton is not None and not isinstance(model_config, V41Config)
     update = {}
     if config.attention_backend == AUTO:
         update["attention_backend"] = "triton" if fast else "torch"

@@ -255,12 +255,8 @@ def _proj_route(T: int, variant: str | None = None, matmul_min_t: int | None = N
 
 
 if triton is not None:
+    from deepinfer.kernels.rope import round_like as _rnd  # x rounded where the torch reference's op rounds
     from deepinfer.kernels.sinkhorn import _ordered_sum
-
-    @triton.jit
-    def _rnd(x, like):
-        """x (float32) rounded to pointer `like`'s element type and back: where the reference's ops round."""
-        return x.to(like.dtype.element_ty).to(tl.float32)
 
     @triton.jit
     def _mhc_proj_kernel(x_ptr, fn_ptr, part_ptr, ss_ptr, T, KK, k_slice, NM, NM_PAD: tl.constexpr,

@@ -156,11 +156,7 @@ def moe_combine_torch(y: torch.Tensor, topk_ids: torch.Tensor, rows: torch.Tenso
 if triton is not None:
     from deepinfer.kernels.fp4_gemm import _fp4_step
     from deepinfer.kernels.fp8_gemm import _e8m0_decode
-
-    @triton.jit
-    def _rnd(x, like):
-        """x (float32) rounded to pointer `like`'s element type and back: where the torch backend's ops round."""
-        return x.to(like.dtype.element_ty).to(tl.float32)
+    from deepinfer.kernels.rope import round_like as _rnd  # x rounded where the torch reference's op rounds
 
     @triton.jit
     def _align_kernel(ids_ptr, sorted_ptr, counts_ptr, R, E, E_POW2: tl.constexpr, BLOCK: tl.constexpr):

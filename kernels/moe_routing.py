@@ -115,10 +115,7 @@ BLOCK_T = 4
 
 if triton is not None:
 
-    @triton.jit
-    def _rnd(x, like):
-        """x (float32) rounded to the element type of pointer `like` and back: where a torch op rounds its result."""
-        return x.to(like.dtype.element_ty).to(tl.float32)
+    from deepinfer.kernels.rope import round_like as _rnd  # x rounded where the torch reference's op rounds
 
     @triton.jit
     def _routing_kernel(logits_ptr, bias_ptr, table_ptr, ids_in_ptr, w_out_ptr, ids_out_ptr, T, E, stride_l,

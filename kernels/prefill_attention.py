@@ -45,10 +45,10 @@ window tiles are read 2 bytes a load, not pipelined: the select between the ring
 their alignment in Triton's analysis (the entries' tiles are 16-byte cp.async copies). Measured on an H100
 (2026-12-05): ~84 TFLOP/s over an 8,192-token prefill's four layers.
 
-Opt-in variants (`VARIANT`, DEEPINFER_PREFILL_ATTN_VARIANT): "legacy_aligned", this kernel with the window's
-loads made 16-byte cp.async copies (an alignment hint), and "m64" (`_prefill_attn_m64_kernel`), the same result
-with all 64 heads of a token per program: both dots warpgroup MMAs, aligned loads, the accumulator rescaled in
-place; see its docstring for what it still leaves on the table. `benchmarks/prefill_attention.py --kernels ...`
+Variants (`VARIANT`, DEEPINFER_PREFILL_ATTN_VARIANT): "m64" (`_prefill_attn_m64_kernel`, the default since
+2026-12-05), the same result with all 64 heads of a token per program: both dots warpgroup MMAs, aligned loads, the
+accumulator rescaled in place (see its docstring for what it still leaves on the table); "legacy", the kernel above,
+and "legacy_aligned", that kernel with the window's loads made 16-byte cp.async copies (an alignment hint). `benchmarks/prefill_attention.py --kernels ...`
 times them side by side. The compressors and the indexer's selection (`kernels.indexer`) run per chunk before
 any of them.
 """
@@ -69,23 +69,24 @@ except ImportError:  # pragma: no cover - triton is optional on CPU-only install
     triton = None
 
 
-M64_BLOCK_N = 32
+M64_BLOCK_N = 64
 """Keys per tile of the "m64" kernel by default (16-bit dtypes). NOTE: compiled for sm_90a (triton 3.9, ptxas 13.4
 with triton's flags; `benchmarks.kernel_registers`), 16 spills nothing; 32 spills 64-124 B a thread in the HCA and
-CSA kernels (none in the sliding one), stored before the loops and reloaded after them plus 1-4 reloads a window
-tile, none in the entries loop (SASS); 64 spills 100-600 B inside the loops. Larger tiles re-read q from shared
-memory fewer times per FLOP (see `_prefill_attn_m64_kernel`), hence 32 until `benchmarks/prefill_attention.py` has
-timed 16 / 32 / 64 on a GPU."""
+CSA kernels (none in the sliding one), stored before the loops and reloaded after them; 64 spills 100-600 B inside
+the loops, and still wins: larger tiles re-read q from shared memory fewer times per FLOP (see
+`_prefill_attn_m64_kernel`). Measured on an H100 (2026-12-05, `benchmarks/prefill_attention.py --kernels`, 8,192
+query tokens at V4-Flash widths): per layer 16 / 32 / 64 keys = 1.38 / 1.00 / 0.86 ms sliding, 5.72 / 3.65 / 2.85 ms
+CSA, 1.66 / 1.22 / 1.13 ms HCA (legacy: 1.90 / 7.98 / 2.37 ms)."""
 _OFF64_MIN_NUMEL = 2**31
 """The "m64" kernel computes key offsets in int64 when kv, ring or comp has this many elements (a module constant
 so a test can force the int64 path on tiny shapes)."""
 VARIANT_ENV = "DEEPINFER_PREFILL_ATTN_VARIANT"
 """Environment knob picking the Triton kernel (`VARIANT`, read once at import)."""
 VARIANTS = ("legacy", "legacy_aligned", "m64")
-VARIANT = os.environ.get(VARIANT_ENV, "legacy")
+VARIANT = os.environ.get(VARIANT_ENV, "m64")
 """Which kernel `prefill_attention_triton` launches when not told (`variant=`); a module-level switch (assign it,
-or set DEEPINFER_PREFILL_ATTN_VARIANT before import). "legacy" (the default until measured on a GPU):
-`_prefill_attn_kernel`, 32 heads of one token per program. "legacy_aligned": the same kernel with the window's
+or set DEEPINFER_PREFILL_ATTN_VARIANT before import). "m64" is the default since it was timed on a GPU (2.1-2.8x
+the legacy kernel per layer, `M64_BLOCK_N`). "legacy": `_prefill_attn_kernel`, 32 heads of one token per program. "legacy_aligned": the same kernel with the window's
 row pointers marked 16-byte aligned (16-byte cp.async copies, pipelined, instead of 2-byte loads; fewer
 registers), where the wrapper finds them so. "m64": `_prefill_attn_m64_kernel`, all 64 heads of one token per
 program (M = 64 rows per `tl.dot`, the smallest a Hopper warpgroup MMA takes), aligned loads, the accumulator

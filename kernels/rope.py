@@ -74,6 +74,16 @@ if triton is not None:
         return tl.where(x != x, x, b.to(tl.float32, bitcast=True))
 
     @triton.jit
+    def round_like(x, like):
+        """float32 `x` rounded to the element type of pointer `like` and back to float32: where a torch op in that
+        dtype rounds its result. bfloat16 goes through `rtne_bf16`: integer ops the compiler cannot fold away, so a
+        product rounded here is never fused into a following add (an FMA would skip the rounding), and the
+        interpreter gives the GPU's bits."""
+        if like.dtype.element_ty == tl.bfloat16:
+            return rtne_bf16(x)
+        return x.to(like.dtype.element_ty).to(tl.float32)
+
+    @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, R, M, cs_stride, D: tl.constexpr, HALF: tl.constexpr,
                      INVERSE: tl.constexpr, BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
         r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # rows of x viewed [R, D]

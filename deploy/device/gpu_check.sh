@@ -5,7 +5,7 @@
 #   bash deploy/device/gpu_check.sh bench   # roofline + kernel benchmarks, each under its own time limit
 #   bash deploy/device/gpu_check.sh extra   # the other issues' H200 figures: batch-invariant cost (23), speculative
 #                                           # decoding (24), V4.1 prefill with decoder replay on/off (28)
-#   bash deploy/device/gpu_check.sh opt     # the prefill attention variants (opt-in) and the roofline with 'm64';
+#   bash deploy/device/gpu_check.sh opt     # the prefill attention variants and the roofline with 'legacy';
 #                                           # the kernel choices made default on 2026-12-05 (mHC 'split', the MoE
 #                                           # grouped_mm prefill route): their benchmarks and the roofline with both
 #                                           # off (the 'legacy' comparison)
@@ -48,7 +48,8 @@ B="python3 -m deepinfer.benchmarks"
 ROOF_TRITON=($B.gpu_roofline --config v4-flash-4l --device cuda --batches 1,32,128 --attention-backend triton
              --moe-backend triton)
 roofline_legacy() {  # roofline_legacy SECONDS: the Triton roofline with the mHC 'legacy' kernels, no grouped_mm route
-    step roofline_legacy "$1" env DEEPINFER_MHC_VARIANT=legacy DEEPINFER_MOE_GROUPED_MM_MIN_ROWS=0 "${ROOF_TRITON[@]}" \
+    step roofline_legacy "$1" env DEEPINFER_MHC_VARIANT=legacy DEEPINFER_MOE_GROUPED_MM_MIN_ROWS=0 \
+        DEEPINFER_PREFILL_ATTN_VARIANT=legacy "${ROOF_TRITON[@]}" \
         --json "$RES/gpu_roofline_legacy.json"
 }
 
@@ -77,10 +78,11 @@ if [[ "$what" == quick ]]; then
 fi
 if [[ "$what" == opt ]]; then
     {
-    # the prefill attention variants (kernels/prefill_attention.py, opt-in): side by side, then the roofline with m64
+    # the prefill attention variants (kernels/prefill_attention.py; "m64" the default): side by side, then the
+    # roofline with the old "legacy" kernel
     step prefill_attention_variants 240 $B.prefill_attention --json "$RES/prefill_attention_variants.json"
-    step roofline_pattn_m64 150 env DEEPINFER_PREFILL_ATTN_VARIANT=m64 "${ROOF_TRITON[@]}" --batches 1 \
-        --json "$RES/gpu_roofline_pattn_m64.json"
+    step roofline_pattn_legacy 150 env DEEPINFER_PREFILL_ATTN_VARIANT=legacy "${ROOF_TRITON[@]}" --batches 1 \
+        --json "$RES/gpu_roofline_pattn_legacy.json"
     step gpu_mhc 120 $B.gpu_mhc --json "$RES/gpu_mhc.json"
     step moe_prefill_route 120 $B.moe_kernels --parts prefill,routed --formats bf16 --experts 64 \
         --tokens 256,1024,4096 --json "$RES/moe_grouped_route.json"

@@ -1163,6 +1163,18 @@ def kept_float32(name: str) -> bool:
             or (name.startswith("vision.") and ".norm" in name))
 
 
+def cast_for_engine(model: nn.Module, dtype: torch.dtype, device: torch.device | str | None = None,
+                    skip: set[int] | frozenset[int] = frozenset()) -> nn.Module:
+    """Cast `model`'s float parameters to `dtype` as the engine's loader does: those `kept_float32` stay float32
+    (the compressors compute in float32 and need their weights so); parameters whose id is in `skip` are left."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if id(p) in skip or not p.is_floating_point():
+                continue
+            p.data = p.data.to(device=device, dtype=torch.float32 if kept_float32(name) else dtype)
+    return model
+
+
 def keep_fp8_linears(model: DeepseekV41ForCausalLM, scale_dtype: torch.dtype = torch.float8_e8m0fnu) -> list[str]:
     """Replace every linear the checkpoint stores as 32x32-block FP8 (`published_storage` "fp8": `wq_a`, `wq_b`,
     `wkv`, `wo_b`, the indexer's `wq_b`, Engram's `wkv`, the shared experts) by an `engine.quant.Fp8Linear`
@@ -1307,12 +1319,7 @@ def load_for_engine(path, config: V41Config, dtype: torch.dtype, device, moe_bac
         model.set_engram_token_map(engram_token_map_for(path, config))
     quantized = {id(p) for m in model.modules() if isinstance(m, (Fp8Linear, Fp4Linear, Fp8EngramTable))
                  for p in m.parameters()}
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if id(p) in quantized:  # stays as stored (`model.to(device)` moves the linears; `place` the tables)
-                continue
-            keep = kept_float32(name)
-            p.data = p.data.to(device=device, dtype=torch.float32 if keep else dtype)
+    cast_for_engine(model, dtype, device, skip=quantized)  # quantized: stay as stored (`place` moves the tables)
     model.to(device)
     for table in (m for m in model.modules() if isinstance(m, Fp8EngramTable)):
         table.out_dtype = dtype

@@ -3,14 +3,16 @@ V4.1-Flash-width shape (`--shape flash`, the H200 run's) valid as a V4.1 config 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 
-def test_two_lengths_report_one_run_each_with_less_work_replayed(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: the GPU run's; compressors stay float32
+def test_two_lengths_report_one_run_each_with_less_work_replayed(tmp_path, dtype):
     from deepinfer.benchmarks.v41_decoder_replay import main
 
     res = main(["--prompt-len", "48,80", "--chunk", "32", "--layers", "6", "--hidden", "64", "--window", "16",
-                "--reps", "1", "--threads", "1", "--json", str(tmp_path / "r.json")])
+                "--reps", "1", "--threads", "1", "--dtype", dtype, "--json", str(tmp_path / "r.json")])
     assert [r["prompt_len"] for r in res["runs"]] == [48, 80]
     for r in res["runs"]:
         # the layers after the last KV source see only the last window: fewer FLOPs with replay on

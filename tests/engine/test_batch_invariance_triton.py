@@ -296,13 +296,13 @@ def test_model_bit_identical_on_gpu_and_differs_with_the_mode_off(ckpt):
 def test_engine_on_the_triton_path_with_cuda_graphs(ckpt):
     """`LLM(batch_invariant=True, attention_backend="triton", moe_backend="triton")` on CUDA runs the invariant
     variants of the `triton` backends, keeps CUDA-graph decode, and a request's logprobs alone equal those beside 31
-    companions and chunked at 7 tokens. (Opt-in: "auto" stays on the torch path in the mode until this passes.)"""
+    companions and chunked at 7 tokens; "auto" resolves to this path on CUDA."""
     from deepinfer.engine import LLM
     from tests.engine.test_batch_invariance import TARGET, _assert_alone_equals_beside_companions
 
     kw = dict(batch_invariant=True, device="cuda", dtype="bfloat16", block_size=16, max_model_len=160,
               attention_backend="triton", moe_backend="triton")
-    llm = LLM(ckpt, **kw)
+    llm = LLM(ckpt, **{**kw, "attention_backend": "auto", "moe_backend": "auto"})
     runner = llm.engine.runner
     assert llm.engine.config.attention_backend == "triton" and llm.engine.config.moe_backend == "triton"
     assert not runner.cuda_graph_blockers, runner.cuda_graph_blockers

@@ -55,8 +55,8 @@ def test_the_loader_alone_decides_about_quantization(tmp_path, tiny):
 
 def test_auto_backends_resolve_for_the_device_the_mode_and_the_model():
     """`attention_backend` / `moe_backend` "auto" (the default): the fused Triton backends on a CUDA device, the torch
-    references on the CPU and in batch-invariant mode (its Triton variants are opt-in until their GPU tests have run);
-    DeepSeek-V4.1 keeps the torch backends (its static-decode graphs are opt-in)."""
+    references on the CPU; in batch-invariant mode on CUDA the Triton backends too (the mode swaps them for its
+    variants); DeepSeek-V4.1 keeps the torch backends (its static-decode graphs are opt-in)."""
     from deepinfer.engine.config import ModelConfig, V41Config
     from deepinfer.engine.engine import EngineConfig, resolve_backends
     from deepinfer.engine.testing.presets import get_preset
@@ -73,8 +73,12 @@ def test_auto_backends_resolve_for_the_device_the_mode_and_the_model():
     assert (gpu.attention_backend, gpu.moe_backend) == (triton, triton)
     gpu41 = resolve_backends(EngineConfig(device="cuda"), v41)
     assert (gpu41.attention_backend, gpu41.moe_backend) == ("torch", "torch")
-    bi = resolve_backends(EngineConfig(device="cuda", batch_invariant=True), v4)
-    assert (bi.attention_backend, bi.moe_backend) == ("torch", "torch")
+    bi = resolve_backends(EngineConfig(device="cuda", batch_invariant=True), v4)  # the mode's Triton variants
+    assert (bi.attention_backend, bi.moe_backend) == (triton, triton)
+    bi_cpu = resolve_backends(EngineConfig(batch_invariant=True), v4)
+    assert (bi_cpu.attention_backend, bi_cpu.moe_backend) == ("torch", "torch")
+    bi41 = resolve_backends(EngineConfig(device="cuda", batch_invariant=True), v41)
+    assert (bi41.attention_backend, bi41.moe_backend) == ("torch", "torch")
 
 
 def _tiny_v41_text() -> dict:

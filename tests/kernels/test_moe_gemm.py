@@ -225,7 +225,7 @@ def test_combine_with_rows_and_weights_under_the_interpreter():
         from deepinfer.kernels import moe_gemm as mg
         from tests.kernels.test_moe_gemm import _sorted_rows
         g = torch.Generator().manual_seed(4)
-        for dtype in (torch.float32, torch.float16):  # NOTE: the interpreter truncates float32 -> bf16 (CUDA: below)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
             for T, E, k in ((1, 4, 2), (7, 6, 3), (5, 3, 3)):
                 ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
                 y_sorted, rows, tw, want = _sorted_rows(ids, E, dtype, seed=T)

@@ -1,4 +1,4 @@
-"""The opt-in prefill attention kernel variants (`kernels.prefill_attention.VARIANTS`, DEEPINFER_PREFILL_ATTN_VARIANT):
+"""The prefill attention kernel variants (`kernels.prefill_attention.VARIANTS`, DEEPINFER_PREFILL_ATTN_VARIANT):
 "m64" (`_prefill_attn_m64_kernel`) and "legacy_aligned" against the torch reference: on the CPU under
 `TRITON_INTERPRET=1` (a subprocess: the variable must be set before triton is imported), ahead of time for sm_90a
 (warpgroup MMAs, pipelined loads, registers), and on CUDA at V4-Flash head shapes beside the legacy kernel.
@@ -90,17 +90,18 @@ def test_variants_under_interpreter():
     assert out.startswith("ok"), out
 
 
-def test_default_variant_is_legacy():
-    """The knob is opt-in: unset, the wrapper launches the legacy kernel."""
+def test_default_variant_is_m64():
+    """Unset, the knob picks the m64 kernel (timed on a GPU: `M64_BLOCK_N`), with 64-key tiles in 16-bit dtypes."""
     if os.environ.get(pa.VARIANT_ENV) is None:
-        assert pa.VARIANT == "legacy"
+        assert pa.VARIANT == "m64"
+    assert pa.M64_BLOCK_N == 64
     assert pa.VARIANTS == ("legacy", "legacy_aligned", "m64")
 
 
 def test_variants_compile_for_sm90():
     """The variants' launch configurations at V4-Flash widths (`benchmarks.kernel_registers`), compiled ahead of time
     for sm_90a: m64's dots are warpgroup MMAs (no mma.sync), its key tiles are copied with cp.async (pipelined), the
-    registers fit, the spills (stored before the loops, reloaded after them: see `M64_BLOCK_N`) stay small;
+    registers fit, the spills (see `M64_BLOCK_N`) stay bounded;
     legacy_aligned's window tiles are cp.async copies (the legacy kernel's are not)."""
     pytest.importorskip("triton")
     from deepinfer.benchmarks.kernel_registers import _ptxas, compile_report, configurations
@@ -112,7 +113,8 @@ def test_variants_compile_for_sm90():
         if name.startswith("prefill_attn_m64"):
             r = compile_report(fn, sig, consts, warps)
             assert r["wgmma"] > 0 and r["mma_sync"] == 0 and r["cp_async"] > 0, (name, r)
-            assert 0 < r["registers"] <= 255 and r["spill_stores"] <= 256 and r["spill_loads"] <= 256, (name, r)
+            # 64-key tiles spill 96-612 B a thread inside the loops and are still the fastest (`M64_BLOCK_N`)
+            assert 0 < r["registers"] <= 255 and r["spill_stores"] <= 768 and r["spill_loads"] <= 768, (name, r)
             seen += 1
         elif name.startswith("prefill_attention legacy_aligned"):  # the window's tiles are cp.async copies too
             r = compile_report(fn, sig, consts, warps)
