@@ -34,6 +34,10 @@ from deepinfer.engine.attention.base import (
 )
 from deepinfer.engine.cache.kv_cache import V4KVCache
 
+LOGITS_BLOCK_BYTES = 1 << 30
+"""A prefill chunk's queries are attended in blocks whose float32 logits (queries x heads x keys) stay under this
+(`_attend_one`): a 4,096-token chunk over 32k compressed entries and 64 heads would otherwise need 32 GiB at once."""
+
 
 def _pools(spec: LayerSpec, cache: V4KVCache):
     """(main pool [blocks, epb, D], main ring kv, main ring gate, index pool, index ring kv, index ring gate)
@@ -244,22 +248,29 @@ class TorchAttentionBackend(AttentionBackend):
         keys = torch.cat([hist, kv], dim=0)  # [W - 1 + n, D]
         windows = keys.unfold(0, W, 1)  # [n, D, W]: row i = positions p0 + i - W + 1 .. p0 + i
         scale = q.shape[-1]**-0.5
-        logits = torch.einsum("nhd,ndw->nhw", q, windows) * scale  # [n, NH, W]
-        logits = logits.masked_fill(~geo.allowed[:, None, :], float("-inf"))
-        parts = [logits]
-        if extra is not None:
-            entries, mask = extra  # [C, D], [n, C]
-            cl = torch.einsum("nhd,cd->nhc", q, entries) * scale
-            parts.append(cl.masked_fill(~mask[:, None, :], float("-inf")))
-        parts.append(sink.to(logits.dtype).view(1, -1, 1).expand(n, -1, 1))
-        probs = torch.cat(parts, dim=-1).softmax(dim=-1)  # the sink keeps every row finite
-        o = torch.einsum("nhw,ndw->nhd", probs[..., :W].to(keys.dtype), windows)
-        if extra is not None:
-            C = entries.shape[0]
-            o = o + torch.einsum("nhc,cd->nhd", probs[..., W:W + C].to(entries.dtype), entries)
+        C = 0 if extra is None else extra[0].shape[0]
+        # queries in blocks whose float32 logits stay under LOGITS_BLOCK_BYTES (a 32k-entry chunk would need tens of
+        # GB at once); one block (the whole chunk) in all but long contexts
+        step = max(1, LOGITS_BLOCK_BYTES // (4 * q.shape[1] * (W + C + 1)))
+        outs = []
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            logits = torch.einsum("nhd,ndw->nhw", q[a:b], windows[a:b]) * scale  # [b - a, NH, W]
+            logits = logits.masked_fill(~geo.allowed[a:b, None, :], float("-inf"))
+            parts = [logits]
+            if extra is not None:
+                entries, mask = extra  # [C, D], [n, C]
+                cl = torch.einsum("nhd,cd->nhc", q[a:b], entries) * scale
+                parts.append(cl.masked_fill(~mask[a:b, None, :], float("-inf")))
+            parts.append(sink.to(logits.dtype).view(1, -1, 1).expand(b - a, -1, 1))
+            probs = torch.cat(parts, dim=-1).softmax(dim=-1)  # the sink keeps every row finite
+            o = torch.einsum("nhw,ndw->nhd", probs[..., :W].to(keys.dtype), windows[a:b])
+            if extra is not None:
+                o = o + torch.einsum("nhc,cd->nhd", probs[..., W:W + C].to(entries.dtype), entries)
+            outs.append(o)
         # write the new tokens' K=V into the ring (only the last W matter)
         ring[geo.tail_rows] = kv[-geo.tail_rows.shape[0]:]
-        return o
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _compressed(self, spec: LayerSpec, chunk: PrefillChunk, inputs: AttentionInputs, sl: slice,
                     cache: V4KVCache, meta: AttentionMetadata):

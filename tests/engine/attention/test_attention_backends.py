@@ -200,3 +200,20 @@ def test_explicit_metadata_equals_metadata_built_in_the_forward(tiny):
     assert torch.equal(with_meta, without)
     for name, t in a.cache.state_tensors().items():
         assert torch.equal(t, b.cache.state_tensors()[name]), name
+
+
+def test_long_chunks_attend_in_query_blocks_with_the_same_logits(tiny, monkeypatch):
+    """A chunk whose logits would pass `LOGITS_BLOCK_BYTES` is attended a block of queries at a time (bounded memory
+    for long contexts); the prompt's logits are those of one block."""
+    from deepinfer.engine.attention import torch_backend
+
+    model, config = tiny
+    ids = _ids(60, config.vocab_size, seed=7)
+    ref = ModelRunnerForTests(model, max_seqs=1, max_len=64).run([(0, ids)], logits="all")
+    monkeypatch.setattr(torch_backend, "LOGITS_BLOCK_BYTES", 4 * 7 * 64)  # a few queries a block at the tiny widths
+    calls = []
+    real = torch.einsum
+    monkeypatch.setattr(torch, "einsum", lambda eq, *a: calls.append(eq) or real(eq, *a))
+    got = ModelRunnerForTests(model, max_seqs=1, max_len=64).run([(0, ids)], logits="all")
+    assert calls.count("nhd,ndw->nhw") > 2 * config.num_hidden_layers  # several blocks a layer
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
