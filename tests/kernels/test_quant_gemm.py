@@ -51,6 +51,40 @@ def test_torch_references_match_the_dequantized_matmul(m, n, k):
     torch.testing.assert_close(fp4_gemm_torch(x, p, s), x @ dequant_fp4(p, s).T, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("n, k", [(130, 200), (257, 384), (256, 96)])
+def test_fp8_dequantize_to_bf16_is_exact(n, k):
+    """The large-M route's weight (`dequantize_fp8_bf16`) holds the reference's float32 W exactly, block tails
+    included; a float32 scale (whose products round) is refused."""
+    from deepinfer.kernels.fp8_gemm import dequantize_fp8_bf16
+
+    w8, s = _fp8(n, k)
+    w = dequantize_fp8_bf16(w8, s, (128, 128))
+    assert w.dtype == torch.bfloat16 and torch.equal(w.float(), dequant_fp8_block(w8, s))
+    with pytest.raises(ValueError, match="UE8M0 scales only"):
+        dequantize_fp8_bf16(*_fp8(n, k, torch.float32), (128, 128))
+
+
+def test_fp8_large_m_takes_the_dequantize_then_matmul_route(monkeypatch):
+    """From `DEQUANT_MIN_ROWS` rows (bf16 x, UE8M0 scales) the Triton entry point is one bf16 matmul over the
+    dequantized W (plain torch: runs here without the interpreter); fewer rows or a float32 scale do not take it."""
+    pytest.importorskip("triton")
+    from deepinfer.kernels import fp8_gemm
+
+    monkeypatch.setattr(fp8_gemm, "DEQUANT_MIN_ROWS", 16)
+    w8, s = _fp8(200, 384)
+    x = _x(40, 384).to(torch.bfloat16)
+    ref = fp8_gemm_torch(x.float(), w8, s, (128, 128))
+    out = fp8_gemm.fp8_gemm_triton(x, w8, s, (128, 128))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=1e-2 * ref.abs().max().item(), rtol=1e-2)
+    assert torch.equal(out, x @ fp8_gemm.dequantize_fp8_bf16(w8, s, (128, 128)).T)
+    assert fp8_gemm._dequant_route(x, s) and not fp8_gemm._dequant_route(x[:15], s)
+    assert not fp8_gemm._dequant_route(x, _fp8(200, 384, torch.float32)[1])
+    assert not fp8_gemm._dequant_route(x.float(), s)
+    monkeypatch.setattr(fp8_gemm, "DEQUANT_MIN_ROWS", 0)  # off
+    assert not fp8_gemm._dequant_route(x, s)
+
+
 def test_grouped_tile_map():
     counts = torch.tensor([3, 0, 20, 1])
     e, r0, r1 = grouped_tile_map(counts, 16, 24)
@@ -130,7 +164,7 @@ def _no_tuning(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m, n, k", SHAPES + [(128, 1024, 4096)])
+@pytest.mark.parametrize("m, n, k", SHAPES + [(128, 1024, 4096), (2048, 1024, 4096)])  # 2048: the cuBLAS route
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fp8_triton_on_cuda_matches_the_cpu_reference(m, n, k, dtype):
     from deepinfer.kernels.fp8_gemm import fp8_gemm_triton
