@@ -11,9 +11,14 @@ Shapes are V4-Flash's: hc_mult 4, hidden 4096, so the pre-mix `fn` is [24, 16384
 * `mix_split`: the legacy projection + `_mhc_mix_split_kernel` (the hidden-split mix alone);
 * `split`: `_mhc_proj_nsplit_kernel` + `_mhc_mix_split_kernel` (the "split" variant below MATMUL_MIN_T);
 * `matmul`: cuBLAS float32 x @ fn.T + `_mhc_sumsq_kernel` + the split mix (the variant from MATMUL_MIN_T on);
+* `fused`: `_mhc_proj_kernel` with TF32X3 (x read once, sums of squares and a 3xTF32 x @ fn.T over token blocks and K
+  chunks) + the split mix (from MATMUL_MIN_T on with DEEPINFER_MHC_LONG_PROJ=fused); time it against `matmul`
+  with `--tokens 1024,8192`;
 * `split_n{N}_t{DT}_k{DK}_h{H}`: `split` with PROJ_BLOCK_N N, PROJ_DOT_T DT, PROJ_DOT_K DK and MIX_BLOCK_H H
   (`--sweep`; T <= 128 only): pick the module's defaults from these;
-* `matmul_h{H}`: `matmul` with MIX_BLOCK_H_LONG H (`--sweep`; T >= 1024 only).
+* `matmul_h{H}`: `matmul` with MIX_BLOCK_H_LONG H (`--sweep`; T >= 1024 only);
+* `fused_t{BT}_k{BK}_s{S}`: `fused` with FUSED_BLOCK_T BT, FUSED_BLOCK_K BK and S K chunks per token block (`auto`:
+  the module's rule, `_fused_split`) (`--sweep`; T >= 1024 only).
 
 `bit_identical` says whether a case's three outputs equal "legacy"'s (torch.equal); `max_abs_diff` is the
 largest difference from "legacy" over them. Times are medians of CUDA-event timed calls after warm-up (10
@@ -51,7 +56,7 @@ def make_inputs(T: int, hc: int, hidden: int, device: torch.device, dtype: torch
 def cases(sweep: bool, T: int) -> dict[str, dict]:
     """Case name -> keyword arguments of `kernels.mhc._pre_launch_split` (None: the legacy launches)."""
     out: dict[str, dict] = {"legacy": None, "mix_split": {"proj": "legacy"}, "split": {"proj": "nsplit"},
-                            "matmul": {"proj": "matmul"}}
+                            "matmul": {"proj": "matmul"}, "fused": {"proj": "fused"}}
     if sweep and T <= 128:
         combos = [(bn, 16, 128, 256) for bn in (4, 16, 32)]  # logit groups (32: one group, the legacy programs)
         combos += [(8, dt, 128, 256) for dt in (1, 4, 8)]  # dot rows: no masked FMAs at decode
@@ -64,6 +69,11 @@ def cases(sweep: bool, T: int) -> dict[str, dict]:
     if sweep and T >= 1024:
         for bh in (256, 512, 2048, 4096):
             out[f"matmul_h{bh}"] = {"proj": "matmul", "block_h": bh}
+        combos = [(bt, bk, None) for bt, bk in ((64, 32), (64, 128), (128, 64), (128, 32), (32, 64))]
+        combos += [(64, 64, sp) for sp in (1, 2, 4, 8, 16)]  # K chunks: programs against partials
+        for bt, bk, sp in combos:
+            out[f"fused_t{bt}_k{bk}_s{sp or 'auto'}"] = {"proj": "fused", "fused_block_t": bt, "fused_block_k": bk,
+                                                        "fused_split": sp}
     return out
 
 
@@ -162,7 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (TRITON_INTERPRET=1)"
     print(f"# {name}, torch {torch.__version__}, triton {triton.__version__}, hc {hc}, hidden {hidden}, "
           f"{dtype}, K_SLICE {mhc.K_SLICE}, PROJ_BLOCK_N {mhc.PROJ_BLOCK_N}, PROJ_DOT_T {mhc.PROJ_DOT_T}, "
-          f"PROJ_DOT_K {mhc.PROJ_DOT_K}, MIX_BLOCK_H {mhc.MIX_BLOCK_H} ({mhc.MIX_BLOCK_H_LONG} from T 1024)")
+          f"PROJ_DOT_K {mhc.PROJ_DOT_K}, MIX_BLOCK_H {mhc.MIX_BLOCK_H} ({mhc.MIX_BLOCK_H_LONG} from T 1024), "
+          f"FUSED_BLOCK_T {mhc.FUSED_BLOCK_T}, FUSED_BLOCK_K {mhc.FUSED_BLOCK_K}, FUSED_PROGRAMS {mhc.FUSED_PROGRAMS}")
     if mhc._cublas_tf32():
         raise SystemExit("TF32 is on for cuBLAS float32 matmuls: the matmul case would not be float32")
     results = run(tokens, device, dtype, hc, hidden, reps, graphs, args.graph_calls, args.sweep,
@@ -172,7 +183,9 @@ def main(argv: list[str] | None = None) -> dict:
               "config": {"hc": hc, "hidden": hidden, "dtype": str(dtype).removeprefix("torch."),
                          "iters_pre": iters, "k_slice": mhc.K_SLICE, "proj_block_n": mhc.PROJ_BLOCK_N,
                          "mix_block_h": mhc.MIX_BLOCK_H, "mix_block_h_long": mhc.MIX_BLOCK_H_LONG,
-                         "matmul_min_t": mhc.MATMUL_MIN_T},
+                         "matmul_min_t": mhc.MATMUL_MIN_T, "long_proj": mhc.LONG_PROJ,
+                         "fused_block_t": mhc.FUSED_BLOCK_T, "fused_block_k": mhc.FUSED_BLOCK_K,
+                         "fused_programs": mhc.FUSED_PROGRAMS},
               "results": results}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

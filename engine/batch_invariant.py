@@ -46,9 +46,9 @@ the model's `numerics` (entered around its paged `forward` and `compute_logits`)
 guarantee means under decoder-side bounded replay.
 
 On CUDA the row padding is not enough (cuBLAS picks split-K and kernels by shape): matmuls go through
-`kernels.bi_matmul`, a Triton GEMM with one fixed tiling and no split-K. The quantized linears take
-their `torch` reference (dequantize a block, matmul through the mode), since the Triton FP8/FP4
-GEMMs choose split-K by M; softmax, log_softmax, sums and RMSNorm reduce by `tree_sum` (CUDA's reduction
+`kernels.bi_matmul`, a Triton GEMM with one fixed tiling and a K split fixed by (K, N) alone, never by M. The
+quantized linears take their `torch` reference (dequantize a block, matmul through the mode), since the Triton
+FP8/FP4 GEMMs choose split-K by M; softmax, log_softmax, sums and RMSNorm reduce by `tree_sum` (CUDA's reduction
 kernels pick their thread split by the number of outputs). That is the mode on the torch backends (explicit
 "torch" on CUDA; what "auto" resolves to on the CPU and for V4.1). On CUDA "auto" (or "triton") runs the Triton path
 (next paragraph), the default since its `gpu` tests passed on an H100 (2026-12-05).

@@ -25,6 +25,13 @@ Implementations:
     by logit groups and the mix / collapse runs over (token block, hidden block) programs, both giving the
     legacy kernels' bits (`_pre_launch_split` says why); for long chunks (T >= MATMUL_MIN_T) outside
     batch-invariant mode the projection is one cuBLAS float32 matmul (TF32 off), within float32 rounding.
+  * the "fused" long-chunk projection (`LONG_PROJ`, env DEEPINFER_MHC_LONG_PROJ: "matmul" the default, "fused"
+    opt-in until timed on a GPU): where the "split" variant takes the matmul route, `_mhc_proj_kernel` with TF32X3
+    reads x [T, hc*H] once in its own dtype and accumulates both the sums of squares (float32) and x @ fn.T
+    (3xTF32 tensor-core dots, float32-level accuracy) over (token block, K chunk) programs; the split mix adds
+    the chunks' partials in chunk order. Why: on an H100 (2026-12-05, an 8,192-token prefill, 4 layers = 9
+    calls) the matmul route's `_mhc_sumsq_kernel` (writing a float32 copy of x) took 2.5 ms and the cuBLAS
+    float32 (FFMA) GEMM 2.7 ms, ~575 us a call, where reading the bf16 x once (268 MB) takes ~64-90 us.
 
 NOTE (numerics): the Triton path computes rsqrt(mean(x^2) + eps) * (x @ fn.T) where the reference
 computes (x * rsqrt(...)) @ fn.T, and sums in another order: equal within float32 rounding (the tests
@@ -185,6 +192,23 @@ MATMUL_MIN_T = _env_int(MATMUL_MIN_T_ENV, 1024)
 """Tokens from which the "split" variant projects with a cuBLAS float32 matmul instead of the fixed-split
 kernel (outside batch-invariant mode, TF32 off). NOTE: 1024 is a placeholder until `benchmarks/gpu_mhc.py`
 has run on the H200 (the fixed-split kernel took 20 ms of a 108 ms 8,192-token prefill step, 2026-12-05)."""
+LONG_PROJ_ENV = "DEEPINFER_MHC_LONG_PROJ"
+"""Environment knob picking `LONG_PROJ` (read once at import)."""
+LONG_PROJS = ("matmul", "fused")
+LONG_PROJ = os.environ.get(LONG_PROJ_ENV, "matmul")
+"""How the "split" variant projects a long chunk where it takes the cuBLAS route (T >= MATMUL_MIN_T, outside
+batch-invariant mode, TF32 off; a module-level switch like `VARIANT`): "matmul" (the default) `_mhc_sumsq_kernel`
++ cuBLAS float32, "fused" (opt-in until timed on a GPU) one `_mhc_proj_kernel` launch (TF32X3) (3xTF32 tensor-core
+dots; see `_pre_launch_split`). NOTE: the fused kernel does not use cuBLAS, so the TF32 flag does not concern it;
+it keeps the matmul route's conditions so that the knob only swaps one route for the other."""
+FUSED_BLOCK_T = 64
+"""Token rows per fused-route program (64: one Hopper warp-group MMA's M; `fn` is re-read from L2
+once per block: 1.5 MB at V4-Flash widths against the block's 2 MB of bf16 x)."""
+FUSED_BLOCK_K = 64
+"""Columns per step of the fused route (a power of two, at least 16)."""
+FUSED_PROGRAMS = 256
+"""Programs the fused route aims at: the K chunks per token block are the smallest power of two giving
+at least this many (~2 per SM on 132 SMs; T = 1024: 16 blocks x 16 chunks, T = 8192: 128 x 2, T >= 16384: 1)."""
 NSPLIT_MAX_T_ENV = "DEEPINFER_MHC_NSPLIT_MAX_T"
 """Environment knob for `NSPLIT_MAX_T`."""
 NSPLIT_MAX_T = _env_int(NSPLIT_MAX_T_ENV, 0)
@@ -216,6 +240,13 @@ def _variant() -> str:
     return VARIANT
 
 
+def _long_proj(value: str | None = None) -> str:
+    value = LONG_PROJ if value is None else value
+    if value not in LONG_PROJS:
+        raise ValueError(f"kernels.mhc.LONG_PROJ ({LONG_PROJ_ENV}) must be one of {LONG_PROJS}, got {value!r}")
+    return value
+
+
 def _batch_invariant_active() -> bool:
     """Whether `engine.batch_invariant.BatchInvariantMode` is on this thread's torch-function mode stack (a
     token's numbers must then not depend on T: no shape-dependent cuBLAS route). Not imported here: when its
@@ -239,17 +270,19 @@ def _cublas_tf32() -> bool:
 
 
 def _proj_route(T: int, variant: str | None = None, matmul_min_t: int | None = None,
-                nsplit_max_t: int | None = None) -> str:
+                nsplit_max_t: int | None = None, long_proj: str | None = None) -> str:
     """How the pre-mix runs for T tokens: "legacy" (the legacy launches), or the "split" variant's mix after
-    "nsplit" (`_mhc_proj_nsplit_kernel`, for T <= NSPLIT_MAX_T), "legacy_proj" (`_mhc_proj_kernel`) or "matmul"
-    (cuBLAS float32: for T >= MATMUL_MIN_T, outside batch-invariant mode and with TF32 off, since its reduction
-    order follows T). `matmul_min_t` / `nsplit_max_t` override the module's knobs."""
+    "nsplit" (`_mhc_proj_nsplit_kernel`, for T <= NSPLIT_MAX_T), "legacy_proj" (`_mhc_proj_kernel`) or, for
+    T >= MATMUL_MIN_T outside batch-invariant mode and with TF32 off (their reduction order follows T), the
+    long-chunk projection `LONG_PROJ`: "matmul" (cuBLAS float32) or "fused" (`_mhc_proj_kernel` with TF32X3).
+    `matmul_min_t` / `nsplit_max_t` / `long_proj` override the module's knobs."""
     variant = _variant() if variant is None else variant
+    long_proj = _long_proj(long_proj)
     if variant == "legacy":
         return "legacy"
     min_t = MATMUL_MIN_T if matmul_min_t is None else matmul_min_t
     if 0 < min_t <= T and not _batch_invariant_active() and not _cublas_tf32():
-        return "matmul"
+        return long_proj
     max_t = NSPLIT_MAX_T if nsplit_max_t is None else nsplit_max_t
     return "nsplit" if T <= max_t else "legacy_proj"
 
@@ -260,8 +293,11 @@ if triton is not None:
 
     @triton.jit
     def _mhc_proj_kernel(x_ptr, fn_ptr, part_ptr, ss_ptr, T, KK, k_slice, NM, NM_PAD: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
-        # program (token block, split s): partial x @ fn.T and sum of x^2 over columns [s*k_slice, (s+1)*k_slice)
+                         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, TF32X3: tl.constexpr = False):
+        # program (token block, split s): partial x @ fn.T and sum of x^2 over columns [s*k_slice, (s+1)*k_slice),
+        # x read once in the streams' dtype. TF32X3 (the "fused" long-chunk route): the dot in 3xTF32 on tensor cores
+        # (hi*hi + hi*lo + lo*hi: float32-level accuracy; bf16 x is exact in TF32, its lo part 0), accumulated in the
+        # MMA; else IEEE float32 (the legacy bits)
         rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         s = tl.program_id(1)
         rn = tl.arange(0, NM_PAD)
@@ -276,7 +312,10 @@ if triton is not None:
                         other=0.0).to(tl.float32)
             f = tl.load(fn_ptr + rn[None, :] * KK + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             ss += tl.sum(x * x, axis=1)
-            acc += tl.dot(x, f, input_precision="ieee")
+            if TF32X3:
+                acc = tl.dot(x, f, acc, input_precision="tf32x3")
+            else:
+                acc += tl.dot(x, f, input_precision="ieee")
         base = (s * T + rt).to(tl.int64)
         tl.store(part_ptr + base[:, None] * NM_PAD + rn[None, :], acc, mask=t_ok[:, None])
         tl.store(ss_ptr + base, ss, mask=t_ok)
@@ -518,10 +557,25 @@ if triton is not None:
             BLOCK_H=min(512, triton.next_power_of_2(hidden)), num_warps=4)
         return collapsed, post, comb
 
+    def _fused_split(T: int, kk: int, block_t: int, block_k: int, split: int | None = None) -> tuple[int, int]:
+        """(K chunks per token block, columns per chunk) of the fused route: `split` chunks (default: the
+        smallest power of two reaching FUSED_PROGRAMS programs, at most 32: the mix unrolls their adds), each a
+        whole number of `block_k` steps, none empty (so fewer than asked when hc*H has fewer steps)."""
+        steps = triton.cdiv(kk, block_k)
+        if split is None:
+            split = 1
+            while triton.cdiv(T, block_t) * split < FUSED_PROGRAMS and split < min(32, steps):
+                split *= 2
+        if split < 1:
+            raise ValueError(f"mhc: fused_split must be >= 1, got {split}")
+        k_chunk = triton.cdiv(steps, split) * block_k
+        return triton.cdiv(kk, k_chunk), k_chunk
+
     def _pre_launch_split(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                           iters: int, eps: float, norm_eps: float, head: bool, proj: str = "nsplit",
                           block_n: int | None = None, block_h: int | None = None, dot_t: int | None = None,
-                          dot_k: int | None = None):
+                          dot_k: int | None = None, fused_block_t: int | None = None,
+                          fused_block_k: int | None = None, fused_split: int | None = None):
         """The "split" variant: the legacy partials and weights, computed by more programs.
 
         * `_mhc_proj_nsplit_kernel`: `_mhc_proj_kernel`'s (token block, split) program cut further by groups of
@@ -535,12 +589,20 @@ if triton is not None:
           tile shape, so there it is only equal within float32 rounding (the `gpu` tests check the bits).
         * `matmul` (T >= MATMUL_MIN_T, outside batch-invariant mode): x @ fn.T by cuBLAS in float32 and the
           sums of squares by `_mhc_sumsq_kernel` (one split): not the legacy bits, within float32 rounding.
+        * `fused` (the same place, `LONG_PROJ` "fused"): `_mhc_proj_kernel` with TF32X3 over (token block of
+          FUSED_BLOCK_T, K chunk) programs, x read once in its dtype, no float32 copy; the K chunks per block
+          (`_fused_split`) are the "split" the mix adds in order. NOTE: T blocks alone give 16 programs at
+          T = 1024 (64-token blocks) for 132 SMs, and smaller blocks re-read `fn` (1.5 MB) more often, so the
+          columns are cut into power-of-two chunks up to ~FUSED_PROGRAMS programs; a chunk's partials are
+          [T, NM_PAD] float32 (T = 1024, 16 chunks: 2 MB against 33 MB of x). Within float32 rounding of the
+          reference; the chunks follow T, so (like `matmul`) a token's bits do.
         * `_mhc_mix_split_kernel`: the legacy mix over (token block, hidden block) programs (V4-Flash decode:
           16 instead of 1), each re-adding the partials in split order; the same bits.
 
         `proj` "legacy" pairs `_mhc_proj_kernel` with the new mix (tests and `benchmarks/gpu_mhc.py` isolate the
         mix with it); `block_n` / `block_h` / `dot_t` / `dot_k` override PROJ_BLOCK_N / MIX_BLOCK_H (_LONG) /
-        PROJ_DOT_T / PROJ_DOT_K (benchmark sweeps).
+        PROJ_DOT_T / PROJ_DOT_K, `fused_block_t` / `fused_block_k` / `fused_split` FUSED_BLOCK_T /
+        FUSED_BLOCK_K / the K chunks per token block (benchmark sweeps).
         """
         T, hc, hidden = streams.shape
         num_logits = fn.shape[0]
@@ -549,8 +611,8 @@ if triton is not None:
         dev = streams.device
         if T == 0:
             return (streams.new_empty(0, hidden), torch.empty(0, hc, device=dev), torch.empty(0, hc, hc, device=dev))
-        if proj not in ("nsplit", "legacy", "matmul"):
-            raise ValueError(f"proj must be 'nsplit', 'legacy' or 'matmul', got {proj!r}")
+        if proj not in ("nsplit", "legacy", "matmul", "fused"):
+            raise ValueError(f"proj must be 'nsplit', 'legacy', 'matmul' or 'fused', got {proj!r}")
         if proj == "matmul":
             if _cublas_tf32():
                 raise ValueError("mhc: the matmul route needs TF32 off for cuBLAS float32 matmuls")
@@ -561,6 +623,17 @@ if triton is not None:
             _mhc_sumsq_kernel[(T,)](flat, xf, ss, kk, WRITE=xf is not flat,
                                     BLOCK_K=min(2048, triton.next_power_of_2(kk)), num_warps=4)
             part = F.pad(torch.mm(xf, fn.t()), (0, nm_pad - num_logits))  # [T, nm_pad] float32, TF32 off
+        elif proj == "fused":
+            bt = FUSED_BLOCK_T if fused_block_t is None else fused_block_t
+            bk = FUSED_BLOCK_K if fused_block_k is None else fused_block_k
+            if any(v < 16 or v & (v - 1) for v in (bt, bk)):
+                raise ValueError(f"mhc: fused_block_t and fused_block_k must be powers of two >= 16, got {bt}, {bk}")
+            split, k_chunk = _fused_split(T, kk, bt, bk, fused_split)
+            part = torch.empty(split * T * nm_pad, dtype=torch.float32, device=dev)  # [split, T, nm_pad]
+            ss = torch.empty(split * T, dtype=torch.float32, device=dev)  # [split, T]
+            _mhc_proj_kernel[(triton.cdiv(T, bt), split)](streams, fn, part, ss, T, kk, k_chunk, num_logits,
+                                                         NM_PAD=nm_pad, BLOCK_T=bt, BLOCK_K=bk, TF32X3=True,
+                                                         num_warps=4)
         else:
             block_t, block_k = 16, 128  # `_mhc_proj_kernel`'s tile: the same x layout and ss tree
             split = triton.cdiv(kk, K_SLICE)

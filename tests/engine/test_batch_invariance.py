@@ -341,8 +341,33 @@ for m in (1, 3, 17, 64, 65):
 q, k = torch.randn(6, 2, 4, 45, generator=g), torch.randn(6, 2, 45, 16, generator=g)
 torch.testing.assert_close(bi_matmul(q, k), bi_matmul_torch(q, k), rtol=1e-5, atol=1e-5)
 assert torch.equal(bi_matmul(q[2:3], k[2:3]), bi_matmul(q, k)[2:3])
+# K split in slices (split_k_for: 2 for K = 1100 over one column tile), the partials added in slice order
+from deepinfer.kernels.bi_matmul import split_k_for
+a, w = torch.randn(70, 1100, generator=g), torch.randn(1100, 37, generator=g)
+assert split_k_for(1100, 37) == 2
+full = bi_matmul(a, w)
+torch.testing.assert_close(full, bi_matmul_torch(a, w), rtol=1e-4, atol=1e-4)
+for m in (1, 17, 65):
+    assert torch.equal(bi_matmul(a[:m], w), full[:m]), m
+q, k = torch.randn(3, 5, 1100, generator=g), torch.randn(3, 1100, 20, generator=g)
+torch.testing.assert_close(bi_matmul(q, k), bi_matmul_torch(q, k), rtol=1e-4, atol=1e-4)
+assert torch.equal(bi_matmul(q[1:2], k[1:2]), bi_matmul(q, k)[1:2])
 print("OK")
 """
+
+
+def test_bi_matmul_split_depends_on_k_and_n_only():
+    """The K split of `bi_matmul`: a power of two from (K, N) alone (never M: a row's bits must not depend on it),
+    1 where the weight already has enough column tiles or K is short, more for one-row GEMMs of narrow weights."""
+    pytest.importorskip("triton")
+    from deepinfer.kernels.bi_matmul import MAX_SPLIT, split_k_for
+
+    assert split_k_for(4096, 129280) == 1  # the LM head: 2,020 column tiles
+    assert split_k_for(512, 2048) == 1  # 16 steps of K: no room to split
+    assert split_k_for(2048, 2048) == 4  # 32 tiles x 4 = 128 programs, 16 steps a slice
+    assert split_k_for(4096, 4096) == 2  # 64 tiles x 2
+    assert split_k_for(16384, 24) == MAX_SPLIT
+    assert all(split_k_for(k, n) & (split_k_for(k, n) - 1) == 0 for k in (1, 100, 1000, 5000) for n in (1, 70, 9000))
 
 
 def test_bi_matmul_kernel_under_the_interpreter():
@@ -358,9 +383,10 @@ def test_bi_matmul_on_gpu():
     from deepinfer.kernels.bi_matmul import bi_matmul, bi_matmul_torch
 
     g = torch.Generator(device="cuda").manual_seed(4)
-    for dtype in (torch.bfloat16, torch.float32):
-        a = torch.randn(300, 512, generator=g, device="cuda").to(dtype)
-        w = torch.randn(512, 1000, generator=g, device="cuda").to(dtype)
+    for dtype, k, n in ((torch.bfloat16, 512, 1000), (torch.float32, 512, 1000), (torch.bfloat16, 2048, 2048),
+                        (torch.bfloat16, 4096, 200)):  # the last two split K (4 and 8 slices)
+        a = torch.randn(300, k, generator=g, device="cuda").to(dtype)
+        w = torch.randn(k, n, generator=g, device="cuda").to(dtype) / 8
         full = bi_matmul(a, w)
         torch.testing.assert_close(full.float(), bi_matmul_torch(a, w).float(), rtol=2e-2, atol=2e-1)
         for start, m in ((0, 1), (5, 1), (7, 3), (13, 31), (100, 128), (1, 200)):

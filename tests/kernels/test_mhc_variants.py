@@ -1,7 +1,8 @@
 """The "split" variant of the mHC pre-mix kernels (`kernels.mhc`, DEEPINFER_MHC_VARIANT): the hidden-split mix
 equals the legacy mix bit for bit, the logit-split projection keeps every token's bits independent of T, the
 matmul route for long chunks stays within the reference's tolerance and is never taken in batch-invariant
-mode; the switch and its routes; the benchmark's CPU smoke run. CPU under TRITON_INTERPRET=1 (tiny shapes);
+mode, and so does the opt-in fused long-chunk projection (DEEPINFER_MHC_LONG_PROJ=fused); the switches and their
+routes; the benchmark's CPU smoke run. CPU under TRITON_INTERPRET=1 (tiny shapes);
 the bit-identity of the projection to the legacy kernel is a GPU test (the interpreter runs tl.dot as numpy's
 BLAS matmul, whose rounding follows the tile shape).
 """
@@ -23,7 +24,8 @@ TOKENS = (1, 3, 16, 17, 40)
 def _interpret(script: str, timeout: int = 300) -> str:
     pytest.importorskip("triton")
     with pytest.MonkeyPatch.context() as mp:  # the script picks its variants itself
-        for name in ("DEEPINFER_MHC_VARIANT", "DEEPINFER_MHC_MATMUL_MIN_T", "DEEPINFER_MHC_NSPLIT_MAX_T"):
+        for name in ("DEEPINFER_MHC_VARIANT", "DEEPINFER_MHC_MATMUL_MIN_T", "DEEPINFER_MHC_NSPLIT_MAX_T",
+                     "DEEPINFER_MHC_LONG_PROJ"):
             mp.delenv(name, raising=False)
         out = run_interpreted(script, timeout=timeout)
     assert "OK" in out, out
@@ -55,6 +57,39 @@ def test_switch_and_routes(monkeypatch):
     monkeypatch.setenv("DEEPINFER_MHC_MATMUL_MIN_T", "lots")
     with pytest.raises(ValueError, match="DEEPINFER_MHC_MATMUL_MIN_T must be an integer"):
         mhc._env_int("DEEPINFER_MHC_MATMUL_MIN_T", 1)
+
+
+def test_long_proj_knob(monkeypatch):
+    pytest.importorskip("triton")
+    from deepinfer.kernels import mhc
+
+    if "DEEPINFER_MHC_LONG_PROJ" not in os.environ:
+        assert mhc.LONG_PROJ == "matmul"  # opt-in until timed on a GPU
+    # the fused projection replaces the matmul route exactly where that applies, nowhere else
+    assert mhc._proj_route(16, "split", 16, 64, "fused") == "fused"
+    assert mhc._proj_route(15, "split", 16, 64, "fused") == "nsplit"
+    assert mhc._proj_route(10_000, "split", 0, 16, "fused") == "legacy_proj"
+    assert mhc._proj_route(10_000, "legacy", 16, 64, "fused") == "legacy"
+    assert mhc._proj_route(16, "split", 16, 64, "matmul") == "matmul"
+    monkeypatch.setattr(mhc, "VARIANT", "split")
+    monkeypatch.setattr(mhc, "MATMUL_MIN_T", 8)
+    monkeypatch.setattr(mhc, "NSPLIT_MAX_T", 64)
+    monkeypatch.setattr(mhc, "LONG_PROJ", "fused")
+    assert mhc._proj_route(7) == "nsplit" and mhc._proj_route(8) == "fused"
+    from deepinfer.engine.batch_invariant import BatchInvariantMode
+
+    with BatchInvariantMode():
+        assert mhc._proj_route(8) == "nsplit"
+    monkeypatch.setattr(mhc, "_cublas_tf32", lambda: True)  # the matmul route's conditions, unchanged
+    assert mhc._proj_route(8) == "nsplit"
+    monkeypatch.setattr(mhc, "LONG_PROJ", "cublas")
+    with pytest.raises(ValueError, match="DEEPINFER_MHC_LONG_PROJ.*'cublas'"):
+        mhc._proj_route(8)
+    with pytest.raises(ValueError, match="DEEPINFER_MHC_LONG_PROJ"):
+        mhc._proj_route(8, "split", 8, 64, "Fused")
+    with pytest.raises(ValueError, match="proj must be"):
+        mhc._pre_launch_split(torch.zeros(1, 2, 8), torch.zeros(8, 16), torch.zeros(8), torch.ones(3), 1, 1e-6, 1e-6,
+                              False, proj="fuse")
 
 
 def test_batch_invariant_mode_keeps_the_fixed_split():
@@ -172,12 +207,58 @@ def test_split_variant_routes_under_the_interpreter():
     _interpret(_ROUTES)
 
 
+_FUSED = textwrap.dedent("""
+    import os
+    os.environ["DEEPINFER_MHC_LONG_PROJ"] = "fused"  # the knob, read at import
+    os.environ["DEEPINFER_MHC_MATMUL_MIN_T"] = "16"
+    import torch
+    from deepinfer.kernels import mhc
+    from deepinfer.kernels.mhc import mhc_head_torch, mhc_head_triton, mhc_pre_torch, mhc_pre_triton
+    assert mhc.LONG_PROJ == "fused" and mhc.MATMUL_MIN_T == 16, (mhc.LONG_PROJ, mhc.MATMUL_MIN_T)
+    mhc.VARIANT, mhc.NSPLIT_MAX_T = "split", 0
+    mhc._mhc_sumsq_kernel = None  # the matmul route would fail: only the fused kernel projects from T = 16
+    g = torch.Generator().manual_seed(2)
+    EPS = 1e-6
+    TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2}
+    def close(a, b, tol):
+        assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+        err = ((a.float() - b.float()).abs() / (1 + b.float().abs())).max().item()
+        assert err < tol, err
+    # hc*H = 160 / 168: not multiples of FUSED_BLOCK_K (64) nor of 16-column steps' chunks; T = 20, 70: not
+    # multiples of FUSED_BLOCK_T (64), 70 two blocks
+    for hc, H, dtype in ((4, 40, torch.bfloat16), (3, 56, torch.float32)):
+        n = (2 + hc) * hc
+        fn = torch.randn(n, hc * H, generator=g) * 0.05
+        base = torch.randn(n, generator=g) * 0.5
+        scale = torch.rand(3, generator=g) + 0.5
+        hf, hb, hs = fn[:hc].contiguous(), base[:hc].contiguous(), scale[:1].contiguous()
+        tol = TOL[dtype]
+        for T in (20, 70):
+            assert mhc._proj_route(T) == "fused"
+            s = torch.randn(T, hc, H, generator=g).to(dtype)
+            ref = mhc_pre_torch(s, fn, base, scale, hc, 20, EPS, EPS)  # collapsed (pre's), post, comb
+            for a, b in zip(mhc_pre_triton(s, fn, base, scale, hc, 20, EPS, EPS), ref):
+                close(a, b, tol)
+            close(mhc_head_triton(s, hf, hb, hs, EPS, EPS), mhc_head_torch(s, hf, hb, hs, EPS, EPS), tol)
+            # other cuts: one chunk of several steps (the last partial), uneven chunks of 16-column steps
+            for kw in ({"fused_split": 1}, {"fused_split": 3, "fused_block_k": 16}, {"fused_block_t": 16}):
+                for a, b in zip(mhc._pre_launch_split(s, fn, base, scale, 20, EPS, EPS, False, proj="fused", **kw),
+                                ref):
+                    close(a, b, tol)
+    print("OK")
+""")
+
+
+def test_fused_long_proj_under_the_interpreter():
+    _interpret(_FUSED)
+
+
 def test_benchmark_smoke():
     pytest.importorskip("triton")
     out = run_module_interpreted("deepinfer.benchmarks.gpu_mhc", "--smoke")
     rows = [line.split("|") for line in out.splitlines() if line.startswith("| pre |")]
     got = {(r[2].strip(), r[3].strip()): r[6].strip() for r in rows}
-    assert set(got) == {(t, c) for t in ("1", "17") for c in ("legacy", "mix_split", "split", "matmul")}
+    assert set(got) == {(t, c) for t in ("1", "17") for c in ("legacy", "mix_split", "split", "matmul", "fused")}
     assert got["1", "mix_split"] == got["17", "mix_split"] == "True"
 
 
@@ -232,6 +313,41 @@ def test_matmul_route_matches_the_reference_on_cuda(T):
     torch.testing.assert_close(got[0].cpu().float(), ref[0], atol=1e-2, rtol=1e-2)
     leg = mhc._pre_launch_legacy(s, fn, base, scale, 20, 1e-6, 1e-6, False)
     torch.testing.assert_close(got[2], leg[2], atol=1e-4, rtol=1e-4)  # float32 rounding apart
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head, dtype", [(False, torch.bfloat16), (False, torch.float32), (True, torch.bfloat16),
+                                         (True, torch.float32)])
+def test_fused_long_proj_matches_the_matmul_route_on_cuda(head, dtype, monkeypatch):
+    """V4-Flash widths, T = 1536 (24 token blocks, 16 K chunks): the fused 3xTF32 projection within float32
+    rounding of the cuBLAS float32 route (and of the CPU reference), and the knob routing mhc_pre / mhc_head to it."""
+    from deepinfer.kernels import mhc
+
+    s, fn, base, scale = _cuda_params(1536, head=head, dtype=dtype, seed=11)
+    iters = 1 if head else 20
+    args = (s, fn, base, scale, iters, 1e-6, 1e-6, head)
+    mm = mhc._pre_launch_split(*args, proj="matmul")
+    outs = (0,) if head else (0, 1, 2)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-4  # bf16 collapsed: an ulp where the float32 weights round apart
+    for kw in ({}, {"fused_split": 1}):
+        got = mhc._pre_launch_split(*args, proj="fused", **kw)
+        for i in outs:
+            t = tol if i == 0 else 1e-4
+            torch.testing.assert_close(got[i].float(), mm[i].float(), atol=t, rtol=t)
+    if not head:
+        ref = mhc.mhc_pre_torch(s.cpu().float(), fn.cpu(), base.cpu(), scale.cpu(), 4, 20, 1e-6, 1e-6)
+        torch.testing.assert_close(got[1].cpu(), ref[1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got[2].cpu(), ref[2], atol=1e-4, rtol=1e-4)
+    monkeypatch.setattr(mhc, "VARIANT", "split")
+    monkeypatch.setattr(mhc, "MATMUL_MIN_T", 1024)
+    monkeypatch.setattr(mhc, "LONG_PROJ", "fused")
+    assert mhc._proj_route(1536) == "fused"
+    fused = mhc._pre_launch_split(*args, proj="fused")
+    if head:
+        assert torch.equal(mhc.mhc_head_triton(s, fn, base, scale, 1e-6, 1e-6), fused[0])
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(mhc.mhc_pre_triton(s, fn, base, scale, 4, 20, 1e-6, 1e-6),
+                                                      fused))
 
 
 @pytest.mark.gpu
