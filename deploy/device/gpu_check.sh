@@ -84,6 +84,9 @@ if [[ "$what" == opt ]]; then
     step roofline_pattn_legacy 150 env DEEPINFER_PREFILL_ATTN_VARIANT=legacy "${ROOF_TRITON[@]}" --batches 1 \
         --json "$RES/gpu_roofline_pattn_legacy.json"
     step gpu_mhc 120 $B.gpu_mhc --json "$RES/gpu_mhc.json"
+    # the opt-in mHC "fused" long-chunk projection in the whole prefill (kernels/mhc.py LONG_PROJ)
+    step roofline_mhc_fused 150 env DEEPINFER_MHC_LONG_PROJ=fused "${ROOF_TRITON[@]}" --batches 1 \
+        --json "$RES/gpu_roofline_mhc_fused.json"
     step moe_prefill_route 120 $B.moe_kernels --parts prefill,routed --formats bf16 --experts 64 \
         --tokens 256,1024,4096 --json "$RES/moe_grouped_route.json"
     roofline_legacy 240
