@@ -179,6 +179,67 @@ def _compressor(chunks: list[PrefillChunk], key: tuple[int, bool], N: int, devic
 # --------------------------------------------------------------------------- the static form (CUDA graphs)
 
 
+@dataclass
+class StaticVerifyInputs:
+    """What a static verify step's metadata is computed from (`static_verify_metadata_from`): per padded request
+    `[B_pad]` its first new position `p0` (padding: 0), its new tokens `n` (padding: 0), `slot` (padding: request
+    0's), `state_start`, `frozen` (its frozen tokens), `is_real`; `tables` `[B_pad, max_blocks]` its block table,
+    zero-padded (None without a compressed layer). Host tensors from `static_verify_inputs`, or a CUDA graph's
+    static buffers (`engine.cuda_graph.VerifyGraphRunner` builds the metadata inside the graph)."""
+
+    p0: torch.Tensor
+    n: torch.Tensor
+    slot: torch.Tensor
+    state_start: torch.Tensor
+    frozen: torch.Tensor
+    is_real: torch.Tensor
+    tables: torch.Tensor | None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.p0, self.n, self.slot, self.state_start, self.frozen, self.is_real] + (
+            [self.tables] if self.tables is not None else [])
+
+    @classmethod
+    def of(cls, tensors: list[torch.Tensor]) -> StaticVerifyInputs:
+        return cls(*tensors[:6], tensors[6] if len(tensors) > 6 else None)
+
+
+def static_verify_inputs(seqs: list[SeqChunk], num_reqs: int, num_queries: int, specs: tuple[LayerSpec, ...], cache,
+                         max_blocks: int | None = None) -> StaticVerifyInputs:
+    """The host tensors `static_verify_metadata_from` reads for `seqs` padded to `num_reqs` requests of `num_queries`
+    queries (see `static_verify_metadata`); raises ValueError where the step does not fit that form."""
+    B, Bp, N = len(seqs), num_reqs, num_queries
+    if not 0 < B <= Bp:
+        raise ValueError(f"a static verify batch needs 1..{Bp} requests; got {B}")
+    if any(s.num_new_tokens > N for s in seqs):
+        raise ValueError(f"a verify chunk is longer than num_queries={N}")
+    max_blocks = cache.max_blocks_per_seq if max_blocks is None else max_blocks
+    is_compressed = any(s.is_compressed for s in specs)
+    # NOTE: without a compressed layer (the MTP drafter's window cache) no block is read: no bound, no table
+    if is_compressed and any(s.num_computed_tokens + s.num_new_tokens > max_blocks * cache.block_size for s in seqs):
+        raise ValueError(f"a verify chunk runs past max_blocks_per_seq ({max_blocks}) blocks")
+    for W in {s.window for s in specs}:
+        if N > W:
+            raise ValueError(f"num_queries={N} exceeds the window ({W})")
+    for s in specs:
+        if s.is_compressed and N > (2 if s.is_overlap else 1) * s.compress_rate:
+            ring_len = (2 if s.is_overlap else 1) * s.compress_rate
+            raise ValueError(f"num_queries={N} exceeds a compressor ring ({ring_len})")
+    pad = Bp - B
+
+    def t(values, dtype=torch.long) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype)
+
+    tables = (t([s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks])) for s in seqs]
+                + [[0] * max_blocks] * pad) if is_compressed else None)
+    return StaticVerifyInputs(
+        p0=t([s.num_computed_tokens for s in seqs] + [0] * pad), n=t([s.num_new_tokens for s in seqs] + [0] * pad),
+        slot=t([s.slot for s in seqs] + [seqs[0].slot] * pad),  # padding requests read request 0's slot (masked)
+        state_start=t([s.state_start for s in seqs] + [0] * pad),
+        frozen=t([s.num_frozen_tokens for s in seqs] + [0] * pad),
+        is_real=torch.arange(Bp) < B, tables=tables)
+
+
 def static_verify_metadata(seqs: list[SeqChunk], num_reqs: int, num_queries: int, positions: torch.Tensor,
                            specs: tuple[LayerSpec, ...], rope_fns: dict[str, RopeFn], cache,
                            max_blocks: int | None = None) -> AttentionMetadata:
@@ -189,7 +250,8 @@ def static_verify_metadata(seqs: list[SeqChunk], num_reqs: int, num_queries: int
     the padded batch's positions `[num_reqs * num_queries]` (request b's query i is flat row `b * N + i`);
     `max_blocks`: blocks of compressed entries each request may see (its entries are gathered densely, padded
     to `max_blocks * entries_per_block`), at most and by default `cache.max_blocks_per_seq` (unused without a
-    compressed layer in `specs`).
+    compressed layer in `specs`). The inputs (`static_verify_inputs`) move to `positions`' device in one transfer
+    and the metadata is computed there (`static_verify_metadata_from`, which a verify graph runs inside itself).
 
     NOTE: padding never touches memory a request owns, and never the cache's `dummy_slot` / `dummy_block`
     either (they own no memory, and this path is plain torch indexing: an index past a pool would fault).
@@ -201,108 +263,82 @@ def static_verify_metadata(seqs: list[SeqChunk], num_reqs: int, num_queries: int
     reads (rings of the mirrored slot, entry row 0) are masked: padding queries see no key (`allowed`,
     `visible` False) and their outputs are dropped.
     """
-    B, Bp, N = len(seqs), num_reqs, num_queries
-    if not 0 < B <= Bp:
-        raise ValueError(f"a static verify batch needs 1..{Bp} requests; got {B}")
-    if any(s.num_new_tokens > N for s in seqs):
-        raise ValueError(f"a verify chunk is longer than num_queries={N}")
-    device, T, pad = positions.device, Bp * N, Bp - B
     max_blocks = cache.max_blocks_per_seq if max_blocks is None else max_blocks
-    is_compressed = any(s.is_compressed for s in specs)
-    # NOTE: without a compressed layer (the MTP drafter's window cache) no block is read: no bound, no table
-    if is_compressed and any(s.num_computed_tokens + s.num_new_tokens > max_blocks * cache.block_size for s in seqs):
-        raise ValueError(f"a verify chunk runs past max_blocks_per_seq ({max_blocks}) blocks")
+    inp = static_verify_inputs(seqs, num_reqs, num_queries, specs, cache, max_blocks)
+    inp = StaticVerifyInputs.of(packed_to_device(inp.tensors(), positions.device))  # NOTE: one transfer on CUDA
+    return static_verify_metadata_from(inp, num_queries, specs, rope_fns, cache.block_size, max_blocks, positions)
 
-    def t(values, dtype=torch.long) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype)
 
-    p0 = t([s.num_computed_tokens for s in seqs] + [0] * pad)  # [Bp] (host tensors; moved once at the end)
-    n = t([s.num_new_tokens for s in seqs] + [0] * pad)
-    slot = t([s.slot for s in seqs] + [seqs[0].slot] * pad)  # padding requests read request 0's slot (masked)
-    state_start = t([s.state_start for s in seqs] + [0] * pad)
-    frozen = t([s.num_frozen_tokens for s in seqs] + [0] * pad)
-    tables = (t([s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks])) for s in seqs]
-                + [[0] * max_blocks] * pad) if is_compressed else None)  # [Bp, max_blocks]
-    b, i = torch.arange(Bp), torch.arange(N)
-    is_real = b < B
+def static_verify_metadata_from(inp: StaticVerifyInputs, num_queries: int, specs: tuple[LayerSpec, ...],
+                                rope_fns: dict[str, RopeFn], block_size: int, max_blocks: int,
+                                positions: torch.Tensor | None = None) -> AttentionMetadata:
+    """`static_verify_metadata` from its inputs, with tensor ops on their device alone (no host value read: a CUDA
+    graph captures it). `positions` None: the padded batch's (`p0 + i` for query i of each padded request)."""
+    Bp, N = inp.p0.shape[0], num_queries
+    device, T = inp.p0.device, Bp * N
+    p0, n, slot, state_start, frozen, is_real, tables = (inp.p0, inp.n, inp.slot, inp.state_start, inp.frozen,
+                                                         inp.is_real, inp.tables)
+
+    def ar(k: int) -> torch.Tensor:
+        return torch.arange(k, device=device)
+
+    b, i = ar(Bp), ar(N)
     valid = i[None, :] < n[:, None]  # [Bp, N]
     qpos = p0[:, None] + i[None, :]  # [Bp, N]
+    if positions is None:
+        positions = qpos.flatten()
     mirror = torch.where(is_real, b, 0) * N  # the flat row of each request's first query (padding: request 0's)
     src = torch.where(valid, b[:, None] * N + i[None, :], mirror[:, None]).flatten()  # [T]
     wpos, wslot = qpos.flatten()[src], slot[src // N]  # [T] position and slot each token writes
 
-    dev: list[torch.Tensor] = []  # every host tensor, moved to the device in one go below
-
-    def put(x: torch.Tensor) -> int:
-        dev.append(x)
-        return len(dev) - 1
-
     windows = {}
     for W in sorted({s.window for s in specs}):
-        if N > W:
-            raise ValueError(f"num_queries={N} exceeds the window ({W})")
-        j = torch.arange(W - 1)
+        j = ar(W - 1)
         h0 = torch.maximum(state_start, p0 - W + 1)
         dead = (h0 - (p0 - W + 1)).clamp(min=0)
-        key_pos = qpos[..., None] - (W - 1) + torch.arange(W)  # [Bp, N, W]
-        windows[W] = (put((p0[:, None] - W + 1 + j[None, :]) % W),
-                      put((j[None, :] >= dead[:, None]) & is_real[:, None]),
-                      put((key_pos >= h0[:, None, None]) & valid[..., None]), put(wpos % W))
+        key_pos = qpos[..., None] - (W - 1) + ar(W)  # [Bp, N, W]
+        windows[W] = VerifyWindow((p0[:, None] - W + 1 + j[None, :]) % W,
+                                  (j[None, :] >= dead[:, None]) & is_real[:, None],
+                                  (key_pos >= h0[:, None, None]) & valid[..., None], wpos % W)
 
     compressors = {}
     for rate, is_overlap in sorted({(s.compress_rate, s.is_overlap) for s in specs if s.is_compressed}):
         ring_len = (2 if is_overlap else 1) * rate
-        if N > ring_len:
-            raise ValueError(f"num_queries={N} exceeds a compressor ring ({ring_len})")
-        epb = cache.block_size // rate
+        epb = block_size // rate
         Hb, K, C = ring_len - 1, -(-N // rate), max_blocks * epb  # buffered rows, windows, entries per request
         C0, C1 = p0 // rate, (p0 + n) // rate
         h0 = ((C0 - (1 if is_overlap else 0)) * rate).clamp(min=0)
         h = p0 - h0  # [Bp] buffered tokens before the chunk (< ring_len)
-        jh = torch.arange(Hb)
+        jh = ar(Hb)
         hist_rows = torch.where(jh[None, :] < h[:, None], (h0[:, None] + jh[None, :]) % ring_len, 0)
-        w = torch.maximum(C0, frozen // rate)[:, None] + torch.arange(K)[None, :]  # [Bp, K]
+        w = torch.maximum(C0, frozen // rate)[:, None] + ar(K)[None, :]  # [Bp, K]
         live = (w < C1[:, None]) & is_real[:, None]
-        sc = (w * rate - h0[:, None])[..., None] + torch.arange(rate)  # [Bp, K, rate] request-relative span rows
+        sc = (w * rate - h0[:, None])[..., None] + ar(rate)  # [Bp, K, rate] request-relative span rows
         cur = _static_span(sc, h, Hb, N).flatten(0, 1)
         prev = _static_span((sc - rate).clamp(min=0), h, Hb, N).flatten(0, 1)
         wrows = (tables.gather(1, (w // epb).clamp(max=max_blocks - 1)) * epb + w % epb).flatten()
         w, live = w.flatten(), live.flatten()
-        keep = live.clone()
-        wsrc = torch.arange(Bp * K)
-        first = int(live.to(torch.int8).argmax()) if bool(live.any()) else -1  # host tensors: no device sync
-        if first >= 0:  # padding windows mirror the first real one (identical value, same row)
-            wsrc, keep = torch.where(live, wsrc, first), torch.ones_like(live)
-            cur, prev = cur[wsrc], prev[wsrc]
-            w, wrows = w[wsrc], wrows[wsrc]
-        else:  # no request completes a window: every row rewrites pool row 0 with its current value
-            cur, prev, w, wrows = cur * 0, prev * 0, w * 0, wrows * 0
+        # padding windows mirror the first real one (identical value, same row); where no request completes a
+        # window, every row rewrites pool row 0 with its current value (`keep` False): device ops, no host branch
+        any_live = live.any()
+        first = live.to(torch.int8).argmax()
+        wsrc = torch.where(live | ~any_live, ar(Bp * K), first)
+        keep = live | any_live
+        cur, prev, w, wrows = (torch.where(any_live, x[wsrc], 0) for x in (cur, prev, w, wrows))
         cur, prev = cur.clamp(0, Bp * Hb + T - 1), prev.clamp(0, Bp * Hb + T - 1)
-        c = torch.arange(C)
+        c = ar(C)
         entry_rows = torch.where(c[None, :] < C1[:, None],
                                  tables.gather(1, (c // epb)[None, :].expand(Bp, -1)) * epb + c % epb, 0)
         visible = (c[None, None, :] < ((qpos + 1) // rate)[..., None]) & valid[..., None]  # [Bp, N, C]
-        compressors[(rate, is_overlap)] = (
-            put(slot.repeat_interleave(Hb)), put(hist_rows.flatten()), Bp * K, put(w), put(cur), put(prev),
-            put(wrows), rate, put(wpos % ring_len), put(entry_rows), put(visible), put(wsrc), put(keep))
-
-    base = [put(x) for x in (torch.arange(T).view(Bp, N), valid, torch.arange(T), slot, wslot, src)]
-    moved = packed_to_device(dev, device)  # NOTE: one non-blocking copy (pinned) on CUDA
-    get = moved.__getitem__
-    token_index, is_valid, flat_rows, slots, write_slots, write_src = map(get, base)
-    vr_windows = {W: VerifyWindow(get(a), get(a2), get(a3), get(a4)) for W, (a, a2, a3, a4) in windows.items()}
-    vr_comp = {}
-    for key, (hs, hr, nw, wi, cu, pr, wr, rate, tr, er, vi, ws, kp) in compressors.items():
-        wins = get(wi)
-        vr_comp[key] = VerifyCompressor(
-            hist_slots=get(hs), hist_rows=get(hr), num_windows=nw, windows=wins, cur_rows=get(cu), prev_rows=get(pr),
-            write_rows=get(wr), entry_rope=rope_fns["compress"](wins * rate), tail_rows=get(tr), entry_rows=get(er),
-            visible=get(vi), write_src=get(ws), write_keep=get(kp))
-    verify = VerifyRows(chunks=[], num_queries=N, token_index=token_index, is_valid=is_valid, flat_rows=flat_rows,
-                        slots=slots, write_slots=write_slots, windows=vr_windows, compressors=vr_comp,
-                        write_src=write_src, is_static=True)
+        compressors[(rate, is_overlap)] = VerifyCompressor(
+            hist_slots=slot.repeat_interleave(Hb), hist_rows=hist_rows.flatten(), num_windows=Bp * K, windows=w,
+            cur_rows=cur, prev_rows=prev, write_rows=wrows, entry_rope=rope_fns["compress"](w * rate),
+            tail_rows=wpos % ring_len, entry_rows=entry_rows, visible=visible, write_src=wsrc, write_keep=keep)
+    verify = VerifyRows(chunks=[], num_queries=N, token_index=ar(T).view(Bp, N), is_valid=valid, flat_rows=ar(T),
+                        slots=slot, write_slots=wslot, windows=windows, compressors=compressors, write_src=src,
+                        is_static=True)
     return AttentionMetadata(num_tokens=T, positions=positions, rope={k: fn(positions) for k, fn in rope_fns.items()},
-                             block_size=cache.block_size, decode=None, prefill=[], is_pure_decode=False, verify=verify)
+                             block_size=block_size, decode=None, prefill=[], is_pure_decode=False, verify=verify)
 
 
 def static_window_step_metadata(positions: torch.Tensor, slots: torch.Tensor, state_starts: torch.Tensor,
@@ -362,5 +398,5 @@ def _static_span(rows: torch.Tensor, num_hist: torch.Tensor, Hb: int, N: int) ->
     """Request-relative compressor span rows `[Bp, K, rate]` (request b's span: its `num_hist[b]` buffered tokens,
     then its chunk) -> rows of the static span `[Bp * Hb buffered rows | Bp * N tokens]`."""
     Bp = num_hist.shape[0]
-    b, h = torch.arange(Bp)[:, None, None], num_hist[:, None, None]
+    b, h = torch.arange(Bp, device=rows.device)[:, None, None], num_hist[:, None, None]
     return torch.where(rows < h, b * Hb + rows, Bp * Hb + b * N + rows - h)
