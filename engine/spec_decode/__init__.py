@@ -82,7 +82,8 @@ right after its verification and drafts after it (`engine.distributed.spec`).
 
 **CUDA graphs** (`SpecDecoding.graphs`, `engine.cuda_graph.VerifyGraphRunner`): a pure verify step (every request
 samples its `1 + L` positions) is padded to `(B_pad, N_pad = 1 + max L, blocks_pad)` and replayed from a graph captured once per
-key over the static verify metadata (`verify_rows.static_verify_metadata`); other steps run eagerly. With them, the
+key, the graph computing the static verify metadata itself (`verify_rows.static_verify_metadata_from`); other steps
+run eagerly. With them, the
 MTP drafter's whole drafting (committed pass, draft 1, the `k - 1` chained steps and their ring rollback) replays
 as one graph per `(B_pad, N_pad)` (`draft_graph.DraftGraphRunner`, `MTPDrafter.graphs`): eager, those `k` MTP
 forwards were most of a speculative step's host time. Off with `enforce_eager`, expert parallelism, DSpark, or a
