@@ -355,7 +355,7 @@ class VerifyGraphRunner(CudaGraphRunner):
     plain decodes (every `L_r = 0`) is one with `N_pad = 1`. Others run eagerly, counted in
     `stats["eager_steps"]`. The metadata is computed inside the graph from the step's per-request inputs
     (`run`), so a replay's host work does not grow with the metadata (measured on the CPU with no-op replays,
-    the built-in model's speculative step: 5.8 -> 3.2 ms of host time at batch 1, 17.7 -> 10.2 ms at 16).
+    the built-in model: ~2.6 ms less host time a verify step at batch 1, ~7.5 ms at 16; BENCHMARKS.md).
 
     `run(batch, is_pure_verify)` returns `(hidden, streams)` of the batch's own flat rows (gathered out of the
     static buffers, so the next replay overwrites nothing handed out), or None: run it eagerly. As for decode
