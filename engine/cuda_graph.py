@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -58,6 +59,8 @@ import torch
 from torch import nn
 
 from deepinfer.engine.forward_batch import ForwardBatch, SeqChunk, host_to_device
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 """Bucket sizes of decode batches captured as graphs (those up to `max_num_seqs`, plus `max_num_seqs`)."""
@@ -378,8 +381,10 @@ class VerifyGraphRunner(CudaGraphRunner):
         pool, which the start-up memory plan (`engine.fit`) does not count; keys are captured during serving,
         so the cap bounds that memory (and the first-step capture stalls) whatever the workload meets."""
         self.graphs: dict[tuple[int, int, int], CapturedVerifyStep] = {}  # type: ignore[assignment]
-        self.stats["eager_steps"] = 0
-        self.stats["over_cap"] = 0
+        self.stats.update(eager_steps=0, over_cap=0, capture_failures=0)
+        self.disabled: str | None = None
+        """Why verify graphs were turned off (a capture failed: the step kept its eager results, later steps run
+        eagerly), or None."""
 
     def key(self, batch: ForwardBatch) -> tuple[int, int, int] | None:
         """`(B_pad, N_pad, blocks_pad)` of a pure verify `batch`, or None (too many requests, tokens or blocks: eager).
@@ -433,7 +438,7 @@ class VerifyGraphRunner(CudaGraphRunner):
         if not is_pure_verify or batch.input_embeds is not None or batch.num_dummy_rows or not batch.seqs:
             self.stats["eager_steps"] += 1
             return None
-        key = self.key(batch)
+        key = self.key(batch) if self.disabled is None else None
         if self._runs_eagerly(key):
             return None
         size, N, max_blocks = key
@@ -477,7 +482,17 @@ class VerifyGraphRunner(CudaGraphRunner):
             return self.model(static, self.cache, meta, return_streams=True)
 
         eager = forward()  # warm-up (kernel compilation, library handles): the step's own results
-        graph, (hidden, streams) = self.record(forward)
+        try:
+            graph, (hidden, streams) = self.record(forward)
+        except RuntimeError as e:
+            # NOTE: a capture records kernels without running them, so the step's eager run above stands; an op
+            # that cannot be captured (or a graph pool that runs out of memory) turns the graphs off rather than
+            # failing the engine
+            self.disabled = f"{type(e).__name__}: {e}"
+            self.stats["capture_failures"] += 1
+            logger.warning("verify CUDA graphs are off (capturing key %s failed; verify steps run eagerly): %s", key,
+                           self.disabled)
+            return eager
         self.graphs[key] = CapturedVerifyStep(graph, key, static_tensors, hidden, streams, ids)
         self.stats["captures"] += 1
         return eager

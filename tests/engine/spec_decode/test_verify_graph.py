@@ -187,6 +187,32 @@ def test_engine_with_verify_graphs_gives_the_plain_greedy_tokens(tiny, attention
         assert len(capped.graphs) == capped.stats["captures"] == 1 and capped.stats["over_cap"] >= 1, capped.stats
 
 
+class _CaptureFails(VerifyGraphRunner):
+    def record(self, fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_failed_capture_turns_the_verify_graphs_off_and_verifies_eagerly(tiny):
+    """An op that cannot be captured (or a graph pool out of memory) must not fail the engine: the step keeps its
+    eager results (a capture runs nothing), later steps verify eagerly, and the tokens are plain decoding's."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (5, 13)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ref = _run(Engine(EngineConfig(model=tiny, max_num_seqs=4)), prompts, params)
+    full = {str(i): p + r for i, (p, r) in enumerate(zip(prompts, ref))}
+
+    def drafts(req):
+        seq = full[req.req_id.split("#")[0]]
+        return seq[req.num_tokens:req.num_tokens + 2]
+
+    eng = Engine(EngineConfig(model=tiny, max_num_seqs=4, speculative_tokens=3))
+    eng.spec.graphs = runner = _CaptureFails(eng.model, eng.cache, (1, 2, 4), max_queries=4)
+    eng.runner.defer_verify_metadata = True
+    assert _run(eng, prompts, params, drafts) == ref
+    assert runner.disabled and "capturing" in runner.disabled and not runner.graphs
+    assert runner.stats["capture_failures"] == 1 and runner.stats["eager_steps"] >= 2, runner.stats
+
+
 def test_builtin_model_mtp_with_verify_graphs_gives_the_plain_greedy_tokens():
     """The built-in model and its MTP drafter (confidence schedule: ragged L_r), async scheduling (the drafter on
     its thread), buckets up to 4: the steps of 5 requests run eagerly (their metadata deferred by the runner and
