@@ -49,7 +49,7 @@ case "${1:-}" in
         shift
         "$VENV/bin/ruff" check .
         set +e
-        "$PY" -m pytest -q "$@"
+        "$PY" -m pytest -q --durations=25 "$@"  # the slowest tests in the log: CI keeps install + tests under 30 min
         rc=$?
         set -e
         if [ "$rc" -eq 5 ]; then
