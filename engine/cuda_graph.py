@@ -310,6 +310,20 @@ class CudaGraphRunner:
         self.stats["captures"] += 1
         return eager
 
+    def record_or_disable(self, fn, key, what: str):
+        """`record(fn)`, or None with these graphs turned off (`disabled` says why, `stats["capture_failures"]`, a
+        warning) when the capture raises. NOTE: a capture records kernels without running them, so the step's eager
+        run before it stands; an op that cannot be captured (or a graph pool out of memory) turns the runner's
+        graphs off rather than failing the engine (the lazily capturing runners: verify and drafting steps)."""
+        try:
+            return self.record(fn)
+        except RuntimeError as e:
+            self.disabled = f"{type(e).__name__}: {e}"
+            self.stats["capture_failures"] += 1
+            logger.warning("%s CUDA graphs are off (capturing key %s failed; those steps run eagerly): %s", what, key,
+                           self.disabled)
+            return None
+
     def record(self, fn) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Blocks while `fn`'s device work is captured (not run) into a new graph in the runner's pool;
         returns the graph and `fn`'s output (the buffer each replay rewrites)."""
@@ -482,17 +496,10 @@ class VerifyGraphRunner(CudaGraphRunner):
             return self.model(static, self.cache, meta, return_streams=True)
 
         eager = forward()  # warm-up (kernel compilation, library handles): the step's own results
-        try:
-            graph, (hidden, streams) = self.record(forward)
-        except RuntimeError as e:
-            # NOTE: a capture records kernels without running them, so the step's eager run above stands; an op
-            # that cannot be captured (or a graph pool that runs out of memory) turns the graphs off rather than
-            # failing the engine
-            self.disabled = f"{type(e).__name__}: {e}"
-            self.stats["capture_failures"] += 1
-            logger.warning("verify CUDA graphs are off (capturing key %s failed; verify steps run eagerly): %s", key,
-                           self.disabled)
+        recorded = self.record_or_disable(forward, key, "verify")
+        if recorded is None:
             return eager
+        graph, (hidden, streams) = recorded
         self.graphs[key] = CapturedVerifyStep(graph, key, static_tensors, hidden, streams, ids)
         self.stats["captures"] += 1
         return eager

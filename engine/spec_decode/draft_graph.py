@@ -36,7 +36,6 @@ read before the next one).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -49,8 +48,6 @@ from deepinfer.engine.spec_decode.verify_rows import (
     static_verify_metadata,
     static_window_step_metadata,
 )
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -192,16 +189,10 @@ class DraftGraphRunner(CudaGraphRunner):
         memo = {id(t): s for t, s in zip(tensors, static_tensors)}
         static: DraftInputs = clone_tensors(inputs, memo)
         eager = self._draft(static)
-        try:
-            graph, outputs = self.record(lambda: self._draft(static))
-        except RuntimeError as e:
-            # NOTE: a capture records kernels without running them, so the drafting above (the step's own, eager)
-            # stands; a drafting op that cannot be captured turns the graphs off rather than failing the engine
-            self.disabled = f"{type(e).__name__}: {e}"
-            self.stats["capture_failures"] += 1
-            logger.warning("drafting CUDA graphs are off (capturing key %s failed; drafting runs eagerly): %s", key,
-                           self.disabled)
+        recorded = self.record_or_disable(lambda: self._draft(static), key, "drafting")
+        if recorded is None:
             return eager
+        graph, outputs = recorded
         self.graphs[key] = CapturedDraft(graph, structure, static_tensors, outputs)
         self.stats["captures"] += 1
         return eager
