@@ -317,9 +317,10 @@ def resolve_backends(config: EngineConfig, model_config) -> EngineConfig:
     kernels, CUDA-graph safe, that the GPU benchmarks measure (BENCHMARKS.md); in batch-invariant mode the mode swaps
     them for its fixed-tiling variants (`engine.batch_invariant`; its GPU tests passed on an H100 on 2026-12-05, and
     it costs 18-33% of the throughput where the torch path cost 97%). Elsewhere the "torch" references: on the CPU
-    they are the faster choice and the oracle; DeepSeek-V4.1 runs its own paged attention (which takes "torch") and keeps the "torch" MoE backend too, because "triton" there turns on its static-decode CUDA
-    graphs (docs/V4_1.md §16), which score every `max_model_len / ratio` index key a row and have not run on a GPU:
-    an explicit `moe_backend="triton"` opts in."""
+    they are the faster choice and the oracle; DeepSeek-V4.1 runs its own paged attention (which takes "torch")
+    and keeps the "torch" MoE backend too, because "triton" there turns on its static-decode CUDA graphs
+    (docs/V4_1.md §16), which score every `max_model_len / ratio` index key a row and have not run on a GPU: an
+    explicit `moe_backend="triton"` opts in."""
     from deepinfer.engine.config import V41Config
     from deepinfer.kernels import mhc  # noqa: F401 - any kernels module: tells whether triton imports
 

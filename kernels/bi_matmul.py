@@ -50,13 +50,10 @@ def split_k_for(k: int, n: int) -> int:
     """K slices of a GEMM with reduction length `k` and `n` output columns: a power of two <= MAX_SPLIT, from K and N
     only (so the same for every M and batch), such that cdiv(N, BLOCK_N) x split reaches SPLIT_TARGET_PROGRAMS while
     each slice keeps >= SPLIT_MIN_K_STEPS steps of BLOCK_K."""
-    tiles = -(-n // BLOCK_N)
-    steps = -(-k // BLOCK_K)
-    split = 1
-    while (tiles * split < SPLIT_TARGET_PROGRAMS and split * 2 <= MAX_SPLIT
-           and steps // (split * 2) >= SPLIT_MIN_K_STEPS):
-        split *= 2
-    return split
+    from deepinfer.kernels.fp8_gemm import pick_split_k
+
+    return pick_split_k(-(-n // BLOCK_N), -(-k // BLOCK_K), SPLIT_TARGET_PROGRAMS, waves=1,
+                        min_steps=SPLIT_MIN_K_STEPS, max_split=MAX_SPLIT)
 
 
 def bi_matmul_torch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

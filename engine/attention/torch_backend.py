@@ -248,7 +248,8 @@ class TorchAttentionBackend(AttentionBackend):
         keys = torch.cat([hist, kv], dim=0)  # [W - 1 + n, D]
         windows = keys.unfold(0, W, 1)  # [n, D, W]: row i = positions p0 + i - W + 1 .. p0 + i
         scale = q.shape[-1]**-0.5
-        C = 0 if extra is None else extra[0].shape[0]
+        entries, mask = extra if extra is not None else (None, None)  # [C, D], [n, C]
+        C = 0 if extra is None else entries.shape[0]
         # queries in blocks whose float32 logits stay under LOGITS_BLOCK_BYTES (a 32k-entry chunk would need tens of
         # GB at once); one block (the whole chunk) in all but long contexts
         step = max(1, LOGITS_BLOCK_BYTES // (4 * q.shape[1] * (W + C + 1)))
@@ -259,7 +260,6 @@ class TorchAttentionBackend(AttentionBackend):
             logits = logits.masked_fill(~geo.allowed[a:b, None, :], float("-inf"))
             parts = [logits]
             if extra is not None:
-                entries, mask = extra  # [C, D], [n, C]
                 cl = torch.einsum("nhd,cd->nhc", q[a:b], entries) * scale
                 parts.append(cl.masked_fill(~mask[a:b, None, :], float("-inf")))
             parts.append(sink.to(logits.dtype).view(1, -1, 1).expand(b - a, -1, 1))
