@@ -53,6 +53,7 @@ roofline_legacy() {  # roofline_legacy SECONDS: the Triton roofline with the mHC
         --json "$RES/gpu_roofline_legacy.json"
 }
 
+if [[ -n "${TESTS:-}" ]]; then read -r -a GPU_TESTS <<< "$TESTS"; fi  # TESTS="a.py b/" runs only those
 if [[ "$what" == tests || "$what" == all ]]; then
     step gpu-tests "$T_TESTS" python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider --timeout 240 \
         --junitxml "$RES/gpu_tests.xml" "${GPU_TESTS[@]}" "$@" 2>&1 | tee "$OUT/tests.log"

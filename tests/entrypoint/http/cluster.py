@@ -40,7 +40,7 @@ class LocalCluster:
     def __init__(self, checkpoint: str | Path, logdir: str | Path, *, api_key: str | None = None,
                  http_args: tuple[str, ...] = (), worker_args: tuple[str, ...] = ("--max-num-seqs", "8",
                                                                                    "--num-blocks", "256"),
-                 vision_args: tuple[str, ...] | None = None) -> None:
+                 vision_args: tuple[str, ...] | None = None, entrypoint_args: tuple[str, ...] = ()) -> None:
         """`vision_args`: also start the vision stage (balancer + one `vision_worker` with these extra
         arguments) and give the entrypoint its balancer; None = text only."""
         self.checkpoint = str(checkpoint)
@@ -49,6 +49,7 @@ class LocalCluster:
         self.http_args = http_args
         self.worker_args = worker_args
         self.vision_args = vision_args
+        self.entrypoint_args = entrypoint_args
         self._channels: dict[str, grpc.Channel] = {}
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         env.pop("DEEPINFER_API_KEY", None)
@@ -95,7 +96,7 @@ class LocalCluster:
             vision = ["--vision-lb-address", self.info["vision_lb"]["address"]]
         self._spawn("entrypoint", ["entrypoint", "--model", self.checkpoint, "--prefill-lb-address",
                                    self.info["prefill_lb"]["address"], "--decode-lb-address",
-                                   self.info["decode_lb"]["address"], *vision])
+                                   self.info["decode_lb"]["address"], *vision, *self.entrypoint_args])
         self._wait_ready()
         http = ["deepinfer.entrypoint.http", "--entrypoint", self.grpc_address, "--host", "127.0.0.1", "--port", "0",
                 "--model", self.checkpoint, "--prefill-lb-address", self.info["prefill_lb"]["address"],

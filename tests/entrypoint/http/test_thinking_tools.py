@@ -183,7 +183,8 @@ def test_thinking_tool_calls_over_seeds_through_both_sdks(cluster, default_model
             assert choice.finish_reason == "tool_calls", choice.message
         if choice.finish_reason == "length":
             return []
-        return [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        return [(c.function.name, c.function.arguments, f"chat seed {seed}: {choice.message}")
+                for c in choice.message.tool_calls or []]
 
     def messages(seed: int):
         out = claude.messages.create(model=model, messages=question, tools=MESSAGES_TOOLS, max_tokens=100,
@@ -192,18 +193,19 @@ def test_thinking_tool_calls_over_seeds_through_both_sdks(cluster, default_model
                                      extra_body={"seed": seed})
         if out.stop_reason == "max_tokens":
             return []
-        return [(b.name, json.dumps(b.input)) for b in out.content if b.type == "tool_use"]
+        return [(b.name, json.dumps(b.input), f"messages seed {seed}: {out.content}") for b in out.content
+                if b.type == "tool_use"]
 
     with ThreadPoolExecutor(MAX_INFLIGHT) as pool:
         chat_calls = [c for calls in pool.map(chat, range(NUM_SEEDS)) for c in calls]
         tool_uses = [c for calls in pool.map(messages, range(NUM_SEEDS)) for c in calls]
     bad = []
-    for name, arguments in chat_calls + tool_uses:
+    for name, arguments, where in chat_calls + tool_uses:
         try:
             ok = _valid_call(name, json.loads(arguments))
         except ValueError:
             ok = False
         if not ok:
-            bad.append((name, arguments))
+            bad.append((name, arguments, where))
     assert not bad, f"{len(bad)} of {len(chat_calls) + len(tool_uses)} calls invalid: {bad}"
     assert chat_calls and tool_uses  # the model calls tools in thinking mode (held to it for required / any)

@@ -61,7 +61,8 @@ def vision_cluster(tmp_path_factory):
     vision_args = ("--image-url-allowed-hosts", ALLOWED_IMAGE_HOST, "--max-images", "4", "--max-image-bytes",
                    "200000", "--max-image-pixels", "4000000", "--embedding-rows", "4096")
     with LocalCluster(ckpt, tmp_path_factory.mktemp("http-vision-logs"), api_key=API_KEY, vision_args=vision_args,
-                      http_args=("--image-url-allowed-hosts", ALLOWED_IMAGE_HOST)) as running:
+                      http_args=("--image-url-allowed-hosts", ALLOWED_IMAGE_HOST, "--max-model-len", "448"),
+                      entrypoint_args=("--max-model-len", "448")) as running:
         yield running
 
 
@@ -105,10 +106,11 @@ def test_image_prompt_counts_image_tokens_and_repeats_hit_the_cache(client, visi
     assert 'deepinfer_stage_vision_images_encoded_total{instance="vision-0",stage="vision"}' in metrics
     assert 'deepinfer_stage_embeddings_read_bytes_total{instance="prefill-0",stage="prefill"}' in metrics
     # an unspecified max_tokens is lowered to the context left after the image tokens, not refused
-    # (NOTE: this cluster's model may run to that limit, thousands of tokens on a CPU: a long timeout)
-    unbounded = client.with_options(timeout=600).chat.completions.create(model=model_name, messages=messages,
+    # (the context is 448 tokens here, so the random model runs at most ~250 tokens to that limit)
+    unbounded = client.with_options(timeout=300).chat.completions.create(model=model_name, messages=messages,
                                                                         temperature=0)
     assert unbounded.usage.prompt_tokens == first.usage.prompt_tokens
+    assert unbounded.usage.prompt_tokens + unbounded.usage.completion_tokens <= 448
 
 
 def test_bad_images_get_400_and_nothing_reaches_prefill(client, vision_cluster, model_name):
