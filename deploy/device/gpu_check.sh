@@ -67,7 +67,7 @@ if [[ "$what" == bench || "$what" == all ]]; then
     step prefill_attention 60 $B.prefill_attention --indexer --json "$RES/prefill_attention.json"
     step attn_proj 40 $B.attn_proj --json "$RES/attn_proj.json"
     step moe_kernels 90 $B.moe_kernels --json "$RES/moe_kernels.json"
-    step fp8_swap_ab 40 $B.fp8_swap_ab
+    step fp8_swap_ab 200 $B.fp8_swap_ab --json "$RES/fp8_swap_ab.json"
     } 2>&1 | tee "$OUT/bench.log"
 fi
 if [[ "$what" == quick ]]; then
