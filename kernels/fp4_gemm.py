@@ -108,9 +108,11 @@ if triton is not None:
     @triton.jit
     def _fp4_step(acc, x_ptr, w_ptr, s_ptr, rm, rn, m_ok, n_ok, j0, K, stride_xm, stride_wn, stride_sn,
                   SCALE_BLOCK: tl.constexpr, IEEE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_KP: tl.constexpr):
+                  BLOCK_KP: tl.constexpr, SWAP: tl.constexpr):
         """acc [BLOCK_M, BLOCK_N] += x[rm, 2*j0 : 2*(j0 + BLOCK_KP)] @ W[rn, same k].T, W decoded from packed
-        columns [j0, j0 + BLOCK_KP) of w_ptr (rows rn) and their scales.
+        columns [j0, j0 + BLOCK_KP) of w_ptr (rows rn) and their scales. SWAP: acc is the transpose
+        [BLOCK_N, BLOCK_M] and the decoded tile the dot's A operand (W @ x.T: Hopper's wgmma reads A from
+        registers, where the decoded tile already is; as B it is re-staged through shared memory).
 
         The packed bytes load as [BLOCK_N, BLOCK_KP] (16-byte runs along K), each row's BLOCK_KP / (SCALE_BLOCK / 2)
         scales once as [BLOCK_N, G] and are broadcast over their SCALE_BLOCK / 2 bytes. E2M1 decode by bits:
@@ -139,12 +141,20 @@ if triton is not None:
         x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_KP, 2)))
         w_lo = (lo.to(tl.float32) * sf).to(x.dtype)  # [BLOCK_N, BLOCK_KP], exact
         w_hi = (hi.to(tl.float32) * sf).to(x.dtype)
-        if IEEE_DOT:
-            acc += tl.dot(x_even, tl.trans(w_lo), input_precision="ieee")
-            acc += tl.dot(x_odd, tl.trans(w_hi), input_precision="ieee")
+        if SWAP:
+            if IEEE_DOT:
+                acc += tl.dot(w_lo, tl.trans(x_even), input_precision="ieee")
+                acc += tl.dot(w_hi, tl.trans(x_odd), input_precision="ieee")
+            else:
+                acc += tl.dot(w_lo, tl.trans(x_even))
+                acc += tl.dot(w_hi, tl.trans(x_odd))
         else:
-            acc += tl.dot(x_even, tl.trans(w_lo))
-            acc += tl.dot(x_odd, tl.trans(w_hi))
+            if IEEE_DOT:
+                acc += tl.dot(x_even, tl.trans(w_lo), input_precision="ieee")
+                acc += tl.dot(x_odd, tl.trans(w_hi), input_precision="ieee")
+            else:
+                acc += tl.dot(x_even, tl.trans(w_lo))
+                acc += tl.dot(x_odd, tl.trans(w_hi))
         return acc
 
     @triton.jit
@@ -163,7 +173,7 @@ if triton is not None:
         j_lo = tl.program_id(2) * KP_SLICE
         for step in range(0, KP_SLICE, BLOCK_KP):  # NOTE: a compile-time trip count; steps past K/2 load nothing
             acc = _fp4_step(acc, x_ptr, w_ptr, s_ptr, rm, rn, m_ok, n_ok, j_lo + step, K, stride_xm, stride_wn,
-                            stride_sn, SCALE_BLOCK, IEEE_DOT, BLOCK_M, BLOCK_N, BLOCK_KP)
+                            stride_sn, SCALE_BLOCK, IEEE_DOT, BLOCK_M, BLOCK_N, BLOCK_KP, False)
         _store_split_k(acc, out_ptr, part_ptr, lock_ptr, rm, rn, M, N, stride_om, SPLIT)
 
     @register_op("fp4_gemm", "triton", in_op_table=False)
@@ -291,7 +301,7 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for j0 in range(0, KP, BLOCK_KP):
             acc = _fp4_step(acc, x_ptr, w_base, s_base, rm, rn, m_ok, n_ok, j0, 2 * KP, stride_xm, stride_wn,
-                            stride_sn, SCALE_BLOCK, IEEE_DOT, BLOCK_M, BLOCK_N, BLOCK_KP)
+                            stride_sn, SCALE_BLOCK, IEEE_DOT, BLOCK_M, BLOCK_N, BLOCK_KP, False)
         tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 

@@ -214,33 +214,46 @@ if triton is not None:
     @triton.jit
     def _acc_step(acc, x_ptr, rx, m_ok, w_base, s_base, rn, n_ok, k0, K, stride_xm, stride_wn, stride_sn,
                   WFMT: tl.constexpr, SCALE_BLOCK: tl.constexpr, BN_SCALE: tl.constexpr, SCALE_E8M0: tl.constexpr,
-                  IEEE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  IEEE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SWAP: tl.constexpr):
         """acc [BLOCK_M, BLOCK_N] += x[rx, k0 : k0 + BLOCK_K] @ W[rn, same k].T for one weight format.
         FP4: SCALE_BLOCK is the 1 x 32 scale run; FP8: BN_SCALE x SCALE_BLOCK scale blocks (BLOCK_K divides
-        SCALE_BLOCK, so one K step lies in one scale column)."""
+        SCALE_BLOCK, so one K step lies in one scale column). SWAP: acc is [BLOCK_N, BLOCK_M], W's tile the
+        dot's A operand (W @ x.T; `kernels.fp4_gemm._fp4_step`): the same products."""
         # One exit: the compiler (unlike the interpreter) also type-checks the code after an early `return`
         # inside a constexpr branch, where `w` is still the packed uint8 of FP4.
         if WFMT == 1:
             acc = _fp4_step(acc, x_ptr, w_base, s_base, rx, rn, m_ok, n_ok, k0 // 2, K, stride_xm, stride_wn,
-                            stride_sn, SCALE_BLOCK, IEEE_DOT, BLOCK_M, BLOCK_N, BLOCK_K // 2)
+                            stride_sn, SCALE_BLOCK, IEEE_DOT, BLOCK_M, BLOCK_N, BLOCK_K // 2, SWAP)
         else:
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < K
-            x = tl.load(x_ptr + rx[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            w = tl.load(w_base + rn[None, :] * stride_wn + kk[:, None], mask=k_ok[:, None] & n_ok[None, :],
-                        other=0)  # [BLOCK_K, BLOCK_N], runs along K
-            if WFMT == 2:
-                w = w.to(tl.float8e4nv, bitcast=True).to(x.dtype)  # exact
-            if IEEE_DOT:
-                part = tl.dot(x, w, input_precision="ieee")
+            if SWAP:
+                a = tl.load(w_base + rn[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                            other=0)  # [BLOCK_N, BLOCK_K], W's rows as stored
+                b = tl.load(x_ptr + rx[None, :] * stride_xm + kk[:, None], mask=k_ok[:, None] & m_ok[None, :],
+                            other=0.0)  # [BLOCK_K, BLOCK_M]
+                if WFMT == 2:
+                    a = a.to(tl.float8e4nv, bitcast=True).to(b.dtype)  # exact
             else:
-                part = tl.dot(x, w)
+                a = tl.load(x_ptr + rx[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+                b = tl.load(w_base + rn[None, :] * stride_wn + kk[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                            other=0)  # [BLOCK_K, BLOCK_N], runs along K
+                if WFMT == 2:
+                    b = b.to(tl.float8e4nv, bitcast=True).to(a.dtype)  # exact
+            if IEEE_DOT:
+                part = tl.dot(a, b, input_precision="ieee")
+            else:
+                part = tl.dot(a, b)
             if WFMT == 2:
                 s = tl.load(s_base + (rn // BN_SCALE) * stride_sn + k0 // SCALE_BLOCK, mask=n_ok, other=0)
                 if SCALE_E8M0:
                     s = _e8m0_decode(s.to(tl.int32))
-                part = part * s[None, :]
+                if SWAP:
+                    part = part * s[:, None]
+                else:
+                    part = part * s[None, :]
             acc = acc + part
         return acc
 
@@ -249,7 +262,7 @@ if triton is not None:
                        stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_am, TOPK: tl.constexpr,
                        E_POW2: tl.constexpr, WFMT: tl.constexpr, SCALE_BLOCK: tl.constexpr, BN_SCALE: tl.constexpr,
                        SCALE_E8M0: tl.constexpr, IEEE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       BLOCK_K: tl.constexpr, SWAP: tl.constexpr):
         # NOTE: program_id(0) the row tile (fastest varying: an expert's tiles share its weights in L2),
         # program_id(1) the block of N = I output columns; gate rows n and up rows I + n in one program.
         e, r0, r1 = _tile_of(counts_ptr, E, E_POW2, BLOCK_M)
@@ -263,13 +276,20 @@ if triton is not None:
         w_g = w_ptr + e.to(tl.int64) * stride_we
         s_g = s_ptr + e.to(tl.int64) * stride_se
         w_u, s_u = w_g + N * stride_wn, s_g + (N // BN_SCALE) * stride_sn  # the up rows (w3) after the gate rows
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWAP:  # W @ x.T: the accumulators transposed until the epilogue
+            acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             acc_g = _acc_step(acc_g, x_ptr, tok, m_ok, w_g, s_g, rn, n_ok, k0, K, stride_xm, stride_wn, stride_sn,
-                              WFMT, SCALE_BLOCK, BN_SCALE, SCALE_E8M0, IEEE_DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+                              WFMT, SCALE_BLOCK, BN_SCALE, SCALE_E8M0, IEEE_DOT, BLOCK_M, BLOCK_N, BLOCK_K, SWAP)
             acc_u = _acc_step(acc_u, x_ptr, tok, m_ok, w_u, s_u, rn, n_ok, k0, K, stride_xm, stride_wn, stride_sn,
-                              WFMT, SCALE_BLOCK, BN_SCALE, SCALE_E8M0, IEEE_DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+                              WFMT, SCALE_BLOCK, BN_SCALE, SCALE_E8M0, IEEE_DOT, BLOCK_M, BLOCK_N, BLOCK_K, SWAP)
+        if SWAP:
+            acc_g = tl.trans(acc_g)
+            acc_u = tl.trans(acc_u)
         g = _rnd(tl.minimum(_rnd(acc_g, x_ptr), limit), x_ptr)
         u = _rnd(tl.minimum(tl.maximum(_rnd(acc_u, x_ptr), -limit), limit), x_ptr)
         silu = _rnd(tl.math.div_rn(g, 1.0 + tl.exp(-g)), x_ptr)
@@ -280,7 +300,7 @@ if triton is not None:
                          stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ym, E_POW2: tl.constexpr,
                          WFMT: tl.constexpr, SCALE_BLOCK: tl.constexpr, BN_SCALE: tl.constexpr,
                          SCALE_E8M0: tl.constexpr, IEEE_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr):
         e, r0, r1 = _tile_of(counts_ptr, E, E_POW2, BLOCK_M)
         if e >= E:
             return
@@ -290,10 +310,15 @@ if triton is not None:
         m_ok, n_ok = rm < r1, rn < N
         w_base = w_ptr + e.to(tl.int64) * stride_we
         s_base = s_ptr + e.to(tl.int64) * stride_se
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWAP:  # W @ act.T: the accumulator transposed until the epilogue
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             acc = _acc_step(acc, a_ptr, rm, m_ok, w_base, s_base, rn, n_ok, k0, K, stride_am, stride_wn, stride_sn,
-                            WFMT, SCALE_BLOCK, BN_SCALE, SCALE_E8M0, IEEE_DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+                            WFMT, SCALE_BLOCK, BN_SCALE, SCALE_E8M0, IEEE_DOT, BLOCK_M, BLOCK_N, BLOCK_K, SWAP)
+        if SWAP:
+            acc = tl.trans(acc)
         pair = tl.load(pairs_ptr + rm, mask=m_ok, other=0)
         wt = _rnd(tl.load(tw_ptr + pair, mask=m_ok, other=0.0).to(tl.float32), a_ptr)  # topk_weights.to(x.dtype)
         y = _rnd(acc, a_ptr) * wt[:, None]
@@ -328,18 +353,21 @@ if triton is not None:
         tl.store(out_ptr + t.to(tl.int64) * N + rn, acc.to(DT), mask=n_ok)
 
 
-def moe_gemm_candidates(rows_per_expert: int, kind: str) -> list[tuple[int, int, int, int, int]]:
+def moe_gemm_candidates(rows_per_expert: int, kind: str) -> list[tuple[int, int, int, int, int, int]]:
     """Tile configs tried for a grouped MoE GEMM (`kind` "up" or "down") by ~rows per expert:
-    (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); the first is the default without tuning.
+    (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, swap); the first is the default without tuning.
+    `swap` 1 (decode sizes) computes W @ x.T, the weight tile as the dot's A operand (`_acc_step`).
     NOTE: "up" keeps two accumulators (gate and up), so its tiles are half as wide in N."""
     bm = _fp8.m_bucket(rows_per_expert)
     if bm:  # decode: the weights stream once; enough programs to fill the SMs
         if kind == "up":
-            return [(bm, 32, 128, 4, 4), (bm, 64, 128, 4, 3), (bm, 16, 256, 4, 3)]
-        return [(bm, 64, 128, 4, 4), (bm, 32, 128, 4, 4), (bm, 128, 128, 4, 3)]
+            return [(bm, 32, 128, 4, 4, 0), (bm, 64, 128, 4, 3, 0), (bm, 16, 256, 4, 3, 0), (bm, 64, 128, 4, 3, 1),
+                    (bm, 64, 256, 4, 3, 1), (bm, 128, 128, 8, 3, 1)]
+        return [(bm, 64, 128, 4, 4, 0), (bm, 32, 128, 4, 4, 0), (bm, 128, 128, 4, 3, 0), (bm, 64, 128, 4, 4, 1),
+                (bm, 64, 256, 4, 3, 1), (bm, 128, 128, 8, 3, 1)]
     if kind == "up":
-        return [(128, 64, 64, 8, 3), (64, 64, 64, 4, 3)]
-    return [(128, 128, 64, 8, 3), (64, 128, 64, 4, 3)]
+        return [(128, 64, 64, 8, 3, 0), (64, 64, 64, 4, 3, 0)]
+    return [(128, 128, 64, 8, 3, 0), (64, 128, 64, 4, 3, 0)]
 
 
 def check_moe_gemm_args(name: str, x: torch.Tensor, w: tuple[torch.Tensor, ...], sorted_pairs: torch.Tensor,
@@ -395,7 +423,7 @@ if triton is not None:
         kind = "up" if kernel is _moe_up_kernel else "down"
 
         def launch(cfg):
-            block_m, block_n, block_k, warps, stages = cfg
+            block_m, block_n, block_k, warps, stages, swap = cfg
             if x.dtype == torch.float32:  # 4-byte tiles: the bf16 configs overflow shared memory
                 block_k, stages = min(block_k, 64), 2
             if wfmt == WFMT_FP4:
@@ -408,7 +436,7 @@ if triton is not None:
                          **extra_kw["const"], E_POW2=triton.next_power_of_2(num_experts), WFMT=wfmt,
                          SCALE_BLOCK=bk, BN_SCALE=bn, SCALE_E8M0=st.dtype == torch.uint8,
                          IEEE_DOT=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                         num_warps=warps, num_stages=stages)
+                         SWAP=bool(swap), num_warps=warps, num_stages=stages)
 
         idx = x.device.index if x.device.type == "cuda" else -1
         key = (name, idx, _fp8.m_bucket(per_expert), num_experts, n_out, k_dim, wfmt, x.dtype, block)

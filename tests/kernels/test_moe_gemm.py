@@ -120,6 +120,13 @@ _INTERPRETED = textwrap.dedent("""
             check(mg.moe_up_triton(x, (w13,), sp, cnt, k, 10.0, config=cfg), ref, 1e-5)
         for cfg in mg.moe_gemm_candidates(1, "down") + mg.moe_gemm_candidates(500, "down"):
             check(mg.moe_down_triton(ref, (w2,), sp, cnt, tw, config=cfg), yref, 1e-5)
+        # and with FP4 experts (the swap-AB configs decode the weight tile as the dot's A operand)
+        ref4 = mg.moe_up_torch(x, fp4_13, sp, cnt, k, 10.0, mg.WFMT_FP4)
+        yref4 = mg.moe_down_torch(ref4, fp4_2, sp, cnt, tw, mg.WFMT_FP4)
+        for cfg in mg.moe_gemm_candidates(1, "up") + mg.moe_gemm_candidates(500, "up"):
+            check(mg.moe_up_triton(x, fp4_13, sp, cnt, k, 10.0, mg.WFMT_FP4, config=cfg), ref4, 1e-5)
+        for cfg in mg.moe_gemm_candidates(1, "down") + mg.moe_gemm_candidates(500, "down"):
+            check(mg.moe_down_triton(ref4, fp4_2, sp, cnt, tw, mg.WFMT_FP4, config=cfg), yref4, 1e-5)
     # FP8 block-scaled experts (UE8M0 and float32 scales), K and N off the 128 blocks
     from deepinfer.engine.quant.formats import quantize_fp8_block
     E, H, inter, k, T = 3, 160, 128, 2, 9
@@ -138,6 +145,9 @@ _INTERPRETED = textwrap.dedent("""
         check(mg.moe_up_triton(x, f13, sp, cnt, k, 10.0, mg.WFMT_FP8, (128, 128)), ref, 2e-5)
         yref = mg.moe_down_torch(ref, f2, sp, cnt, tw, mg.WFMT_FP8, (128, 128))
         check(mg.moe_down_triton(ref, f2, sp, cnt, tw, mg.WFMT_FP8, (128, 128)), yref, 2e-5)
+        for cfg in mg.moe_gemm_candidates(1, "up")[3:] + mg.moe_gemm_candidates(1, "down")[3:]:  # swap-AB
+            check(mg.moe_up_triton(x, f13, sp, cnt, k, 10.0, mg.WFMT_FP8, (128, 128), config=cfg), ref, 2e-5)
+            check(mg.moe_down_triton(ref, f2, sp, cnt, tw, mg.WFMT_FP8, (128, 128), config=cfg), yref, 2e-5)
     print("OK", errors.worst)
 """)
 
@@ -187,13 +197,22 @@ def test_every_tuning_candidate_on_cuda():
     sp, cnt = mg.moe_align_triton(ids, 8)
     ref = mg.moe_up_torch(x, (w13,), sp, cnt, 6, 10.0)
     yref = mg.moe_down_torch(ref, (w2,), sp, cnt, tw)
+    from deepinfer.engine.quant.formats import quantize_fp4
+
+    q13 = [quantize_fp4(w13[e].float().cpu()) for e in range(8)]
+    q2 = [quantize_fp4(w2[e].float().cpu()) for e in range(8)]
+    f13 = (torch.stack([p for p, _ in q13]).cuda(), torch.stack([s for _, s in q13]).cuda())
+    f2 = (torch.stack([p for p, _ in q2]).cuda(), torch.stack([s for _, s in q2]).cuda())
+    ref4 = mg.moe_up_torch(x, f13, sp, cnt, 6, 10.0, mg.WFMT_FP4)
+    yref4 = mg.moe_down_torch(ref4, f2, sp, cnt, tw, mg.WFMT_FP4)
     for rows in (1, 500):
-        for cfg in mg.moe_gemm_candidates(rows, "up"):
-            torch.testing.assert_close(mg.moe_up_triton(x, (w13,), sp, cnt, 6, 10.0, config=cfg).float(), ref.float(),
-                                       atol=2e-2, rtol=2e-2)
-        for cfg in mg.moe_gemm_candidates(rows, "down"):
-            torch.testing.assert_close(mg.moe_down_triton(ref, (w2,), sp, cnt, tw, config=cfg).float(), yref.float(),
-                                       atol=2e-2, rtol=2e-2)
+        for w_up, w_dn, wfmt, r, yr in (((w13,), (w2,), mg.WFMT_FLOAT, ref, yref), (f13, f2, mg.WFMT_FP4, ref4, yref4)):
+            for cfg in mg.moe_gemm_candidates(rows, "up"):
+                torch.testing.assert_close(mg.moe_up_triton(x, w_up, sp, cnt, 6, 10.0, wfmt, config=cfg).float(),
+                                           r.float(), atol=2e-2, rtol=2e-2)
+            for cfg in mg.moe_gemm_candidates(rows, "down"):
+                torch.testing.assert_close(mg.moe_down_triton(r, w_dn, sp, cnt, tw, wfmt, config=cfg).float(),
+                                           yr.float(), atol=2e-2, rtol=2e-2)
 
 
 def _sorted_rows(ids: torch.Tensor, E: int, dtype: torch.dtype, H: int = 48, seed: int = 0):
