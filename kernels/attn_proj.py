@@ -12,7 +12,9 @@ Model ops (the model's `OpTable`; `engine.models.deepseek_v4.Attention` calls th
 * `"attn_out_proj"`: `(o [T, NH, D], cos, sin, weight [G * R, NH * D / G], groups) -> [T, G * R]`: the
   attention output rotated back by the query position (`apply_rope(o, cos, -sin)`), then the grouped
   low-rank projection `wo_a` (group g's `NH * D / G` channels times its `R` rows of the weight: a
-  block-diagonal matmul, `torch.bmm` in the model). `wo_b` follows in the model.
+  block-diagonal matmul, `torch.bmm` in the model). `wo_b` follows in the model. `inplace=True` (the model, whose
+  attention output is not read again) lets an implementation rotate o's rope channels in place ("rope_bmm": only
+  those channels are read and written, not a copy of all of o).
 
 The torch implementations are the model's arithmetic, op for op (bit-identical on the CPU). The Triton
 kernels: `attn_norm_rope` takes `BLOCK_R` rows of D channels per program, the sum of squares in float32,
@@ -58,8 +60,8 @@ def attn_norm_rope_torch(x, weight, eps: float, cos, sin, ring=None, slots=None,
 
 
 @register_op("attn_out_proj", "torch")
-def attn_out_proj_torch(o, cos, sin, weight, groups: int) -> torch.Tensor:
-    """Reference inverse RoPE + grouped `wo_a` projection, see the module docstring."""
+def attn_out_proj_torch(o, cos, sin, weight, groups: int, inplace: bool = False) -> torch.Tensor:
+    """Reference inverse RoPE + grouped `wo_a` projection, see the module docstring (o is never changed here)."""
     T = o.shape[0]
     out = apply_rope_torch(o, cos, -sin)
     grouped = out.reshape(T, groups, -1).transpose(0, 1)  # [G, T, NH*D/G]
@@ -71,12 +73,12 @@ if triton is not None:
     from deepinfer.kernels.rope import rope_triton
 
     @register_op("attn_out_proj", "rope_bmm")
-    def attn_out_proj_rope_bmm(o, cos, sin, weight, groups: int) -> torch.Tensor:
+    def attn_out_proj_rope_bmm(o, cos, sin, weight, groups: int, inplace: bool = False) -> torch.Tensor:
         """The reference with its inverse RoPE as one Triton launch (`kernels.rope`, bit-identical to
-        `apply_rope_torch`), then the same `bmm`: equal to `attn_out_proj_torch` bit for bit, ~10 launches fewer. The
-        CUDA default."""
+        `apply_rope_torch`; `inplace`: into o's rope channels), then the same `bmm`: equal to `attn_out_proj_torch`
+        bit for bit, ~10 launches fewer. The CUDA default."""
         T = o.shape[0]
-        out = rope_triton(o, cos, sin, inverse=True)
+        out = rope_triton(o, cos, sin, inverse=True, inplace=inplace)
         grouped = out.reshape(T, groups, -1).transpose(0, 1)  # [G, T, NH*D/G]
         w = weight.view(groups, -1, grouped.shape[-1])  # [G, R, NH*D/G]
         return torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(T, -1)  # [T, G*R]
@@ -244,9 +246,10 @@ if triton is not None:
     @register_op("attn_out_proj", "triton")
     def attn_out_proj_triton(o, cos, sin, weight, groups: int, block_m: int | None = None,
                              block_r: int | None = None, block_k: int | None = None,
-                             num_warps: int = 8, force_kernel: bool = False) -> torch.Tensor:
+                             num_warps: int = 8, force_kernel: bool = False, inplace: bool = False) -> torch.Tensor:
         """Triton inverse RoPE + grouped `wo_a`, see the module docstring. o contiguous [T, NH, D], weight
-        contiguous [G * R, NH * D / G] of o's dtype, cos/sin float32 [T, rd/2]; block sizes powers of two
+        contiguous [G * R, NH * D / G] of o's dtype, cos/sin float32 [T, rd/2] (o is never changed: `inplace` is
+        accepted and ignored, the kernel rotates as it loads); block sizes powers of two
         >= 16. Defaults (tiles M x R x K): 16 x 64 x 64 up to 16 tokens (decode: the weight read once, G * R / 64
         programs), else 64 x 128 x 32. NOTE: compiled for sm_90a (triton 3.9, ptxas 13.4, D 512, 8 warps) both
         spill nothing (153 and 231 registers a thread: `benchmarks.kernel_registers`); 64 x 64 x 64 with 4 warps spills ~0.9 KiB."""

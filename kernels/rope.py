@@ -51,9 +51,16 @@ def apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 @register_op("rope", "torch")
-def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Reference RoPE (module docstring); `inverse` rotates back by the same angles (`-sin`)."""
-    return apply_rope_torch(x, cos, -sin if inverse else sin)
+def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
+               inplace: bool = False) -> torch.Tensor:
+    """Reference RoPE (module docstring); `inverse` rotates back by the same angles (`-sin`); `inplace` writes the
+    rope channels into x and returns it (the same values)."""
+    y = apply_rope_torch(x, cos, -sin if inverse else sin)
+    if not inplace:
+        return y
+    rd = 2 * cos.shape[-1]
+    x[..., -rd:] = y[..., -rd:]
+    return x
 
 
 @register_default_impl("rope")
@@ -85,9 +92,16 @@ if triton is not None:
 
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, R, M, cs_stride, D: tl.constexpr, HALF: tl.constexpr,
-                     INVERSE: tl.constexpr, BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                     INVERSE: tl.constexpr, BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                     ROPE_ONLY: tl.constexpr):
+        # ROPE_ONLY: the program's channels are the rope channels only (in place: y_ptr is x_ptr; every load of a
+        # row's channels comes before its stores, and a row belongs to one program)
         r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # rows of x viewed [R, D]
-        d = tl.arange(0, BLOCK_D)
+        if ROPE_ONLY:
+            d = tl.arange(0, BLOCK_D)
+            d = tl.where(d < 2 * HALF, D - 2 * HALF + d, D)  # channel D: masked off below
+        else:
+            d = tl.arange(0, BLOCK_D)
         r_ok = r < R
         d_ok = d < D
         m = r_ok[:, None] & d_ok[None, :]
@@ -112,10 +126,11 @@ if triton is not None:
 
     @register_op("rope", "triton")
     def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
-                    block_r: int | None = None) -> torch.Tensor:
+                    inplace: bool = False, block_r: int | None = None) -> torch.Tensor:
         """Triton RoPE (module docstring), bit-identical to `rope_torch`: x contiguous [n, ..., D] float32 /
         bfloat16 / float16 (2-D or more); cos/sin float32 [n, rd/2] with contiguous rows (1 <= rd/2, D - rd
-        even). Returns a new tensor like x. No autograd. On CUDA, or on the CPU under `TRITON_INTERPRET=1`.
+        even). Returns a new tensor like x, or x itself with `inplace` (then only the rope channels are read and
+        written: rd / D of the traffic). No autograd. On CUDA, or on the CPU under `TRITON_INTERPRET=1`.
         `block_r`: rows a program (a power of two; default: as many as make ~2048 elements)."""
         if x.dim() < 2 or not x.is_contiguous():
             raise ValueError(f"rope_triton: x must be a contiguous [n, ..., D] tensor, got {list(x.shape)} with "
@@ -141,17 +156,18 @@ if triton is not None:
             raise ValueError(f"rope_triton needs a CUDA tensor (or TRITON_INTERPRET=1), got {x.device}")
         if x.requires_grad and torch.is_grad_enabled():
             raise ValueError("rope_triton has no backward; use the 'torch' implementation for training")
-        block_d = triton.next_power_of_2(D)
+        block_d = triton.next_power_of_2(2 * half if inplace else D)
         if block_r is None:
             block_r = max(1, 2048 // block_d)
         if block_r < 1 or block_r & (block_r - 1):
             raise ValueError(f"rope_triton: block_r must be a power of two, got {block_r}")
-        y = torch.empty_like(x)
+        y = x if inplace else torch.empty_like(x)
         R = x.numel() // D
         if R:
             # NOTE: enable_fp_fusion=False: no FMA contraction, so every op rounds as torch's (bit-identical)
             _rope_kernel[(triton.cdiv(R, block_r),)](
                 x, cos, sin, y, R, R // n if n else 1, cos.stride(0), D=D, HALF=half, INVERSE=bool(inverse),
-                BF16=x.dtype == torch.bfloat16, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4, enable_fp_fusion=False,
+                BF16=x.dtype == torch.bfloat16, BLOCK_R=block_r, BLOCK_D=block_d, ROPE_ONLY=bool(inplace), num_warps=4,
+                enable_fp_fusion=False,
             )
         return y

@@ -250,7 +250,7 @@ class Indexer(nn.Module):
 
     def _queries(self, q_res: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Index queries [n, heads, index_head_dim]: wq_b, RoPE, then (reference numerics) rotation + FP4."""
-        q = self.ops.rope(self.wq_b(q_res).view(q_res.shape[0], self.num_heads, self.head_dim), cos, sin)
+        q = self.ops.rope(self.wq_b(q_res).view(q_res.shape[0], self.num_heads, self.head_dim), cos, sin, inplace=True)
         return rotate_and_quant(q) if self.numerics == "reference" else q
 
     def select(
@@ -335,9 +335,11 @@ class Attention(nn.Module):
         out = self.backend.forward(spec, inputs, cache, meta)  # [T, NH, D]
         if type(self.wo_a) is nn.Linear:
             # the rope channels rotated back by the query position, then the grouped wo_a (one op)
-            return self.wo_b(self.ops.attn_out_proj(out.contiguous(), cos, sin, self.wo_a.weight, self.o_groups))
+            # (inplace: `out` is not read again, so its rope channels may be rotated where they are)
+            return self.wo_b(self.ops.attn_out_proj(out.contiguous(), cos, sin, self.wo_a.weight, self.o_groups,
+                                                    inplace=True))
         # wo_a kept quantized (engine.quant, chosen by the loader): rotate back, then per group
-        out = self.ops.rope(out.contiguous(), cos, sin, inverse=True)  # apply_rope(out, cos, -sin)
+        out = self.ops.rope(out.contiguous(), cos, sin, inverse=True, inplace=True)  # apply_rope(out, cos, -sin)
         grouped = out.reshape(T, self.o_groups, -1).transpose(0, 1)  # [G, T, NH*D/G]
         views = _row_group_views(self, "wo_a", self.o_groups)
         if views is not None:  # group g's rows as an FP8 linear of its own (views, no copy)

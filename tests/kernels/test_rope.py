@@ -69,6 +69,12 @@ _INTERPRETED = textwrap.dedent("""
                 for block_r in (None, 1, 8):
                     got = rope_triton(x, cos, sin, inverse, block_r=block_r)
                     assert got.dtype == x.dtype and torch.equal(got, want), (dtype, shape, inverse, block_r)
+                    # in place: x itself comes back with the same bits (only its rope channels read and written)
+                    y = x.clone()
+                    assert rope_triton(y, cos, sin, inverse, inplace=True, block_r=block_r) is y
+                    assert torch.equal(y, want), (dtype, shape, inverse, block_r, "inplace")
+                y = x.clone()
+                assert rope_torch(y, cos, sin, inverse, inplace=True) is y and torch.equal(y, want)
             # a row alone is the same (elementwise: batch invariant)
             if shape[0] > 1:
                 assert torch.equal(rope_triton(x[1:2].contiguous(), cos[1:2], sin[1:2]), rope_torch(x, cos, sin)[1:2])
@@ -80,6 +86,7 @@ _INTERPRETED = textwrap.dedent("""
         o, c, s = rope_case((3, 4, 16), 4, dtype, 11)
         w = (torch.randn(2 * 5, 32, generator=torch.Generator().manual_seed(1)) * 0.2).to(dtype)
         assert torch.equal(attn_out_proj_rope_bmm(o, c, s, w, 2), attn_out_proj_torch(o, c, s, w, 2)), dtype
+        assert torch.equal(attn_out_proj_rope_bmm(o.clone(), c, s, w, 2, inplace=True), attn_out_proj_torch(o, c, s, w, 2))
     x, cos, sin = rope_case((3, 4, 16), 4)
     for args, msg in [((x.transpose(0, 1), cos, sin), "contiguous"), ((x.double(), cos, sin), "float32, bfloat16"),
                       ((x, cos[:2], sin[:2]), "must be [3, rd/2]"), ((x, cos.double(), sin.double()), "float32"),
@@ -118,11 +125,12 @@ def test_kernel_compiles_for_sm90_without_fma(dtype):
     from deepinfer.kernels.rope import _rope_kernel
 
     ptr = f"*{dtype}"
-    ptx = compiled_ptx(_rope_kernel, {"x_ptr": ptr, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "y_ptr": ptr, "R": "i32",
-                                      "M": "i32", "cs_stride": "i32"},
-                       {"D": 512, "HALF": 32, "INVERSE": True, "BF16": dtype == "bf16", "BLOCK_R": 4,
-                        "BLOCK_D": 512}, num_warps=4, enable_fp_fusion=False)
-    assert "mul.rn.f32" in ptx and "fma.rn" not in ptx
+    for rope_only, block_d in ((False, 512), (True, 64)):  # the whole rows, or the rope channels in place
+        ptx = compiled_ptx(_rope_kernel, {"x_ptr": ptr, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "y_ptr": ptr,
+                                          "R": "i32", "M": "i32", "cs_stride": "i32"},
+                           {"D": 512, "HALF": 32, "INVERSE": True, "BF16": dtype == "bf16", "BLOCK_R": 4,
+                            "BLOCK_D": block_d, "ROPE_ONLY": rope_only}, num_warps=4, enable_fp_fusion=False)
+        assert "mul.rn.f32" in ptx and "fma.rn" not in ptx, rope_only
 
 
 # --------------------------------------------------------------------------- CUDA
@@ -141,6 +149,8 @@ def test_triton_kernel_on_cuda_is_bit_identical(dtype, shape, half):
         want = rope_torch(x, cos, sin, inverse)
         assert torch.equal(rope_triton(x, cos, sin, inverse), want), (rope_triton(x, cos, sin, inverse).float()
                                                                      - want.float()).abs().max()
+        y = x.clone()
+        assert rope_triton(y, cos, sin, inverse, inplace=True) is y and torch.equal(y, want)
         assert torch.equal(want.cpu(), rope_torch(x.cpu(), cos.cpu(), sin.cpu(), inverse))  # CUDA == CPU too
 
 
@@ -154,3 +164,5 @@ def test_rope_bmm_on_cuda_is_the_reference(dtype, T):
     o, cos, sin = rope_case((T, 64, 512), 32, dtype, seed=T, device="cuda")
     w = (torch.randn(8 * 1024, 4096, device="cuda") * 0.02).to(dtype)
     assert torch.equal(attn_out_proj_rope_bmm(o, cos, sin, w, 8), attn_out_proj_torch(o, cos, sin, w, 8))
+    assert torch.equal(attn_out_proj_rope_bmm(o.clone(), cos, sin, w, 8, inplace=True),
+                       attn_out_proj_torch(o, cos, sin, w, 8))
