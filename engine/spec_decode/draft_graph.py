@@ -13,13 +13,14 @@ features):
 
 1. the committed pass over `B_pad * N_pad` rows (request b's row i at flat row `b * N_pad + i`) with the static
    verify metadata of `verify_rows.static_verify_metadata` over the drafter's own window cache (padding rows
-   mirror a real row's write, so they change nothing);
+   mirror a real row's write, so they change nothing), computed inside the graph from a few per-request inputs
+   (`static_verify_metadata_from`, as the verify graphs do: the host copies those, not the metadata);
 2. draft 1 from the hidden state at each request's last committed row (`last_rows`, a graph input), its
    probability and (with `keep_features`) its confidence features;
 3. the ring rows the chained positions will overwrite, saved (`snap_slots`, `snap_positions`: graph inputs);
 4. `k - 1` chained steps, one row per request, each reading the previous draft from the device (no host read
    between them), each with its static metadata computed in the graph from the last committed positions
-   (`verify_rows.static_window_step_metadata`: the host builds one metadata per drafting, the committed pass's);
+   (`verify_rows.static_window_step_metadata`);
 5. the saved rows written back (the chained positions are speculative: `RingRollback`'s job in the eager path).
 
 The graph's outputs are the drafts `[B_pad, k]`, their probabilities and features; the caller reads the real
@@ -42,10 +43,12 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.engine.cuda_graph import CudaGraphRunner, UnsupportedLeaf, clone_tensors, flatten
-from deepinfer.engine.forward_batch import ForwardBatch, SeqChunk
+from deepinfer.engine.forward_batch import SeqChunk
 from deepinfer.engine.spec_decode.verify_rows import (
+    StaticVerifyInputs,
     packed_to_device,
-    static_verify_metadata,
+    static_verify_inputs,
+    static_verify_metadata_from,
     static_window_step_metadata,
 )
 
@@ -67,7 +70,8 @@ class DraftInputs:
     last_rows: torch.Tensor  # [B_pad] each request's last committed row (padding: request 0's)
     snap_slots: torch.Tensor  # [B_pad * (k - 1)] the slot of every chained position (padding: request 0's)
     snap_positions: torch.Tensor  # [B_pad * (k - 1)] the chained positions (padding: request 0's)
-    committed: object  # AttentionMetadata of the committed pass (static form)
+    committed: StaticVerifyInputs  # what the committed pass's static metadata is computed from (in the graph)
+    num_queries: int  # N_pad: committed rows per padded request
     chain_positions: torch.Tensor  # [B_pad] each request's last committed position (padding: 0)
     chain_slots: torch.Tensor  # [B_pad] (padding: request 0's)
     chain_state_starts: torch.Tensor  # [B_pad] (padding: 0)
@@ -138,20 +142,19 @@ class DraftGraphRunner(CudaGraphRunner):
         pairs = [(s.slot, p + j) for s, p in zip(seqs, last_pos) for j in range(1, k)]
         pairs += pairs[:k - 1] * (Bp - B)
         pad = Bp - B
+        real = [SeqChunk(s.slot, [], s.first_pos, len(s.stream_rows), s.state_start) for s in seqs]
+        # the committed pass's metadata inputs (sliding only: no block table); its padded positions are `p0 + i`
+        committed = static_verify_inputs(real, Bp, N, (self.drafter.layer.attn.spec,), self.cache, 1)
         host = [torch.tensor(src), torch.tensor(ids), torch.tensor(last),
                 torch.tensor(pairs, dtype=torch.long).view(-1, 2).t().contiguous(),
                 torch.tensor(last_pos + [0] * pad), torch.tensor([s.slot for s in seqs] + [first.slot] * pad),
-                torch.tensor([s.state_start for s in seqs] + [0] * pad), torch.arange(Bp) < B]
-        src_rows, input_ids, last_rows, snap, chain_pos, chain_slots, chain_starts, is_real = packed_to_device(host,
-                                                                                                             device)
-        real = [SeqChunk(s.slot, [], s.first_pos, len(s.stream_rows), s.state_start) for s in seqs]
-        padded = ForwardBatch(input_ids=input_ids, seqs=[SeqChunk(c.slot, [], c.num_computed_tokens, N, c.state_start)
-                                                         for c in real] + [SeqChunk(first.slot, [], 0, N)] * pad)
-        committed = static_verify_metadata(real, Bp, N, padded.positions, (self.drafter.layer.attn.spec,),
-                                           self._rope_fns(), self.cache, 1)  # sliding only: no block table read
+                torch.tensor([s.state_start for s in seqs] + [0] * pad), torch.arange(Bp) < B, *committed.tensors()]
+        moved = packed_to_device(host, device)  # NOTE: one transfer for all of them
+        src_rows, input_ids, last_rows, snap, chain_pos, chain_slots, chain_starts, is_real = moved[:8]
         return DraftInputs(input_ids=input_ids, streams=streams.index_select(0, src_rows), last_rows=last_rows,
-                           snap_slots=snap[0], snap_positions=snap[1], committed=committed, chain_positions=chain_pos,
-                           chain_slots=chain_slots, chain_state_starts=chain_starts, chain_is_real=is_real)
+                           snap_slots=snap[0], snap_positions=snap[1], committed=StaticVerifyInputs.of(moved[8:]),
+                           num_queries=N, chain_positions=chain_pos, chain_slots=chain_slots,
+                           chain_state_starts=chain_starts, chain_is_real=is_real)
 
     def _rope_fns(self) -> dict:
         inner = self.drafter.model.model
@@ -201,8 +204,11 @@ class DraftGraphRunner(CudaGraphRunner):
         """The drafting's device work over static inputs (no host value read: what the graph records)."""
         d = self.drafter
         layer, cache, embed = d.layer, d.cache, d.model.model.embed_tokens
+        # NOTE: outside the numerics, as the host built it before (its RoPE tables are the eager path's)
+        committed = static_verify_metadata_from(x.committed, x.num_queries, (layer.attn.spec,), self._rope_fns(),
+                                                cache.block_size, 1)
         with d.numerics():
-            hidden, streams = layer(x.streams, DraftRows(x.input_ids), cache, x.committed, embed, return_streams=True)
+            hidden, streams = layer(x.streams, DraftRows(x.input_ids), cache, committed, embed, return_streams=True)
             tok, prob, feat = d._greedy(hidden.index_select(0, x.last_rows), 0)
             toks, probs, feats = [tok], [prob], [feat]
             cur = streams.index_select(0, x.last_rows)  # [B_pad, hc, H]
