@@ -2,12 +2,11 @@
 
     python -m deepinfer.benchmarks.fp8_swap_ab --json OUT.json      (CUDA; a minute or two of compiling and timing)
 
-`kernels.fp8_gemm` has two kernels for decode sizes: `_fp8_gemm_kernel` (x @ W.T, the e4m3 weight tile converted
-in registers is the dot's B operand and is re-staged through shared memory for the tensor cores) and
-`_fp8_gemm_swap_kernel` (out.T = W @ x.T, the converted tile is the A operand, which Hopper's wgmma reads from
-registers). The first-call tuner picks among `fp8_gemm_candidates`, both kinds. This times every candidate under
-CUDA-graph replay on V4-Flash's FP8 projection shapes at 1-64 tokens and prints, per (shape, tokens), the best
-plain and the best swap-AB config with their fraction of the card's copy rate (measured here), the tuner's pick,
+`kernels.fp8_gemm._fp8_gemm_kernel` has two forms for decode sizes: plain (x @ W.T, the e4m3 weight tile converted
+in registers is the dot's B operand and is re-staged through shared memory for the tensor cores) and SWAP
+(out.T = W @ x.T, the converted tile is the A operand, which Hopper's wgmma reads from registers). The first-call
+tuner picks among `fp8_gemm_candidates`, both kinds. This times every candidate under CUDA-graph replay on V4-Flash's FP8 projection shapes at 1-64 tokens and prints, per (shape, tokens), the best plain and the best
+swap-AB config with their fraction of the card's copy rate (measured here), the tuner's pick,
 and torch's bf16 matmul of the same shape. Every config is checked against the exact reference first.
 """
 

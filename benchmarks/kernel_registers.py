@@ -101,6 +101,35 @@ def configurations():
     for name, bm, br, bk in (("decode", 16, 64, 64), ("prefill", 64, 128, 32)):
         out.append((f"attn_out_proj {name}", attn_proj._out_proj_kernel, osig,
                     dict(D=512, HALF=32, BLOCK_M=bm, BLOCK_R=br, BLOCK_K=bk, IEEE=False), 8))
+    return out + quantized_gemm_configurations()
+
+
+def quantized_gemm_configurations():
+    """The FP8 dense GEMM (wq_b: K 1024) and the FP4 MoE up / down GEMMs (V4-Flash: H 4096, I 2048) at a decode
+    config, plain and swap-AB (`SWAP`: the weight tile as the dot's A operand, which lowers to wgmma)."""
+    from deepinfer.kernels import fp8_gemm, moe_gemm
+
+    u8, i32 = "*u8", "*i32"
+    fsig = dict(x_ptr=BF16, w_ptr=u8, s_ptr=u8, out_ptr=BF16, part_ptr=F32, lock_ptr=i32, M="i32", N="i32%16",
+                K="i32%16", stride_xm="i32%16", stride_wn="i32%16", stride_sn="i32", stride_om="i32%16")
+    usig = dict(x_ptr=BF16, w_ptr=u8, s_ptr=u8, pairs_ptr=i32, counts_ptr=i32, act_ptr=BF16, E="i32", N="i32%16",
+                limit="fp32", stride_xm="i32%16", stride_we="i32%16", stride_wn="i32%16", stride_se="i32%16",
+                stride_sn="i32%16", stride_am="i32%16")
+    dsig = dict(a_ptr=BF16, w_ptr=u8, s_ptr=u8, pairs_ptr=i32, counts_ptr=i32, tw_ptr=F32, y_ptr=BF16, E="i32",
+                N="i32%16", stride_am="i32%16", stride_we="i32%16", stride_wn="i32%16", stride_se="i32%16",
+                stride_sn="i32%16", stride_ym="i32%16")
+    fp4 = dict(E_POW2=64, WFMT=moe_gemm.WFMT_FP4, SCALE_BLOCK=32, BN_SCALE=1, SCALE_E8M0=True, IEEE_DOT=False,
+               BLOCK_M=16, BLOCK_K=128)
+    out = []
+    for swap in (False, True):
+        kind = "swap" if swap else "plain"
+        out.append((f"fp8_gemm decode {kind}", fp8_gemm._fp8_gemm_kernel, fsig,
+                    dict(K_SLICE=256, BN_SCALE=128, BK_SCALE=128, SCALE_E8M0=True, IEEE_DOT=False, SPLIT=4, BLOCK_M=16,
+                         BLOCK_N=64, BLOCK_K=128, SWAP=swap), 4))
+        out.append((f"moe_up fp4 decode {kind}", moe_gemm._moe_up_kernel, usig,
+                    dict(K=4096, TOPK=6, BLOCK_N=64 if swap else 32, SWAP=swap, **fp4), 4))
+        out.append((f"moe_down fp4 decode {kind}", moe_gemm._moe_down_kernel, dsig,
+                    dict(K=2048, BLOCK_N=64, SWAP=swap, **fp4), 4))
     return out
 
 

@@ -141,20 +141,16 @@ if triton is not None:
         x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_KP, 2)))
         w_lo = (lo.to(tl.float32) * sf).to(x.dtype)  # [BLOCK_N, BLOCK_KP], exact
         w_hi = (hi.to(tl.float32) * sf).to(x.dtype)
-        if SWAP:
-            if IEEE_DOT:
-                acc += tl.dot(w_lo, tl.trans(x_even), input_precision="ieee")
-                acc += tl.dot(w_hi, tl.trans(x_odd), input_precision="ieee")
-            else:
-                acc += tl.dot(w_lo, tl.trans(x_even))
-                acc += tl.dot(w_hi, tl.trans(x_odd))
+        if SWAP:  # W @ x.T
+            a_lo, b_lo, a_hi, b_hi = w_lo, tl.trans(x_even), w_hi, tl.trans(x_odd)
         else:
-            if IEEE_DOT:
-                acc += tl.dot(x_even, tl.trans(w_lo), input_precision="ieee")
-                acc += tl.dot(x_odd, tl.trans(w_hi), input_precision="ieee")
-            else:
-                acc += tl.dot(x_even, tl.trans(w_lo))
-                acc += tl.dot(x_odd, tl.trans(w_hi))
+            a_lo, b_lo, a_hi, b_hi = x_even, tl.trans(w_lo), x_odd, tl.trans(w_hi)
+        if IEEE_DOT:
+            acc += tl.dot(a_lo, b_lo, input_precision="ieee")
+            acc += tl.dot(a_hi, b_hi, input_precision="ieee")
+        else:
+            acc += tl.dot(a_lo, b_lo)
+            acc += tl.dot(a_hi, b_hi)
         return acc
 
     @triton.jit

@@ -15,7 +15,7 @@ Implementations:
     converted exactly to x's dtype (e4m3 fits bf16/fp16/fp32), accumulates in float32, and multiplies
     the slice's partial sums by their scale before adding them: with UE8M0 (power-of-two) scales every
     product is exact and only the float32 summation order differs from the reference. float32
-    activations take an IEEE (not TF32) dot. At decode sizes the tuner also tries `_fp8_gemm_swap_kernel`,
+    activations take an IEEE (not TF32) dot. At decode sizes the tuner also tries its `SWAP` form,
     which computes `out.T = W @ x.T` (the converted weight tile as the dot's A operand, which Hopper's
     wgmma reads from registers instead of re-staging it through shared memory): the same products.
 
@@ -140,7 +140,7 @@ def fp8_gemm_candidates(m: int) -> list[tuple[int, int, int, int, int, int, int]
     """Configs tried for M rows: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, waves, swap), where `waves`
     is the number of 132-SM waves of programs a K split aims at (decode: few output tiles, so K is split
     until ~waves x SMs programs stream the weights) and `swap` 1 picks the swap-AB kernel (decode sizes: the
-    weight tile is the dot's A operand, `_fp8_gemm_swap_kernel`). The first one is the default without tuning."""
+    weight tile is the dot's A operand: `_fp8_gemm_kernel`'s SWAP). The first one is the default without tuning."""
     bm = m_bucket(m)
     if bm:
         return [(bm, 64, 128, 4, 3, 2, 0), (bm, 128, 128, 4, 4, 2, 0), (bm, 64, 128, 4, 4, 4, 0),
@@ -241,69 +241,53 @@ if triton is not None:
     def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, K_SLICE: tl.constexpr,
                          stride_xm, stride_wn, stride_sn, stride_om, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
                          SCALE_E8M0: tl.constexpr, IEEE_DOT: tl.constexpr, SPLIT: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr):
         # NOTE: BLOCK_K divides BK_SCALE (one K step lies in one scale column) and K_SLICE, the K range of
         # program_id(2)'s split (SPLIT of them; `_store_split_k` adds their partial sums).
+        # SWAP: out.T = W @ x.T, the converted weight tile [BLOCK_N, BLOCK_K] (loaded in W's row-major order) the
+        # dot's A operand, which Hopper's wgmma reads from registers, and the few tokens its N dimension (BLOCK_M
+        # 16..64); the accumulator is transposed until the store. Same products, same K order.
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         m_ok, n_ok = rm < M, rn < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWAP:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k_lo = tl.program_id(2) * K_SLICE
         s_row = s_ptr + (rn // BN_SCALE) * stride_sn  # [BLOCK_N] scale row pointers, one per output column
         for step in range(0, K_SLICE, BLOCK_K):  # NOTE: a compile-time trip count; steps past K load nothing
             k0 = k_lo + step
             kk = k0 + rk
             k_ok = kk < K
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w_bits = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None], mask=k_ok[:, None] & n_ok[None, :],
-                             other=0)  # [BLOCK_K, BLOCK_N] e4m3 bytes, 16-byte runs along K
-            w = w_bits.to(tl.float8e4nv, bitcast=True).to(x.dtype)  # exact
+            if SWAP:
+                w_bits = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                                 other=0)  # [BLOCK_N, BLOCK_K] e4m3 bytes
+                b = tl.load(x_ptr + rm[None, :] * stride_xm + kk[:, None], mask=k_ok[:, None] & m_ok[None, :],
+                            other=0.0)  # [BLOCK_K, BLOCK_M]
+                a = w_bits.to(tl.float8e4nv, bitcast=True).to(b.dtype)  # exact
+            else:
+                a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+                w_bits = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                                 other=0)  # [BLOCK_K, BLOCK_N] e4m3 bytes, 16-byte runs along K
+                b = w_bits.to(tl.float8e4nv, bitcast=True).to(a.dtype)  # exact
             # a step past K (last split) reads a valid scale column and multiplies zero partial sums
             s = tl.load(s_row + tl.minimum(k0, K - 1) // BK_SCALE, mask=n_ok, other=0)  # [BLOCK_N], once per step
             if SCALE_E8M0:
                 s = _e8m0_decode(s.to(tl.int32))
             if IEEE_DOT:
-                part = tl.dot(x, w, input_precision="ieee")
+                part = tl.dot(a, b, input_precision="ieee")
             else:
-                part = tl.dot(x, w)
-            acc += part * s[None, :]
+                part = tl.dot(a, b)
+            if SWAP:
+                acc += part * s[:, None]
+            else:
+                acc += part * s[None, :]
+        if SWAP:
+            acc = tl.trans(acc)
         _store_split_k(acc, out_ptr, part_ptr, lock_ptr, rm, rn, M, N, stride_om, SPLIT)
-
-    @triton.jit
-    def _fp8_gemm_swap_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, K_SLICE: tl.constexpr,
-                              stride_xm, stride_wn, stride_sn, stride_om, BN_SCALE: tl.constexpr,
-                              BK_SCALE: tl.constexpr, SCALE_E8M0: tl.constexpr, IEEE_DOT: tl.constexpr,
-                              SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr):
-        # `_fp8_gemm_kernel` with the operands swapped: out.T = W @ x.T, so that the converted weight tile
-        # [BLOCK_N, BLOCK_K] (loaded in W's row-major order) is the dot's A operand, which Hopper's wgmma reads
-        # from registers, and the few tokens are its N dimension (BLOCK_M 16..64). Same products, same K order.
-        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        m_ok, n_ok = rm < M, rn < N
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        k_lo = tl.program_id(2) * K_SLICE
-        s_row = s_ptr + (rn // BN_SCALE) * stride_sn
-        for step in range(0, K_SLICE, BLOCK_K):
-            k0 = k_lo + step
-            kk = k0 + rk
-            k_ok = kk < K
-            w_bits = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                             other=0)  # [BLOCK_N, BLOCK_K] e4m3 bytes
-            xt = tl.load(x_ptr + rm[None, :] * stride_xm + kk[:, None], mask=k_ok[:, None] & m_ok[None, :],
-                         other=0.0)  # [BLOCK_K, BLOCK_M]
-            w = w_bits.to(tl.float8e4nv, bitcast=True).to(xt.dtype)  # exact
-            s = tl.load(s_row + tl.minimum(k0, K - 1) // BK_SCALE, mask=n_ok, other=0)
-            if SCALE_E8M0:
-                s = _e8m0_decode(s.to(tl.int32))
-            if IEEE_DOT:
-                part = tl.dot(w, xt, input_precision="ieee")
-            else:
-                part = tl.dot(w, xt)
-            acc += part * s[:, None]
-        _store_split_k(tl.trans(acc), out_ptr, part_ptr, lock_ptr, rm, rn, M, N, stride_om, SPLIT)
 
     def split_k_buffers(grid_mn: tuple[int, int], split: int, m: int, n: int, out: torch.Tensor):
         """(part, lock) buffers for a launch over grid_mn output tiles and `split` K slices:
@@ -351,12 +335,11 @@ if triton is not None:
             k_slice = triton.cdiv(k_steps, split) * block_k
             split = triton.cdiv(k, k_slice)
             part, lock = split_k_buffers(grid_mn, split, m, n, out)
-            kernel = _fp8_gemm_swap_kernel if swap else _fp8_gemm_kernel
-            kernel[grid_mn + (split,)](
+            _fp8_gemm_kernel[grid_mn + (split,)](
                 x, w8.view(torch.uint8), scale.view(torch.uint8) if is_e8m0 else scale, out, part, lock, m, n, k,
                 k_slice, x.stride(0), w8.stride(0), scale.stride(0), out.stride(0), BN_SCALE=bn, BK_SCALE=bk,
                 SCALE_E8M0=is_e8m0, IEEE_DOT=x.dtype == torch.float32, SPLIT=split, BLOCK_M=block_m,
-                BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+                BLOCK_N=block_n, BLOCK_K=block_k, SWAP=bool(swap), num_warps=warps, num_stages=stages)
 
         idx = x.device.index if x.device.type == "cuda" else -1
         key = ("fp8_gemm", idx, m_bucket(m), n, k, bk, x.dtype, split_k)

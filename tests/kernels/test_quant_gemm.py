@@ -251,3 +251,21 @@ def test_every_tuning_candidate_on_cuda(m):
     refg = fp4_grouped_gemm_torch(xg.float(), packed, scale, counts)
     for cfg in fp4_gemm_candidates(m):
         close(fp4_grouped_gemm_triton(xg.cuda(), packed.cuda(), scale.cuda(), counts.cuda(), config=cfg), refg)
+
+
+def test_decode_configs_compile_for_sm90():
+    """The FP8 GEMM and the FP4 MoE GEMMs at a decode config (`benchmarks.kernel_registers`), compiled ahead of time
+    for sm_90a: both forms compile without spills; the swap-AB form's dots are warpgroup MMAs (the weight tile as
+    the A operand), the plain form's (16 token rows) Ampere-style mma.sync."""
+    pytest.importorskip("triton")
+    from deepinfer.benchmarks.kernel_registers import _ptxas, compile_report, quantized_gemm_configurations
+
+    if _ptxas() is None:
+        pytest.skip("no ptxas bundled with triton")
+    for name, fn, sig, consts, warps in quantized_gemm_configurations():
+        r = compile_report(fn, sig, consts, warps)
+        assert r["spill_stores"] == 0 and 0 < r["registers"] <= 255, (name, r)
+        if name.endswith("swap"):
+            assert r["wgmma"] > 0 and r["mma_sync"] == 0, (name, r)
+        else:
+            assert r["mma_sync"] > 0, (name, r)
