@@ -725,10 +725,10 @@ class BatchInvariantTritonAttentionBackend(TritonAttentionBackend):
         return rows
 
 
-BI_MOE_UP_CONFIG = (32, 32, 128, 4, 4)
-"""The batch-invariant MoE's one tile config of `moe_up` (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): never chosen by
-the rows per expert (the `triton` backend's tuned pick is, and another tile is another reduction)."""
-BI_MOE_DOWN_CONFIG = (32, 64, 128, 4, 4)
+BI_MOE_UP_CONFIG = (32, 32, 128, 4, 4, 0)
+"""The batch-invariant MoE's one tile config of `moe_up` (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap): never
+chosen by the rows per expert (the `triton` backend's tuned pick is, and another tile is another reduction)."""
+BI_MOE_DOWN_CONFIG = (32, 64, 128, 4, 4, 0)
 """Likewise for `moe_down`."""
 
 
