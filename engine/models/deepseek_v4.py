@@ -64,6 +64,7 @@ from deepinfer.engine.config import ModelConfig, RopeConfig
 from deepinfer.engine.forward_batch import ForwardBatch
 from deepinfer.engine.moe import Gate, MoEBackend, get_moe_backend
 from deepinfer.kernels import OpTable
+from deepinfer.kernels import rope as _rope
 from deepinfer.kernels.mhc import hc_collapse_torch, hc_weights_torch
 from deepinfer.kernels.rope import apply_rope_torch
 from deepinfer.kernels.swiglu import swiglu_torch
@@ -250,7 +251,8 @@ class Indexer(nn.Module):
 
     def _queries(self, q_res: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Index queries [n, heads, index_head_dim]: wq_b, RoPE, then (reference numerics) rotation + FP4."""
-        q = self.ops.rope(self.wq_b(q_res).view(q_res.shape[0], self.num_heads, self.head_dim), cos, sin, inplace=True)
+        q = self.ops.rope(self.wq_b(q_res).view(q_res.shape[0], self.num_heads, self.head_dim), cos, sin,
+                          inplace=_rope.ROPE_IN_PLACE)
         return rotate_and_quant(q) if self.numerics == "reference" else q
 
     def select(
@@ -337,9 +339,9 @@ class Attention(nn.Module):
             # the rope channels rotated back by the query position, then the grouped wo_a (one op)
             # (inplace: `out` is not read again, so its rope channels may be rotated where they are)
             return self.wo_b(self.ops.attn_out_proj(out.contiguous(), cos, sin, self.wo_a.weight, self.o_groups,
-                                                    inplace=True))
+                                                    inplace=_rope.ROPE_IN_PLACE))
         # wo_a kept quantized (engine.quant, chosen by the loader): rotate back, then per group
-        out = self.ops.rope(out.contiguous(), cos, sin, inverse=True, inplace=True)  # apply_rope(out, cos, -sin)
+        out = self.ops.rope(out.contiguous(), cos, sin, inverse=True, inplace=_rope.ROPE_IN_PLACE)  # apply_rope(out, cos, -sin)
         grouped = out.reshape(T, self.o_groups, -1).transpose(0, 1)  # [G, T, NH*D/G]
         views = _row_group_views(self, "wo_a", self.o_groups)
         if views is not None:  # group g's rows as an FP8 linear of its own (views, no copy)

@@ -29,9 +29,17 @@ def torch_ops(device: str) -> dict:
 
 def check(ckpt, device="cpu", dtype="float32", attention_backend="torch") -> float:
     """Exact with the elementwise kernels; the same greedy tokens with all; returns the worst |logit difference|."""
+    from deepinfer.kernels import rope
+
     ref = model_logits(ckpt, device, dtype, torch_ops(device), attention_backend)
     exact = model_logits(ckpt, device, dtype, {**torch_ops(device), **EXACT}, attention_backend)
     assert all(torch.equal(a, b) for a, b in zip(ref, exact))
+    was, rope.ROPE_IN_PLACE = rope.ROPE_IN_PLACE, True  # the opt-in in-place RoPE (the output's and the indexer queries'): the same bits
+    try:
+        for ops in ({**torch_ops(device), **EXACT}, torch_ops(device)):
+            assert all(torch.equal(a, b) for a, b in zip(ref, model_logits(ckpt, device, dtype, ops, attention_backend)))
+    finally:
+        rope.ROPE_IN_PLACE = was
     return worst_diff_same_tokens(ref, model_logits(ckpt, device, dtype, ALL, attention_backend))
 
 
