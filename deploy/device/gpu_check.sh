@@ -88,6 +88,9 @@ if [[ "$what" == opt ]]; then
     # the opt-in mHC "fused" long-chunk projection in the whole prefill (kernels/mhc.py LONG_PROJ)
     step roofline_mhc_fused 150 env DEEPINFER_MHC_LONG_PROJ=fused "${ROOF_TRITON[@]}" --batches 1 \
         --json "$RES/gpu_roofline_mhc_fused.json"
+    # the opt-in in-place RoPE (kernels/rope.py ROPE_IN_PLACE) in the whole prefill
+    step roofline_rope_in_place 150 env DEEPINFER_ROPE_IN_PLACE=1 "${ROOF_TRITON[@]}" --batches 1 \
+        --json "$RES/gpu_roofline_rope_in_place.json"
     step moe_prefill_route 120 $B.moe_kernels --parts prefill,routed --formats bf16 --experts 64 \
         --tokens 256,1024,4096 --json "$RES/moe_grouped_route.json"
     roofline_legacy 240
