@@ -18,44 +18,14 @@ import json
 
 import torch
 
+from deepinfer.benchmarks.gpu_roofline import copy_rate
+from deepinfer.benchmarks.quantized_gemm import FP8_SHAPES, time_graph
 from deepinfer.kernels.fp8_gemm import TUNED, fp8_gemm_candidates, fp8_gemm_torch, fp8_gemm_triton
 
-SHAPES = {"wq_b": (32768, 1024), "wo_a": (8192, 4096), "wo_b": (4096, 8192), "wq_a": (1024, 4096),
-          "shared_w13": (4096, 4096), "shared_w2": (4096, 2048)}
-"""V4-Flash's FP8 projections (N, K)."""
 
-
-def graph_time(fn, reps: int = 50) -> float:
-    """Microseconds per `fn()` from CUDA-graph replays of `reps` captured calls (best of 5)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / reps * 1000)
-    return min(times)
-
-
-def copy_rate_gbps(dev: torch.device) -> float:
-    """The device-to-device copy rate (GB/s, read + write counted) of a 1 GiB tensor: the roofline's rate."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    us = graph_time(functools.partial(b.copy_, a), reps=5)
-    return 2 * a.numel() / us / 1e3
+def graph_us(fn, device: torch.device) -> float:
+    """Microseconds of one `fn()` under CUDA-graph replay (`quantized_gemm.time_graph`: 50 captured calls)."""
+    return time_graph(fn, device, reps=5, calls=50) * 1e6
 
 
 def _best(times: dict, swap: int):
@@ -74,10 +44,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    rate = copy_rate_gbps(dev)
+    rate = copy_rate(dev) / 1e9  # GB/s, read + written (`gpu_roofline`'s roofline rate)
     print(f"# copy rate {rate:.0f} GB/s ({torch.cuda.get_device_name()})", flush=True)
     rows = []
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in FP8_SHAPES.items():
         w8 = (torch.randn(n, k, device=dev) * 0.5).to(torch.float8_e4m3fn)
         codes = torch.randint(120, 130, (n // 128, k // 128), device=dev, dtype=torch.uint8)
         scale = codes.view(torch.float8_e8m0fnu)
@@ -94,14 +64,14 @@ def main(argv: list[str] | None = None) -> None:
                     if err > 1e-2:
                         print(f"# {name} m={m} config {cfg}: WRONG (relative error {err:.3g})", flush=True)
                         continue
-                    times[cfg] = graph_time(functools.partial(fp8_gemm_triton, x, w8, scale, (128, 128),
-                                                              config=cfg))
+                    times[cfg] = graph_us(functools.partial(fp8_gemm_triton, x, w8, scale, (128, 128), config=cfg),
+                                          dev)
                 except Exception as exc:  # noqa: BLE001 - e.g. shared memory exceeded for one config
                     print(f"# {name} m={m} config {cfg} skipped: {type(exc).__name__}: {exc}", flush=True)
             TUNED.clear()
             fp8_gemm_triton(x, w8, scale, (128, 128))  # the tuner's pick (timed on its own first call)
             picked = next(iter(TUNED.values()), None)
-            t_bf = graph_time(functools.partial(torch.matmul, x, wb.T))
+            t_bf = graph_us(functools.partial(torch.matmul, x, wb.T), dev)
 
             t_plain, c_plain = _best(times, swap=0)
             t_swap, c_swap = _best(times, swap=1)

@@ -47,13 +47,17 @@ def apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     """The interleaved partial RoPE, x [n, ..., D], cos/sin [n, rd/2] (module docstring). The one torch copy: the
     model's `apply_rope` (engine/models/deepseek_v4.py), the references of `kernels.attn_proj` and
     `kernels.compressor` call it."""
+    return torch.cat([x[..., :-2 * cos.shape[-1]], _rotated_channels(x, cos, sin)], dim=-1)
+
+
+def _rotated_channels(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The trailing `rd` channels of x rotated (`apply_rope_torch`'s arithmetic), in x's dtype `[n, ..., rd]`."""
     rd = cos.shape[-1] * 2
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
     c, s = cos.view(shape), sin.view(shape)
     rope = x[..., -rd:].float()
     x1, x2 = rope[..., 0::2], rope[..., 1::2]
-    out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2).to(x.dtype)
-    return torch.cat([x[..., :-rd], out], dim=-1)
+    return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2).to(x.dtype)
 
 
 @register_op("rope", "torch")
@@ -61,11 +65,10 @@ def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
                inplace: bool = False) -> torch.Tensor:
     """Reference RoPE (module docstring); `inverse` rotates back by the same angles (`-sin`); `inplace` writes the
     rope channels into x and returns it (the same values)."""
-    y = apply_rope_torch(x, cos, -sin if inverse else sin)
+    sin = -sin if inverse else sin
     if not inplace:
-        return y
-    rd = 2 * cos.shape[-1]
-    x[..., -rd:] = y[..., -rd:]
+        return apply_rope_torch(x, cos, sin)
+    x[..., -2 * cos.shape[-1]:] = _rotated_channels(x, cos, sin)  # no copy of the other channels
     return x
 
 

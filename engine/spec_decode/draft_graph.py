@@ -71,7 +71,6 @@ class DraftInputs:
     snap_slots: torch.Tensor  # [B_pad * (k - 1)] the slot of every chained position (padding: request 0's)
     snap_positions: torch.Tensor  # [B_pad * (k - 1)] the chained positions (padding: request 0's)
     committed: StaticVerifyInputs  # what the committed pass's static metadata is computed from (in the graph)
-    num_queries: int  # N_pad: committed rows per padded request
     chain_positions: torch.Tensor  # [B_pad] each request's last committed position (padding: 0)
     chain_slots: torch.Tensor  # [B_pad] (padding: request 0's)
     chain_state_starts: torch.Tensor  # [B_pad] (padding: 0)
@@ -153,8 +152,8 @@ class DraftGraphRunner(CudaGraphRunner):
         src_rows, input_ids, last_rows, snap, chain_pos, chain_slots, chain_starts, is_real = moved[:8]
         return DraftInputs(input_ids=input_ids, streams=streams.index_select(0, src_rows), last_rows=last_rows,
                            snap_slots=snap[0], snap_positions=snap[1], committed=StaticVerifyInputs.of(moved[8:]),
-                           num_queries=N, chain_positions=chain_pos, chain_slots=chain_slots,
-                           chain_state_starts=chain_starts, chain_is_real=is_real)
+                           chain_positions=chain_pos, chain_slots=chain_slots, chain_state_starts=chain_starts,
+                           chain_is_real=is_real)
 
     def _rope_fns(self) -> dict:
         inner = self.drafter.model.model
@@ -205,7 +204,8 @@ class DraftGraphRunner(CudaGraphRunner):
         d = self.drafter
         layer, cache, embed = d.layer, d.cache, d.model.model.embed_tokens
         # NOTE: outside the numerics, as the host built it before (its RoPE tables are the eager path's)
-        committed = static_verify_metadata_from(x.committed, x.num_queries, (layer.attn.spec,), self._rope_fns(),
+        num_queries = x.input_ids.shape[0] // x.chain_is_real.shape[0]  # N_pad committed rows per padded request
+        committed = static_verify_metadata_from(x.committed, num_queries, (layer.attn.spec,), self._rope_fns(),
                                                 cache.block_size, 1)
         with d.numerics():
             hidden, streams = layer(x.streams, DraftRows(x.input_ids), cache, committed, embed, return_streams=True)
