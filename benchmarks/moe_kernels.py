@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.benchmarks.timing import time_call
-from deepinfer.engine.moe.triton_backend import grouped_mm_experts
+from deepinfer.engine.moe.triton_backend import fp4_grouped_mm_experts, grouped_mm_experts
 from deepinfer.kernels import get_op
 from deepinfer.kernels import moe_gemm as mg
 from deepinfer.kernels.fp8_gemm import TUNED
@@ -230,6 +230,64 @@ def prefill_cases(args, device: torch.device, out: list[dict]) -> None:
               flush=True)
 
 
+def _fp4_triton_whole(x, ids, tw, w13, w2, limit: float):
+    """The four Triton kernels over FP4 experts (the backend's path below the route's threshold)."""
+    align, up, down = get_op("moe_align", "triton"), get_op("moe_up", "triton"), get_op("moe_down", "triton")
+    k = ids.shape[1]
+    sp, cnt = align(ids, w13[0].shape[0])
+    return get_op("moe_combine", "triton")(down(up(x, w13, sp, cnt, k, limit, mg.WFMT_FP4), w2, sp, cnt, tw,
+                                                mg.WFMT_FP4), ids)
+
+
+def _dequant_all(w13, w2, scratch13, scratch2):
+    dequant = get_op("fp4_dequant", "triton")
+    dequant(*w13, 32, out=scratch13)
+    dequant(*w2, 32, out=scratch2)
+
+
+def prefill_fp4_cases(args, device: torch.device, out: list[dict]) -> None:
+    """FP4 experts at prefill sizes: the Triton FP4 kernels against the dequantize-then-`_grouped_mm` route
+    (`triton_backend.fp4_grouped_mm_experts`, 1 GiB of scratch), eagerly, per expert count and token count; the
+    route's dequantization alone (every expert once) too. Where the route wins sets
+    `DEFAULT_FP4_DEQUANT_ROWS_PER_EXPERT`."""
+    hidden, inter, k, limit = args.hidden, args.inter, args.topk, 10.0
+    ops = [get_op(name, "triton") for name in ("moe_align", "swiglu", "moe_combine", "fp4_dequant")]
+    matmul = _matmul_tflops(device)
+    for num_experts in args.experts:
+        w13, w2, _ = expert_weights(num_experts, hidden, inter, "fp4", device)
+        scratch = (torch.empty(num_experts, 2 * inter, hidden, device=device, dtype=torch.bfloat16),
+                   torch.empty(num_experts, hidden, inter, device=device, dtype=torch.bfloat16))
+        sec = time_call(functools.partial(_dequant_all, w13, w2, *scratch), device, args.iters)
+        scratch = None
+        nbytes = num_experts * 3 * hidden * inter * (0.5 + 1 / 32 + 2)
+        out.append({"kind": "prefill_fp4", "experts": num_experts, "impl": "dequant_all", "ms": sec * 1e3,
+                    "gbps": nbytes / sec / 1e9})
+        print(f"prefill fp4 E={num_experts} dequantize every expert {sec * 1e3:8.3f} ms {nbytes / sec / 1e9:7.0f} GB/s",
+              flush=True)
+        for tokens in args.fp4_prefill_tokens:
+            g = torch.Generator(device=device).manual_seed(tokens)
+            x = torch.randn(tokens, hidden, device=device, generator=g).bfloat16()
+            ids = torch.rand(tokens, num_experts, device=device, generator=g).argsort(dim=1)[:, :k].contiguous()
+            tw = torch.rand(tokens, k, device=device, generator=g)
+            kernels = functools.partial(_fp4_triton_whole, x, ids, tw, w13, w2, limit)
+            route = functools.partial(fp4_grouped_mm_experts, x, tw, ids, w13, w2, 32, limit, *ops)
+            ref, got = kernels().float(), route().float()
+            dev = ((got - ref).abs().max() / ref.abs().mean()).item()
+            flops = 2 * 3 * tokens * k * hidden * inter
+            for impl, fn in (("triton", kernels), ("dequant_route", route)):
+                sec = time_call(fn, device, args.iters)
+                row = {"kind": "prefill_fp4", "experts": num_experts, "tokens": tokens, "rows_per_expert":
+                       tokens * k / num_experts, "impl": impl, "ms": sec * 1e3, "tflops": flops / sec / 1e12,
+                       "of_matmul": flops / sec / 1e12 / matmul, "matmul_tflops": matmul,
+                       "peak_extra_mb": _peak_extra_bytes(fn, device) / 1e6,
+                       "max_dev_vs_triton": dev if impl != "triton" else 0.0}
+                out.append(row)
+                print(f"prefill fp4 E={num_experts} T={tokens} ({tokens * k // num_experts} rows/expert) {impl:13s} "
+                      f"{row['ms']:8.3f} ms {row['tflops']:6.1f} TFLOP/s {100 * row['of_matmul']:5.1f}% of matmul "
+                      f"peak +{row['peak_extra_mb']:.0f} MB" + (f"  max dev {dev:.2e}" if impl != "triton" else ""),
+                      flush=True)
+
+
 def routing_cases(args, device: torch.device, out: list[dict]) -> None:
     ref, fast = get_op("moe_routing", "torch"), get_op("moe_routing", "triton")
     for num_experts in args.experts:
@@ -277,7 +335,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--inter", type=int, default=2048)
     p.add_argument("--formats", default="bf16,fp4")
-    p.add_argument("--parts", default="routed,routing,mhc", help="any of routed,routing,mhc,prefill")
+    p.add_argument("--parts", default="routed,routing,mhc", help="any of routed,routing,mhc,prefill,prefill_fp4")
+    p.add_argument("--fp4-prefill-tokens", default="1024,4096,8192,32768", help="tokens of the prefill_fp4 part")
     p.add_argument("--prefill-tokens", type=int, default=8192, help="tokens of the prefill part")
     p.add_argument("--reps", type=int, default=10, help="calls captured per graph (2 at >= 1024 tokens)")
     p.add_argument("--iters", type=int, default=10, help="graph replays timed (median)")
@@ -290,12 +349,15 @@ def main(argv: list[str] | None = None) -> None:
     args.tokens = [int(t) for t in args.tokens.split(",")]
     args.experts = [int(e) for e in args.experts.split(",")]
     args.formats = args.formats.split(",")
+    args.fp4_prefill_tokens = [int(t) for t in args.fp4_prefill_tokens.split(",")]
     if args.tiny:
         args.hidden, args.inter, args.tokens, args.experts, args.prefill_tokens = 256, 128, [1, 64], [8], 256
+        args.fp4_prefill_tokens = [256]
     device = torch.device("cuda")
     out: list[dict] = []
     t0 = time.time()
-    parts = {"routed": routed_cases, "routing": routing_cases, "mhc": mhc_cases, "prefill": prefill_cases}
+    parts = {"routed": routed_cases, "routing": routing_cases, "mhc": mhc_cases, "prefill": prefill_cases,
+             "prefill_fp4": prefill_fp4_cases}
     for part in args.parts.split(","):
         parts[part](args, device, out)
         result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "host": platform.node(),

@@ -751,7 +751,7 @@ class BatchInvariantTritonMoEBackend(TritonMoEBackend):
         if self.impl_name != "triton":
             raise ValueError("batch_invariant=True: the 'triton' MoE backend's kernels do not run on "
                              f"{self.w13[0].device} (CUDA, or the CPU under TRITON_INTERPRET=1); use moe_backend='torch'")
-        self.grouped_mm_usable = False
+        self.grouped_mm_usable = self.fp4_route_usable = False
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         dtype, topk_ids = x.dtype, topk_ids.contiguous()

@@ -339,3 +339,101 @@ if triton is not None:
         key = ("fp4_grouped_gemm", idx, _fp8.m_bucket(per_expert), packed.shape[0], n, packed.shape[2], block, x.dtype)
         launch(config or _fp8.tune_pick(key, fp4_gemm_candidates(per_expert), launch, x.device))
         return out
+
+
+# --- FP4 -> bfloat16 dequantization (the MoE backend's large-batch route) ---------------------------------------
+
+
+def check_fp4_dequant_args(name: str, packed: torch.Tensor, scale: torch.Tensor, block: int,
+                           out: torch.Tensor | None) -> None:
+    """Raise a ValueError naming `name` and the offending argument unless (packed [..., N, K/2], scale
+    [..., N, K/block], out [..., N, K] bfloat16 or None) fit the `"fp4_dequant"` op."""
+    if packed.dim() < 2 or packed.dim() != scale.dim():
+        raise ValueError(f"{name}: packed must be [..., N, K/2] and scale [..., N, K/block] (as many dims), got "
+                         f"{list(packed.shape)} and {list(scale.shape)}")
+    if packed.dtype not in (torch.int8, torch.uint8):
+        raise ValueError(f"{name}: packed must be int8 (two E2M1 codes a byte), got {packed.dtype}")
+    if scale.dtype != torch.float8_e8m0fnu:
+        raise ValueError(f"{name}: scale must be float8_e8m0fnu, got {scale.dtype}")
+    n, k = packed.shape[-2], 2 * packed.shape[-1]
+    expected = (*packed.shape[:-2], *fp4_scale_shape(n, k, block))
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"{name}: scale {list(scale.shape)} does not match packed {list(packed.shape)} with block "
+                         f"{block} (expected {list(expected)})")
+    if out is not None and (tuple(out.shape) != (*packed.shape[:-1], k) or out.dtype != torch.bfloat16
+                            or not out.is_contiguous() or out.device != packed.device):
+        raise ValueError(f"{name}: out must be a contiguous bfloat16 [{', '.join(map(str, (*packed.shape[:-1], k)))}] "
+                         f"on {packed.device}, got {out.dtype} {list(out.shape)} on {out.device}")
+    if packed.device != scale.device:
+        raise ValueError(f"{name}: packed and scale must share a device, got {packed.device} and {scale.device}")
+
+
+@register_op("fp4_dequant", "torch", in_op_table=False)
+def fp4_dequant_torch(packed: torch.Tensor, scale: torch.Tensor, block: int = 32,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """W = E2M1(packed) * 2**(scale - 127) as bfloat16 [..., N, K], exact (every E2M1 value times a power of two
+    within bf16's range is a bf16 value). Written into `out` when given; `ROWS_PER_CHUNK` rows of float32
+    scratch at a time."""
+    check_fp4_dequant_args("fp4_dequant_torch", packed, scale, block, out)
+    k = 2 * packed.shape[-1]
+    flat_p, flat_s = packed.reshape(-1, packed.shape[-1]), scale.reshape(-1, scale.shape[-1])
+    if out is None:
+        out = torch.empty(*packed.shape[:-1], k, dtype=torch.bfloat16, device=packed.device)
+    flat_o = out.view(-1, k)
+    for r0 in range(0, flat_p.shape[0], ROWS_PER_CHUNK):
+        r1 = min(flat_p.shape[0], r0 + ROWS_PER_CHUNK)
+        flat_o[r0:r1] = dequant_fp4(flat_p[r0:r1], flat_s[r0:r1], block)
+    return out
+
+
+@register_default_impl("fp4_dequant")
+def _default_fp4_dequant(device: torch.device) -> str:
+    return "triton" if device.type == "cuda" and triton is not None else "torch"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fp4_dequant_kernel(w_ptr, s_ptr, out_ptr, ROWS, KP, SCALE_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
+                            BLOCK_KP: tl.constexpr):
+        # One [BLOCK_R, BLOCK_KP] tile of packed bytes -> [BLOCK_R, 2 * BLOCK_KP] bf16: the E2M1 decode of
+        # `_fp4_step` (bits into a float16, times the folded scale), the low nibble the even column.
+        HALF: tl.constexpr = SCALE_BLOCK // 2
+        G: tl.constexpr = BLOCK_KP // HALF
+        rr = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        jj = tl.program_id(1) * BLOCK_KP + tl.arange(0, BLOCK_KP)
+        r_ok, j_ok = rr < ROWS, jj < KP
+        b = tl.load(w_ptr + rr[:, None] * KP + jj[None, :], mask=r_ok[:, None] & j_ok[None, :], other=0).to(tl.int32)
+        SP = (KP + HALF - 1) // HALF  # scales a row
+        sg = tl.program_id(1) * G + tl.arange(0, G)
+        sb = tl.load(s_ptr + rr[:, None] * SP + sg[None, :], mask=r_ok[:, None] & (sg < SP)[None, :],
+                     other=127).to(tl.int32)
+        sf = ((sb + 14) << 23).to(tl.float32, bitcast=True)  # 2**(scale - 127) * 2**14
+        sf = tl.reshape(tl.broadcast_to(sf[:, :, None], (BLOCK_R, G, HALF)), (BLOCK_R, BLOCK_KP))
+        lo = (((b & 8) << 12) | ((b & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (((b & 128) << 8) | ((b & 112) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
+        w = tl.reshape(tl.join((lo.to(tl.float32) * sf).to(tl.bfloat16), (hi.to(tl.float32) * sf).to(tl.bfloat16)),
+                       (BLOCK_R, 2 * BLOCK_KP))
+        kk = 2 * tl.program_id(1) * BLOCK_KP + tl.arange(0, 2 * BLOCK_KP)
+        tl.store(out_ptr + rr[:, None] * (2 * KP) + kk[None, :], w, mask=r_ok[:, None] & (kk < 2 * KP)[None, :])
+
+    @register_op("fp4_dequant", "triton", in_op_table=False)
+    def fp4_dequant_triton(packed: torch.Tensor, scale: torch.Tensor, block: int = 32,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+        """`fp4_dequant_torch` in one launch (packed and scale contiguous; bit-identical: both exact). On CUDA, or
+        the CPU under `TRITON_INTERPRET=1`. NOTE: scale bytes above 240 overflow the folded 2**14 (as in
+        `_fp4_step`; real checkpoints' scales are far below)."""
+        check_fp4_dequant_args("fp4_dequant_triton", packed, scale, block, out)
+        kp = packed.shape[-1]
+        check_triton_launch("fp4_dequant_triton", packed.reshape(-1, max(kp, 1)), "packed and scale", packed, scale,
+                            block=block)
+        if out is None:
+            out = torch.empty(*packed.shape[:-1], 2 * kp, dtype=torch.bfloat16, device=packed.device)
+        rows = packed.numel() // max(kp, 1)
+        if rows == 0 or kp == 0:
+            return out
+        block_r, block_kp = 32, max(128, block // 2)
+        grid = (triton.cdiv(rows, block_r), triton.cdiv(kp, block_kp))
+        _fp4_dequant_kernel[grid](packed.view(torch.uint8), scale.view(torch.uint8), out, rows, kp, SCALE_BLOCK=block,
+                                  BLOCK_R=block_r, BLOCK_KP=block_kp, num_warps=4)
+        return out

@@ -104,7 +104,7 @@ if [[ "$what" == extra ]]; then
         # The mode swaps the backends for its fixed-order variants (engine/batch_invariant.py): on:triton = the Triton
         # path of the mode (explicit triton backends, opt-in), on:torch = its torch path ("auto" in the mode); off =
         # the default fast path (Triton) and the torch backends without the mode.
-        for run in off:triton on:triton on:torch off:torch; do
+        for run in ${BI_RUNS:-off:triton on:triton on:torch off:torch}; do  # BI_RUNS picks some
             bi=${run%%:*} be=${run#*:}
             flag=(); [[ $bi == on ]] && flag=(--batch-invariant)
             step "gpu_engine_bi_${bi}_$be" "${T_BI:-150}" $B.gpu_engine --skip-hf --batches 1,32,128 \

@@ -37,6 +37,15 @@ computes the bits its replays do. Measured on an H100 (2026-12-05, V4-Flash-shap
 prefill, with the mHC "split" variant): 89.3 -> 70.1 ms a prefill step with the route at 4,096 rows; decode
 unchanged (graphs). The batch-invariant mode never reaches it: `engine.batch_invariant` swaps this backend for
 `BatchInvariantTritonMoEBackend` (one tile config for every batch, never the route).
+
+FP4 experts (the published V4 checkpoints) take a route of their own from `fp4_dequant_rows_per_expert` rows per
+expert on average (env `DEEPINFER_MOE_FP4_DEQUANT_ROWS_PER_EXPERT`, default `DEFAULT_FP4_DEQUANT_ROWS_PER_EXPERT`,
+0 = off; also at least `grouped_mm_min_rows` rows, and bf16 activations): `fp4_grouped_mm_experts` dequantizes a
+group of experts at a time to bf16 (the `"fp4_dequant"` op, exact) into a bounded scratch and runs the same
+`_grouped_mm` projections on that group's rows. The Triton FP4 kernels decode every weight tile once per
+BLOCK_M rows of its expert (integer ops in registers: Hopper has no FP4 conversion), which bounds them at
+prefill sizes; the route decodes each weight once a forward, at the cost of writing and reading the bf16 copy
+(8x the FP4 bytes) and one host sync (the group boundaries), so it pays only with many rows per expert.
 """
 
 from __future__ import annotations
@@ -116,14 +125,65 @@ the route at this threshold against none on an 8,192-token prefill (49,152 rows)
 def grouped_mm_min_rows_from_env() -> int:
     """`DEEPINFER_MOE_GROUPED_MM_MIN_ROWS` as a non-negative int (`DEFAULT_GROUPED_MM_MIN_ROWS` when unset); a
     ValueError otherwise."""
-    raw = os.environ.get(GROUPED_MM_MIN_ROWS_ENV, "")
+    return _nonneg_int_env(GROUPED_MM_MIN_ROWS_ENV, DEFAULT_GROUPED_MM_MIN_ROWS)
+
+
+FP4_DEQUANT_ROWS_PER_EXPERT_ENV = "DEEPINFER_MOE_FP4_DEQUANT_ROWS_PER_EXPERT"
+"""Environment knob: the average (token, expert) rows per expert from which a `"triton"` backend with FP4 experts
+takes the dequantize-then-`_grouped_mm` route (`TritonMoEBackend.fp4_dequant_rows_per_expert`; read at
+construction; unset = `DEFAULT_FP4_DEQUANT_ROWS_PER_EXPERT`, 0 = never)."""
+DEFAULT_FP4_DEQUANT_ROWS_PER_EXPERT = 256
+"""NOTE: an estimate, not a measured crossover: at V4-Flash's shapes the route moves ~8x the FP4 bytes per expert
+(the bf16 copy written and read) where the Triton kernels decode each weight tile once per 64-128 rows;
+`benchmarks/moe_kernels.py --parts prefill --formats fp4` times both."""
+FP4_DEQUANT_SCRATCH_BYTES = 1 << 30
+"""The bf16 scratch the FP4 route dequantizes into (a group of experts at a time: 16 of V4-Flash's 48 MiB ones)."""
+
+
+def _nonneg_int_env(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
     try:
-        rows = int(raw) if raw.strip() else DEFAULT_GROUPED_MM_MIN_ROWS
+        value = int(raw) if raw.strip() else default
     except ValueError:
-        raise ValueError(f"{GROUPED_MM_MIN_ROWS_ENV} must be a non-negative integer, got {raw!r}") from None
-    if rows < 0:
-        raise ValueError(f"{GROUPED_MM_MIN_ROWS_ENV} must be a non-negative integer (0 = off), got {rows}")
-    return rows
+        raise ValueError(f"{name} must be a non-negative integer, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{name} must be a non-negative integer (0 = off), got {value}")
+    return value
+
+
+def _expert_projections(xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor, limit: float,
+                        swiglu) -> torch.Tensor:
+    """Rows xs [R, H] sorted by expert (group ends `offs`) through float stacks w13 [G, 2I, H] (gate rows, then
+    up rows) and w2 [G, H, I] -> [R, H]: gate and up as two grouped GEMMs (each comes out contiguous for the
+    SwiGLU op), the clamped SwiGLU, the down projection."""
+    inter = w2.shape[2]
+    w13t = w13.transpose(1, 2)  # [G, H, 2I] K-major (the layout `pack_experts` returns)
+    g = torch._grouped_mm(xs, w13t[:, :, :inter], offs=offs)  # [R, I]
+    u = torch._grouped_mm(xs, w13t[:, :, inter:], offs=offs)  # [R, I]
+    act = swiglu(g, u, limit)  # [R, I]
+    del g, u
+    return torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)  # [R, H]
+
+
+def _combine_sorted(y_sorted: torch.Tensor, sorted_pairs: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor, combine) -> torch.Tensor:
+    rows = torch.empty_like(sorted_pairs)  # pair p's row of y_sorted (the inverse of the sort)
+    rows.scatter_(0, sorted_pairs.long(), torch.arange(rows.numel(), dtype=rows.dtype, device=rows.device))
+    # NOTE: the combine gathers each pair's row, weights it (one rounding of a product of two x-dtype values) and
+    # adds a token's rows in ascending expert id: the bits of putting the rows back, weighting them and combining,
+    # without the second [R, H] and its two passes (H100, 8,192 tokens at top-6: ~1.2 ms a layer of index_copy_ and
+    # mul_ in the 2026-12-05 profile)
+    return combine(y_sorted, topk_ids, rows=rows, weights=topk_weights)  # [T, H]
+
+
+def _check_route_inputs(name: str, x: torch.Tensor, hidden: int, dtype: torch.dtype, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor) -> None:
+    if x.dim() != 2 or x.shape[1] != hidden or x.dtype != dtype:
+        raise ValueError(f"{name}: x must be [T, {hidden}] in the experts' dtype {dtype}, "
+                         f"got {x.dtype} {list(x.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"{name}: topk_ids and topk_weights must be [T={x.shape[0]}, k], got "
+                         f"{list(topk_ids.shape)} and {list(topk_weights.shape)}")
 
 
 def grouped_mm_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
@@ -145,31 +205,58 @@ def grouped_mm_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: to
     8,192 tokens at top-6, H 4096, I 2048 in bf16, where the Triton path holds act [R, I] and the pair rows
     [R, H] (0.6 GB).
     """
-    if x.dim() != 2 or x.shape[1] != w13.shape[2] or x.dtype != w13.dtype:
-        raise ValueError(f"grouped_mm_experts: x must be [T, {w13.shape[2]}] in the experts' dtype {w13.dtype}, "
-                         f"got {x.dtype} {list(x.shape)}")
-    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"grouped_mm_experts: topk_ids and topk_weights must be [T={x.shape[0]}, k], got "
-                         f"{list(topk_ids.shape)} and {list(topk_weights.shape)}")
-    num_experts, inter, k = w13.shape[0], w2.shape[2], topk_ids.shape[1]
-    w13t = w13.transpose(1, 2)  # [E, H, 2I] K-major (the layout `pack_experts` returns)
+    _check_route_inputs("grouped_mm_experts", x, w13.shape[2], w13.dtype, topk_weights, topk_ids)
+    sorted_pairs, counts = align(topk_ids, w13.shape[0])  # [R], [E] on the device
+    offs = counts.cumsum(0, dtype=torch.int32)
+    xs = x.index_select(0, sorted_pairs // topk_ids.shape[1])  # [R, H] each sorted pair's token row
+    y_sorted = _expert_projections(xs, w13, w2, offs, limit, swiglu)  # [R, H] rows in expert order
+    del xs
+    return _combine_sorted(y_sorted, sorted_pairs, topk_ids, topk_weights, combine)
+
+
+def fp4_grouped_mm_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                           w13: tuple[torch.Tensor, torch.Tensor], w2: tuple[torch.Tensor, torch.Tensor], block: int,
+                           limit: float, align, swiglu, combine, dequant,
+                           scratch_bytes: int = FP4_DEQUANT_SCRATCH_BYTES) -> torch.Tensor:
+    """The routed FP4 experts at prefill sizes: x [T, H] bf16 -> [T, H] bf16, `grouped_mm_experts` over weights
+    dequantized a group of experts at a time.
+
+    w13 = (packed int8 [E, 2I, H/2], scales e8m0 [E, 2I, H/block]) and w2 = (packed [E, H, I/2], scales
+    [E, H, I/block]) are the backend's FP4 stacks; `dequant` the `"fp4_dequant"` implementation. The experts go in
+    groups of as many as fit `scratch_bytes` of bf16 (at least one); a group whose experts got no row is skipped.
+    Each group's rows (a contiguous run of the expert-sorted pairs) take `_expert_projections` and land in their
+    rows of the sorted output; the combine is `grouped_mm_experts`'s.
+
+    Arithmetic: the FP4 Triton path's (every dequantized weight is exact in bf16; bf16 products summed in float32,
+    rounded after each projection) up to the float32 summation order. NOTE: one host sync (the group boundaries
+    from the align's counts): eager prefill only, never inside a CUDA-graph capture (`uses_grouped_mm`).
+    NOTE (memory): the scratch (<= `scratch_bytes`, 2 (2I H + H I) bytes an expert) plus the transients of
+    `grouped_mm_experts` for one group's rows, and the gathered x and sorted output [R, H] each.
+    """
+    (p13, s13), (p2, s2) = w13, w2
+    num_experts, n13, hidden = p13.shape[0], p13.shape[1], 2 * p13.shape[2]
+    inter = 2 * p2.shape[2]
+    _check_route_inputs("fp4_grouped_mm_experts", x, hidden, torch.bfloat16, topk_weights, topk_ids)
+    per_expert = 2 * (n13 * hidden + hidden * inter)
+    group = max(1, min(num_experts, scratch_bytes // per_expert))
     sorted_pairs, counts = align(topk_ids, num_experts)  # [R], [E] on the device
     offs = counts.cumsum(0, dtype=torch.int32)
-    xs = x.index_select(0, sorted_pairs // k)  # [R, H] each sorted pair's token row
-    g = torch._grouped_mm(xs, w13t[:, :, :inter], offs=offs)  # [R, I]
-    u = torch._grouped_mm(xs, w13t[:, :, inter:], offs=offs)  # [R, I]
-    del xs
-    act = swiglu(g, u, limit)  # [R, I]
-    del g, u
-    y_sorted = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)  # [R, H] rows in expert order
-    del act
-    rows = torch.empty_like(sorted_pairs)  # pair p's row of y_sorted (the inverse of the sort)
-    rows.scatter_(0, sorted_pairs.long(), torch.arange(rows.numel(), dtype=rows.dtype, device=rows.device))
-    # NOTE: the combine gathers each pair's row, weights it (one rounding of a product of two x-dtype values) and
-    # adds a token's rows in ascending expert id: the bits of putting the rows back, weighting them and combining,
-    # without the second [R, H] and its two passes (H100, 8,192 tokens at top-6: ~1.2 ms a layer of index_copy_ and
-    # mul_ in the 2026-12-05 profile)
-    return combine(y_sorted, topk_ids, rows=rows, weights=topk_weights)  # [T, H]
+    ends = [0] + offs.tolist()  # the host sync: row boundaries of every expert
+    xs = x.index_select(0, sorted_pairs // topk_ids.shape[1])  # [R, H]
+    y_sorted = torch.empty_like(xs)
+    w13b = torch.empty(group, n13, hidden, dtype=torch.bfloat16, device=x.device)
+    w2b = torch.empty(group, hidden, inter, dtype=torch.bfloat16, device=x.device)
+    for e0 in range(0, num_experts, group):
+        e1 = min(num_experts, e0 + group)
+        r0, r1 = ends[e0], ends[e1]
+        if r1 == r0:
+            continue
+        ng = e1 - e0
+        dequant(p13[e0:e1], s13[e0:e1], block, out=w13b[:ng])
+        dequant(p2[e0:e1], s2[e0:e1], block, out=w2b[:ng])
+        y_sorted[r0:r1] = _expert_projections(xs[r0:r1], w13b[:ng], w2b[:ng], offs[e0:e1] - r0, limit, swiglu)
+    del xs, w13b, w2b
+    return _combine_sorted(y_sorted, sorted_pairs, topk_ids, topk_weights, combine)
 
 
 @register_moe_backend("triton")
@@ -200,6 +287,15 @@ class TritonMoEBackend(MoEBackend):
         self.grouped_mm_usable = False
         """Whether the experts can take the `_grouped_mm` route: plain float stacks whose device and dtype have
         a fused `_grouped_mm` with aligned strides (decided in `prepare`; never for FP8 / FP4)."""
+        self.fp4_dequant_rows_per_expert = _nonneg_int_env(FP4_DEQUANT_ROWS_PER_EXPERT_ENV,
+                                                           DEFAULT_FP4_DEQUANT_ROWS_PER_EXPERT)
+        """Average rows per expert from which FP4 experts take `fp4_grouped_mm_experts` (0 = never); from
+        `DEEPINFER_MOE_FP4_DEQUANT_ROWS_PER_EXPERT` at construction; assignable."""
+        self.fp4_dequant_scratch_bytes = FP4_DEQUANT_SCRATCH_BYTES
+        """The bf16 scratch of the FP4 route (`fp4_grouped_mm_experts`'s `scratch_bytes`); assignable."""
+        self.fp4_route_usable = False
+        """Whether FP4 experts can take their dequantize route: bf16 `_grouped_mm` fused on their device, aligned
+        widths (decided in `prepare`); the activations must also be bf16 (checked per forward)."""
 
     def prepare(self, experts: Sequence[nn.Module]) -> None:
         first = experts[0]
@@ -235,19 +331,36 @@ class TritonMoEBackend(MoEBackend):
         w = self.w13[0]
         self.grouped_mm_usable = (self.wfmt == moe_gemm.WFMT_FLOAT and grouped_mm_fast(w.device, w.dtype)
                                   and grouped_mm_aligned(w.shape[2], w.shape[1] // 2, w.dtype))
+        self.fp4_route_usable = (self.wfmt == moe_gemm.WFMT_FP4 and grouped_mm_fast(w.device, torch.bfloat16)
+                                 and grouped_mm_aligned(2 * w.shape[2], w.shape[1] // 2, torch.bfloat16))
+        if self.fp4_route_usable:
+            self._dequant = get_op("fp4_dequant", self.impl_name)
 
-    def uses_grouped_mm(self, num_rows: int, num_tokens: int | None = None) -> bool:
-        """Whether a forward of `num_rows` (token, expert) rows of `num_tokens` tokens takes the `_grouped_mm` route
-        (host ints only; False inside a CUDA-graph capture and for at most `graph_tokens` tokens, so captured
-        steps and their eager warm-ups / fallbacks keep the four kernels)."""
-        return (self.grouped_mm_usable and 0 < self.grouped_mm_min_rows <= num_rows
+    def uses_grouped_mm(self, num_rows: int, num_tokens: int | None = None,
+                        x_dtype: torch.dtype = torch.bfloat16) -> bool:
+        """Whether a forward of `num_rows` (token, expert) rows of `num_tokens` tokens with activations in `x_dtype`
+        takes a `_grouped_mm` route (host values only; False inside a CUDA-graph capture and for at most
+        `graph_tokens` tokens, so captured steps and their eager warm-ups / fallbacks keep the four kernels). FP4
+        experts also need `fp4_dequant_rows_per_expert` rows per expert on average and bf16 activations."""
+        if self.fp4_route_usable:
+            num_experts = self.w13[0].shape[0]
+            usable = (x_dtype == torch.bfloat16
+                      and 0 < self.fp4_dequant_rows_per_expert * num_experts <= num_rows)
+        else:
+            usable = self.grouped_mm_usable
+        return (usable and 0 < self.grouped_mm_min_rows <= num_rows
                 and (num_tokens is None or num_tokens > self.graph_tokens)
                 and not (self.w13[0].is_cuda and torch.cuda.is_current_stream_capturing()))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        if self.uses_grouped_mm(topk_ids.numel(), topk_ids.shape[0]):  # large batches (prefill): see the module docstring
-            return grouped_mm_experts(x.contiguous(), topk_weights.contiguous(), topk_ids.contiguous(), self.w13[0],
-                                      self.w2[0], self.limit, self._align, self._swiglu, self._combine)
+        if self.uses_grouped_mm(topk_ids.numel(), topk_ids.shape[0], x.dtype):  # prefill: see the module docstring
+            args = (x.contiguous(), topk_weights.contiguous(), topk_ids.contiguous())
+            if self.fp4_route_usable:
+                return fp4_grouped_mm_experts(*args, self.w13, self.w2, self.block, self.limit, self._align,
+                                              self._swiglu, self._combine, self._dequant,
+                                              self.fp4_dequant_scratch_bytes)
+            return grouped_mm_experts(*args, self.w13[0], self.w2[0], self.limit, self._align, self._swiglu,
+                                      self._combine)
         dtype, topk_ids = x.dtype, topk_ids.contiguous()
         x = self.prepare_input(x).contiguous()
         sorted_pairs, counts = self._align(topk_ids, self.w13[0].shape[0])  # [T*k], [E] on the device

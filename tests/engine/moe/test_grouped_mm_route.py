@@ -1,7 +1,8 @@
 """The `"triton"` MoE backend's large-batch route through `torch._grouped_mm` (`DEEPINFER_MOE_GROUPED_MM_MIN_ROWS`):
 taken only at or above the threshold with plain float experts, equal to the backend's own path (the Triton kernels
-under `TRITON_INTERPRET=1`, or their torch references) and to the torch reference MoE; never for FP8 / FP4 experts,
-inside a CUDA-graph capture, or in the batch-invariant mode (which refuses the backend).
+under `TRITON_INTERPRET=1`, or their torch references) and to the torch reference MoE; never for FP8 experts (FP4
+ones have a dequantizing route of their own: test_fp4_dequant_route.py), inside a CUDA-graph capture, or in the
+batch-invariant mode (which refuses the backend).
 
 CPU tests are in-process (the backend's torch references) plus one interpreter subprocess (tiny shapes, float32);
 `gpu` tests run bf16 on CUDA (8k rows against the Triton path; captured decode keeps the four kernels).
@@ -135,8 +136,9 @@ def test_quantized_experts_keep_their_kernels(quant, grouped_mm_calls):
     over = {"hidden_size": 160, "moe_intermediate_size": 128} if quant is Fp8Linear else {}
     moe = _routed(quant=quant, **over)
     x, ids = _inputs(40, over.get("hidden_size", 64))
-    moe(x, ids)
-    assert not moe.backend.grouped_mm_usable and not moe.backend.uses_grouped_mm(10**6)
+    moe(x, ids)  # float32 activations: FP4 experts' own route (test_fp4_dequant_route.py) needs bf16 ones
+    assert not moe.backend.grouped_mm_usable and not moe.backend.uses_grouped_mm(10**6, x_dtype=torch.float32)
+    assert moe.backend.fp4_route_usable == (quant is Fp4Linear)
     assert not grouped_mm_calls
 
 
