@@ -106,7 +106,8 @@ def configurations():
 
 def quantized_gemm_configurations():
     """The FP8 dense GEMM (wq_b: K 1024) and the FP4 MoE up / down GEMMs (V4-Flash: H 4096, I 2048) at a decode
-    config, plain and swap-AB (`SWAP`: the weight tile as the dot's A operand, which lowers to wgmma)."""
+    config, plain and swap-AB (`SWAP`: the weight tile as the dot's A operand, which lowers to wgmma); the FP8
+    GEMM over row groups (the grouped wo_a)."""
     from deepinfer.kernels import fp8_gemm, moe_gemm
 
     u8, i32 = "*u8", "*i32"
@@ -125,11 +126,15 @@ def quantized_gemm_configurations():
         kind = "swap" if swap else "plain"
         out.append((f"fp8_gemm decode {kind}", fp8_gemm._fp8_gemm_kernel, fsig,
                     dict(K_SLICE=256, BN_SCALE=128, BK_SCALE=128, SCALE_E8M0=True, IEEE_DOT=False, SPLIT=4, BLOCK_M=16,
-                         BLOCK_N=64, BLOCK_K=128, SWAP=swap), 4))
+                         BLOCK_N=64, BLOCK_K=128, SWAP=swap, GROUP_N=0), 4))
         out.append((f"moe_up fp4 decode {kind}", moe_gemm._moe_up_kernel, usig,
                     dict(K=4096, TOPK=6, BLOCK_N=64 if swap else 32, SWAP=swap, **fp4), 4))
         out.append((f"moe_down fp4 decode {kind}", moe_gemm._moe_down_kernel, dsig,
                     dict(K=2048, BLOCK_N=64, SWAP=swap, **fp4), 4))
+    # the grouped wo_a (8 groups of 1024 rows) in one launch
+    out.append(("fp8_gemm decode row groups", fp8_gemm._fp8_gemm_kernel, fsig,
+                dict(K_SLICE=512, BN_SCALE=128, BK_SCALE=128, SCALE_E8M0=True, IEEE_DOT=False, SPLIT=8, BLOCK_M=16,
+                     BLOCK_N=64, BLOCK_K=128, SWAP=False, GROUP_N=1024), 4))
     return out
 
 

@@ -51,12 +51,17 @@ _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def check_fp8_gemm_args(name: str, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
-                        block: tuple[int, int]) -> None:
+                        block: tuple[int, int], groups: int = 1) -> None:
     """Raise a ValueError naming `name` and the offending argument unless the arguments fit the op."""
     if x.dim() != 2 or w8.dim() != 2:
         raise ValueError(f"{name}: x must be [M, K] and w8 [N, K], got {list(x.shape)} and {list(w8.shape)}")
-    if x.shape[1] != w8.shape[1]:
-        raise ValueError(f"{name}: x has K={x.shape[1]} but w8 is [{w8.shape[0]}, {w8.shape[1]}]")
+    if groups < 1 or (groups > 1 and (w8.shape[0] % groups or (w8.shape[0] // groups) % block[0])):
+        raise ValueError(f"{name}: groups={groups} must split w8's {w8.shape[0]} rows into groups of whole "
+                         f"{block[0]}-row scale blocks")
+    if x.shape[1] != groups * w8.shape[1]:
+        raise ValueError(f"{name}: x has K={x.shape[1]} but w8 is [{w8.shape[0]}, {w8.shape[1]}]"
+                         + (f" with {groups} row groups (x must be [M, {groups} x {w8.shape[1]}])" if groups > 1
+                            else ""))
     if x.dtype not in _ACT_DTYPES:
         raise ValueError(f"{name}: x must be bfloat16, float16 or float32, got {x.dtype}")
     if w8.dtype != torch.float8_e4m3fn:
@@ -71,10 +76,25 @@ def check_fp8_gemm_args(name: str, x: torch.Tensor, w8: torch.Tensor, scale: tor
         raise ValueError(f"{name}: x, w8 and scale must share a device, got {x.device}, {w8.device}, {scale.device}")
 
 
+def _row_groups(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], groups: int):
+    """(x's columns, w8's rows, scale's rows) of each of `groups` row groups (views)."""
+    r, k = w8.shape[0] // groups, w8.shape[1]
+    rb = r // block[0]
+    return [(x[:, g * k:(g + 1) * k], w8[g * r:(g + 1) * r], scale[g * rb:(g + 1) * rb]) for g in range(groups)]
+
+
 @register_op("fp8_gemm", "torch", in_op_table=False)
-def fp8_gemm_torch(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """Exact reference: x [M, K] @ dequant(w8, scale).T -> [M, N] in x's dtype, one bn-row block of W at a time."""
-    check_fp8_gemm_args("fp8_gemm_torch", x, w8, scale, block)
+def fp8_gemm_torch(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                   groups: int = 1) -> torch.Tensor:
+    """Exact reference: x [M, K] @ dequant(w8, scale).T -> [M, N] in x's dtype, one bn-row block of W at a time.
+
+    `groups` > 1: W's rows in `groups` equal groups of whole scale blocks, x [M, groups * K] and output group g
+    (columns g N/groups ..) = x's g-th K columns @ group g's rows.T (V4's grouped `wo_a`: a block-diagonal
+    product without the zeros)."""
+    check_fp8_gemm_args("fp8_gemm_torch", x, w8, scale, block, groups)
+    if groups > 1:
+        return torch.cat([fp8_gemm_torch(xg.contiguous(), wg, sg, block)
+                          for xg, wg, sg in _row_groups(x, w8, scale, block, groups)], dim=1)
     bn, bk = block
     n, k = w8.shape
     x32 = x.float()
@@ -241,12 +261,17 @@ if triton is not None:
     def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, K_SLICE: tl.constexpr,
                          stride_xm, stride_wn, stride_sn, stride_om, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
                          SCALE_E8M0: tl.constexpr, IEEE_DOT: tl.constexpr, SPLIT: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
+                         GROUP_N: tl.constexpr = 0):
         # NOTE: BLOCK_K divides BK_SCALE (one K step lies in one scale column) and K_SLICE, the K range of
         # program_id(2)'s split (SPLIT of them; `_store_split_k` adds their partial sums).
         # SWAP: out.T = W @ x.T, the converted weight tile [BLOCK_N, BLOCK_K] (loaded in W's row-major order) the
         # dot's A operand, which Hopper's wgmma reads from registers, and the few tokens its N dimension (BLOCK_M
         # 16..64); the accumulator is transposed until the store. Same products, same K order.
+        # GROUP_N > 0: W's rows form groups of GROUP_N (a multiple of BLOCK_N) and group g reads x's columns
+        # [g K, (g + 1) K) (x rows of stride_xm >= groups x K): the grouped `wo_a` in one launch.
+        if GROUP_N > 0:
+            x_ptr += (tl.program_id(1) * BLOCK_N // GROUP_N) * K
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -300,7 +325,7 @@ if triton is not None:
 
     @register_op("fp8_gemm", "triton", in_op_table=False)
     def fp8_gemm_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-                        split_k: int | None = None, config: tuple | None = None) -> torch.Tensor:
+                        split_k: int | None = None, config: tuple | None = None, groups: int = 1) -> torch.Tensor:
         """Triton FP8 block-scaled GEMM: x [M, K] (bf16/fp16/fp32, rows contiguous) @ dequant(w8, scale).T.
 
         w8 float8_e4m3fn [N, K] and scale [ceil(N/bn), ceil(K/bk)] (UE8M0 or float32) contiguous; bk a power
@@ -309,10 +334,16 @@ if triton is not None:
         few output tiles (decode); the float32 partial sums are then added in split order (deterministic)
         by the tile's last program, in the same launch. The tile config is timed per (M bucket, N, K,
         dtype) on the first call on CUDA (`tune_pick`); `config` (one of `fp8_gemm_candidates`) forces one.
+        `groups` as in `fp8_gemm_torch` (one launch: each N block reads its group's columns of x).
         """
-        check_fp8_gemm_args("fp8_gemm_triton", x, w8, scale, block)
+        check_fp8_gemm_args("fp8_gemm_triton", x, w8, scale, block, groups)
         if split_k is None and config is None and _dequant_route(x, scale):  # large M: cuBLAS (module docstring)
-            return x @ dequantize_fp8_bf16(w8, scale, block).T
+            w = dequantize_fp8_bf16(w8, scale, block)
+            if groups == 1:
+                return x @ w.T
+            m, k = x.shape[0], w8.shape[1]
+            y = torch.bmm(x.view(m, groups, k).transpose(0, 1), w.view(groups, -1, k).transpose(1, 2))  # [G, M, R]
+            return y.transpose(0, 1).reshape(m, w8.shape[0])
         bn, bk = block
         check_triton_launch("fp8_gemm_triton", x, "x's rows, w8 and scale", w8, scale, block=bk,
                             block_what="K block", min_block=16)
@@ -320,13 +351,16 @@ if triton is not None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         if m == 0 or n == 0:
             return out
-        k = x.shape[1]
+        k = w8.shape[1]
+        group_n = n // groups if groups > 1 else 0
         is_e8m0 = scale.dtype == torch.float8_e8m0fnu
         sms = num_sms(x.device)
 
         def launch(cfg):
             block_m, block_n, block_k, warps, stages, waves, swap = cfg
             block_k = min(block_k, bk)
+            while group_n % block_n:  # NOTE: an N block never straddles two groups (group_n: whole bn blocks)
+                block_n //= 2
             grid_mn = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
             k_steps = triton.cdiv(k, block_k)
             # NOTE: the float32 partials written (split x M x N x 4 bytes) stay <= half of w8's bytes
@@ -339,9 +373,10 @@ if triton is not None:
                 x, w8.view(torch.uint8), scale.view(torch.uint8) if is_e8m0 else scale, out, part, lock, m, n, k,
                 k_slice, x.stride(0), w8.stride(0), scale.stride(0), out.stride(0), BN_SCALE=bn, BK_SCALE=bk,
                 SCALE_E8M0=is_e8m0, IEEE_DOT=x.dtype == torch.float32, SPLIT=split, BLOCK_M=block_m,
-                BLOCK_N=block_n, BLOCK_K=block_k, SWAP=bool(swap), num_warps=warps, num_stages=stages)
+                BLOCK_N=block_n, BLOCK_K=block_k, SWAP=bool(swap), GROUP_N=group_n, num_warps=warps,
+                num_stages=stages)
 
         idx = x.device.index if x.device.type == "cuda" else -1
-        key = ("fp8_gemm", idx, m_bucket(m), n, k, bk, x.dtype, split_k)
+        key = ("fp8_gemm", idx, m_bucket(m), n, k, bk, x.dtype, split_k) + ((groups,) if groups > 1 else ())
         launch(config or tune_pick(key, fp8_gemm_candidates(m), launch, x.device))
         return out

@@ -63,6 +63,7 @@ from deepinfer.engine.cache.kv_cache import V4KVCache
 from deepinfer.engine.config import ModelConfig, RopeConfig
 from deepinfer.engine.forward_batch import ForwardBatch
 from deepinfer.engine.moe import Gate, MoEBackend, get_moe_backend
+from deepinfer.engine.quant.linear import Fp8Linear
 from deepinfer.kernels import OpTable
 from deepinfer.kernels import rope as _rope
 from deepinfer.kernels.mhc import hc_collapse_torch, hc_weights_torch
@@ -342,44 +343,15 @@ class Attention(nn.Module):
                                                     inplace=_rope.ROPE_IN_PLACE))
         # wo_a kept quantized (engine.quant, chosen by the loader): rotate back, then per group
         out = self.ops.rope(out.contiguous(), cos, sin, inverse=True, inplace=_rope.ROPE_IN_PLACE)  # apply_rope(out, cos, -sin)
+        if type(self.wo_a) is Fp8Linear and self.wo_a.row_groups_usable(self.o_groups):
+            # the groups in one FP8 GEMM launch (each N block reads its group's columns of out)
+            return self.wo_b(self.wo_a.forward_row_groups(out.reshape(T, -1), self.o_groups))  # [T, H]
+        # NOTE: groups that do not start on a scale-block row (tiny test models): the whole module per group,
+        # keeping the group's own R outputs: exact, G times the work
         grouped = out.reshape(T, self.o_groups, -1).transpose(0, 1)  # [G, T, NH*D/G]
-        views = _row_group_views(self, "wo_a", self.o_groups)
-        if views is not None:  # group g's rows as an FP8 linear of its own (views, no copy)
-            y = torch.cat([view(grouped[g]) for g, view in enumerate(views)], dim=-1)  # [T, G*R]
-        else:
-            # NOTE: groups that do not start on a scale-block row (tiny test models): the whole module
-            # per group, keeping the group's own R outputs: exact, G times the work
-            R = self.wo_a.out_features // self.o_groups
-            y = torch.cat([self.wo_a(grouped[g])[:, g * R:(g + 1) * R] for g in range(self.o_groups)], dim=-1)
+        R = self.wo_a.out_features // self.o_groups
+        y = torch.cat([self.wo_a(grouped[g])[:, g * R:(g + 1) * R] for g in range(self.o_groups)], dim=-1)
         return self.wo_b(y)  # [T, H]
-
-
-def _row_group_views(owner: nn.Module, name: str, groups: int) -> list[nn.Module] | None:
-    """`groups` FP8 linears over consecutive row blocks of the kept-quantized linear `owner.<name>`
-    (views of its weight and scale: no copy, no extra resident bytes), or None when it is not an
-    `Fp8Linear` or a group does not start on a scale-block row. Cached on `owner` (outside its
-    state_dict) and rebuilt when the weight moves or is replaced.
-    """
-    from deepinfer.engine.quant.linear import Fp8Linear
-
-    lin = getattr(owner, name)
-    key = (lin.weight.data_ptr(), lin.weight.device, lin.scale.data_ptr())
-    cached = owner.__dict__.get("_row_views_" + name)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    R = lin.out_features // groups
-    views = None
-    if type(lin) is Fp8Linear and R % lin.block[0] == 0:
-        rb = R // lin.block[0]
-        views = []
-        for g in range(groups):
-            with torch.device("meta"):
-                view = Fp8Linear(lin.in_features, R, block=lin.block, scale_dtype=lin.scale.dtype)
-            view.weight = nn.Parameter(lin.weight[g * R:(g + 1) * R], requires_grad=False)  # [R, in]
-            view.scale = nn.Parameter(lin.scale[g * rb:(g + 1) * rb], requires_grad=False)  # [R/bn, in/bk]
-            views.append(view)
-    owner.__dict__["_row_views_" + name] = (key, views)
-    return views
 
 
 # --------------------------------------------------------------------------- MoE

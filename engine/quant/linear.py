@@ -146,6 +146,19 @@ class Fp8Linear(_QuantLinear):
         """The full float32 weight [out, in] (for references and tests only: the forward never builds it)."""
         return dequant_fp8_block(self.weight, self.scale, self.block)
 
+    def row_groups_usable(self, groups: int) -> bool:
+        """Whether `forward_row_groups` takes `groups`: the rows split into equal groups of whole scale blocks."""
+        return groups >= 1 and self.out_features % groups == 0 and (self.out_features // groups) % self.block[0] == 0
+
+    def forward_row_groups(self, x: torch.Tensor, groups: int) -> torch.Tensor:
+        """x [M, groups * in] -> [M, out]: output group g (out / groups columns) is x's g-th `in` columns times
+        the g-th group of W's rows (V4's grouped `wo_a`, a block-diagonal product) in ONE GEMM launch (the
+        `fp8_gemm` op's `groups`). NOTE: the activations go in as they are, whatever `act_quant`: the official
+        reference multiplies the grouped `wo_a` in bf16."""
+        if self._impl_device != self.weight.device:
+            self.select_impl()
+        return self._gemm(x.contiguous(), self.weight, self.scale, self.block, groups=groups).to(x.dtype)
+
 
 class Fp4Linear(_QuantLinear):
     """A bias-free linear over an FP4 (E2M1) weight with UE8M0 scales per 1 x `block` run, kept quantized.

@@ -85,6 +85,33 @@ def test_fp8_large_m_takes_the_dequantize_then_matmul_route(monkeypatch):
     assert not fp8_gemm._dequant_route(x, s)
 
 
+def test_fp8_row_groups_reference_and_checks():
+    """`groups`: output group g is x's g-th K columns times W's g-th rows (V4's grouped wo_a); the reference equals
+    the block-diagonal product; rows not in whole scale blocks per group, or x of the wrong width, are refused."""
+    w8, s = _fp8(3 * 256, 200)
+    x = _x(7, 3 * 200)
+    w = dequant_fp8_block(w8, s)
+    want = torch.cat([x[:, g * 200:(g + 1) * 200] @ w[g * 256:(g + 1) * 256].T for g in range(3)], dim=1)
+    torch.testing.assert_close(fp8_gemm_torch(x, w8, s, (128, 128), groups=3), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="groups=2 must split"):
+        fp8_gemm_torch(_x(7, 400), *_fp8(3 * 128, 200), (128, 128), groups=2)  # 192-row groups
+    with pytest.raises(ValueError, match="3 row groups"):
+        fp8_gemm_torch(_x(7, 200), w8, s, (128, 128), groups=3)
+
+
+def test_fp8_row_groups_dequantize_route(monkeypatch):
+    pytest.importorskip("triton")
+    from deepinfer.kernels import fp8_gemm
+
+    monkeypatch.setattr(fp8_gemm, "DEQUANT_MIN_ROWS", 16)
+    w8, s = _fp8(4 * 128, 256)
+    x = _x(40, 4 * 256).to(torch.bfloat16)
+    out = fp8_gemm.fp8_gemm_triton(x, w8, s, (128, 128), groups=4)
+    ref = fp8_gemm_torch(x.float(), w8, s, (128, 128), groups=4)
+    assert out.dtype == torch.bfloat16 and out.shape == (40, 512)
+    torch.testing.assert_close(out.float(), ref, atol=1e-2 * ref.abs().max().item(), rtol=1e-2)
+
+
 def test_grouped_tile_map():
     counts = torch.tensor([3, 0, 20, 1])
     e, r0, r1 = grouped_tile_map(counts, 16, 24)
@@ -140,6 +167,14 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
             check(fp8_gemm_triton(x, w8, s8, (128, 128), config=cfg), fp8_gemm_torch(x, w8, s8, (128, 128)), 5e-5)
         for cfg in fp4_gemm_candidates(m):
             check(fp4_gemm_triton(x, p, s, config=cfg), fp4_gemm_torch(x, p, s), 5e-5)
+    # row groups (the grouped wo_a, one launch): every candidate, a K split, N blocks inside 128-row groups
+    w8, s8 = quantize_fp8_block(torch.randn(4 * 128, 160, generator=g), (128, 128))
+    for m in (1, 40):
+        x = torch.randn(m, 4 * 160, generator=g)
+        ref = fp8_gemm_torch(x, w8, s8, (128, 128), groups=4)
+        for cfg in fp8_gemm_candidates(m):
+            check(fp8_gemm_triton(x, w8, s8, (128, 128), config=cfg, groups=4), ref, 5e-5)
+        check(fp8_gemm_triton(x, w8, s8, (128, 128), split_k=2, groups=4), ref, 5e-5)
     x = torch.randn(24, 96, generator=g)
     for cfg in fp4_gemm_candidates(1) + fp4_gemm_candidates(100):
         check(fp4_grouped_gemm_triton(x, packed, scale, counts, config=cfg),
@@ -178,6 +213,19 @@ def test_fp8_triton_on_cuda_matches_the_cpu_reference(m, n, k, dtype):
         assert out.dtype == dtype
         tol = 1e-4 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 32, 2048])  # 2048: the bmm route
+def test_fp8_row_groups_on_cuda_match_the_cpu_reference(m):
+    """V4-Flash's grouped wo_a (8 groups of 1024 rows, K 4096) in one launch against the CPU reference."""
+    from deepinfer.kernels.fp8_gemm import fp8_gemm_triton
+
+    w8, s = _fp8(8 * 1024, 4096)
+    x = _x(m, 8 * 4096).to(torch.bfloat16)
+    ref = fp8_gemm_torch(x.float(), w8, s, (128, 128), groups=8)
+    out = fp8_gemm_triton(x.cuda(), w8.cuda(), s.cuda(), (128, 128), groups=8).cpu()
+    torch.testing.assert_close(out.float(), ref, atol=1e-2 * ref.abs().max().item(), rtol=1e-2)
 
 
 @pytest.mark.gpu

@@ -243,21 +243,25 @@ def test_make_checkpoint_cli_writes_published(tmp_path, capsys):
     assert model.model.layers[0].ffn.experts[0].w2.scale.dtype == torch.float32
 
 
-def test_grouped_wo_a_runs_on_views_of_the_quantized_weight(published, dequantized):
-    from deepinfer.engine.models.deepseek_v4 import _row_group_views
-
+def test_grouped_wo_a_is_one_gemm_over_the_quantized_weight(published, dequantized, monkeypatch):
     ours, config = load_checkpoint(published("tiny-wide-o"), "float32")
     attn = ours.model.layers[0].attn
-    views = _row_group_views(attn, "wo_a", config.o_groups)
-    assert views is not None and len(views) == config.o_groups
-    R = config.o_lora_rank
-    assert views[1].weight.data_ptr() == attn.wo_a.weight.data_ptr() + R * attn.wo_a.weight.shape[1]  # no copy
-    assert torch.equal(torch.cat([v.dequantized() for v in views]), attn.wo_a.dequantized())
+    G, R = config.o_groups, config.o_lora_rank
+    assert isinstance(attn.wo_a, Fp8Linear) and attn.wo_a.row_groups_usable(G)
+    x = torch.randn(5, attn.wo_a.in_features * G, generator=torch.Generator().manual_seed(3))
+    w = attn.wo_a.dequantized()  # [G*R, in]
+    want = torch.cat([x[:, g * w.shape[1]:(g + 1) * w.shape[1]] @ w[g * R:(g + 1) * R].T for g in range(G)], dim=1)
+    torch.testing.assert_close(attn.wo_a.forward_row_groups(x, G), want, atol=1e-5, rtol=1e-5)
+    calls = []
+    real = attn.wo_a.forward_row_groups
+    monkeypatch.setattr(type(attn.wo_a), "forward_row_groups",
+                        lambda self, *a, **k: calls.append(1) or real.__func__(self, *a, **k))
     dense, _ = load_checkpoint(dequantized("tiny-wide-o"), "float32")
     ids = torch.randint(2, config.vocab_size, (30,), generator=torch.Generator().manual_seed(1)).tolist()
     a = ModelRunnerForTests(ours, max_seqs=1, max_len=32).run([(0, ids)], logits="all")
     b = ModelRunnerForTests(dense, max_seqs=1, max_len=32).run([(0, ids)], logits="all")
     assert (a - b).abs().max().item() <= 1e-4 * max(b.abs().max().item(), 1.0)
+    assert len(calls) == config.num_hidden_layers  # one grouped GEMM a layer
 
 
 @pytest.mark.gpu
