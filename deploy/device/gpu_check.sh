@@ -11,6 +11,7 @@
 #                                           # off (the 'legacy' comparison)
 #   bash deploy/device/gpu_check.sh quick   # the roofline (Triton backends, the CUDA defaults) with bf16 and with the
 #                                           # published FP8 / FP4 weights (QUICK_PUB=0 skips those), before the tests
+#   bash deploy/device/gpu_check.sh fp4     # the FP4 prefill route + grouped wo_a: GPU tests, crossover, published roofline
 #   bash deploy/device/gpu_check.sh all     # tests + bench (extra and mhc need calls of their own)
 # Logs and JSON go to $OUT (a tarball of the JSON, since only 8 files come back from a device call).
 # Each step has its own `timeout` so that one hung step leaves time (and output) for the rest.
@@ -91,12 +92,26 @@ if [[ "$what" == opt ]]; then
     # the opt-in in-place RoPE (kernels/rope.py ROPE_IN_PLACE) in the whole prefill
     step roofline_rope_in_place 150 env DEEPINFER_ROPE_IN_PLACE=1 "${ROOF_TRITON[@]}" --batches 1 \
         --json "$RES/gpu_roofline_rope_in_place.json"
+    # FP4 experts at prefill sizes: the four kernels against the dequantize-then-_grouped_mm route (crossover)
+    step moe_prefill_fp4 "${T_FP4:-150}" $B.moe_kernels --parts prefill_fp4 --experts 64,256 \
+        --json "$RES/moe_prefill_fp4.json"
     step moe_prefill_route 120 $B.moe_kernels --parts prefill,routed --formats bf16 --experts 64 \
         --tokens 256,1024,4096 --json "$RES/moe_grouped_route.json"
     roofline_legacy 240
     } 2>&1 | tee "$OUT/opt.log"
 fi
 
+if [[ "$what" == fp4 ]]; then  # the FP4 prefill route and the grouped wo_a: GPU tests, the crossover, the roofline
+    {
+    step gpu-tests-fp4 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider --timeout 120 \
+        tests/engine/moe/test_fp4_dequant_route.py tests/engine/moe/test_grouped_mm_route.py \
+        tests/kernels/test_quant_gemm.py tests/engine/checkpoints/test_published_loader.py
+    step moe_prefill_fp4 "${T_FP4:-150}" $B.moe_kernels --parts prefill_fp4 --experts 64,256 \
+        --json "$RES/moe_prefill_fp4.json"
+    step roofline_published "${T_ROOF:-150}" "${ROOF_TRITON[@]}" --weights published \
+        --json "$RES/gpu_roofline_published.json"
+    } 2>&1 | tee "$OUT/fp4.log"
+fi
 if [[ "$what" == extra ]]; then
     parts=" ${EXTRA:-bi spec v41} "  # EXTRA picks the steps (a call with little time left runs some of them)
     {
