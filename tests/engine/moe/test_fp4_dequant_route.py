@@ -75,12 +75,21 @@ _INTERPRETED_DEQUANT = textwrap.dedent("""
         assert torch.equal(fp4_dequant_triton(packed, scale, block).view(torch.int16), want.view(torch.int16))
         out = torch.empty_like(want)
         assert fp4_dequant_triton(packed, scale, block, out=out) is out and torch.equal(out, want)
+    # every byte (two codes, both signs) under every scale byte both decodes are exact for (2**-125 .. 2**113)
+    packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.int8).repeat(239, 1)  # [239, 256]
+    scale = torch.arange(2, 241, dtype=torch.uint8)[:, None].repeat(1, 16).view(torch.float8_e8m0fnu)
+    want = fp4_dequant_torch(packed, scale, 32)
+    assert torch.equal(fp4_dequant_triton(packed, scale, 32).view(torch.int16), want.view(torch.int16))
     print("OK")
 """)
 
 
-def test_dequant_kernel_bit_identical_under_the_interpreter():
+@pytest.mark.parametrize("bits", ["1", "0"])  # bf16 built by integer ops (the default) / through f16 and f32
+def test_dequant_kernel_bit_identical_under_the_interpreter(bits, monkeypatch):
+    """The `"fp4_dequant"` kernel shares the GEMMs' decode (`_fp4_decode`), so this also checks the FP4 GEMMs'
+    weights in both of its bf16 forms (the interpreter's bf16 dot products cannot be checked bit for bit)."""
     pytest.importorskip("triton")
+    monkeypatch.setenv("DEEPINFER_FP4_BF16_BITS", bits)
     out = run_interpreted(_INTERPRETED_DEQUANT)
     assert "OK" in out, out
 
