@@ -256,6 +256,9 @@ if triton is not None:
                     total += tl.load(part_ptr + s * M * N + off, mask=mask, other=0.0, cache_modifier=".cg")
                 tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], total.to(out_ptr.dtype.element_ty),
                          mask=mask)
+                # the tile's counter back to zero (every split has counted): the next launch on this stream
+                # reuses the zeroed counters (`split_k_buffers`) without a fill kernel of its own
+                tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed")
 
     @triton.jit
     def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, K_SLICE: tl.constexpr,
@@ -314,14 +317,32 @@ if triton is not None:
             acc = tl.trans(acc)
         _store_split_k(acc, out_ptr, part_ptr, lock_ptr, rm, rn, M, N, stride_om, SPLIT)
 
+    _LOCKS: dict[int, torch.Tensor] = {}
+    """Zeroed int32 tile counters per CUDA device: `_store_split_k` leaves every counter it used at zero again, so
+    launches that run one after another share them (a fill launch a GEMM less: 57 of them, ~57 us, in the H100
+    profile of a published-weights decode step). NOTE: the engine runs its GEMMs on one stream (graph replays
+    included); two split-K launches running concurrently on two streams must not share the buffer."""
+
+    def _zeroed_locks(tiles: int, device: torch.device) -> torch.Tensor:
+        """`tiles` zeroed int32 counters for a split-K launch: a view of the device's cached buffer (made and grown
+        outside CUDA-graph captures, where its zeros are written at once), or a fresh zeroed tensor (a fill launch)
+        where the cache cannot serve (the CPU interpreter; a capture needing more counters than the buffer has)."""
+        if device.type != "cuda":
+            return torch.zeros(tiles, dtype=torch.int32, device=device)
+        buf = _LOCKS.get(device.index)
+        if buf is None or buf.numel() < tiles:
+            if torch.cuda.is_current_stream_capturing():
+                return torch.zeros(tiles, dtype=torch.int32, device=device)
+            buf = _LOCKS[device.index] = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
+        return buf[:tiles]
+
     def split_k_buffers(grid_mn: tuple[int, int], split: int, m: int, n: int, out: torch.Tensor):
         """(part, lock) buffers for a launch over grid_mn output tiles and `split` K slices:
         float32 [split, M, N] partial sums and zeroed int32 tile counters (dummies without a split)."""
         if split == 1:
             return out, out
         part = torch.empty(split, m, n, dtype=torch.float32, device=out.device)
-        lock = torch.zeros(grid_mn[0] * grid_mn[1], dtype=torch.int32, device=out.device)
-        return part, lock
+        return part, _zeroed_locks(grid_mn[0] * grid_mn[1], out.device)
 
     @register_op("fp8_gemm", "triton", in_op_table=False)
     def fp8_gemm_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],

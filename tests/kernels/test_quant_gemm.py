@@ -216,6 +216,38 @@ def test_fp8_triton_on_cuda_matches_the_cpu_reference(m, n, k, dtype):
 
 
 @pytest.mark.gpu
+def test_split_k_counters_are_left_zeroed_for_the_next_launch():
+    """Split-K launches share the device's zeroed tile counters (no fill launch each): every launch leaves them at
+    zero, eager and replayed in a CUDA graph, FP8 and FP4 alike, and the results stay those of the reference."""
+    from deepinfer.kernels import fp8_gemm
+    from deepinfer.kernels.fp4_gemm import fp4_gemm_triton
+
+    w8, s = _fp8(1024, 4096)
+    p4, s4 = _fp4(1024, 4096)
+    x = _x(4, 4096).to(torch.bfloat16)
+    ref8 = fp8_gemm_torch(x.float(), w8, s, (128, 128))
+    ref4 = fp4_gemm_torch(x.float(), p4, s4)
+    w8, s, p4, s4, xc = w8.cuda(), s.cuda(), p4.cuda(), s4.cuda(), x.cuda()
+
+    def step():
+        return (fp8_gemm.fp8_gemm_triton(xc, w8, s, (128, 128), split_k=4), fp4_gemm_triton(xc, p4, s4, split_k=4))
+
+    for _ in range(3):
+        a, b = step()
+        torch.testing.assert_close(a.float().cpu(), ref8, atol=1e-2 * ref8.abs().max().item(), rtol=1e-2)
+        torch.testing.assert_close(b.float().cpu(), ref4, atol=1e-2 * ref4.abs().max().item(), rtol=1e-2)
+    locks = fp8_gemm._LOCKS[xc.device.index]
+    assert not locks.any()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(outs[0], a) and torch.equal(outs[1], b) and not locks.any()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 32, 2048])  # 2048: the bmm route
 def test_fp8_row_groups_on_cuda_match_the_cpu_reference(m):
     """V4-Flash's grouped wo_a (8 groups of 1024 rows, K 4096) in one launch against the CPU reference."""
