@@ -42,7 +42,7 @@ GPU_TESTS=(
     tests/engine/test_batch_invariance.py tests/engine/test_batch_invariance_triton.py
     tests/engine/checkpoints/test_published_loader.py tests/engine/spec_decode/test_spec_async.py
     tests/engine/spec_decode/test_verify_graph.py tests/engine/spec_decode/test_draft_graph.py
-    tests/engine/moe/test_grouped_mm_route.py
+    tests/engine/moe/test_grouped_mm_route.py tests/engine/moe/test_fp4_dequant_route.py
 )
 
 B="python3 -m deepinfer.benchmarks"
