@@ -15,7 +15,7 @@ from deepinfer.engine import LLM, SamplingParams
 from deepinfer.engine.batch_invariant import BatchInvariantMode, attend_tiled, check_config, tree_sum
 from deepinfer.engine.engine import EngineConfig
 from deepinfer.engine.testing.make_checkpoint import make_checkpoint
-from tests.kernels._interp import run_interpreted
+from tests.kernels._interp import prefetch_interpreted, run_interpreted
 
 VOCAB = 512
 TARGET_LEN = 52
@@ -391,3 +391,7 @@ def test_bi_matmul_on_gpu():
         torch.testing.assert_close(full.float(), bi_matmul_torch(a, w).float(), rtol=2e-2, atol=2e-1)
         for start, m in ((0, 1), (5, 1), (7, 3), (13, 31), (100, 128), (1, 200)):
             assert torch.equal(bi_matmul(a[start:start + m], w), full[start:start + m]), (dtype, start, m)
+
+
+# the background run of the interpreter script (tests/kernels/_interp.py: CI time)
+prefetch_interpreted(_INTERPRET_SCRIPT, tests=("test_bi_matmul_kernel_under_the_interpreter",), timeout=300)

@@ -26,7 +26,7 @@ import torch
 from deepinfer.engine.batch_invariant import KEPT_OP_IMPLS, TRITON_INVARIANT_OPS, check_config
 from deepinfer.engine.testing.make_checkpoint import make_checkpoint
 from deepinfer.kernels.registry import op_impl_names
-from tests.kernels._interp import run_interpreted
+from tests.kernels._interp import prefetch_interpreted, run_interpreted
 
 TARGET_PROMPT = 21
 """Prompt tokens of the target (tiny preset: window 8, CSA rate 4 with top-4 of up to 6 entries, HCA rate 8)."""
@@ -317,3 +317,8 @@ def test_engine_on_the_torch_backends_on_gpu(ckpt):
     _assert_alone_equals_beside_companions(ckpt, dict(batch_invariant=True, device="cuda", dtype="bfloat16",
                                                        attention_backend="torch", moe_backend="torch", block_size=16,
                                                        max_model_len=160), TARGET)
+
+
+# the background run of the interpreter script (tests/kernels/_interp.py: CI time)
+prefetch_interpreted(_INTERPRETED, tests=("test_rows_and_model_bit_identical_under_the_interpreter",), timeout=600,
+                     make_args=lambda d: (str(make_checkpoint(d, preset="tiny", seed=2)),))  # the `ckpt` fixture's

@@ -18,7 +18,7 @@ import torch
 from deepinfer.engine.models.deepseek_v4 import apply_rope, rms_norm
 from deepinfer.kernels import OpTable
 from deepinfer.kernels.attn_proj import attn_norm_rope_torch, attn_out_proj_torch
-from tests.kernels._interp import run_interpreted
+from tests.kernels._interp import prefetch_interpreted, run_interpreted
 from tests.kernels._kernel_checks import (
     assert_compiles_for_sm90_without_spills,
     run_on_tiny_model,
@@ -217,3 +217,7 @@ def test_triton_out_proj_on_cuda(dtype, T):
 
     if T > TRITON_OUT_PROJ_MAX_TOKENS:
         assert torch.equal(attn_out_proj_triton(**p), attn_out_proj_torch(**p))
+
+
+# the background run of the interpreter script (tests/kernels/_interp.py: CI time)
+prefetch_interpreted(_INTERPRETED, tests=("test_triton_kernels_under_interpreter",), timeout=600)

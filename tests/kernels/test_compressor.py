@@ -14,7 +14,7 @@ import torch
 from deepinfer.engine.config import RopeConfig
 from deepinfer.engine.models.deepseek_v4 import Compressor, Rotary
 from deepinfer.kernels.compressor import compress_rows_torch, compressor_decode_torch
-from tests.kernels._interp import run_interpreted
+from tests.kernels._interp import prefetch_interpreted, run_interpreted
 
 
 def make_case(overlap=True, rate=4, dim=32, half_rd=4, S=6, N=10, epb=4, MB=3, seed=0, dtype=torch.float32,
@@ -138,3 +138,7 @@ def test_triton_kernel_on_cuda(dtype, geometry):
     assert torch.equal(a["buf_kv"], b["buf_kv"]) and torch.equal(a["buf_gate"], b["buf_gate"])
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(b["pool"].float(), a["pool"].float(), atol=tol, rtol=tol)
+
+
+# the background run of the interpreter script (tests/kernels/_interp.py: CI time)
+prefetch_interpreted(_INTERPRETED, tests=("test_triton_kernel_under_interpreter",), timeout=600)

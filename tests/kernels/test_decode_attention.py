@@ -18,7 +18,7 @@ import torch
 
 from deepinfer.kernels.decode_attention import decode_attention_torch, ring_write_torch
 from deepinfer.kernels.registry import default_impl
-from tests.kernels._interp import run_interpreted
+from tests.kernels._interp import prefetch_interpreted, run_interpreted
 from tests.kernels._kernel_checks import attended_entries, sink_softmax_attention
 
 
@@ -169,3 +169,7 @@ def test_triton_kernel_on_cuda(dtype, kind):
         out = decode_attention_triton(**c, split_size=split)
         tol = 2e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+# the background run of the interpreter script (tests/kernels/_interp.py: CI time)
+prefetch_interpreted(_INTERPRETED, tests=("test_triton_kernel_under_interpreter",), timeout=600)

@@ -15,7 +15,7 @@ from deepinfer.engine.config import ModelConfig
 from deepinfer.engine.models.deepseek_v4 import Indexer, topk_mask
 from deepinfer.engine.testing.presets import PRESETS
 from deepinfer.kernels.indexer import indexer_scores_torch, indexer_topk_torch, select_topk
-from tests.kernels._interp import run_interpreted
+from tests.kernels._interp import prefetch_interpreted, run_interpreted
 
 
 def make_case(B=5, IH=8, ID=16, N=12, epb=4, MB=4, rate=4, seed=0, integer=False, dtype=torch.float32,
@@ -127,3 +127,7 @@ def test_triton_kernel_on_cuda(dtype):
     gpu = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in c.items()}
     assert torch.equal(indexer_topk_triton(**gpu, topk=512).cpu(), ref)
     assert torch.equal(indexer_topk_torch(**gpu, topk=512).cpu(), ref)
+
+
+# the background run of the interpreter script (tests/kernels/_interp.py: CI time)
+prefetch_interpreted(_INTERPRETED, tests=("test_triton_kernel_under_interpreter",), timeout=600)

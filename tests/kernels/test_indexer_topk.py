@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from deepinfer.kernels.indexer import indexer_topk_torch, select_topk
-from tests.kernels._interp import run_interpreted
+from tests.kernels._interp import prefetch_interpreted, run_interpreted
 
 
 def tied_scores(B, C, pos, rate, seed, neg_zero=True):
@@ -196,3 +196,7 @@ def test_indexer_topk_negative_zero_and_graph_on_cuda(dtype, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out.cpu(), indexer_topk_torch(**c, topk=512))
+
+
+# the background run of the interpreter script (tests/kernels/_interp.py: CI time)
+prefetch_interpreted(_INTERPRETED, tests=("test_topk_post_kernel_under_interpreter",), timeout=600)

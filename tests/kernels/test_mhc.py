@@ -12,7 +12,7 @@ import torch
 from deepinfer.kernels import OpTable, default_impl
 from deepinfer.kernels.mhc import hc_weights_torch, mhc_head_torch, mhc_post_torch, mhc_pre_torch
 from deepinfer.kernels.sinkhorn import sinkhorn_numpy_cpu, sinkhorn_torch
-from tests.kernels._interp import run_interpreted
+from tests.kernels._interp import prefetch_interpreted, run_interpreted
 
 ITERS, EPS = 20, 1e-6
 
@@ -136,3 +136,7 @@ def test_fused_is_batch_invariant_on_cuda():
     one = mhc_pre_triton(s[5:6].contiguous(), fn, base, scale, 4, ITERS, EPS, 1e-6)
     for a, b in zip(whole, one):
         assert torch.equal(a[5:6], b)
+
+
+# the background run of the interpreter script (tests/kernels/_interp.py: CI time)
+prefetch_interpreted(_INTERPRETED, tests=("test_triton_kernels_under_the_interpreter",), timeout=300)

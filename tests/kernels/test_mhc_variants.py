@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-from tests.kernels._interp import run_interpreted
+from tests.kernels._interp import prefetch_interpreted, run_interpreted
 from tests.kernels._kernel_checks import run_module_interpreted
 
 TOKENS = (1, 3, 16, 17, 40)
@@ -383,3 +383,9 @@ def test_split_variant_under_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(out, eager))
+
+
+# the background run of the interpreter script (tests/kernels/_interp.py: CI time)
+prefetch_interpreted(_SPLIT_EQUALS_LEGACY, tests=("test_split_variant_bits_under_the_interpreter",), timeout=300)
+prefetch_interpreted(_ROUTES, tests=("test_split_variant_routes_under_the_interpreter",), timeout=300)
+prefetch_interpreted(_FUSED, tests=("test_fused_long_proj_under_the_interpreter",), timeout=300)

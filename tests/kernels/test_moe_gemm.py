@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.kernels import moe_gemm as mg
-from tests.kernels._interp import run_interpreted
+from tests.kernels._interp import prefetch_interpreted, run_interpreted
 
 
 def _problem(T=7, E=5, H=64, inter=32, k=3, seed=0, dtype=torch.float32, device="cpu"):
@@ -272,3 +272,7 @@ def test_combine_with_rows_and_weights_on_cuda():
     y_sorted, rows, tw, want = _sorted_rows(ids, 64, torch.bfloat16, H=4096)
     got = mg.moe_combine_triton(y_sorted.cuda(), ids.cuda(), rows=rows.cuda(), weights=tw.cuda())
     assert torch.equal(got.cpu(), want)
+
+
+# the background run of the interpreter script (tests/kernels/_interp.py: CI time)
+prefetch_interpreted(_INTERPRETED, tests=("test_triton_kernels_under_the_interpreter",), timeout=600)

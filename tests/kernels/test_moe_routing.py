@@ -15,7 +15,7 @@ import torch
 
 from deepinfer.kernels.moe_routing import check_routing_args, moe_routing_torch
 from deepinfer.kernels.registry import default_impl
-from tests.kernels._interp import run_interpreted
+from tests.kernels._interp import prefetch_interpreted, run_interpreted
 
 
 def test_reference_normalises_and_scales():
@@ -130,3 +130,7 @@ def test_ties_follow_cuda_topk():
     w1, i1 = moe_routing_triton(logits, 6, "sqrtsoftplus", 1.0, bias=bias)
     assert torch.equal(i0.sort(1).values, i1.sort(1).values)
     assert i1[0].tolist() == [0, 3, 6, 9, 12, 15]
+
+
+# the background run of the interpreter script (tests/kernels/_interp.py: CI time)
+prefetch_interpreted(_INTERPRETED, tests=("test_triton_kernel_under_the_interpreter",), timeout=300)

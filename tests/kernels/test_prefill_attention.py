@@ -17,7 +17,7 @@ import torch
 
 from deepinfer.kernels.prefill_attention import PrefillSpans, prefill_attention_torch
 from deepinfer.kernels.registry import default_impl
-from tests.kernels._interp import run_interpreted
+from tests.kernels._interp import prefetch_interpreted, run_interpreted
 from tests.kernels._kernel_checks import (
     assert_compiles_for_sm90_without_spills,
     attended_entries,
@@ -174,3 +174,7 @@ def test_triton_kernel_on_cuda(dtype, kind):
     for block_h in (16, 32):
         out = prefill_attention_triton(**c, block_h=block_h)[rows]
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+# the background run of the interpreter script (tests/kernels/_interp.py: CI time)
+prefetch_interpreted(_INTERPRETED, tests=("test_triton_kernel_under_interpreter",), timeout=600)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from deepinfer.kernels import prefill_attention as pa
-from tests.kernels._interp import run_interpreted
+from tests.kernels._interp import prefetch_interpreted, run_interpreted
 from tests.kernels.test_prefill_attention import _variant, make_case
 
 _INTERPRETED = textwrap.dedent("""
@@ -153,3 +153,7 @@ def test_variants_on_cuda_unaligned_and_many_heads():
     for variant in ("legacy_aligned", "m64"):
         out = pa.prefill_attention_triton(**c, variant=variant)[rows]
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+# the background run of the interpreter script (tests/kernels/_interp.py: CI time)
+prefetch_interpreted(_INTERPRETED, tests=("test_variants_under_interpreter",), timeout=600)

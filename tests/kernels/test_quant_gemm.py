@@ -20,7 +20,7 @@ from deepinfer.engine.quant.formats import dequant_fp4, dequant_fp8_block, quant
 from deepinfer.kernels.fp4_gemm import fp4_gemm_torch, fp4_grouped_gemm_torch, grouped_tile_map
 from deepinfer.kernels.fp8_gemm import fp8_gemm_torch
 from deepinfer.kernels.registry import default_impl, get_op
-from tests.kernels._interp import run_interpreted
+from tests.kernels._interp import prefetch_interpreted, run_interpreted
 
 # (M, N, K): decode-sized and prefill-sized rows, N and K off the 128 / 32 blocks
 SHAPES = [(1, 130, 200), (5, 64, 256), (17, 257, 96), (70, 100, 320)]
@@ -349,3 +349,7 @@ def test_decode_configs_compile_for_sm90():
             assert r["wgmma"] > 0 and r["mma_sync"] == 0, (name, r)
         else:
             assert r["mma_sync"] > 0, (name, r)
+
+
+# the background run of the interpreter script (tests/kernels/_interp.py: CI time)
+prefetch_interpreted(_INTERPRET_SCRIPT, tests=("test_triton_kernels_under_the_interpreter",), timeout=300)

@@ -12,7 +12,7 @@ import torch
 
 from deepinfer.kernels import OpTable, default_impl
 from deepinfer.kernels.rmsnorm import rms_norm_torch
-from tests.kernels._interp import run_interpreted
+from tests.kernels._interp import prefetch_interpreted, run_interpreted
 
 
 def norm_case(rows, D, dtype=torch.float32, seed=0, device="cpu", weight=True):
@@ -120,3 +120,7 @@ def test_triton_kernel_on_cuda(dtype, D):
     assert torch.equal(alone, got[[0, 1, 255, 511]])
     for n in (2, 3, 64, 100):
         assert torch.equal(rms_norm_triton(x[:n].contiguous(), w, 1e-6), got[:n])
+
+
+# the background run of the interpreter script (tests/kernels/_interp.py: CI time)
+prefetch_interpreted(_INTERPRETED, tests=("test_triton_kernel_under_interpreter",), timeout=300)

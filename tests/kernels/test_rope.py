@@ -14,7 +14,7 @@ import torch
 from deepinfer.kernels import OpTable, default_impl, op_impl_names
 from deepinfer.kernels.attn_proj import attn_out_proj_torch
 from deepinfer.kernels.rope import apply_rope_torch, rope_torch
-from tests.kernels._interp import run_interpreted
+from tests.kernels._interp import prefetch_interpreted, run_interpreted
 
 CASES = [  # (x shape, rd/2)
     ((5, 32), 16), ((3, 4, 64), 8), ((2, 3, 2, 10), 3), ((4, 8), 4), ((1, 64, 128), 32), ((0, 4, 16), 4),
@@ -166,3 +166,7 @@ def test_rope_bmm_on_cuda_is_the_reference(dtype, T):
     assert torch.equal(attn_out_proj_rope_bmm(o, cos, sin, w, 8), attn_out_proj_torch(o, cos, sin, w, 8))
     assert torch.equal(attn_out_proj_rope_bmm(o.clone(), cos, sin, w, 8, inplace=True),
                        attn_out_proj_torch(o, cos, sin, w, 8))
+
+
+# the background run of the interpreter script (tests/kernels/_interp.py: CI time)
+prefetch_interpreted(_INTERPRETED, tests=("test_triton_kernel_under_interpreter_is_bit_identical",), timeout=300)

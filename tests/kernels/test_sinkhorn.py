@@ -16,7 +16,7 @@ import torch
 
 from deepinfer.kernels import OpTable, default_impl, get_op, op_impl_names
 from deepinfer.kernels.sinkhorn import sinkhorn_numpy_cpu, sinkhorn_torch
-from tests.kernels._interp import run_interpreted
+from tests.kernels._interp import prefetch_interpreted, run_interpreted
 
 ITERS, EPS = 20, 1e-6
 
@@ -112,3 +112,7 @@ def test_triton_kernel_on_cuda(num_rows, hc):
     # torch's CUDA reduction may add in another order, so the CUDA reference gets a float32 tolerance.
     assert torch.equal(out.cpu(), ref_cpu)
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+
+
+# the background run of the interpreter script (tests/kernels/_interp.py: CI time)
+prefetch_interpreted(_INTERPRETED, tests=("test_triton_kernel_under_interpreter_is_bit_identical",), timeout=300)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from deepinfer.kernels import OpTable, default_impl
 from deepinfer.kernels.swiglu import swiglu_torch
-from tests.kernels._interp import run_interpreted
+from tests.kernels._interp import prefetch_interpreted, run_interpreted
 
 
 def act_case(shape, dtype=torch.float32, seed=0, device="cpu", scale=6.0):
@@ -133,3 +133,7 @@ def test_triton_kernel_on_cuda_is_bit_identical(dtype, rows):
     g, u = act_case((rows, 2048), dtype, seed=rows, device="cuda", scale=8.0)
     got, want = swiglu_triton(g, u, 10.0), swiglu_torch(g, u, 10.0)
     assert torch.equal(got, want), ((got != want).sum().item(), (got.float() - want.float()).abs().max().item())
+
+
+# the background run of the interpreter script (tests/kernels/_interp.py: CI time)
+prefetch_interpreted(_INTERPRETED, tests=("test_triton_kernel_under_interpreter",), timeout=300)

@@ -29,6 +29,7 @@ from deepinfer.engine.loader import load_checkpoint
 from deepinfer.engine.testing.make_checkpoint import make_checkpoint
 from deepinfer.engine.testing.model_runner import ModelRunnerForTests
 from deepinfer.engine.testing.presets import get_preset
+from tests.kernels._interp import prefetch_interpreted
 from tests.kernels._kernel_checks import interpreted_figure
 
 SPLIT = 16
@@ -273,3 +274,8 @@ def test_cuda_graph_of_the_attention_replays_with_copied_metadata(ckpt):
                     r.lens[i] += 1
     for name, t in {**eager.cache.state_tensors(), **eager.cache.compressed_pools()}.items():
         assert torch.equal(t, {**cache.state_tensors(), **cache.compressed_pools()}[name]), name
+
+
+# the background run of the interpreter script (tests/kernels/_interp.py: CI time)
+prefetch_interpreted(_INTERPRETED, tests=("test_triton_kernels_in_the_model_under_interpreter",), timeout=900,
+                     make_args=lambda d: (str(make_checkpoint(d, preset=tiny_config(), seed=1)),))  # `ckpt`'s

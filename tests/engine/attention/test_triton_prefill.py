@@ -23,6 +23,7 @@ from deepinfer.engine.loader import load_checkpoint
 from deepinfer.engine.testing.make_checkpoint import make_checkpoint
 from deepinfer.engine.testing.model_runner import ModelRunnerForTests
 from deepinfer.engine.testing.presets import get_preset
+from tests.kernels._interp import prefetch_interpreted
 from tests.kernels._kernel_checks import interpreted_figure
 
 PLAN = [
@@ -114,3 +115,8 @@ def test_cuda_prefill_bf16_error_is_the_torch_backends(ckpt):
             for b in ("torch", "triton")]
     assert errs[1].median() <= 1.25 * errs[0].median() + 0.005, (errs[1].median(), errs[0].median())
     assert errs[1].mean() <= 2 * errs[0].mean() + 0.01, (errs[1].mean(), errs[0].mean())
+
+
+# the background run of the interpreter script (tests/kernels/_interp.py: CI time)
+prefetch_interpreted(_INTERPRETED, tests=("test_prefill_kernels_in_the_model_under_interpreter",), timeout=900,
+                     make_args=lambda d: (str(make_checkpoint(d, preset=tiny_config(), seed=3)),))  # `ckpt`'s

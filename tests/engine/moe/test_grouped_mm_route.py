@@ -25,7 +25,7 @@ from deepinfer.engine.moe.triton_backend import (
 )
 from deepinfer.engine.quant.linear import Fp4Linear, Fp8Linear
 from tests.engine.moe.test_triton_moe import _inputs, _moe
-from tests.kernels._interp import run_interpreted
+from tests.kernels._interp import prefetch_interpreted, run_interpreted
 
 _WIDE = {"n_routed_experts": 8, "num_experts_per_tok": 3}  # more groups than the tiny preset's 4, some empty
 
@@ -301,3 +301,7 @@ def test_route_combines_expert_ordered_rows_like_putting_them_back(dtype):
     y = torch.empty_like(y_sorted).index_copy_(0, sp.long(), y_sorted)
     y.mul_(tw.reshape(-1, 1).to(dtype))
     assert torch.equal(got, combine(y, ids))
+
+
+# the background run of the interpreter script (tests/kernels/_interp.py: CI time)
+prefetch_interpreted(_INTERPRETED, tests=("test_route_under_the_interpreter",), timeout=300)

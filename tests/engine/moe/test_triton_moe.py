@@ -19,7 +19,7 @@ from deepinfer.engine.moe import MoEBackend, get_moe_backend
 from deepinfer.engine.moe.triton_backend import TritonMoEBackend
 from deepinfer.engine.quant.linear import Fp4Linear, Fp8Linear
 from deepinfer.engine.testing.presets import PRESETS
-from tests.kernels._interp import run_interpreted
+from tests.kernels._interp import prefetch_interpreted, run_interpreted
 
 
 def _config(**over) -> ModelConfig:
@@ -231,3 +231,7 @@ def test_published_fp4_checkpoint_greedy_equals_fp4_backend(tmp_path, _no_tuning
         ids = torch.randint(2, 500, (30,), generator=torch.Generator().manual_seed(1)).tolist()
         outs.append(ModelRunnerForTests(model, 1, 80).greedy(0, ids, 24))
     assert outs[0] == outs[1]
+
+
+# the background run of the interpreter script (tests/kernels/_interp.py: CI time)
+prefetch_interpreted(_INTERPRETED, tests=("test_triton_kernels_under_the_interpreter",), timeout=300)

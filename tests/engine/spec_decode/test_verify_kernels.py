@@ -32,7 +32,7 @@ from deepinfer.engine.spec_decode.verify_rows import batch_verify_chunks
 from deepinfer.engine.testing.make_checkpoint import _write_ours, random_weights
 from deepinfer.engine.testing.presets import PRESETS
 from deepinfer.kernels.decode_attention import decode_attention_torch, verify_attention_torch
-from tests.kernels._interp import run_interpreted
+from tests.kernels._interp import prefetch_interpreted, run_interpreted
 
 SPLIT = 16
 """Keys per flash-decoding split: tiny rows (window 8 + up to 12 selected or ~20 HCA entries) span several."""
@@ -306,3 +306,8 @@ def test_gpu_speculative_greedy_with_verify_graphs_and_triton_equals_plain_over_
     assert got == plain
     st = eng.spec.graphs.stats
     assert st["replays"] >= 10 and st["eager_fallbacks"] == 0, st
+
+
+# the background run of the interpreter script (tests/kernels/_interp.py: CI time)
+prefetch_interpreted(_INTERPRETED, tests=("test_triton_verify_kernels_under_interpreter",), timeout=900,
+                     make_args=lambda d: (str(d / "tiny"),))

@@ -26,7 +26,7 @@ from deepinfer.engine.models.deepseek_v41 import (
 )
 from deepinfer.engine.quant.linear import Fp8Linear
 from deepinfer.engine.testing.make_checkpoint import make_checkpoint
-from tests.kernels._interp import run_interpreted
+from tests.kernels._interp import prefetch_interpreted, run_interpreted
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +144,8 @@ def test_dequantized_at_load_names():
     assert not dequantized_at_load("layers.0.ffn.experts.1.w1.scale")
     assert not dequantized_at_load("layers.1.engram.embed.weight")
     assert not dequantized_at_load("layers.0.attn.wo_a.weight")
+
+
+# the background run of the interpreter script (tests/kernels/_interp.py: CI time)
+prefetch_interpreted(_INTERPRET_SCRIPT,
+                     tests=("test_fp8_gemm_triton_with_32x32_blocks_under_the_interpreter",), timeout=300)

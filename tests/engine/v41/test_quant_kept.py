@@ -28,7 +28,7 @@ from deepinfer.engine.quant.formats import quantize_fp8_block
 from deepinfer.engine.quant.linear import Fp4Linear
 from deepinfer.engine.testing.make_checkpoint import make_checkpoint
 from deepinfer.kernels.engram_gather import engram_gather_host, engram_gather_torch, table_gather_impl
-from tests.kernels._interp import run_interpreted
+from tests.kernels._interp import prefetch_interpreted, run_interpreted
 
 IDS = torch.randint(3, 64, (40,), generator=torch.Generator().manual_seed(1))
 
@@ -303,3 +303,7 @@ def test_kept_model_on_cuda_matches_the_cpu(ckpt, placement):
     assert all(t.weight.is_pinned() for t in tables if placement == "pinned_host")
     with torch.no_grad():
         torch.testing.assert_close(cuda.forward_full(IDS.cuda()).cpu(), cpu.forward_full(IDS), rtol=1e-4, atol=1e-4)
+
+
+# the background run of the interpreter script (tests/kernels/_interp.py: CI time)
+prefetch_interpreted(_INTERPRET_SCRIPT, tests=("test_gather_triton_under_the_interpreter",), timeout=300)
