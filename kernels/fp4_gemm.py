@@ -25,8 +25,6 @@ and the few programs past the last tile exit at once.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from deepinfer.engine.quant.formats import dequant_fp4, fp4_scale_shape
@@ -41,12 +39,6 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover - triton is optional on CPU-only installs
     triton = None
-
-BF16_BITS_ENV = "DEEPINFER_FP4_BF16_BITS"
-BF16_BITS = os.environ.get(BF16_BITS_ENV, "1") != "0"
-"""With bf16 activations, `_fp4_step` builds each weight's bf16 bits with integer ops (no float conversions: Hopper
-has no FP4 conversion instruction, and the f16 -> f32 -> bf16 round trip of the other form costs three conversions a
-weight); the same values. `DEEPINFER_FP4_BF16_BITS=0` (read at import) keeps the conversion form everywhere."""
 
 ROWS_PER_CHUNK = 128
 """Output rows the torch reference dequantizes at once (its scratch is ROWS_PER_CHUNK x K floats)."""
@@ -113,32 +105,21 @@ def fp4_gemm_candidates(m: int) -> list[tuple[int, int, int, int, int, int]]:
 if triton is not None:
     from deepinfer.kernels.fp8_gemm import _store_split_k, split_k_buffers
 
-    _BF16_BITS = tl.constexpr(BF16_BITS)
 
     @triton.jit
     def _fp4_decode(b, sb, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_KP: tl.constexpr):
         """Packed bytes b [BLOCK_N, BLOCK_KP] (int32) and their scale bytes sb [BLOCK_N, G] (int32, one per HALF
         bytes) -> the low and high nibbles' weights E2M1 * 2**(scale - 127) in DTYPE, exact."""
-        if _BF16_BITS and DTYPE == tl.bfloat16:
-            # bf16 bit patterns built with integer ops only (no conversions): code c = e1 e0 m times
-            # 2**(scale - 127) has the bits (c << 6) + ((scale - 1) << 7) for c >= 2 (exponent e1 e0 + scale - 1,
-            # mantissa m), (scale - 1) << 7 for c = 1 (0.5), 0 for c = 0; the sign at bit 15. Exact for scale bytes
-            # 2..252 (byte 1 would need a subnormal; real checkpoints' scales are far inside).
-            se = tl.reshape(tl.broadcast_to(((sb - 1) << 7)[:, :, None], (BLOCK_N, G, HALF)), (BLOCK_N, BLOCK_KP))
-            c_lo = b & 7
-            c_hi = (b >> 4) & 7
-            m_lo = tl.where(c_lo > 0, se + tl.where(c_lo > 1, c_lo << 6, 0), 0) | ((b & 8) << 12)
-            m_hi = tl.where(c_hi > 0, se + tl.where(c_hi > 1, c_hi << 6, 0), 0) | ((b & 128) << 8)
-            w_lo = m_lo.to(tl.int16).to(tl.bfloat16, bitcast=True)  # [BLOCK_N, BLOCK_KP], exact
-            w_hi = m_hi.to(tl.int16).to(tl.bfloat16, bitcast=True)
-        else:
-            sf = ((sb + 14) << 23).to(tl.float32, bitcast=True)  # 2**(scale - 127) * 2**14 (normal for bytes <= 240)
-            sf = tl.reshape(tl.broadcast_to(sf[:, :, None], (BLOCK_N, G, HALF)), (BLOCK_N, BLOCK_KP))
-            lo = (((b & 8) << 12) | ((b & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
-            hi = (((b & 128) << 8) | ((b & 112) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
-            w_lo = (lo.to(tl.float32) * sf).to(DTYPE)  # [BLOCK_N, BLOCK_KP], exact
-            w_hi = (hi.to(tl.float32) * sf).to(DTYPE)
+        # NOTE: a form building bf16 bit patterns with integer ops only (no conversions) ran 1.6-1.7x slower in the
+        # FP4 MoE kernels on an H100 (2026-12-06: 159 vs 95 us at 1 token, 1179 vs 668 us at 32; BENCHMARKS.md):
+        # the selects and adds cost more than the float16 trick's conversions
+        sf = ((sb + 14) << 23).to(tl.float32, bitcast=True)  # 2**(scale - 127) * 2**14 (normal for bytes <= 240)
+        sf = tl.reshape(tl.broadcast_to(sf[:, :, None], (BLOCK_N, G, HALF)), (BLOCK_N, BLOCK_KP))
+        lo = (((b & 8) << 12) | ((b & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (((b & 128) << 8) | ((b & 112) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
+        w_lo = (lo.to(tl.float32) * sf).to(DTYPE)  # [BLOCK_N, BLOCK_KP], exact
+        w_hi = (hi.to(tl.float32) * sf).to(DTYPE)
         return w_lo, w_hi
 
     @triton.jit
@@ -152,9 +133,8 @@ if triton is not None:
 
         The packed bytes load as [BLOCK_N, BLOCK_KP] (16-byte runs along K), each row's BLOCK_KP / (SCALE_BLOCK / 2)
         scales once as [BLOCK_N, G] and are broadcast over their SCALE_BLOCK / 2 bytes (`_fp4_decode`). E2M1
-        decode by bits: with bf16 x (and `BF16_BITS`) the bf16 bit patterns by integer ops; otherwise a nibble
-        s|e1 e0 m placed as s at bit 15 and e1 e0 m at bits 9-11 of a float16 is the E2M1 value times 2**-14
-        (normal and subnormal alike), so W = f16 * 2**(scale - 127 + 14), exact. x loads as
+        decode by bits: a nibble s|e1 e0 m placed as s at bit 15 and e1 e0 m at bits 9-11 of a float16 is the
+        E2M1 value times 2**-14 (normal and subnormal alike), so W = f16 * 2**(scale - 127 + 14), exact. x loads as
         contiguous [BLOCK_M, 2 * BLOCK_KP] and splits into even / odd columns (low / high nibbles).
         NOTE: j0 is a multiple of SCALE_BLOCK / 2, which divides BLOCK_KP; scale bytes above 240 (2**113)
         would overflow the folded 2**14 (real FP4 checkpoints use scales far below 1).

@@ -106,11 +106,8 @@ if [[ "$what" == fp4 ]]; then  # the FP4 prefill route and the grouped wo_a: GPU
     step gpu-tests-fp4 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider --timeout 120 \
         tests/engine/moe/test_fp4_dequant_route.py tests/engine/moe/test_grouped_mm_route.py \
         tests/kernels/test_quant_gemm.py tests/engine/checkpoints/test_published_loader.py
-    # the FP4 decode's two forms (bf16 bits by integer ops, the default, against the f16 -> f32 -> bf16 one)
-    for bits in 1 0; do
-        step "moe_fp4_decode_bits$bits" 60 env DEEPINFER_FP4_BF16_BITS=$bits $B.moe_kernels --parts routed \
-            --formats fp4 --experts 64 --tokens 1,32,128 --json "$RES/moe_fp4_decode_bits$bits.json"
-    done
+    step moe_fp4_decode 60 $B.moe_kernels --parts routed --formats fp4 --experts 64 --tokens 1,32,128 \
+        --json "$RES/moe_fp4_decode.json"
     step moe_prefill_fp4 "${T_FP4:-150}" $B.moe_kernels --parts prefill_fp4 --experts 64,256 \
         --json "$RES/moe_prefill_fp4.json"
     step roofline_published "${T_ROOF:-150}" "${ROOF_TRITON[@]}" --weights published \

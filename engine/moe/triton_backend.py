@@ -132,10 +132,11 @@ FP4_DEQUANT_ROWS_PER_EXPERT_ENV = "DEEPINFER_MOE_FP4_DEQUANT_ROWS_PER_EXPERT"
 """Environment knob: the average (token, expert) rows per expert from which a `"triton"` backend with FP4 experts
 takes the dequantize-then-`_grouped_mm` route (`TritonMoEBackend.fp4_dequant_rows_per_expert`; read at
 construction; unset = `DEFAULT_FP4_DEQUANT_ROWS_PER_EXPERT`, 0 = never)."""
-DEFAULT_FP4_DEQUANT_ROWS_PER_EXPERT = 256
-"""NOTE: an estimate, not a measured crossover: at V4-Flash's shapes the route moves ~8x the FP4 bytes per expert
-(the bf16 copy written and read) where the Triton kernels decode each weight tile once per 64-128 rows;
-`benchmarks/moe_kernels.py --parts prefill --formats fp4` times both."""
+DEFAULT_FP4_DEQUANT_ROWS_PER_EXPERT = 160
+"""The measured crossover (H100, 2026-12-06, `benchmarks/moe_kernels.py --parts prefill_fp4`, V4-Flash widths): the
+four kernels win at 96 rows per expert (64 experts 2.5 vs 3.5 ms, 256 experts 9.1 vs 13.0 ms), the route from 192
+(256 experts 14.3 vs 17.9 ms; 64 experts at 384 4.9 vs 8.1 ms, at 768 6.7 vs 14.3 ms); interpolated, they cross at
+~145-165."""
 FP4_DEQUANT_SCRATCH_BYTES = 1 << 30
 """The bf16 scratch the FP4 route dequantizes into (a group of experts at a time: 16 of V4-Flash's 48 MiB ones)."""
 
