@@ -398,9 +398,7 @@ def fp4_dequant_torch(packed: torch.Tensor, scale: torch.Tensor, block: int = 32
     return out
 
 
-@register_default_impl("fp4_dequant")
-def _default_fp4_dequant(device: torch.device) -> str:
-    return "triton" if device.type == "cuda" and triton is not None else "torch"
+register_default_impl("fp4_dequant")(_default_fp4_gemm)  # Triton on CUDA, the reference elsewhere
 
 
 if triton is not None:

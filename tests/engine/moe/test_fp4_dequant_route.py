@@ -30,19 +30,6 @@ from tests.kernels._interp import prefetch_interpreted, run_interpreted
 _WIDE = {"n_routed_experts": 8, "num_experts_per_tok": 3}
 
 
-@pytest.fixture
-def grouped_mm_calls(monkeypatch):
-    calls = []
-    real = torch._grouped_mm
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "_grouped_mm", spy)
-    return calls
-
-
 def _fp4_codes(shape, block, seed=0):
     g = torch.Generator().manual_seed(seed)
     packed = torch.randint(-128, 128, shape, generator=g, dtype=torch.int8)

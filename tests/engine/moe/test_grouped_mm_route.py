@@ -30,20 +30,6 @@ from tests.kernels._interp import prefetch_interpreted, run_interpreted
 _WIDE = {"n_routed_experts": 8, "num_experts_per_tok": 3}  # more groups than the tiny preset's 4, some empty
 
 
-@pytest.fixture
-def grouped_mm_calls(monkeypatch):
-    """Counts `torch._grouped_mm` calls (the route makes three a forward)."""
-    calls = []
-    real = torch._grouped_mm
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "_grouped_mm", spy)
-    return calls
-
-
 def _routed(backend: str = "triton", min_rows: int = 1, **kw):
     moe = _moe(backend, **kw)
     moe.prepare()
