@@ -363,7 +363,7 @@ if triton is not None:
             if groups == 1:
                 return x @ w.T
             m, k = x.shape[0], w8.shape[1]
-            y = torch.bmm(x.view(m, groups, k).transpose(0, 1), w.view(groups, -1, k).transpose(1, 2))  # [G, M, R]
+            y = torch.bmm(x.reshape(m, groups, k).transpose(0, 1), w.view(groups, -1, k).transpose(1, 2))  # [G, M, R]
             return y.transpose(0, 1).reshape(m, w8.shape[0])
         bn, bk = block
         check_triton_launch("fp8_gemm_triton", x, "x's rows, w8 and scale", w8, scale, block=bk,
