@@ -85,16 +85,18 @@ def expert_weights(num_experts: int, hidden: int, inter: int, fmt: str, device: 
     return fp4(2 * inter, hidden), fp4(hidden, inter), 3 * inter * hidden * (0.5 + 1 / 32)
 
 
+def triton_forward(x, ids, tw, w13, w2, wfmt: int = mg.WFMT_FLOAT, limit: float = 10.0):
+    """The backend's four Triton launches (align, gate/up + SwiGLU, down + weight, combine) over stacked experts."""
+    align, up, down = get_op("moe_align", "triton"), get_op("moe_up", "triton"), get_op("moe_down", "triton")
+    sp, cnt = align(ids, w13[0].shape[0])
+    act = up(x, w13, sp, cnt, ids.shape[1], limit, wfmt)
+    return get_op("moe_combine", "triton")(down(act, w2, sp, cnt, tw, wfmt), ids)
+
+
 def _routed_variants(x, ids, tw, w13, w2, wfmt: int, fmt: str, inter: int) -> dict:
     """The timed forwards of one routed case: name -> fn() (see the module docstring)."""
-    align, up, down = get_op("moe_align", "triton"), get_op("moe_up", "triton"), get_op("moe_down", "triton")
-    combine = get_op("moe_combine", "triton")
+    align, combine = get_op("moe_align", "triton"), get_op("moe_combine", "triton")
     num_experts, k = w13[0].shape[0], ids.shape[1]
-
-    def triton_fwd():
-        sp, cnt = align(ids, num_experts)
-        act = up(x, w13, sp, cnt, k, 10.0, wfmt)
-        return combine(down(act, w2, sp, cnt, tw, wfmt), ids)
 
     def swiglu_around(gemm13, gemm2):
         """align, x gathered, gemm13, SwiGLU, gemm2, weighting, pair order, combine (torch ops between)."""
@@ -107,7 +109,7 @@ def _routed_variants(x, ids, tw, w13, w2, wfmt: int, fmt: str, inter: int) -> di
         y_pair[rows] = y
         return combine(y_pair, ids)
 
-    variants = {"triton": triton_fwd}
+    variants = {"triton": functools.partial(triton_forward, x, ids, tw, w13, w2, wfmt)}
     if fmt == "bf16" and hasattr(torch, "_grouped_mm"):
         swiglu = get_op("swiglu", "triton")
         variants["grouped_mm"] = functools.partial(grouped_mm_experts, x, tw, ids, w13[0], w2[0], 10.0, align, swiglu,
@@ -196,13 +198,9 @@ def prefill_cases(args, device: torch.device, out: list[dict]) -> None:
         y.index_copy_(0, sp.long(), y_sorted)
         return combine(y.mul_(tw.reshape(-1, 1).bfloat16()), ids)
 
-    def triton_whole():
-        sp_, cnt_ = align(ids, num_experts)
-        return combine(down(up(x, w13, sp_, cnt_, k, limit), w2, sp_, cnt_, tw), ids)
-
     flops = {"whole": 2 * 3 * rows * hidden * inter, "up": 2 * 2 * rows * hidden * inter, "down": 2 * rows * hidden * inter}
     variants = {
-        ("triton", "whole"): triton_whole,
+        ("triton", "whole"): functools.partial(triton_forward, x, ids, tw, w13, w2, limit=limit),
         ("triton", "up"): lambda: up(x, w13, *align(ids, num_experts), k, limit),
         ("triton", "down"): lambda: combine(down(act, w2, sp, cnt, tw), ids),
         ("grouped_mm", "whole"): functools.partial(grouped_mm_experts, x, tw, ids, w13[0], w2[0], limit, align,
@@ -230,19 +228,9 @@ def prefill_cases(args, device: torch.device, out: list[dict]) -> None:
               flush=True)
 
 
-def _fp4_triton_whole(x, ids, tw, w13, w2, limit: float):
-    """The four Triton kernels over FP4 experts (the backend's path below the route's threshold)."""
-    align, up, down = get_op("moe_align", "triton"), get_op("moe_up", "triton"), get_op("moe_down", "triton")
-    k = ids.shape[1]
-    sp, cnt = align(ids, w13[0].shape[0])
-    return get_op("moe_combine", "triton")(down(up(x, w13, sp, cnt, k, limit, mg.WFMT_FP4), w2, sp, cnt, tw,
-                                                mg.WFMT_FP4), ids)
-
-
-def _dequant_all(w13, w2, scratch13, scratch2):
-    dequant = get_op("fp4_dequant", "triton")
-    dequant(*w13, 32, out=scratch13)
-    dequant(*w2, 32, out=scratch2)
+def _dequant_every(dequant, w13, w2, scratch) -> None:
+    dequant(*w13, 32, out=scratch[0])
+    dequant(*w2, 32, out=scratch[1])
 
 
 def prefill_fp4_cases(args, device: torch.device, out: list[dict]) -> None:
@@ -257,7 +245,7 @@ def prefill_fp4_cases(args, device: torch.device, out: list[dict]) -> None:
         w13, w2, _ = expert_weights(num_experts, hidden, inter, "fp4", device)
         scratch = (torch.empty(num_experts, 2 * inter, hidden, device=device, dtype=torch.bfloat16),
                    torch.empty(num_experts, hidden, inter, device=device, dtype=torch.bfloat16))
-        sec = time_call(functools.partial(_dequant_all, w13, w2, *scratch), device, args.iters)
+        sec = time_call(functools.partial(_dequant_every, ops[3], w13, w2, scratch), device, args.iters)
         scratch = None
         nbytes = num_experts * 3 * hidden * inter * (0.5 + 1 / 32 + 2)
         out.append({"kind": "prefill_fp4", "experts": num_experts, "impl": "dequant_all", "ms": sec * 1e3,
@@ -269,7 +257,7 @@ def prefill_fp4_cases(args, device: torch.device, out: list[dict]) -> None:
             x = torch.randn(tokens, hidden, device=device, generator=g).bfloat16()
             ids = torch.rand(tokens, num_experts, device=device, generator=g).argsort(dim=1)[:, :k].contiguous()
             tw = torch.rand(tokens, k, device=device, generator=g)
-            kernels = functools.partial(_fp4_triton_whole, x, ids, tw, w13, w2, limit)
+            kernels = functools.partial(triton_forward, x, ids, tw, w13, w2, mg.WFMT_FP4, limit)
             route = functools.partial(fp4_grouped_mm_experts, x, tw, ids, w13, w2, 32, limit, *ops)
             ref, got = kernels().float(), route().float()
             dev = ((got - ref).abs().max() / ref.abs().mean()).item()

@@ -105,7 +105,6 @@ def fp4_gemm_candidates(m: int) -> list[tuple[int, int, int, int, int, int]]:
 if triton is not None:
     from deepinfer.kernels.fp8_gemm import _store_split_k, split_k_buffers
 
-
     @triton.jit
     def _fp4_decode(b, sb, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_KP: tl.constexpr):
